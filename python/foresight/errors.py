@@ -1,0 +1,80 @@
+"""The one place where foresight's exception classes live.
+
+Each class has two bases, a builtin and :class:`ForesightError`, so callers can catch either
+(``except OSError`` around I/O, ``except foresight.ForesightError`` around everything).
+Messages always name what went wrong *where*: the file, the byte offset, the sample id.
+
+Example::
+
+    from foresight.errors import FormatError
+    raise FormatError("truncated map", path="shard-00001.map", offset=4096)
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+class ForesightError(Exception):
+    """Base class of every error foresight raises on purpose."""
+
+    def __init__(self, message: str, **context: Any) -> None:
+        self.context = {k: v for k, v in context.items() if v is not None}
+        if self.context:
+            details = ", ".join(f"{k}={v}" for k, v in self.context.items())
+            message = f"{message} ({details})"
+        super().__init__(message)
+
+
+class FormatError(ValueError, ForesightError):
+    """A shard, map, manifest, plan or index file is truncated, corrupt or malformed."""
+
+
+class ChecksumError(FormatError):
+    """A sample's bytes do not match the checksum recorded at pack time."""
+
+
+class PlanError(ValueError, ForesightError):
+    """Plan inputs are inconsistent, or a plan file does not match its digest."""
+
+
+class IOEngineError(OSError, ForesightError):
+    """A read or write issued by the native I/O engine failed."""
+
+    def __init__(self, message: str, errno_: int | None = None, **context: Any) -> None:
+        ForesightError.__init__(self, message, **context)
+        if errno_ is not None:
+            self.errno = errno_
+            self.strerror = os.strerror(errno_)
+
+
+class DecodeError(ValueError, ForesightError):
+    """Media bytes could not be decoded (corrupt, truncated, unsupported)."""
+
+
+class CheckpointError(ForesightError):
+    """A checkpoint could not be written, committed, found or verified."""
+
+
+def check(ret: int, what: str, **context: Any) -> int:
+    """Turn a native ``-errno`` return into :class:`IOEngineError`; pass counts through.
+
+    >>> check(3, "fs_io_submit")
+    3
+    """
+    if ret < 0:
+        err = -int(ret)
+        raise IOEngineError(f"{what} failed: {os.strerror(err)}", errno_=err, **context)
+    return ret
+
+
+__all__ = [
+    "ForesightError",
+    "FormatError",
+    "ChecksumError",
+    "PlanError",
+    "IOEngineError",
+    "DecodeError",
+    "CheckpointError",
+    "check",
+]

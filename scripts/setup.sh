@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a fresh Debian machine for foresight: system packages, Python packages,
+# and the build of the native core (cffi + pybind11 + Cython). Sourced by demo.sh and test.sh.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+PY=${PYTHON:-python3}
+APT_PKGS=(liburing-dev libxxhash-dev fio)
+missing=()
+for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "foresight setup: apt-get install ${missing[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "foresight setup: missing ${missing[*]} (not root: the build falls back where it can)" >&2
+  fi
+fi
+
+# torch is pinned: 2.13.0 (CPU) lies on this machine's disk; an unpinned torch pulls a CUDA build.
+PIP_PKGS=(
+  "torch==2.13.0" "numpy>=1.26" "pyarrow>=15" "av>=12" "pillow>=10" "xxhash>=3.4" "tqdm>=4.66"
+  "psutil>=5.9" "safetensors>=0.4" "cffi>=1.16" "Cython>=3.0,<4" "pybind11>=2.12" "setuptools>=70" "wheel"
+  "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3" "matplotlib>=3.8"
+)
+stamp=build/.deps-$(echo "${PIP_PKGS[*]}" | sha1sum | cut -c1-12)
+if [ ! -f "$stamp" ]; then
+  echo "foresight setup: pip install (${#PIP_PKGS[@]} packages)"
+  $PY -m pip install -q --disable-pip-version-check "${PIP_PKGS[@]}" 2>&1 | grep -v -E "^WARNING: (Running pip as|Location)" || true
+  mkdir -p build && touch "$stamp"
+fi
+
+echo "foresight setup: building the native core"
+$PY -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . 2>&1 \
+  | grep -v -E "^WARNING: (Running pip as|Location)|^\s*$" || true
+$PY -c "import foresight._uring, foresight._core, foresight._engine_plan" \
+  || { echo "foresight setup: the native build did not import" >&2; exit 1; }
