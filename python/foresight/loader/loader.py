@@ -1,0 +1,530 @@
+"""The plan-following loader: reads step N+1..N+prefetch while the model computes step N.
+
+Example::
+
+    from foresight import Loader, open_dataset, load_plan
+
+    ds = open_dataset("data/")
+    plan = load_plan("plan/")
+    with Loader(ds, plan, prefetch=2, device="cuda") as loader:
+        for batch in loader:
+            loss = model(batch["input_ids"], labels=batch["labels"])
+        ckpt = loader.state_dict()          # {"next_step": ..., "plan_digest": ...}
+
+Per step the loader asks the plan for this rank's items, turns their pieces into file extents, coalesces them
+into large aligned transfers, reads the transfers with one batch call of the native engine into a pinned arena
+slot, and builds the batch as views of that slot (token rows need one gather pass). A background thread keeps
+``prefetch`` steps in flight; memory is ``(prefetch + 2)`` slots, allocated and stated once at start-up.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from foresight.errors import ChecksumError, ForesightError, PlanError
+from foresight.loader.batch import Batch
+from foresight.loader.collate import document_boundaries, gather_tokens, position_ids
+from foresight.loader.extents import FileTable, StepExtents, step_extents
+from foresight.loader.stats import LoaderStats
+
+log = logging.getLogger("foresight.loader")
+
+DEFAULT_MAX_GAP = 64 << 10  # merge across holes up to 64 KiB (bench/read_path.py)
+DEFAULT_MAX_TRANSFER = 4 << 20  # cap one transfer at 4 MiB
+ALIGN = 4096
+
+_END = object()
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
+@dataclass
+class _Job:
+    step: int
+    start: int
+    stop: int
+    slot: int
+    extents: StepExtents
+    x_dest: np.ndarray
+    region: np.ndarray
+    ticket: Any
+    overflow: np.ndarray | None
+
+
+def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is not None and world_size is not None:
+        return int(rank), int(world_size)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return (
+                dist.get_rank() if rank is None else int(rank),
+                dist.get_world_size() if world_size is None else int(world_size),
+            )
+    except ImportError:
+        pass
+    return (0 if rank is None else int(rank)), (1 if world_size is None else int(world_size))
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class Loader:
+    """Yields this rank's batches in plan order; see the module docstring.
+
+    Args:
+        datasets: one dataset or the list the plan was built over (same order).
+        plan: a :class:`foresight.plan.Plan` or a plan directory.
+        rank, world_size: default to ``torch.distributed`` when initialised, else 0 and 1.
+        prefetch: steps kept in flight ahead of the consumer.
+        device: ``"cpu"`` or a CUDA device; CUDA batches are copied with ``non_blocking=True`` from pinned memory.
+        backend: I/O backend, ``"auto"``, ``"uring"`` or ``"pread"``.
+        direct: open shard files with O_DIRECT (cold reads, no page cache).
+        max_gap, max_transfer: coalescing: merge extents across holes up to ``max_gap`` bytes into transfers of
+            at most ``max_transfer`` bytes. ``max_gap=-1`` turns coalescing off (one read per extent).
+        verify: check each whole sample's xxh3 checksum (non-token plans).
+        decode: optional callable ``(batch_fields: dict) -> dict`` run on the loader thread after the read
+            (the media layer's decode stage plugs in here).
+        auto_release: recycle a batch's slot when the consumer asks for the next one.
+        start_step, end_step, step_stride: the global steps to yield, ``range(start_step, end_step, step_stride)``
+            (a stride deals steps to DataLoader workers).
+    """
+
+    def __init__(
+        self,
+        datasets: Any,
+        plan: Any,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        prefetch: int = 2,
+        device: str = "cpu",
+        backend: str = "auto",
+        direct: bool = False,
+        queue_depth: int = 64,
+        max_gap: int = DEFAULT_MAX_GAP,
+        max_transfer: int = DEFAULT_MAX_TRANSFER,
+        verify: bool = False,
+        decode: Callable[[dict], dict] | None = None,
+        auto_release: bool = True,
+        start_step: int = 0,
+        end_step: int | None = None,
+        step_stride: int = 1,
+    ) -> None:
+        from foresight.io import Arena, IOEngine, open_file
+
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
+            from foresight.plan import load_plan
+
+            plan = load_plan(plan)
+        if not isinstance(datasets, (list, tuple)):
+            datasets = [datasets]
+        self.datasets: Sequence = list(datasets)
+        self.plan = plan
+        self._check_fingerprints()
+        self.rank, self.world_size = _resolve_rank(rank, world_size)
+        if plan.global_batch_size % self.world_size:
+            raise PlanError(
+                "global batch size is not divisible by the world size",
+                global_batch_size=plan.global_batch_size,
+                world_size=self.world_size,
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        self.prefetch = int(prefetch)
+        self.device = str(device)
+        self.direct = bool(direct)
+        self.max_gap = int(max_gap)
+        self.max_transfer = int(max_transfer)
+        self.verify = bool(verify)
+        self.decode = decode
+        self.auto_release = bool(auto_release)
+        self.end_step = plan.num_steps if end_step is None else min(int(end_step), plan.num_steps)
+        self._next_step = int(start_step)
+        if step_stride < 1:
+            raise ValueError(f"step_stride must be >= 1, got {step_stride}")
+        self.step_stride = int(step_stride)
+        self.stats = LoaderStats()
+
+        self._tokens = plan.kind == "tokens"
+        if self._tokens:
+            dtypes = {np.dtype(ds.token_dtype) for ds in self.datasets}
+            if len(dtypes) != 1:
+                raise PlanError("token datasets of one plan must share a token dtype", dtypes=sorted(map(str, dtypes)))
+            self._token_dtype = dtypes.pop()
+        self._per_rank = plan.global_batch_size // self.world_size
+        self._transfer_bytes, self._rows_bytes = self._slot_layout()
+        slot_bytes = _round_up(self._transfer_bytes + self._rows_bytes, ALIGN)
+        nslots = self.prefetch + 2
+
+        self._engine = IOEngine(backend=backend, queue_depth=queue_depth)
+        self.stats.backend = self._engine.backend
+        self._files = FileTable(self.datasets, open_file, direct=self.direct)
+        self._arena = Arena(slot_bytes, nslots)
+        self._register()
+        self._pending_events: deque = deque()
+        log.info(
+            "foresight loader: rank %d/%d, backend=%s, %d slots x %.1f MiB = %.1f MiB host memory%s",
+            self.rank, self.world_size, self._engine.backend, nslots, slot_bytes / 2**20,
+            nslots * slot_bytes / 2**20, " (pinned)" if getattr(self._arena, "pinned", False) else "",
+        )
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._current: Batch | None = None
+        self._closed = False
+
+    # -- set-up -------------------------------------------------------------------------------------------
+
+    def _check_fingerprints(self) -> None:
+        expected = list(getattr(self.plan, "dataset_fingerprints", []) or [])
+        if expected and len(expected) != len(self.datasets):
+            raise PlanError("plan was built over a different number of datasets",
+                            plan=len(expected), given=len(self.datasets))
+        for i, (want, ds) in enumerate(zip(expected, self.datasets)):
+            if want and ds.fingerprint != want:
+                raise PlanError("dataset does not match the one the plan was built over",
+                                dataset=i, path=ds.path, expected=want, found=ds.fingerprint)
+
+    def _slot_layout(self) -> tuple[int, int]:
+        """Bytes of one slot's transfer region and rows region, from the plan (stated up front)."""
+        plan, n = self.plan, self._per_rank
+        if self._tokens:
+            rows = n * (plan.seq_len + 1) * self._token_dtype.itemsize
+            requested = rows
+            max_pieces = self._max_rank_count(np.diff(np.asarray(plan.item_ptr[: self._item_limit() + 1])))
+        else:
+            rows = 0
+            item_ptr = np.asarray(plan.item_ptr[: self._item_limit() + 1], dtype=np.int64)
+            lengths = np.asarray(plan.piece_length[: int(item_ptr[-1])], dtype=np.int64)
+            per_item = np.add.reduceat(lengths, item_ptr[:-1]) if len(lengths) else np.zeros(0, np.int64)
+            per_item[np.diff(item_ptr) == 0] = 0
+            requested = self._max_rank_count(per_item)
+            max_pieces = self._max_rank_count(np.diff(item_ptr))
+        # Alignment costs at most 2*ALIGN per transfer; coalescing across holes is budgeted below and falls
+        # back to max_gap=0 for a step that would not fit.
+        transfer = _round_up(requested + min(max_pieces * 2 * ALIGN, requested + 2 * ALIGN) + ALIGN, ALIGN)
+        return transfer, _round_up(rows, ALIGN)
+
+    def _item_limit(self) -> int:
+        return self.end_step * self.plan.global_batch_size
+
+    def _max_rank_count(self, per_item: np.ndarray) -> int:
+        """Largest sum of ``per_item`` over one rank's share of one step, across the steps this loader runs."""
+        b, n = self.plan.global_batch_size, self._per_rank
+        steps = len(per_item) // b
+        if steps == 0:
+            return 0
+        shares = per_item[: steps * b].reshape(steps, self.world_size, n).sum(axis=2)
+        return int(shares.max())
+
+    def _register(self) -> None:
+        try:
+            self._engine.register_files(self._files.fds)
+        except (AttributeError, OSError) as e:  # registration is an optimisation, never a requirement
+            log.debug("file registration unavailable: %s", e)
+        try:
+            self._engine.register_buffers(self._arena.buffers())
+        except (AttributeError, OSError) as e:
+            log.debug("buffer registration unavailable: %s", e)
+
+    # -- the pipeline thread -----------------------------------------------------------------------------
+
+    def _acquire_slot(self) -> int:
+        while not self._stop.is_set():
+            while self._pending_events and self._pending_events[0][0].query():
+                _, slot = self._pending_events.popleft()
+                self._arena.release(slot)
+            slot = self._arena.try_acquire(timeout=0.05)
+            if slot is not None:
+                return slot
+        raise _Stopped()
+
+    def _submit(self, step: int) -> _Job:
+        t0 = time.perf_counter()
+        start, stop = self.plan.rank_items(step, self.rank, self.world_size)
+        ext = step_extents(self.plan, self.datasets, self._files, start, stop)
+        t1 = time.perf_counter()
+        slot = self._acquire_slot()
+        region = self._arena.slot(slot)[: self._transfer_bytes]
+        tr = self._coalesce(ext, self.max_gap)
+        overflow = None
+        if tr.total_bytes > self._transfer_bytes and self.max_gap > 0:
+            tr = self._coalesce(ext, 0)
+        if tr.total_bytes > self._transfer_bytes:  # rare: a step larger than the plan-derived bound
+            overflow = self._arena_like(tr.total_bytes)
+            region = overflow
+            self.stats.add(slot_overflows=1)
+        t2 = time.perf_counter()
+        base = region.ctypes.data
+        ticket = self._engine.submit_reads(
+            self._files.fds[tr.t_file], tr.t_offset, tr.t_length,
+            (base + tr.t_dest).astype(np.uint64), needed=tr.t_needed,
+        )
+        t3 = time.perf_counter()
+        self.stats.add(
+            plan_s=t1 - t0, coalesce_s=t2 - t1, submit_s=t3 - t2, extents=len(ext.offset), ios=len(tr.t_offset),
+            bytes_requested=int(ext.length.sum()), bytes_read=int(tr.t_length.sum()),
+        )
+        return _Job(step, start, stop, slot, ext, tr.x_dest, region, ticket, overflow)
+
+    def _coalesce(self, ext: StepExtents, max_gap: int):
+        from foresight.io import coalesce
+
+        if max_gap < 0:  # coalescing off: one transfer per extent
+            return coalesce(ext.file, ext.offset, ext.length, max_gap=0, max_transfer=1, align=ALIGN)
+        return coalesce(ext.file, ext.offset, ext.length, max_gap=max_gap, max_transfer=self.max_transfer,
+                        align=ALIGN)
+
+    @staticmethod
+    def _arena_like(nbytes: int) -> np.ndarray:
+        import mmap
+
+        buf = mmap.mmap(-1, _round_up(nbytes, ALIGN))
+        return np.frombuffer(buf, dtype=np.uint8)
+
+    def _complete(self, job: _Job) -> Batch:
+        with self.stats.timed("io_wait"):
+            self._engine.wait(job.ticket)
+        t0 = time.perf_counter()
+        fields = self._collate(job)
+        self.stats.add(collate_s=time.perf_counter() - t0, steps=1, samples=job.stop - job.start)
+        if self.decode is not None:
+            fields = self.decode(fields)
+        return Batch(job.step, fields, release=self._releaser(job.slot))
+
+    def _collate(self, job: _Job) -> dict:
+        ext = job.extents
+        fields: dict[str, Any] = {
+            "step": job.step,
+            "dataset": ext.dataset if not self._tokens else None,
+            "sample_ids": ext.sample,
+        }
+        if self._tokens:
+            seq = self.plan.seq_len
+            n_items = job.stop - job.start
+            rows_region = self._arena.slot(job.slot)[self._transfer_bytes : self._transfer_bytes + self._rows_bytes]
+            rows = rows_region[: n_items * (seq + 1) * self._token_dtype.itemsize].view(self._token_dtype)
+            rows = rows.reshape(n_items, seq + 1)
+            gather_tokens(job.region, job.x_dest, ext.piece_tokens, self._token_dtype.itemsize, rows)
+            cu = document_boundaries(ext.item_ptr, ext.piece_tokens, seq)
+            fields.update(tokens=rows, cu_seqlens=cu, position_ids=position_ids(cu, n_items * seq).reshape(n_items, seq),
+                          item_ptr=ext.item_ptr, dataset=ext.dataset)
+        else:
+            if self.verify:
+                self._verify(job)
+            fields.update(data=job.region, offsets=job.x_dest, lengths=ext.length, dataset=ext.dataset)
+        return fields
+
+    def _verify(self, job: _Job) -> None:
+        from foresight import _core
+
+        ext = job.extents
+        got = _core.xxh3_batch(job.region, job.x_dest, ext.length)
+        for d in np.unique(ext.dataset):
+            ds = self.datasets[int(d)]
+            sums = ds.checksums()
+            if sums is None:
+                continue
+            mask = ext.dataset == d
+            bad = np.flatnonzero(np.asarray(sums)[ext.sample[mask]] != got[mask])
+            if len(bad):
+                i = np.flatnonzero(mask)[bad[0]]
+                raise ChecksumError(
+                    "sample bytes do not match their checksum",
+                    path=self._files.paths[int(ext.file[i])], offset=int(ext.offset[i]), sample=int(ext.sample[i]),
+                )
+
+    def _releaser(self, slot: int) -> "_SlotLease":
+        return _SlotLease(self._arena, slot)
+
+    def _run(self, first: int, end: int) -> None:
+        inflight: deque[_Job] = deque()
+        try:
+            step = first
+            while True:
+                while step < end and len(inflight) < self.prefetch and not self._stop.is_set():
+                    inflight.append(self._submit(step))
+                    step += self.step_stride
+                if not inflight or self._stop.is_set():
+                    break
+                job = inflight.popleft()
+                self._queue.put(self._complete(job))
+            self._queue.put(_END)
+        except _Stopped:
+            pass
+        except BaseException as e:  # surfaces in the consumer's next()
+            self._queue.put(_Failure(e))
+        finally:
+            for job in inflight:  # drain the ring before the slots go back
+                try:
+                    self._engine.wait(job.ticket)
+                except BaseException:
+                    pass
+                self._arena.release(job.slot)
+
+    # -- the consumer side ---------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self._closed:
+            raise ForesightError("loader is closed")
+        self._start()
+        try:
+            while True:
+                t0 = time.perf_counter()
+                if self._current is not None and self.auto_release:
+                    self._current.release()
+                    self._current = None
+                item = self._get()
+                if item is _END:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.error
+                self.stats.add(stall_s=time.perf_counter() - t0)
+                batch = self._to_device(item)
+                self._current = batch
+                self._next_step = batch.step + self.step_stride
+                yield batch
+        finally:
+            self._stop_thread()
+
+    def _get(self):
+        while True:
+            try:
+                return self._queue.get(timeout=0.5)
+            except queue.Empty:
+                if self._thread is None or not self._thread.is_alive():
+                    try:
+                        return self._queue.get_nowait()
+                    except queue.Empty:
+                        return _Failure(ForesightError("loader thread exited unexpectedly"))
+
+    def _to_device(self, batch: Batch) -> Batch:
+        import torch
+
+        t0 = time.perf_counter()
+        fields = dict(batch._data)
+        on_cuda = self.device.startswith("cuda")
+        for key, value in list(fields.items()):
+            if isinstance(value, np.ndarray):
+                t = torch.from_numpy(value) if value.dtype != np.uint16 else torch.from_numpy(value.view(np.int16)).view(torch.uint16)
+                fields[key] = t.to(self.device, non_blocking=True) if on_cuda else t
+        if self._tokens:
+            tokens = fields["tokens"]
+            if on_cuda:
+                tokens = tokens.to(torch.int64)
+                fields["input_ids"], fields["labels"] = tokens[:, :-1], tokens[:, 1:]
+            else:
+                wide = tokens.to(torch.int64)
+                fields["input_ids"], fields["labels"] = wide[:, :-1], wide[:, 1:]
+        release = batch._release
+        batch._release = None
+        if on_cuda and release is not None:
+            event = torch.cuda.Event()
+            event.record()
+            self._pending_events.append((event, release.slot))
+            release = None
+        self.stats.add(h2d_s=time.perf_counter() - t0)
+        return Batch(batch.step, fields, release=release)
+
+    def _start(self) -> None:
+        self._stop_thread()
+        self._stop.clear()
+        self._queue = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._run, args=(self._next_step, self.end_step), name="foresight-loader", daemon=True
+        )
+        self._thread.start()
+
+    def _stop_thread(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stop.set()
+        while thread.is_alive():  # unblock a pipeline waiting for a slot or the queue
+            self._drain_queue()
+            thread.join(timeout=0.05)
+        self._drain_queue()
+        if self._current is not None:
+            self._current.release()
+            self._current = None
+
+    def _drain_queue(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Batch):
+                item.release()
+
+    # -- resume and lifetime -------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Where the consumer is in the global plan; valid at any world size."""
+        return {"version": 1, "plan_digest": self.plan.digest, "next_step": self._next_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("plan_digest") != self.plan.digest:
+            raise PlanError("loader state belongs to another plan",
+                            expected=self.plan.digest, found=state.get("plan_digest"))
+        self._stop_thread()
+        self._next_step = int(state["next_step"])
+
+    def __len__(self) -> int:
+        return len(range(self._next_step, self.end_step, self.step_stride))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._stop_thread()
+        for event, slot in self._pending_events:
+            event.synchronize()
+        self._pending_events.clear()
+        self._closed = True
+        self._files.close()
+        self._engine.close()
+        self._arena.close()
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class _Stopped(Exception):
+    pass
+
+
+class _SlotLease:
+    """Returns one arena slot to the pool, once."""
+
+    def __init__(self, arena, slot: int) -> None:
+        self.arena, self.slot = arena, slot
+
+    def __call__(self) -> None:
+        self.arena.release(self.slot)
+
+
+__all__ = ["Loader", "DEFAULT_MAX_GAP", "DEFAULT_MAX_TRANSFER"]
