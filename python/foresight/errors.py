@@ -1,6 +1,6 @@
 """The one place where foresight's exception classes live.
 
-Each class has two bases, a builtin and :class:`ForesightError`, so callers can catch either
+Each class has two bases, :class:`ForesightError` and a builtin, so callers can catch either
 (``except OSError`` around I/O, ``except foresight.ForesightError`` around everything).
 Messages always name what went wrong *where*: the file, the byte offset, the sample id.
 
@@ -16,7 +16,11 @@ from typing import Any
 
 
 class ForesightError(Exception):
-    """Base class of every error foresight raises on purpose."""
+    """Base class of every error foresight raises on purpose.
+
+    It comes first in each subclass's bases so that its ``__init__`` (which takes keyword context)
+    runs instead of the builtin's.
+    """
 
     def __init__(self, message: str, **context: Any) -> None:
         self.context = {k: v for k, v in context.items() if v is not None}
@@ -26,7 +30,7 @@ class ForesightError(Exception):
         super().__init__(message)
 
 
-class FormatError(ValueError, ForesightError):
+class FormatError(ForesightError, ValueError):
     """A shard, map, manifest, plan or index file is truncated, corrupt or malformed."""
 
 
@@ -34,11 +38,11 @@ class ChecksumError(FormatError):
     """A sample's bytes do not match the checksum recorded at pack time."""
 
 
-class PlanError(ValueError, ForesightError):
+class PlanError(ForesightError, ValueError):
     """Plan inputs are inconsistent, or a plan file does not match its digest."""
 
 
-class IOEngineError(OSError, ForesightError):
+class IOEngineError(ForesightError, OSError):
     """A read or write issued by the native I/O engine failed."""
 
     def __init__(self, message: str, errno_: int | None = None, **context: Any) -> None:
@@ -47,8 +51,11 @@ class IOEngineError(OSError, ForesightError):
             self.errno = errno_
             self.strerror = os.strerror(errno_)
 
+    def __str__(self) -> str:  # OSError's own would print only "[Errno N] strerror"
+        return str(self.args[0])
 
-class DecodeError(ValueError, ForesightError):
+
+class DecodeError(ForesightError, ValueError):
     """Media bytes could not be decoded (corrupt, truncated, unsupported)."""
 
 

@@ -63,13 +63,12 @@ class StepExtents:
 
 def step_extents(plan, datasets: Sequence, files: FileTable, start: int, stop: int) -> StepExtents:
     """Extents of items ``[start, stop)`` of ``plan`` (a rank's share of one step)."""
-    item_ptr = np.asarray(plan.item_ptr[start : stop + 1], dtype=np.int64)
-    lo, hi = int(item_ptr[0]), int(item_ptr[-1])
-    p_dataset = np.asarray(plan.piece_dataset[lo:hi], dtype=np.int32)
-    p_sample = np.asarray(plan.piece_sample[lo:hi], dtype=np.int64)
-    p_offset = np.asarray(plan.piece_offset[lo:hi], dtype=np.int64)
-    p_length = np.asarray(plan.piece_length[lo:hi], dtype=np.int64)
-    n = hi - lo
+    pieces = plan.pieces(start, stop)
+    p_dataset = np.asarray(pieces.dataset, dtype=np.int32)
+    p_sample = np.asarray(pieces.sample, dtype=np.int64)
+    p_offset = np.asarray(pieces.offset, dtype=np.int64)
+    p_length = np.asarray(pieces.length, dtype=np.int64)
+    n = len(p_sample)
     file = np.empty(n, dtype=np.int32)
     offset = np.empty(n, dtype=np.int64)
     length = np.empty(n, dtype=np.int64)
@@ -98,7 +97,7 @@ def step_extents(plan, datasets: Sequence, files: FileTable, start: int, stop: i
         dataset=p_dataset,
         sample=p_sample,
         piece_tokens=p_length if tokens else None,
-        item_ptr=item_ptr - lo,
+        item_ptr=np.asarray(pieces.item_ptr, dtype=np.int64),
     )
 
 

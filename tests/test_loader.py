@@ -1,0 +1,198 @@
+"""The plan-following loader over real shards, real plans and both I/O backends."""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from foresight.errors import ChecksumError, IOEngineError, PlanError
+from foresight.format import DatasetWriter, open_dataset
+from foresight.loader import Loader
+from foresight.plan import build_plan
+
+BACKENDS = ["uring", "pread"]
+
+
+def _token_dataset(path, *, docs=300, seed=0, dtype=np.uint16, align=4096):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 200, size=docs)
+    tokens = rng.integers(0, 60000, size=int(lengths.sum())).astype(dtype)
+    with DatasetWriter(str(path), align=align, token_dtype=np.dtype(dtype).name) as w:
+        w.add_many(tokens, lengths, modality="tokens")
+    return open_dataset(str(path)), tokens, lengths
+
+
+def _bytes_dataset(path, *, n=200, seed=1):
+    rng = np.random.default_rng(seed)
+    payloads = [rng.integers(0, 256, size=int(rng.integers(1, 9000)), dtype=np.uint8).tobytes() for _ in range(n)]
+    with DatasetWriter(str(path), align=4096) as w:
+        for p in payloads:
+            w.add(p, modality="bytes")
+    return open_dataset(str(path)), payloads
+
+
+def _expected_rows(ds_list, plan, start, stop):
+    """Reference collate: read every piece with plain Python reads."""
+    pieces = plan.pieces(start, stop)
+    rows = []
+    for i in range(stop - start):
+        parts = []
+        for p in range(pieces.item_ptr[i], pieces.item_ptr[i + 1]):
+            ds = ds_list[int(pieces.dataset[p])]
+            toks = np.frombuffer(ds.read(int(pieces.sample[p])), dtype=ds.token_dtype)
+            parts.append(toks[pieces.offset[p] : pieces.offset[p] + pieces.length[p]])
+        rows.append(np.concatenate(parts))
+    return np.stack(rows)
+
+
+@pytest.fixture(scope="module")
+def token_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    ds, _, _ = _token_dataset(root / "a")
+    plan = build_plan([(ds, 1.0)], seed=7, global_batch_size=8, seq_len=32, num_steps=12)
+    return ds, plan
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("max_gap", [-1, 0, 1 << 16])
+def test_token_batches_match_reference(token_setup, backend, max_gap):
+    ds, plan = token_setup
+    with Loader(ds, plan, backend=backend, max_gap=max_gap, prefetch=3) as loader:
+        assert loader.stats.backend == backend
+        steps = 0
+        for batch in loader:
+            start, stop = plan.rank_items(batch.step, 0, 1)
+            want = _expected_rows([ds], plan, start, stop)
+            assert np.array_equal(batch["tokens"].numpy().astype(np.int64), want.astype(np.int64))
+            assert torch.equal(batch["input_ids"], torch.from_numpy(want[:, :-1].astype(np.int64)))
+            assert torch.equal(batch["labels"], torch.from_numpy(want[:, 1:].astype(np.int64)))
+            cu = batch["cu_seqlens"].numpy()
+            assert cu[0] == 0 and cu[-1] == want.shape[0] * plan.seq_len and np.all(np.diff(cu) > 0)
+            assert batch["position_ids"].shape == (want.shape[0], plan.seq_len)
+            steps += 1
+        assert steps == plan.num_steps
+        s = loader.stats.as_dict()
+        assert s["steps"] == plan.num_steps and s["bytes_read"] >= s["bytes_requested"] > 0
+        assert s["ios"] <= s["extents"] or max_gap < 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_byte_samples_are_views_of_the_read(tmp_path, backend):
+    ds, payloads = _bytes_dataset(tmp_path / "b")
+    plan = build_plan([(ds, 1.0)], seed=3, global_batch_size=10, num_steps=15)
+    with Loader(ds, plan, backend=backend, verify=True) as loader:
+        for batch in loader:
+            data = batch["data"].numpy()
+            ids = batch["sample_ids"].numpy()
+            for off, n, sid in zip(batch["offsets"].numpy(), batch["lengths"].numpy(), ids):
+                assert data[off : off + n].tobytes() == payloads[sid]
+
+
+def test_exact_resume_at_another_world_size(token_setup):
+    ds, plan = token_setup
+    with Loader(ds, plan) as full:
+        reference = {b.step: b["tokens"].clone() for b in full}
+    with Loader(ds, plan, rank=0, world_size=1) as first:
+        it = iter(first)
+        for _ in range(5):
+            next(it)
+        state = first.state_dict()
+    assert state["next_step"] == 5
+    # Resume the remaining steps on 2 ranks: their shares concatenate to the single-rank batches.
+    shares = {}
+    for rank in range(2):
+        with Loader(ds, plan, rank=rank, world_size=2) as loader:
+            loader.load_state_dict(state)
+            for b in loader:
+                shares.setdefault(b.step, {})[rank] = b["tokens"].clone()
+    assert sorted(shares) == list(range(5, plan.num_steps))
+    for step, parts in shares.items():
+        assert torch.equal(torch.cat([parts[0], parts[1]]), reference[step])
+
+
+def test_state_from_another_plan_is_refused(token_setup, tmp_path):
+    ds, plan = token_setup
+    with Loader(ds, plan) as loader:
+        with pytest.raises(PlanError, match="another plan"):
+            loader.load_state_dict({"plan_digest": "x", "next_step": 1})
+
+
+def test_truncated_shard_names_the_file(tmp_path):
+    ds, _ = _bytes_dataset(tmp_path / "t", n=50)
+    plan = build_plan([(ds, 1.0)], seed=1, global_batch_size=50, num_steps=1)
+    shard = ds.shard_paths[0]
+    os.truncate(shard, os.path.getsize(shard) // 2)
+    with Loader(ds, plan) as loader:
+        with pytest.raises(IOEngineError) as info:
+            list(loader)
+    assert "shard-00000.bin" in str(info.value)
+
+
+def test_corrupt_byte_is_caught_with_verify(tmp_path):
+    ds, payloads = _bytes_dataset(tmp_path / "c", n=30)
+    plan = build_plan([(ds, 1.0)], seed=1, global_batch_size=30, num_steps=1)
+    ext = ds.lookup(np.array([4]))
+    with open(ds.shard_paths[0], "r+b") as f:
+        f.seek(int(ext.offset[0]))
+        b = f.read(1)
+        f.seek(int(ext.offset[0]))
+        f.write(bytes([b[0] ^ 0xFF]))
+    with Loader(ds, plan, verify=True) as loader:
+        with pytest.raises(ChecksumError, match="sample=4"):
+            list(loader)
+
+
+def test_clean_shutdown_mid_iteration(token_setup):
+    ds, plan = token_setup
+    fds_before = len(os.listdir("/proc/self/fd"))
+    threads_before = threading.active_count()
+    loader = Loader(ds, plan, prefetch=2)
+    for i, _ in enumerate(loader):
+        if i == 2:
+            break
+    loader.close()
+    assert threading.active_count() == threads_before
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+def test_error_in_consumer_leaves_nothing_behind(token_setup):
+    ds, plan = token_setup
+    threads_before = threading.active_count()
+    with pytest.raises(RuntimeError, match="boom"):
+        with Loader(ds, plan) as loader:
+            for i, _ in enumerate(loader):
+                if i == 1:
+                    raise RuntimeError("boom")
+    assert threading.active_count() == threads_before
+
+
+def test_memory_is_bounded_and_stated(token_setup):
+    ds, plan = token_setup
+    with Loader(ds, plan, prefetch=2) as loader:
+        assert loader._arena.slots == 4
+        held = [b for b in zip(range(3), iter(loader))]
+        assert len(held) == 3
+
+
+def test_mismatched_dataset_is_refused(token_setup, tmp_path):
+    _, plan = token_setup
+    other, _, _ = _token_dataset(tmp_path / "other", seed=99)
+    with pytest.raises(PlanError, match="does not match"):
+        Loader(other, plan)
+
+
+def test_iterable_dataset_adapter_with_workers(token_setup):
+    from foresight.loader.torch_dataset import ForesightIterableDataset
+
+    ds, plan = token_setup
+    with Loader(ds, plan) as loader:
+        reference = [b["tokens"].clone() for b in loader]
+    adapter = ForesightIterableDataset(ds.path, plan.path or plan, rank=0, world_size=1) if plan.path else None
+    adapter = ForesightIterableDataset([ds], plan, rank=0, world_size=1)
+    got = [b["tokens"] for b in torch.utils.data.DataLoader(adapter, batch_size=None, num_workers=2)]
+    assert len(got) == len(reference)
+    for a, b in zip(got, reference):
+        assert torch.equal(a, b)
