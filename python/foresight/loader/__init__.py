@@ -9,6 +9,7 @@ Example::
 """
 from foresight.loader.batch import Batch
 from foresight.loader.loader import DEFAULT_MAX_GAP, DEFAULT_MAX_TRANSFER, Loader
+from foresight.loader.media_stage import MediaDecodeStage
 from foresight.loader.stats import LoaderStats
 
-__all__ = ["Batch", "Loader", "LoaderStats", "DEFAULT_MAX_GAP", "DEFAULT_MAX_TRANSFER"]
+__all__ = ["Batch", "Loader", "LoaderStats", "MediaDecodeStage", "DEFAULT_MAX_GAP", "DEFAULT_MAX_TRANSFER"]

@@ -95,8 +95,8 @@ class Loader:
         max_gap, max_transfer: coalescing: merge extents across holes up to ``max_gap`` bytes into transfers of
             at most ``max_transfer`` bytes. ``max_gap=-1`` turns coalescing off (one read per extent).
         verify: check each whole sample's xxh3 checksum (non-token plans).
-        decode: optional callable ``(batch_fields: dict) -> dict`` run on the loader thread after the read
-            (the media layer's decode stage plugs in here).
+        decode: optional stage ``(fields, *, stats, first_item) -> fields`` run on the loader thread once a
+            step's reads complete, e.g. :class:`foresight.loader.MediaDecodeStage` (frame-selective decode).
         auto_release: recycle a batch's slot when the consumer asks for the next one.
         start_step, end_step, step_stride: the global steps to yield, ``range(start_step, end_step, step_stride)``
             (a stride deals steps to DataLoader workers).
@@ -117,7 +117,7 @@ class Loader:
         max_gap: int = DEFAULT_MAX_GAP,
         max_transfer: int = DEFAULT_MAX_TRANSFER,
         verify: bool = False,
-        decode: Callable[[dict], dict] | None = None,
+        decode: Callable[..., dict] | None = None,
         auto_release: bool = True,
         start_step: int = 0,
         end_step: int | None = None,
@@ -304,7 +304,7 @@ class Loader:
         fields = self._collate(job)
         self.stats.add(collate_s=time.perf_counter() - t0, steps=1, samples=job.stop - job.start)
         if self.decode is not None:
-            fields = self.decode(fields)
+            fields = self.decode(fields, stats=self.stats, first_item=job.start)
         return Batch(job.step, fields, release=self._releaser(job.slot))
 
     def _collate(self, job: _Job) -> dict:
@@ -421,8 +421,13 @@ class Loader:
         on_cuda = self.device.startswith("cuda")
         for key, value in list(fields.items()):
             if isinstance(value, np.ndarray):
-                t = torch.from_numpy(value) if value.dtype != np.uint16 else torch.from_numpy(value.view(np.int16)).view(torch.uint16)
-                fields[key] = t.to(self.device, non_blocking=True) if on_cuda else t
+                value = torch.from_numpy(value.view(np.int16)).view(torch.uint16) if value.dtype == np.uint16 \
+                    else torch.from_numpy(value)
+            if on_cuda and isinstance(value, torch.Tensor):
+                value = value.to(self.device, non_blocking=True)
+            elif on_cuda and isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
+                value = [t.to(self.device, non_blocking=True) for t in value]
+            fields[key] = value
         if self._tokens:
             tokens = fields["tokens"]
             if on_cuda:

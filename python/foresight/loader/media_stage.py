@@ -1,0 +1,98 @@
+"""The loader's decode stage for media datasets: one step's raw samples -> the tensors a training step takes.
+
+The loader thread calls the stage right after a step's reads complete, while the next steps' reads are still in
+the ring; the stage fans the samples out over a :class:`foresight.media.DecodePool` (PyAV and Pillow release the
+GIL), most expensive first, and stacks each modality's outputs into one (pinned, when CUDA is present) tensor.
+Every random choice is keyed by ``(seed, epoch, sample id)``, where ``epoch`` counts how many times the plan has
+cycled through that sample's dataset, so the storage node and the host produce the same tensors.
+
+Example::
+
+    stage = MediaDecodeStage([ds], {"video": TransformSpec(modality="video", size=(224, 224)),
+                                    "image": TransformSpec(modality="image", size=(224, 224), crop="random_resized")},
+                             seed=1)
+    with Loader(ds, plan, decode=stage) as loader:
+        for batch in loader:
+            batch["video"], batch["video_index"]     # (n, T, 3, 224, 224) uint8, positions in the step
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from foresight.errors import DecodeError
+
+
+class MediaDecodeStage:
+    """Decodes the samples of each step whose modality has a spec; other samples pass through as bytes."""
+
+    def __init__(self, datasets: Any, specs: Mapping[str, Any], *, seed: int, threads: int | None = None,
+                 codec_threads: int = 1) -> None:
+        from foresight.format import Modality
+        from foresight.media import DecodePool
+
+        self.datasets: Sequence = list(datasets) if isinstance(datasets, (list, tuple)) else [datasets]
+        allowed = {m.label for m in Modality}
+        for name in specs:
+            if name not in allowed:
+                raise ValueError(f"spec for unknown modality {name!r}; allowed: {sorted(allowed)}")
+        self.specs = dict(specs)
+        self.seed = int(seed)
+        self._codes = {name: int(Modality.parse(name)) for name in self.specs}
+        self._pool = DecodePool(threads, codec_threads=codec_threads)
+
+    def __call__(self, fields: dict, *, stats=None, first_item: int = 0) -> dict:
+        import torch
+
+        data: np.ndarray = fields["data"]
+        offsets, lengths = np.asarray(fields["offsets"]), np.asarray(fields["lengths"])
+        dataset, samples = np.asarray(fields["dataset"]), np.asarray(fields["sample_ids"])
+        codes = np.empty(len(samples), dtype=np.int16)
+        epochs = np.empty(len(samples), dtype=np.int64)
+        items = first_item + np.arange(len(samples), dtype=np.int64)
+        for d in np.unique(dataset):
+            ds, mask = self.datasets[int(d)], dataset == d
+            codes[mask] = np.asarray(ds.modality_codes())[samples[mask]]
+            epochs[mask] = items[mask] // max(1, ds.num_samples)
+        handles = []
+        for name, spec in self.specs.items():
+            idx = np.flatnonzero(codes == self._codes[name])
+            if len(idx) == 0:
+                continue
+            views = [data[offsets[i] : offsets[i] + lengths[i]] for i in idx]
+            metas = [self.datasets[int(dataset[i])].meta(int(samples[i])) for i in idx]
+            # One epoch per batch call keeps the pool's API simple; steps rarely straddle an epoch boundary.
+            handles.append((name, idx, self._pool.submit(spec, views, metas, samples[idx].tolist(), seed=self.seed,
+                                                         epoch=int(epochs[idx[0]]))))
+        out = dict(fields)
+        for name, idx, handle in handles:
+            t0 = time.perf_counter()
+            try:
+                tensors = handle.result()
+            except DecodeError:
+                raise
+            if stats is not None:
+                stats.add_decode(name, time.perf_counter() - t0)
+            out[name] = _stack(tensors, pin=torch.cuda.is_available())
+            out[f"{name}_index"] = idx
+        return out
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def _stack(tensors: list, *, pin: bool):
+    """One tensor when every sample has the same shape (written straight into pinned memory), else a list."""
+    import torch
+
+    tensors = [t if isinstance(t, torch.Tensor) else torch.from_numpy(np.asarray(t)) for t in tensors]
+    if len({tuple(t.shape) for t in tensors}) != 1:
+        return tensors
+    out = torch.empty((len(tensors), *tensors[0].shape), dtype=tensors[0].dtype, pin_memory=pin)
+    torch.stack(tensors, out=out)
+    return out
+
+
+__all__ = ["MediaDecodeStage"]
