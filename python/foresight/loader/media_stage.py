@@ -22,7 +22,6 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from foresight.errors import DecodeError
 
 
 class MediaDecodeStage:
@@ -58,25 +57,26 @@ class MediaDecodeStage:
             epochs[mask] = items[mask] // max(1, ds.num_samples)
         handles = []
         for name, spec in self.specs.items():
-            idx = np.flatnonzero(codes == self._codes[name])
-            if len(idx) == 0:
-                continue
-            views = [data[offsets[i] : offsets[i] + lengths[i]] for i in idx]
-            metas = [self.datasets[int(dataset[i])].meta(int(samples[i])) for i in idx]
-            # One epoch per batch call keeps the pool's API simple; steps rarely straddle an epoch boundary.
-            handles.append((name, idx, self._pool.submit(spec, views, metas, samples[idx].tolist(), seed=self.seed,
-                                                         epoch=int(epochs[idx[0]]))))
+            of_modality = np.flatnonzero(codes == self._codes[name])
+            # The pool takes one epoch per call: split the (rare) step that straddles an epoch boundary.
+            for epoch in np.unique(epochs[of_modality]):
+                idx = of_modality[epochs[of_modality] == epoch]
+                views = [data[offsets[i] : offsets[i] + lengths[i]] for i in idx]
+                metas = [self.datasets[int(dataset[i])].meta(int(samples[i])) for i in idx]
+                handle = self._pool.submit(spec, views, metas, samples[idx].tolist(), seed=self.seed, epoch=int(epoch))
+                handles.append((name, idx, handle))
         out = dict(fields)
+        results: dict[str, list] = {}
         for name, idx, handle in handles:
             t0 = time.perf_counter()
-            try:
-                tensors = handle.result()
-            except DecodeError:
-                raise
+            tensors = handle.result()
             if stats is not None:
                 stats.add_decode(name, time.perf_counter() - t0)
-            out[name] = _stack(tensors, pin=torch.cuda.is_available())
-            out[f"{name}_index"] = idx
+            results.setdefault(name, []).extend(zip(idx.tolist(), tensors))
+        for name, pairs in results.items():
+            pairs.sort(key=lambda p: p[0])
+            out[name] = _stack([t for _, t in pairs], pin=torch.cuda.is_available())
+            out[f"{name}_index"] = np.array([i for i, _ in pairs], dtype=np.int64)
         return out
 
     def close(self) -> None:
