@@ -27,6 +27,9 @@ stamp=build/.deps-$(echo "${PIP_PKGS[*]}" | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   echo "foresight setup: pip install (${#PIP_PKGS[@]} packages)"
   $PY -m pip install -q --disable-pip-version-check "${PIP_PKGS[@]}" 2>&1 | grep -v -E "^WARNING: (Running pip as|Location)" || true
+  # megatron-core only for the compatibility tests; --no-deps so it cannot replace the pinned torch.
+  $PY -m pip install -q --disable-pip-version-check --no-deps "megatron-core==0.16.1" 2>&1 \
+    | grep -v -E "^WARNING: (Running pip as|Location)" || echo "foresight setup: megatron-core unavailable (its tests skip)"
   mkdir -p build && touch "$stamp"
 fi
 

@@ -1,0 +1,154 @@
+"""Open a dataset: :func:`open_dataset` and the foresight shard reader :class:`ShardedDataset`.
+
+Opening validates everything cheap enough to check up front: the manifest schema, every shard's ``.bin`` and
+``.map`` size against the manifest, each map's xxh3 and structure (rows, extents inside the ``.bin``, increasing,
+aligned, known modality codes). Payload checksums are verified per read (``read(verify=True)`` / ``verify``) or for
+whole files with :meth:`ShardedDataset.verify_files`.
+
+Example::
+
+    ds = open_dataset("out/")                   # or a Megatron prefix: open_dataset("data/wiki_text_document")
+    ext = ds.lookup(np.array([5, 0, 9]))        # vectorized: searchsorted over shard first ids + gathers
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from ..errors import FormatError
+from .hashing import file_xxh3
+from .manifest import MANIFEST_NAME, Manifest, parse_manifest, token_dtype_of
+from .shard_map import ShardMap, read_map
+from .types import Dataset, Extents, Modality
+
+__all__ = ["open_dataset", "ShardedDataset"]
+
+
+def open_dataset(path: str | os.PathLike) -> Dataset:
+    """Open a foresight dataset directory (with ``manifest.json``) or a Megatron-LM ``.idx``/``.bin`` prefix.
+
+    Raises :class:`FormatError` naming the file when the dataset is missing, incomplete or malformed.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return ShardedDataset(path)
+    prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
+    if os.path.exists(prefix + ".idx") or os.path.exists(prefix + ".bin"):
+        from .megatron import MegatronDataset
+
+        return MegatronDataset(prefix)
+    if os.path.exists(path):
+        raise FormatError("not a foresight dataset directory nor a Megatron .idx/.bin prefix", path=path)
+    raise FormatError("no dataset here (a pack that did not finish leaves none)", path=path)
+
+
+class ShardedDataset(Dataset):
+    """A foresight dataset directory: ``manifest.json`` + ``shard-NNNNN.bin`` / ``shard-NNNNN.map`` pairs."""
+
+    kind = "foresight"
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__()
+        self.path = os.path.abspath(os.fspath(path))
+        manifest_path = os.path.join(self.path, MANIFEST_NAME)
+        try:
+            with open(manifest_path, "rb") as f:
+                raw = f.read((256 << 20) + 1)
+        except FileNotFoundError:
+            raise FormatError("incomplete dataset: manifest.json missing", path=manifest_path) from None
+        except OSError as e:
+            raise FormatError(f"cannot read manifest: {e.strerror}", path=manifest_path) from None
+        self.manifest: Manifest = parse_manifest(raw, path=manifest_path)
+        self._fingerprint = xxhash.xxh3_128_hexdigest(raw)
+        m = self.manifest
+        self.num_samples = m.num_samples
+        self.modalities = list(m.modalities)
+        self.token_dtype = token_dtype_of(m)
+        self.align = m.align
+        self.shard_paths = [os.path.join(self.path, s.bin) for s in m.shards]
+        self._maps: list[ShardMap] = []
+        self._cache: dict[str, np.ndarray] = {}
+        listed = {Modality[name.upper()].value for name in m.modalities}
+        for s, bin_path in zip(m.shards, self.shard_paths):
+            map_path = os.path.join(self.path, s.map)
+            for p, want in ((bin_path, s.bin_bytes), (map_path, s.map_bytes)):
+                try:
+                    size = os.stat(p).st_size
+                except OSError as e:
+                    raise FormatError(f"shard file missing or unreadable: {e.strerror}", path=p) from None
+                if size != want:
+                    raise FormatError(f"file is {size} bytes, manifest says {want}", path=p)
+            try:
+                digest = file_xxh3(map_path)
+            except OSError as e:
+                raise FormatError(f"cannot read map: {e.strerror}", path=map_path) from None
+            if digest != s.map_xxh3:
+                raise FormatError(f"map checksum {digest} != manifest {s.map_xxh3}", path=map_path)
+            self._maps.append(
+                read_map(map_path, rows=s.num_samples, bin_bytes=s.bin_bytes, align=m.align,
+                         token_itemsize=None if self.token_dtype is None else self.token_dtype.itemsize,
+                         first_sample=s.first_sample, modalities=listed)
+            )
+        self._first = np.array([s.first_sample for s in m.shards], dtype=np.int64)
+
+    @property
+    def fingerprint(self) -> str:
+        """xxh3-128 of ``manifest.json``, which itself holds the xxh3 of every ``.bin`` and ``.map``."""
+        return self._fingerprint
+
+    def _concat(self, name: str, dtype: np.dtype) -> np.ndarray:
+        arr = self._cache.get(name)
+        if arr is None:
+            parts = [getattr(m, name) for m in self._maps]
+            arr = np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+            if len(parts) == 1 and arr.dtype == parts[0].dtype:
+                arr = parts[0]  # the mapped column itself, read-only
+            self._cache[name] = arr
+        return arr
+
+    def lookup(self, ids: np.ndarray) -> Extents:
+        ids = self._check_ids(ids)
+        n = ids.size
+        if len(self._maps) == 1:
+            m = self._maps[0]
+            return Extents(np.zeros(n, np.int32), m.offset[ids].view(np.int64), m.length[ids].view(np.int64))
+        shard = (np.searchsorted(self._first, ids, side="right") - 1).astype(np.int32)
+        local = ids - self._first[shard]
+        offset = np.empty(n, np.int64)
+        length = np.empty(n, np.int64)
+        # Group by shard (a loop over the shards a batch touches, never over samples).
+        order = np.argsort(shard, kind="stable")
+        sorted_shard = shard[order]
+        cuts = np.flatnonzero(np.diff(sorted_shard)) + 1
+        for group in np.split(order, cuts):
+            if not group.size:
+                continue
+            m = self._maps[int(shard[group[0]])]
+            rows = local[group]
+            offset[group] = m.offset[rows].view(np.int64)
+            length[group] = m.length[rows].view(np.int64)
+        return Extents(shard, offset, length)
+
+    def sample_bytes(self) -> np.ndarray:
+        return self._concat("length", np.dtype(np.uint64)).view(np.int64)
+
+    def modality_codes(self) -> np.ndarray:
+        return self._concat("modality", np.dtype(np.uint8))
+
+    def checksums(self) -> np.ndarray:
+        return self._concat("checksum", np.dtype(np.uint64))
+
+    def meta(self, i: int) -> dict[str, Any]:
+        i = int(self._check_ids(i)[0])
+        s = int(np.searchsorted(self._first, i, side="right") - 1)
+        return self._maps[s].meta_json(i - int(self._first[s]))
+
+    def verify_files(self) -> None:
+        """Stream every ``.bin`` and compare with the manifest's xxh3 (reads the whole dataset)."""
+        for s, p in zip(self.manifest.shards, self.shard_paths):
+            digest = file_xxh3(p)
+            if digest != s.bin_xxh3:
+                raise FormatError(f"shard checksum {digest} != manifest {s.bin_xxh3}", path=p)
