@@ -79,6 +79,19 @@ def drop_page_cache(path: str | None = None) -> bool:
         return False
 
 
+def evict_file(path: str) -> None:
+    """Drop one file's clean pages from the page cache (posix_fadvise); no root, no effect on other files.
+
+    Pages still mapped by a live mmap stay cached: unmap before evicting.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def warm_file(path: str) -> None:
     """Read a file once so the next run finds it in the page cache."""
     with open(path, "rb", buffering=0) as f:

@@ -41,6 +41,7 @@ ffi.set_source(
     '#include "fs_io.h"\n',
     sources=_sources,
     include_dirs=[os.path.join("csrc", "io")],
+    depends=sorted(os.path.join("csrc", "io", f) for f in os.listdir(HERE) if f.endswith(".h")),
     libraries=["uring", "pthread"] if HAVE_LIBURING else ["pthread"],
     define_macros=[("FS_HAVE_LIBURING", "1")] if HAVE_LIBURING else [],
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter", "-D_GNU_SOURCE"],

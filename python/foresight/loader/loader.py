@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from foresight.errors import ChecksumError, ForesightError, PlanError
+from foresight.errors import ForesightError, PlanError
 from foresight.loader.batch import Batch
 from foresight.loader.collate import document_boundaries, gather_tokens, position_ids
 from foresight.loader.extents import FileTable, StepExtents, step_extents
@@ -331,23 +331,10 @@ class Loader:
         return fields
 
     def _verify(self, job: _Job) -> None:
-        from foresight import _core
-
         ext = job.extents
-        got = _core.xxh3_batch(job.region, job.x_dest, ext.length)
         for d in np.unique(ext.dataset):
-            ds = self.datasets[int(d)]
-            sums = ds.checksums()
-            if sums is None:
-                continue
             mask = ext.dataset == d
-            bad = np.flatnonzero(np.asarray(sums)[ext.sample[mask]] != got[mask])
-            if len(bad):
-                i = np.flatnonzero(mask)[bad[0]]
-                raise ChecksumError(
-                    "sample bytes do not match their checksum",
-                    path=self._files.paths[int(ext.file[i])], offset=int(ext.offset[i]), sample=int(ext.sample[i]),
-                )
+            self.datasets[int(d)].verify_packed(ext.sample[mask], job.region, job.x_dest[mask])
 
     def _releaser(self, slot: int) -> "_SlotLease":
         return _SlotLease(self._arena, slot)
