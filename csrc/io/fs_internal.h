@@ -1,0 +1,75 @@
+/* Internals shared by the engine core (fs_io.c) and its two backends (fs_uring.c, fs_pool.c).
+ * Not part of the API: nothing here is declared to cffi. */
+#ifndef FS_INTERNAL_H
+#define FS_INTERNAL_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "fs_io.h"
+
+#define FS_MAX_RETRIES 1000       /* EAGAIN/EINTR retries of one request before giving up */
+#define FS_MAX_CHUNK (1ll << 30)  /* bytes per syscall / SQE (io_uring lengths are 32-bit) */
+
+/* A submitted batch. results[i] doubles as the byte count done so far while request i runs. */
+struct fs_job {
+    struct fs_batch b;
+    uint64_t ticket;
+    int64_t next;   /* next request to start */
+    int64_t done;   /* requests finished */
+    int64_t failed; /* requests finished with an error */
+    uint32_t probes, hits; /* RWF_NOWAIT pass, adaptive per batch */
+    int nowait_off;
+    int waiting; /* a thread is in fs_engine_wait for it */
+    struct fs_job *link;
+};
+
+/* Per-caller cache of the last fd's status (one fcntl per run of equal fds in a batch; reset
+ * between batches, since an fd number may be closed and reused in between). */
+struct fs_fd_cache {
+    const struct fs_job *job;
+    int fd;
+    int flags;    /* F_GETFL result, or -errno */
+    int have_id;  /* dev/ino filled (fs_fd_identity) */
+    uint64_t dev, ino;
+};
+
+/* Device and inode of cache->fd (fstat once per cached fd); 0 or -errno. */
+int fs_fd_identity(struct fs_fd_cache *cache, uint64_t *dev, uint64_t *ino);
+
+struct fs_engine;
+
+struct fs_backend_ops {
+    /* All but destroy run with eng->lock held. */
+    int (*submit)(struct fs_engine *eng, struct fs_job *job); /* job already queued */
+    int (*poll)(struct fs_engine *eng, struct fs_job *job);   /* 1 when complete */
+    int (*wait)(struct fs_engine *eng, struct fs_job *job);   /* 0 when complete, or -errno */
+    int (*register_files)(struct fs_engine *eng, const int32_t *fds, uint32_t n);
+    int (*register_buffers)(struct fs_engine *eng, const uint64_t *addrs, const uint64_t *lens, uint32_t n);
+    void (*destroy)(struct fs_engine *eng); /* cancels, drains and frees the backend */
+};
+
+struct fs_engine {
+    pthread_mutex_t lock;
+    const struct fs_backend_ops *ops;
+    void *impl;
+    struct fs_engine_opts opts; /* defaults filled in */
+    struct fs_engine_info info; /* counters, guarded by lock */
+    struct fs_job *head, *tail; /* submitted, not yet waited for, in order */
+    uint64_t next_ticket;
+    int error; /* a ring-level failure poisons the engine (-errno) */
+};
+
+/* Validate request i of job: returns 0 and sets *direct, or -errno (the request's result). */
+int fs_req_check(const struct fs_job *job, int64_t i, struct fs_fd_cache *cache, int *direct);
+/* Record the final result of request i (lock held). */
+void fs_job_finish(struct fs_engine *eng, struct fs_job *job, int64_t i, int64_t res);
+/* Finish every request not yet started with -ECANCELED (lock held). */
+void fs_jobs_cancel_unstarted(struct fs_engine *eng);
+/* First job that still has requests to start, or NULL. */
+struct fs_job *fs_jobs_feedable(struct fs_engine *eng);
+
+int fs_uring_create(struct fs_engine *eng); /* 0 or -errno (ENOSYS without liburing) */
+int fs_pool_create(struct fs_engine *eng);
+
+#endif

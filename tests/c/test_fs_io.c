@@ -1,0 +1,132 @@
+/* C-level test of the I/O engine (csrc/io), meant to run under AddressSanitizer/LeakSanitizer:
+ *   gcc -g -fsanitize=address,undefined -D_GNU_SOURCE -DFS_HAVE_LIBURING=1 -Icsrc/io
+ *       csrc/io/fs_io.c csrc/io/fs_uring.c csrc/io/fs_pool.c tests/c/test_fs_io.c -luring -lpthread
+ *       -o test_fs_io && ./test_fs_io DIR
+ * (tests/native/test__uring.py builds and runs it this way when gcc is present).
+ * Exit codes follow liburing's test/helpers.h: 0 pass, 1 fail, 77 skip (no io_uring here). */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "fs_io.h"
+
+#define T_EXIT_PASS 0
+#define T_EXIT_FAIL 1
+#define T_EXIT_SKIP 77
+
+#define N 256
+#define BS 4096
+
+#define CHECK(cond)                                                                 \
+    do {                                                                            \
+        if (!(cond)) {                                                              \
+            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
+            return T_EXIT_FAIL;                                                     \
+        }                                                                           \
+    } while (0)
+
+struct arrays {
+    int32_t fds[N];
+    int64_t offsets[N], lengths[N], results[N];
+    uint64_t addrs[N];
+};
+
+static struct fs_batch make(struct arrays *a, uint32_t op, int64_t n) {
+    return (struct fs_batch){op, 0, n, a->fds, a->offsets, a->lengths, a->addrs, a->results};
+}
+
+static int run_backend(int backend, const char *dir) {
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/fs_io_c_%d.bin", dir, backend);
+    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0);
+    unsigned char *src = mmap(NULL, N * BS, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    unsigned char *dst = mmap(NULL, 2 * N * BS, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(src != MAP_FAILED && dst != MAP_FAILED);
+    for (size_t i = 0; i < (size_t)N * BS; i++)
+        src[i] = (unsigned char)(i * 31 + 7);
+
+    /* RWF_NOWAIT off: the file is in the page cache, and the ring path is the one to test */
+    struct fs_engine_opts opts = {.backend = backend, .queue_depth = 8, .threads = 3, .disable_nowait = 1};
+    struct fs_engine *eng = NULL;
+    int ret = fs_engine_create(&opts, &eng);
+    if (ret == -ENOSYS || ret == -EPERM)
+        return T_EXIT_SKIP;
+    CHECK(ret == 0);
+
+    static struct arrays a;
+    for (int i = 0; i < N; i++) { /* write blocks in reverse order */
+        a.fds[i] = fd;
+        a.offsets[i] = (int64_t)(N - 1 - i) * BS;
+        a.lengths[i] = BS;
+        a.addrs[i] = (uint64_t)(uintptr_t)(src + (size_t)(N - 1 - i) * BS);
+    }
+    struct fs_batch b = make(&a, FS_OP_WRITE, N);
+    CHECK(fs_engine_run(eng, &b) == 0);
+    CHECK(fs_fsync(fd, 1) == 0);
+
+    int32_t fds[1] = {fd};
+    uint64_t baddr[1] = {(uint64_t)(uintptr_t)dst}, blen[1] = {2 * N * BS};
+    CHECK(fs_engine_register_files(eng, fds, 1) == 0);
+    CHECK(fs_engine_register_buffers(eng, baddr, blen, 1) == 0);
+
+    /* two overlapping batches, waited in reverse order */
+    static struct arrays r1, r2;
+    for (int i = 0; i < N; i++) {
+        r1.fds[i] = r2.fds[i] = fd;
+        r1.offsets[i] = r2.offsets[i] = (int64_t)i * BS;
+        r1.lengths[i] = r2.lengths[i] = BS;
+        r1.addrs[i] = (uint64_t)(uintptr_t)(dst + (size_t)i * BS);
+        r2.addrs[i] = (uint64_t)(uintptr_t)(dst + (size_t)(N + i) * BS);
+    }
+    struct fs_batch b1 = make(&r1, FS_OP_READ, N), b2 = make(&r2, FS_OP_READ, N);
+    uint64_t t1, t2;
+    CHECK(fs_engine_submit(eng, &b1, &t1) == 0);
+    CHECK(fs_engine_submit(eng, &b2, &t2) == 0);
+    CHECK(fs_engine_wait(eng, t2) == 0);
+    CHECK(fs_engine_wait(eng, t1) == 0);
+    CHECK(fs_engine_wait(eng, t1) == -ENOENT);
+    CHECK(memcmp(src, dst, (size_t)N * BS) == 0);
+    CHECK(memcmp(src, dst + (size_t)N * BS, (size_t)N * BS) == 0);
+
+    /* per-request failures */
+    r1.fds[1] = -1;
+    r1.offsets[2] = (int64_t)N * BS; /* at EOF */
+    b1.n = 3;
+    CHECK(fs_engine_run(eng, &b1) == 2);
+    CHECK(r1.results[0] == BS && r1.results[1] == -EBADF && r1.results[2] == -ENODATA);
+
+    struct fs_engine_info info;
+    CHECK(fs_engine_info(eng, &info) == 0);
+    CHECK(info.backend == backend && info.failed == 2);
+    if (backend == FS_BACKEND_URING)
+        CHECK(info.fixed_file_ops >= 2 * N && info.fixed_buffer_ops >= 2 * N);
+
+    /* destroy with a batch outstanding: no leak, no late writes */
+    r1.fds[1] = fd;
+    r1.offsets[2] = 0;
+    b1.n = N;
+    CHECK(fs_engine_submit(eng, &b1, &t1) == 0);
+    fs_engine_destroy(eng);
+    for (int i = 0; i < N; i++)
+        CHECK(r1.results[i] == BS || r1.results[i] == -ECANCELED);
+
+    munmap(src, (size_t)N * BS);
+    munmap(dst, 2 * (size_t)N * BS);
+    close(fd);
+    unlink(path);
+    return T_EXIT_PASS;
+}
+
+int main(int argc, char **argv) {
+    const char *dir = argc > 1 ? argv[1] : "/tmp";
+    int pool = run_backend(FS_BACKEND_PREAD, dir);
+    if (pool != T_EXIT_PASS)
+        return pool == T_EXIT_SKIP ? T_EXIT_FAIL : pool;
+    int ring = fs_io_have_liburing() ? run_backend(FS_BACKEND_URING, dir) : T_EXIT_SKIP;
+    return ring;
+}
