@@ -123,6 +123,8 @@ def fill_samples(const uint16_t[::1] choice, const index_t[::1] order, const int
                     raise ValueError(f"dataset {d} ran out of ordered samples at item {i}")
             k = cursor[d]
             cursor[d] = k + 1
+            if k + PREFETCH < order_base[d + 1]:
+                __builtin_prefetch(&sizes[sizes_base[d] + order[k + PREFETCH]])
             sample = order[k]
             piece_dataset[i] = <uint16_t>d
             piece_sample[i] = sample
@@ -131,13 +133,13 @@ def fill_samples(const uint16_t[::1] choice, const index_t[::1] order, const int
 
 cdef int64_t _walk_tokens(const uint16_t[::1] choice, const index_t[::1] order,
                           const int64_t[::1] order_base, const int64_t[::1] counts,
-                          const int64_t[::1] counts_base, int64_t seq_len,
-                          int64_t[::1] item_ptr, bint fill, uint16_t* p_dataset, int64_t* p_sample,
-                          int64_t* p_offset, int64_t* p_length, int64_t* pos, int64_t* off) noexcept nogil:
+                          const int64_t[::1] counts_base, int64_t seq_len, int64_t[::1] item_ptr,
+                          uint16_t* p_dataset, int64_t* p_sample, int64_t* p_offset, int64_t* p_length,
+                          int64_t capacity, int64_t* pos, int64_t* off) noexcept nogil:
     """Cut each dataset's stream of documents (in its order) into sequences of seq_len + 1 tokens,
     consecutive ones overlapping by one token; item i takes the next sequence of dataset choice[i].
-    Pass 1 (fill=0) writes item_ptr; pass 2 (fill=1) writes the pieces at item_ptr[i].
-    Returns the number of pieces, or -1 - i when item i's dataset ran out of documents."""
+    Writes item_ptr and at most ``capacity`` pieces. Returns the number of pieces, or -1 - i when
+    item i's dataset ran out of documents (or the pieces would overflow ``capacity``)."""
     cdef Py_ssize_t n = choice.shape[0]
     cdef Py_ssize_t i
     cdef int64_t d, p, o, avail, take, need, k = 0, doc, end
@@ -148,10 +150,8 @@ cdef int64_t _walk_tokens(const uint16_t[::1] choice, const index_t[::1] order,
         o = off[d]
         end = order_base[d + 1]
         need = seq_len + 1
-        if fill:
-            k = item_ptr[i]
         while True:
-            if p >= end:
+            if p >= end or k >= capacity:
                 return -1 - i
             doc = order[p]
             if p + PREFETCH < end:
@@ -162,11 +162,10 @@ cdef int64_t _walk_tokens(const uint16_t[::1] choice, const index_t[::1] order,
                 o = 0
                 continue
             take = need if need < avail else avail
-            if fill:
-                p_dataset[k] = <uint16_t>d
-                p_sample[k] = doc
-                p_offset[k] = o
-                p_length[k] = take
+            p_dataset[k] = <uint16_t>d
+            p_sample[k] = doc
+            p_offset[k] = o
+            p_length[k] = take
             k += 1
             need -= take
             if need == 0:
@@ -177,25 +176,29 @@ cdef int64_t _walk_tokens(const uint16_t[::1] choice, const index_t[::1] order,
             o = 0
         pos[d] = p
         off[d] = o
-        if not fill:
-            item_ptr[i + 1] = item_ptr[i] + k
-            k = 0
-    return item_ptr[n]
+        item_ptr[i + 1] = k
+    return k
 
 
 def pack_tokens(const uint16_t[::1] choice, const index_t[::1] order, const int64_t[::1] order_base,
                 const int64_t[::1] counts, const int64_t[::1] counts_base, int64_t seq_len):
-    """Pack token documents into items of ``seq_len + 1`` tokens.
+    """Pack token documents into items of ``seq_len + 1`` tokens, in one pass.
 
     ``order[order_base[d]:order_base[d+1]]`` is dataset d's document order (all its epochs, one
     after another) and ``counts[counts_base[d] + s]`` the token count of its sample s.
     Returns ``(item_ptr, piece_dataset, piece_sample, piece_offset, piece_length)``.
+
+    An item has one piece more than the document boundaries it crosses, and the stream moves
+    through each document position at most once, so ``len(choice) + len(order)`` pieces always
+    suffice: the piece arrays are allocated that large and returned as views of their used prefix
+    (the unused tail is never touched, so it takes address space, not memory).
     """
     import numpy as np
     cdef Py_ssize_t n = choice.shape[0]
     cdef Py_ssize_t num_datasets = counts_base.shape[0]
     cdef Py_ssize_t d
-    cdef int64_t total, check
+    cdef int64_t total
+    cdef int64_t capacity = n + order.shape[0]
     if order_base.shape[0] != num_datasets + 1:
         raise ValueError("pack_tokens: order_base must have num_datasets + 1 entries")
     if seq_len < 1:
@@ -207,28 +210,21 @@ def pack_tokens(const uint16_t[::1] choice, const index_t[::1] order, const int6
         if choice[d] >= num_datasets:
             raise ValueError(f"pack_tokens: item {d} names dataset {choice[d]} of {num_datasets}")
     item_ptr_arr = np.empty(n + 1, dtype=np.int64)
+    dataset_arr = np.empty(max(capacity, 1), dtype=np.uint16)
+    sample_arr = np.empty(max(capacity, 1), dtype=np.int64)
+    offset_arr = np.empty(max(capacity, 1), dtype=np.int64)
+    length_arr = np.empty(max(capacity, 1), dtype=np.int64)
     cdef int64_t[::1] item_ptr = item_ptr_arr
-    cdef int64_t[::1] pos = np.array(order_base[:num_datasets], dtype=np.int64)
-    cdef int64_t[::1] off = np.zeros(num_datasets, dtype=np.int64)
-    with nogil:
-        total = _walk_tokens(choice, order, order_base, counts, counts_base, seq_len, item_ptr, 0,
-                             NULL, NULL, NULL, NULL, &pos[0], &off[0])
-    if total < 0:
-        raise ValueError(f"pack_tokens: dataset {choice[-1 - total]} ran out of documents at item {-1 - total}")
-    dataset_arr = np.empty(total, dtype=np.uint16)
-    sample_arr = np.empty(total, dtype=np.int64)
-    offset_arr = np.empty(total, dtype=np.int64)
-    length_arr = np.empty(total, dtype=np.int64)
     cdef uint16_t[::1] p_dataset = dataset_arr
     cdef int64_t[::1] p_sample = sample_arr
     cdef int64_t[::1] p_offset = offset_arr
     cdef int64_t[::1] p_length = length_arr
-    pos[:] = order_base[:num_datasets]
-    off[:] = 0
-    if total > 0:
-        with nogil:
-            check = _walk_tokens(choice, order, order_base, counts, counts_base, seq_len, item_ptr, 1,
-                                 &p_dataset[0], &p_sample[0], &p_offset[0], &p_length[0], &pos[0], &off[0])
-        if check != total:
-            raise RuntimeError("pack_tokens: the two passes disagree")
-    return item_ptr_arr, dataset_arr, sample_arr, offset_arr, length_arr
+    cdef int64_t[::1] pos = np.array(order_base[:num_datasets], dtype=np.int64)
+    cdef int64_t[::1] off = np.zeros(num_datasets, dtype=np.int64)
+    with nogil:
+        total = _walk_tokens(choice, order, order_base, counts, counts_base, seq_len, item_ptr,
+                             &p_dataset[0], &p_sample[0], &p_offset[0], &p_length[0], capacity,
+                             &pos[0], &off[0])
+    if total < 0:
+        raise ValueError(f"pack_tokens: dataset {choice[-1 - total]} ran out of documents at item {-1 - total}")
+    return item_ptr_arr, dataset_arr[:total], sample_arr[:total], offset_arr[:total], length_arr[:total]

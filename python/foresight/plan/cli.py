@@ -1,0 +1,61 @@
+"""``foresight plan``: build a deterministic plan over one or more datasets and save it.
+
+Example::
+
+    foresight plan data/web data/code --weights 0.7 0.3 --seed 1 --global-batch-size 64 \\
+        --seq-len 2048 --steps 1000 --out plan/
+    foresight plan media/ --seed 1 --global-batch-size 32 --epochs 2 --shuffle block \\
+        --block-size 256 --out plan/
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from foresight.errors import ForesightError
+from foresight.plan.builder import SHUFFLES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("datasets", nargs="+", help="dataset directories (or Megatron .idx/.bin prefixes)")
+    parser.add_argument("--out", required=True, help="plan directory to write")
+    parser.add_argument("--weights", nargs="+", type=float, default=None,
+                        help="mixture weights, one per dataset (default: equal)")
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--global-batch-size", type=int, required=True)
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (token data only)")
+    length = parser.add_mutually_exclusive_group(required=True)
+    length.add_argument("--steps", type=int, help="number of steps")
+    length.add_argument("--epochs", type=float, help="passes over the mixture")
+    parser.add_argument("--shuffle", choices=SHUFFLES, default="global")
+    parser.add_argument("--block-size", type=int, default=None, help="samples per block (--shuffle block)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing plan directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    from foresight.format import open_dataset
+    from foresight.plan.builder import build_plan
+
+    try:
+        weights = args.weights or [1.0] * len(args.datasets)
+        if len(weights) != len(args.datasets):
+            print(f"foresight plan: error: {len(args.datasets)} datasets but {len(weights)} weights", file=sys.stderr)
+            return 2
+        datasets = [open_dataset(p) for p in args.datasets]
+        t0 = time.perf_counter()
+        plan = build_plan(
+            list(zip(datasets, weights)), seed=args.seed, global_batch_size=args.global_batch_size,
+            seq_len=args.seq_len, num_steps=args.steps, epochs=args.epochs, shuffle=args.shuffle,
+            block_size=args.block_size,
+        )
+        built = time.perf_counter() - t0
+        plan.save(args.out, overwrite=args.overwrite)
+    except ForesightError as e:
+        print(f"foresight plan: error: {e}", file=sys.stderr)
+        return 1
+    report = plan.describe()
+    report["build_seconds"] = round(built, 3)
+    print(json.dumps(report, indent=1))
+    return 0

@@ -1,0 +1,25 @@
+"""The plan bench runs end to end (``--smoke``) and foresight's plan equals the numpy baseline's."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_plan_build_bench_smoke():
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plan_build.py"), "--smoke",
+                          "--impls", "foresight,foresight-block,numpy"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "plan build" in res.stdout
+    doc = json.loads(Path(ROOT, "bench", "results", "plan_build_smoke.json").read_text())
+    assert doc["machine"]["cpus"] == os.cpu_count()
+    rows = {(r["kind"], r["impl"]): r for r in doc["rows"]}
+    for kind in ("tokens", "media"):
+        assert rows[(kind, "foresight")]["same_as_numpy"] is True
+        assert rows[(kind, "foresight")]["items"] == rows[(kind, "numpy")]["items"] > 0
+        assert rows[(kind, "foresight")]["build_s"] > 0 and rows[(kind, "foresight")]["mem_gib"] >= 0
