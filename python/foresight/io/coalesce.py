@@ -43,11 +43,11 @@ except ImportError as e:  # one message with the likely causes, not a bare "cann
 
 __all__ = ["Transfers", "coalesce", "DEFAULT_MAX_GAP", "DEFAULT_MAX_TRANSFER", "DEFAULT_ALIGN"]
 
-# Provisional until bench/read_path.py tunes them: on the measured virtio disk one 4 KiB random I/O costs
-# about as much time as streaming ~16-20 KiB, so reading a gap of up to 32 KiB beats a second I/O at QD64;
-# 1 MiB is about the largest request the block layer passes down unsplit (max_sectors_kb).
-DEFAULT_MAX_GAP = 32 << 10
-DEFAULT_MAX_TRANSFER = 1 << 20
+# Chosen by bench/read_path.py's sweep (block-local 16 KiB, O_DIRECT): one 16 KiB random read costs about
+# 22 us of disk time, ~55 KB of streaming at 2.5 GB/s, so holes up to 64 KiB are cheaper read than skipped;
+# 4 MiB transfers were best with huge-page arenas (the loader's), 1 MiB without them (segment limit).
+DEFAULT_MAX_GAP = 64 << 10
+DEFAULT_MAX_TRANSFER = 4 << 20
 DEFAULT_ALIGN = 4096
 
 _INT32 = np.iinfo(np.int32)

@@ -1,0 +1,604 @@
+"""The read path side by side: foresight's Loader against a torch DataLoader, np.memmap and fio, cold and warm.
+
+One command runs everything over a random plan on a >= 4 GiB dataset per sample size (4 KiB, 16 KiB, 64 KiB,
+1 MiB; bytes modality, fixed-size samples, one shard file so every method reads the same file):
+
+* ``fs-uring`` / ``fs-uring-nocoal`` / ``fs-pread``: :class:`foresight.Loader` with io_uring and coalescing on,
+  io_uring with coalescing off (``max_gap=-1``), and the pread thread-pool backend; each over the global plan and
+  over a block-local plan (``shuffle="block"``, ``-block`` suffix), where neighbouring samples share a step and
+  coalescing pays (``ios/sample`` shows it).
+* ``torch-dl``: ``torch.utils.data.DataLoader`` with 2 workers over a map-style dataset that preads each sample
+  (``os.preadv`` into a numpy buffer, then the default collate), batch size = the plan's, in plan order.
+* ``memmap``: ``np.memmap`` indexing per sample into a batch array (how Megatron-LM's dataset reads), plan order.
+* ``fio``: fio's io_uring random read at the sample size and the loader's queue depth over the same file: the limit.
+
+Cold runs drop the page cache first and open with O_DIRECT where the method can (foresight, fio; the DataLoader
+and memmap have no O_DIRECT mode and read buffered from an empty cache); warm runs read the file once just before
+(buffered everywhere). Each figure is the median of ``--runs`` runs, timed in steady state from the first batch to
+the last (start-up such as worker forks is excluded, which favours the baselines); CPU-seconds count the process
+and its worker processes (fio reports its own). A sweep of the coalescing options (``max_gap`` x
+``max_transfer``) on the block-local 16 KiB plan, O_DIRECT, picks the defaults.
+
+Usage::
+
+    python bench/read_path.py                    # full: 4 x 4 GiB datasets cached in /tmp/foresight-bench (~20 min)
+    python bench/read_path.py --smoke            # a few MiB, one run of each, seconds
+    python bench/read_path.py --sizes 16K --runs 5
+    python bench/read_path.py --clean            # delete the cached datasets
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, cpu_seconds, drop_page_cache, evict_file, have, machine, print_table, warm_file, write_results  # noqa: E402,F401
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+SIZES = {"4K": 4 * KiB, "16K": 16 * KiB, "64K": 64 * KiB, "1M": 1 * MiB}
+DEFAULT_DATA_DIR = "/tmp/foresight-bench"
+QUEUE_DEPTH = 64
+PREFETCH = 2
+DL_WORKERS = 2
+SWEEP_GAPS = (0, 16 * KiB, 64 * KiB, 256 * KiB)
+SWEEP_TRANSFERS = (256 * KiB, 1 * MiB, 4 * MiB)
+
+
+# -- data ---------------------------------------------------------------------------------------------------------
+
+
+def ensure_dataset(root: Path, size: int, total_bytes: int, *, quiet: bool = False):
+    """A bytes dataset of fixed-size random samples in one shard file, written once and reused."""
+    from foresight.format import DatasetWriter, open_dataset
+
+    n = total_bytes // size
+    path = root / f"bytes-{size // KiB}K-{total_bytes // MiB}M"
+    if (path / "manifest.json").exists():
+        ds = open_dataset(str(path))
+        if ds.num_samples == n and len(ds.shard_paths) == 1:
+            return ds
+        shutil.rmtree(path)
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(size)
+    per_chunk = max(1, (256 * MiB) // size)
+    with DatasetWriter(str(path), align=4096, shard_bytes=n * size + MiB, fsync=False, overwrite=True,
+                       extra={"bench": "read_path", "sample_bytes": size}) as w:
+        done = 0
+        while done < n:
+            k = min(per_chunk, n - done)
+            data = np.frombuffer(rng.bytes(k * size), dtype=np.uint8)
+            w.add_many(data, np.full(k, size, np.int64), modality="bytes")
+            done += k
+    os.sync()
+    if not quiet:
+        print(f"  wrote {path} ({n} samples x {size} B) in {time.perf_counter() - t0:.1f} s", flush=True)
+    return open_dataset(str(path))
+
+
+@dataclass
+class Case:
+    """One dataset and its plans: what every method of one sample size reads."""
+
+    label: str
+    size: int
+    ds: object
+    path: str  # the one shard file
+    batch: int
+    steps: int
+    plans: dict  # "global" / "block" -> Plan
+
+    def order(self, shuffle: str) -> np.ndarray:
+        """Sample ids of the timed steps in plan order."""
+        plan = self.plans[shuffle]
+        return np.asarray(plan.piece_sample[: self.steps * self.batch], dtype=np.int64)
+
+
+def batch_for(size: int) -> int:
+    """Items per step: about 8 MiB per step, 32..512 samples (a training batch of that many samples)."""
+    return int(min(512, max(32, (8 * MiB) // size)))
+
+
+def make_case(label: str, size: int, ds, run_bytes: int, batch: int | None = None) -> Case:
+    from foresight.plan import build_plan
+
+    batch = batch or batch_for(size)
+    steps = max(4, -(-run_bytes // (batch * size)))
+    plans = {
+        "global": build_plan([(ds, 1.0)], seed=1, global_batch_size=batch, num_steps=steps, shuffle="global"),
+        "block": build_plan([(ds, 1.0)], seed=1, global_batch_size=batch, num_steps=steps, shuffle="block",
+                            block_size=batch),
+    }
+    return Case(label, size, ds, ds.shard_paths[0], batch, steps, plans)
+
+
+# -- measuring ----------------------------------------------------------------------------------------------------
+
+
+class Meter:
+    """Wall time and CPU time (this process, its threads and its live worker processes) of a timed span."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._me = psutil.Process()
+
+    def _children_cpu(self) -> dict[int, float]:
+        out = {}
+        for child in self._me.children(recursive=True):
+            try:
+                t = child.cpu_times()
+                out[child.pid] = t.user + t.system
+            except self._psutil.Error:
+                pass
+        return out
+
+    def start(self) -> None:
+        self._kids0 = self._children_cpu()
+        self._cpu0 = cpu_seconds()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> tuple[float, float]:
+        wall = time.perf_counter() - self._t0
+        kids1 = self._children_cpu()
+        # cpu_seconds() counts reaped children whole (a DataLoader joins its workers when it runs out), so
+        # take off what those had used before the span started; live children count by their delta.
+        cpu = cpu_seconds() - self._cpu0
+        cpu += sum(v - self._kids0.get(pid, 0.0) for pid, v in kids1.items())
+        cpu -= sum(v for pid, v in self._kids0.items() if pid not in kids1)
+        return wall, cpu
+
+
+def result(samples: int, nbytes: int, wall: float, cpu: float, **extra) -> dict:
+    return {
+        "samples": samples,
+        "bytes": nbytes,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "samples_per_s": samples / wall if wall > 0 else 0.0,
+        "mb_per_s": nbytes / wall / 1e6 if wall > 0 else 0.0,
+        "cpu_s_per_gb": cpu / (nbytes / 1e9) if nbytes else 0.0,
+        **extra,
+    }
+
+
+def run_foresight(case: Case, cold: bool, *, shuffle: str = "global", backend: str = "uring",
+                  max_gap: int | None = None, max_transfer: int | None = None) -> dict:
+    from foresight.loader import DEFAULT_MAX_GAP, DEFAULT_MAX_TRANSFER, Loader
+
+    loader = Loader(
+        case.ds, case.plans[shuffle], backend=backend, direct=cold, queue_depth=QUEUE_DEPTH, prefetch=PREFETCH,
+        max_gap=DEFAULT_MAX_GAP if max_gap is None else max_gap,
+        max_transfer=DEFAULT_MAX_TRANSFER if max_transfer is None else max_transfer,
+        end_step=case.steps,
+    )
+    meter = Meter()
+    try:
+        it = iter(loader)
+        first = next(it)
+        assert len(first["lengths"]) == case.batch
+        meter.start()
+        samples = 0
+        for batch in it:
+            samples += len(batch["lengths"])
+        wall, cpu = meter.stop()
+        stats = loader.stats.as_dict()
+    finally:
+        loader.close()
+    return result(samples, samples * case.size, wall, cpu, backend=stats["backend"],
+                  ios_per_sample=stats["ios"] / max(1, stats["samples"]), amplification=stats["amplification"],
+                  stages_s={k: stats[k] for k in ("plan_s", "coalesce_s", "submit_s", "io_wait_s", "collate_s",
+                                                   "h2d_s", "stall_s")})
+
+
+class PreadSamples:
+    """Map-style dataset: one pread per sample (``os.preadv`` into a fresh numpy buffer), fd opened per worker."""
+
+    def __init__(self, path: str, offsets: np.ndarray, size: int) -> None:
+        self.path, self.offsets, self.size = path, offsets, size
+        self._fd, self._pid = -1, -1
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if self._pid != os.getpid():
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        buf = np.empty(self.size, dtype=np.uint8)
+        if os.preadv(self._fd, [buf], int(self.offsets[i])) != self.size:
+            raise OSError(f"short read at sample {i} of {self.path}")
+        return buf
+
+
+def run_dataloader(case: Case, cold: bool) -> dict:
+    import torch.utils.data as tud
+
+    order = case.order("global")
+    offsets = np.asarray(case.ds.lookup(np.arange(case.ds.num_samples)).offset, dtype=np.int64)
+    dl = tud.DataLoader(PreadSamples(case.path, offsets, case.size), batch_size=case.batch,
+                        sampler=order.tolist(), num_workers=DL_WORKERS, shuffle=False)
+    meter = Meter()
+    it = iter(dl)
+    try:
+        first = next(it)
+        assert tuple(first.shape) == (case.batch, case.size)
+        meter.start()
+        samples = 0
+        for batch in it:
+            samples += batch.shape[0]
+        wall, cpu = meter.stop()
+    finally:
+        del it
+        gc.collect()
+    return result(samples, samples * case.size, wall, cpu, ios_per_sample=1.0)
+
+
+def run_memmap(case: Case, cold: bool) -> dict:
+    order = case.order("global").reshape(case.steps, case.batch)
+    offsets = np.asarray(case.ds.lookup(np.arange(case.ds.num_samples)).offset, dtype=np.int64)
+    mm = np.memmap(case.path, dtype=np.uint8, mode="r")  # mapped per run: mapped pages survive a cache drop
+    size = case.size
+    meter = Meter()
+    try:
+
+        def step(ids):
+            out = np.empty((len(ids), size), dtype=np.uint8)
+            for j, i in enumerate(ids.tolist()):  # per sample, as Megatron's dataset __getitem__ does
+                off = int(offsets[i])
+                out[j] = mm[off : off + size]
+            return out
+
+        step(order[0])
+        meter.start()
+        for ids in order[1:]:
+            step(ids)
+        wall, cpu = meter.stop()
+    finally:
+        mm._mmap.close()
+        del mm
+    samples = (case.steps - 1) * case.batch
+    return result(samples, samples * size, wall, cpu, ios_per_sample=None)
+
+
+def run_fio(case: Case, cold: bool) -> dict:
+    samples = (case.steps - 1) * case.batch  # as many as the other methods time
+    cmd = [
+        "fio", "--name=randread", f"--filename={case.path}", "--rw=randread", f"--bs={case.size}",
+        f"--iodepth={QUEUE_DEPTH}", "--ioengine=io_uring", "--fixedbufs=1", "--registerfiles=1",
+        f"--direct={1 if cold else 0}", "--invalidate=0", "--norandommap", "--randrepeat=0",
+        f"--size={os.path.getsize(case.path)}", f"--io_size={samples * case.size}", "--numjobs=1",
+        "--thread", "--output-format=json",
+    ]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    read = job["read"]
+    wall = read["runtime"] / 1e3
+    cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * job["job_runtime"] / 1e3
+    return result(int(read["total_ios"]), int(read["io_bytes"]), wall, cpu, ios_per_sample=1.0,
+                  fio_iops=read["iops"], fio_bw_bytes=read["bw_bytes"])
+
+
+def methods(fio: bool) -> dict:
+    """Name -> runner(case, cold)."""
+    m = {
+        "fs-uring": lambda c, cold: run_foresight(c, cold),
+        "fs-uring-nocoal": lambda c, cold: run_foresight(c, cold, max_gap=-1),
+        "fs-pread": lambda c, cold: run_foresight(c, cold, backend="pread"),
+        "fs-uring-block": lambda c, cold: run_foresight(c, cold, shuffle="block"),
+        "fs-uring-nocoal-block": lambda c, cold: run_foresight(c, cold, shuffle="block", max_gap=-1),
+        "fs-pread-block": lambda c, cold: run_foresight(c, cold, shuffle="block", backend="pread"),
+        "torch-dl": run_dataloader,
+        "memmap": run_memmap,
+    }
+    if fio:
+        m["fio"] = run_fio
+    return m
+
+
+# -- running ------------------------------------------------------------------------------------------------------
+
+
+class CacheControl:
+    """Cold: empty the page cache (globally as root in a full run; just this file in --smoke). Warm: read it."""
+
+    def __init__(self, global_drop: bool) -> None:
+        self.global_drop = global_drop
+        self.global_drop_worked = None
+
+    def prepare(self, path: str, cold: bool) -> None:
+        gc.collect()
+        if not cold:
+            warm_file(path)
+        elif self.global_drop:
+            self.global_drop_worked = drop_page_cache(path)
+        else:
+            evict_file(path)
+
+
+def run_case(case: Case, runners: dict, runs: int, cache: CacheControl, modes: list[str]) -> list[dict]:
+    """Every method, cold and warm, ``runs`` times, interleaved so drift hits every method alike."""
+    raw: dict[tuple[str, str], list[dict]] = {}
+    for mode in modes:
+        cold = mode == "cold"
+        for r in range(runs):
+            for name, fn in runners.items():
+                cache.prepare(case.path, cold)
+                try:
+                    res = fn(case, cold)
+                except Exception as e:  # one broken method must not hide the others
+                    res = {"error": f"{type(e).__name__}: {e}"}
+                    print(f"    {case.label} {mode} {name}: {res['error']}", flush=True)
+                raw.setdefault((mode, name), []).append(res)
+            print(f"  {case.label} {mode} run {r + 1}/{runs} done", flush=True)
+    rows = []
+    for (mode, name), results in raw.items():
+        rows.append(summarize(case, mode, name, results))
+    return rows
+
+
+def summarize(case: Case, mode: str, name: str, results: list[dict]) -> dict:
+    ok = [r for r in results if "error" not in r]
+    row = {"size": case.label, "mode": mode, "method": name, "batch": case.batch, "runs": len(ok),
+           "errors": [r["error"] for r in results if "error" in r]}
+    if not ok:
+        return row
+    for key in ("samples_per_s", "mb_per_s", "cpu_s_per_gb"):
+        row[key] = statistics.median(r[key] for r in ok)
+        row[key + "_all"] = [r[key] for r in ok]
+    ios = [r["ios_per_sample"] for r in ok if r.get("ios_per_sample") is not None]
+    row["ios_per_sample"] = statistics.median(ios) if ios else None
+    for key in ("backend", "amplification"):
+        if key in ok[0]:
+            row[key] = ok[0][key]
+    if "stages_s" in ok[0]:
+        row["stages_s"] = ok[len(ok) // 2]["stages_s"]
+        row["wall_s"] = ok[len(ok) // 2]["wall_s"]
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Ratios of every row to the anchors of its (size, mode): fio bandwidth, DataLoader, memmap."""
+    anchors = {(r["size"], r["mode"], r["method"]): r for r in rows}
+    for r in rows:
+        for key in [k for k in r if k.startswith("x_")]:
+            del r[key]
+        if "mb_per_s" not in r:
+            continue
+        fio, dl, mm = (anchors.get((r["size"], r["mode"], m), {}) for m in ("fio", "torch-dl", "memmap"))
+        if fio.get("mb_per_s"):
+            r["x_fio_bw"] = r["mb_per_s"] / fio["mb_per_s"]
+        if dl.get("samples_per_s"):
+            r["x_dl_sps"] = r["samples_per_s"] / dl["samples_per_s"]
+            r["x_dl_cpu"] = r["cpu_s_per_gb"] / dl["cpu_s_per_gb"] if dl.get("cpu_s_per_gb") else None
+        if mm.get("samples_per_s"):
+            r["x_memmap_sps"] = r["samples_per_s"] / mm["samples_per_s"]
+
+
+def sweep(case: Case, runs: int, cache: CacheControl, gaps, transfers) -> list[dict]:
+    """Coalescing options on the block-local plan, O_DIRECT (cold): samples/s and I/Os per sample."""
+    raw: dict[tuple[int, int], list[dict]] = {}
+    for _ in range(runs):
+        for gap in gaps:
+            for mt in transfers:
+                cache.prepare(case.path, True)
+                raw.setdefault((gap, mt), []).append(
+                    run_foresight(case, True, shuffle="block", max_gap=gap, max_transfer=mt))
+    rows = []
+    for (gap, mt), res in raw.items():
+        rows.append({
+            "max_gap": gap, "max_transfer": mt, "size": case.label, "mode": "cold", "plan": "block",
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in res),
+            "mb_per_s": statistics.median(r["mb_per_s"] for r in res),
+            "cpu_s_per_gb": statistics.median(r["cpu_s_per_gb"] for r in res),
+            "ios_per_sample": statistics.median(r["ios_per_sample"] for r in res),
+            "amplification": res[0]["amplification"],
+        })
+    best = max(rows, key=lambda r: r["mb_per_s"])
+    for r in rows:
+        r["x_best"] = r["mb_per_s"] / best["mb_per_s"]
+    return rows
+
+
+# -- verdicts -----------------------------------------------------------------------------------------------------
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets, each met or missed with the figures behind it (None: not measured this run)."""
+    def get(size, mode, method):
+        return next((r for r in rows if r["size"] == size and r["mode"] == mode and r["method"] == method
+                     and "mb_per_s" in r), None)
+
+    out = []
+
+    def add(name, value, goal, ok_if, detail):
+        out.append({"target": name, "value": value, "goal": goal,
+                    "met": None if value is None else bool(ok_if(value)), "detail": detail})
+
+    fs, fio = get("16K", "cold", "fs-uring"), get("16K", "cold", "fio")
+    add("16K O_DIRECT bandwidth vs fio", fs and fio and fs["mb_per_s"] / fio["mb_per_s"], ">= 0.85x",
+        lambda v: v >= 0.85, fs and fio and f"{fs['mb_per_s']:.0f} vs {fio['mb_per_s']:.0f} MB/s")
+    for mode in ("cold", "warm"):
+        fs, dl = get("16K", mode, "fs-uring"), get("16K", mode, "torch-dl")
+        add(f"16K {mode} samples/s vs DataLoader", fs and dl and fs["samples_per_s"] / dl["samples_per_s"],
+            ">= 4x", lambda v: v >= 4.0,
+            fs and dl and f"{fs['samples_per_s']:.0f} vs {dl['samples_per_s']:.0f} samples/s")
+        add(f"16K {mode} CPU-s/GB vs DataLoader", fs and dl and fs["cpu_s_per_gb"] / dl["cpu_s_per_gb"],
+            "<= 0.333x", lambda v: v <= 1 / 3,
+            fs and dl and f"{fs['cpu_s_per_gb']:.2f} vs {dl['cpu_s_per_gb']:.2f} CPU-s/GB")
+    for size in [s for s in SIZES if any(r["size"] == s for r in rows)]:
+        r = get(size, "cold", "fs-uring-block")
+        add(f"{size} block-local I/Os per sample", r and r["ios_per_sample"], "<= 0.1", lambda v: v <= 0.1,
+            r and f"{r['ios_per_sample']:.4f} I/Os per sample"
+            + (" (a 1 MiB sample is already one max_transfer-sized read)" if size == "1M" else ""))
+    return out
+
+
+# -- output -------------------------------------------------------------------------------------------------------
+
+
+def plot(rows: list[dict], sweep_rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [m for m in ("cold", "warm") if any(r["mode"] == m for r in rows)]
+    ncols = len(modes) + (1 if sweep_rows else 0)
+    fig, axes = plt.subplots(1, ncols, figsize=(7 * ncols, 5), squeeze=False)
+    sizes = [s for s in SIZES if any(r["size"] == s for r in rows)]
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    width = 0.8 / max(1, len(names))
+    for ax, mode in zip(axes[0], modes):
+        for k, name in enumerate(names):
+            vals = [next((r.get("mb_per_s", 0) for r in rows if r["size"] == s and r["mode"] == mode
+                          and r["method"] == name), 0) for s in sizes]
+            ax.bar(np.arange(len(sizes)) + k * width, vals, width, label=name)
+        ax.set_xticks(np.arange(len(sizes)) + 0.4 - width / 2, sizes)
+        ax.set_yscale("log")
+        ax.set_ylabel("MB/s (median)")
+        ax.set_title(f"{mode}: " + ("O_DIRECT / empty page cache" if mode == "cold" else "warm page cache"))
+        ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(names), 9), fontsize=8, frameon=False)
+    if sweep_rows:
+        ax = axes[0][-1]
+        gaps = sorted({r["max_gap"] for r in sweep_rows})
+        mts = sorted({r["max_transfer"] for r in sweep_rows})
+        grid = np.array([[next(r["mb_per_s"] for r in sweep_rows if r["max_gap"] == g and r["max_transfer"] == m)
+                          for m in mts] for g in gaps])
+        im = ax.imshow(grid, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(mts)), [f"{m // KiB}K" for m in mts])
+        ax.set_yticks(range(len(gaps)), [f"{g // KiB}K" for g in gaps])
+        ax.set_xlabel("max_transfer")
+        ax.set_ylabel("max_gap")
+        for i in range(len(gaps)):
+            for j in range(len(mts)):
+                ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", color="w", fontsize=8)
+        ax.set_title("coalescing sweep: block-local 16K, O_DIRECT, MB/s")
+        fig.colorbar(im, ax=ax)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="a few MiB, one run of each method, seconds")
+    ap.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="where the datasets are cached")
+    ap.add_argument("--sizes", default=",".join(SIZES), help=f"sample sizes, from {list(SIZES)}")
+    ap.add_argument("--dataset-gib", type=float, default=4.0, help="bytes per dataset (>= 4 GiB for the figures)")
+    ap.add_argument("--run-mib", type=int, default=None,
+                    help="bytes per run (default: 128 MiB at 4K, 256 at 16K, 512 at 64K, 1024 at 1M)")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--modes", default="cold,warm")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--clean", action="store_true", help="delete the cached datasets (alone: and exit)")
+    ap.add_argument("--from-json", metavar="PATH", help="re-render tables, ratios and PNG from a saved result")
+    args = ap.parse_args(argv)
+    if args.from_json:
+        payload = json.loads(Path(args.from_json).read_text())
+        report(payload, "read_path_smoke" if payload.get("smoke") else "read_path")
+        return 0
+
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    bad = [s for s in sizes if s not in SIZES]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if bad or not sizes:
+        ap.error(f"--sizes takes {list(SIZES)}, got {bad or sizes}")
+    if any(m not in ("cold", "warm") for m in modes):
+        ap.error(f"--modes takes cold,warm; got {modes}")
+    only_clean = args.clean and not any(a for a in (argv if argv is not None else sys.argv[1:])
+                                        if a not in ("--clean",) and not a.startswith("--data-dir"))
+    if only_clean:
+        shutil.rmtree(args.data_dir, ignore_errors=True)
+        print(f"removed {args.data_dir}")
+        return 0
+
+    tmp = None
+    if args.smoke:
+        tmp = tempfile.mkdtemp(prefix="foresight-read-path-smoke-")
+        root, dataset_bytes, runs = Path(tmp), 8 * MiB, 1
+        sizes = ["16K"]
+        run_bytes = {s: 2 * MiB for s in sizes}
+        sweep_gaps, sweep_transfers = (0, 64 * KiB), (1 * MiB,)
+    else:
+        root, dataset_bytes, runs = Path(args.data_dir), int(args.dataset_gib * GiB), args.runs
+        default_run = {"4K": 128 * MiB, "16K": 256 * MiB, "64K": 512 * MiB, "1M": 1024 * MiB}
+        run_bytes = {s: (args.run_mib * MiB if args.run_mib else default_run[s]) for s in sizes}
+        sweep_gaps, sweep_transfers = SWEEP_GAPS, SWEEP_TRANSFERS
+    fio = have("fio")
+    runners = methods(fio)
+    cache = CacheControl(global_drop=not args.smoke)
+    info = machine()
+    try:
+        info["load_avg_start"] = os.getloadavg()
+        print(f"read_path: {info['platform']}, {info['cpus']} CPUs, kernel {info['kernel']}, "
+              f"load {info['load_avg_start'][0]:.1f}; fio {'found' if fio else 'absent: skipped'}", flush=True)
+        t_start = time.perf_counter()
+        rows, sweep_rows, cases = [], [], {}
+        for label in sizes:
+            size = SIZES[label]
+            ds = ensure_dataset(root, size, dataset_bytes, quiet=args.smoke)
+            case = make_case(label, size, ds, run_bytes[label], batch=32 if args.smoke else None)
+            cases[label] = {"load_avg": os.getloadavg(), "batch": case.batch, "steps": case.steps, "samples_per_run": case.steps * case.batch,
+                            "file": case.path, "file_bytes": os.path.getsize(case.path)}
+            print(f"{label}: {ds.num_samples} samples, batch {case.batch}, {case.steps} steps per run", flush=True)
+            rows += run_case(case, runners, runs, cache, modes)
+            if label == "16K" and not args.no_sweep and "cold" in modes:
+                sweep_rows = sweep(case, runs, cache, sweep_gaps, sweep_transfers)
+        elapsed = time.perf_counter() - t_start
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif args.clean:
+            shutil.rmtree(args.data_dir, ignore_errors=True)
+
+    info["load_avg_end"] = os.getloadavg()
+    payload = {
+        "machine": info, "smoke": args.smoke, "elapsed_s": elapsed, "runs": runs, "queue_depth": QUEUE_DEPTH,
+        "prefetch": PREFETCH, "dataloader_workers": DL_WORKERS, "dataset_bytes": dataset_bytes, "cases": cases,
+        "global_cache_drop": cache.global_drop_worked, "rows": rows, "sweep": sweep_rows,
+    }
+    report(payload, "read_path_smoke" if args.smoke else "read_path")
+    return 0
+
+
+def report(payload: dict, name: str) -> None:
+    """Ratios, targets, tables, JSON and PNG from one run's figures."""
+    rows, sweep_rows, runs = payload["rows"], payload["sweep"], payload["runs"]
+    add_ratios(rows)
+    verdicts = targets(rows)
+    best = max(sweep_rows, key=lambda r: r["mb_per_s"]) if sweep_rows else None
+    columns = ["size", "mode", "method", "samples_per_s", "mb_per_s", "cpu_s_per_gb", "ios_per_sample",
+               "x_fio_bw", "x_dl_sps", "x_dl_cpu", "x_memmap_sps"]
+    print()
+    print_table(rows, columns, title=f"read path (medians of {runs} run(s); x_* = ratio to that anchor)")
+    if sweep_rows:
+        print()
+        print_table(sweep_rows, ["max_gap", "max_transfer", "samples_per_s", "mb_per_s", "cpu_s_per_gb",
+                                 "ios_per_sample", "amplification", "x_best"],
+                    title="coalescing sweep: block-local 16K plan, O_DIRECT")
+        print(f"best: max_gap={best['max_gap']} max_transfer={best['max_transfer']}")
+    print()
+    print_table(verdicts, ["target", "goal", "value", "met", "detail"], title="targets")
+    payload.update(best_coalescing=best, targets=verdicts)
+    out = write_results(name, payload)
+    plot(rows, sweep_rows, RESULTS / f"{name}.png")
+    print(f"\nwrote {out} and {RESULTS / (name + '.png')} ({payload['elapsed_s']:.0f} s of measuring)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The read-path benches run end to end (``--smoke``) so they never rot; figures are not checked, only shape."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+RESULTS = BENCH / "results"
+
+
+def _run(script: str, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_read_path_smoke():
+    proc = _run("read_path.py", "--smoke")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "read path" in proc.stdout and "targets" in proc.stdout
+    result = json.loads((RESULTS / "read_path_smoke.json").read_text())
+    assert result["smoke"] and result["machine"]["cpus"]
+    methods = {r["method"] for r in result["rows"]}
+    assert {"fs-uring", "fs-uring-nocoal", "fs-pread", "fs-uring-block", "torch-dl", "memmap"} <= methods
+    for row in result["rows"]:
+        assert not row["errors"], row
+        assert row["samples_per_s"] > 0 and row["mb_per_s"] > 0 and row["cpu_s_per_gb"] >= 0
+    block = [r for r in result["rows"] if r["method"] == "fs-uring-block"]
+    assert block and all(r["ios_per_sample"] < 1 for r in block)  # a block-local step coalesces
+    nocoal = [r for r in result["rows"] if r["method"] == "fs-uring-nocoal"]
+    assert nocoal and all(r["ios_per_sample"] == 1 for r in nocoal)
+    assert result["sweep"] and result["best_coalescing"]
+    assert (RESULTS / "read_path_smoke.png").stat().st_size > 0
+
+
+def test_gpu_handoff_smoke():
+    torch = pytest.importorskip("torch")
+    proc = _run("gpu_handoff.py", "--smoke")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((RESULTS / "gpu_handoff_smoke.json").read_text())
+    if not torch.cuda.is_available():
+        assert "gpu_handoff: skipped (no CUDA device)" in proc.stdout
+        assert result["skipped"] is True
+    else:
+        assert not result["skipped"] and result["containment"]["inside_slot"]
+        assert result["cuda_rows_match_cpu"] and result["h2d"]
+
+
+def test_gpu_handoff_arena_containment_on_cpu():
+    """The zero-copy claim (batch tensors view the arena slot the engine read into) holds without a GPU too."""
+    pytest.importorskip("torch")
+    proc = _run("gpu_handoff.py", "--smoke", "--cpu-check")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((RESULTS / "gpu_handoff_smoke.json").read_text())
+    c = result["containment"]
+    assert c["inside_slot"] and c["slot"] is not None
+    assert c["offset_in_slot"] + c["tensor_bytes"] <= c["slot_bytes"]
