@@ -1,0 +1,79 @@
+"""Layout invariants, both I/O paths and both checksum paths of foresight.checkpoint."""
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from foresight.checkpoint import _checksum
+from foresight.checkpoint._fileio import FileIO
+from foresight.checkpoint.layout import ALIGN, BIG_TENSOR_BYTES, plan_layout
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3 * BIG_TENSOR_BYTES // 8), st.sampled_from([1, 2, 4, 8])), max_size=40))
+def test_layout_is_disjoint_aligned_and_padded(specs):
+    nbytes = [n * isz for n, isz in specs]
+    itemsize = [isz for _, isz in specs]
+    lay = plan_layout(nbytes, itemsize)
+    assert lay.total % ALIGN == 0
+    spans = sorted((int(o), int(o) + n) for o, n in zip(lay.offsets, nbytes) if n)
+    for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+        assert a1 <= b0
+    for o, n, isz in zip(lay.offsets.tolist(), nbytes, itemsize):
+        assert o % isz == 0 and o + n <= lay.total
+        if n >= BIG_TENSOR_BYTES:
+            assert o % ALIGN == 0
+
+
+@pytest.mark.parametrize("use_engine", [True, False])
+def test_fileio_round_trip_both_paths(tmp_path, use_engine):
+    fio = FileIO(chunk_bytes=1 << 20, use_engine=use_engine)
+    try:
+        n = 5 * (1 << 20) + 3 * 4096
+        src = mmap.mmap(-1, n)
+        src[:] = np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8).tobytes()
+        path = str(tmp_path / "f.bin")
+        fd, direct = fio.open(path, write=True)
+        fio.write(fd, memoryview(src), path=path)
+        os.close(fd)
+        dst = mmap.mmap(-1, n)
+        fd, _ = fio.open(path)
+        fio.wait(fio.submit_read(fd, memoryview(dst), path=path))
+        os.close(fd)
+        assert dst[:] == src[:]
+    finally:
+        fio.close()
+
+
+def test_checksum_paths_agree(monkeypatch):
+    buf = np.random.default_rng(1).integers(0, 256, 9 << 20, dtype=np.uint8)
+    offsets = np.array([0, 10, 4096, 1 << 20, 0], dtype=np.int64)
+    nbytes = np.array([10, 0, 5000, 8 << 20, 9 << 20], dtype=np.int64)
+    expected = [xxhash.xxh3_64_intdigest(buf[o:o + n].tobytes()) for o, n in zip(offsets, nbytes)]
+    assert _checksum.checksums(memoryview(buf), offsets, nbytes).tolist() == expected
+    monkeypatch.setattr(_checksum, "_xxh3_batch", None)  # the pure-xxhash fallback
+    assert _checksum.checksums(memoryview(buf), offsets, nbytes).tolist() == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_snapshot_round_trip(tmp_path):
+    import foresight.checkpoint as fc
+
+    state = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, device="cuda").half()}
+    expected = {k: v.cpu() for k, v in state.items()}
+    with fc.Checkpointer(tmp_path) as ck:
+        assert ck.save({"x": torch.zeros(1)}, 0).wait() and ck.staging.pinned
+        h = ck.save(state, 1)
+        for t in state.values():
+            t.add_(1)  # on the current stream, ordered after the snapshot copies
+        h.wait()
+        got = ck.load(1).state_dict
+    for k in state:
+        assert torch.equal(got[k], expected[k])
