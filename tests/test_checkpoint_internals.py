@@ -1,4 +1,4 @@
-"""Layout invariants, both I/O paths and both checksum paths of foresight.checkpoint."""
+"""Layout invariants, both I/O backends and the checksums of foresight.checkpoint."""
 from __future__ import annotations
 
 import mmap
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from foresight.checkpoint import _checksum
+from foresight.checksum import xxh3_many
 from foresight.checkpoint._fileio import FileIO
 from foresight.checkpoint.layout import ALIGN, BIG_TENSOR_BYTES, plan_layout
 from hypothesis import given, settings
@@ -31,9 +31,9 @@ def test_layout_is_disjoint_aligned_and_padded(specs):
             assert o % ALIGN == 0
 
 
-@pytest.mark.parametrize("use_engine", [True, False])
-def test_fileio_round_trip_both_paths(tmp_path, use_engine):
-    fio = FileIO(chunk_bytes=1 << 20, use_engine=use_engine)
+@pytest.mark.parametrize("backend", ["uring", "pread"])
+def test_fileio_round_trip_both_backends(tmp_path, backend):
+    fio = FileIO(chunk_bytes=1 << 20, backend=backend)
     try:
         n = 5 * (1 << 20) + 3 * 4096
         src = mmap.mmap(-1, n)
@@ -51,14 +51,13 @@ def test_fileio_round_trip_both_paths(tmp_path, use_engine):
         fio.close()
 
 
-def test_checksum_paths_agree(monkeypatch):
+def test_checksums_match_xxhash():
     buf = np.random.default_rng(1).integers(0, 256, 9 << 20, dtype=np.uint8)
     offsets = np.array([0, 10, 4096, 1 << 20, 0], dtype=np.int64)
     nbytes = np.array([10, 0, 5000, 8 << 20, 9 << 20], dtype=np.int64)
     expected = [xxhash.xxh3_64_intdigest(buf[o:o + n].tobytes()) for o, n in zip(offsets, nbytes)]
-    assert _checksum.checksums(memoryview(buf), offsets, nbytes).tolist() == expected
-    monkeypatch.setattr(_checksum, "_xxh3_batch", None)  # the pure-xxhash fallback
-    assert _checksum.checksums(memoryview(buf), offsets, nbytes).tolist() == expected
+    assert xxh3_many(memoryview(buf), offsets, nbytes).tolist() == expected
+
 
 
 @pytest.mark.gpu

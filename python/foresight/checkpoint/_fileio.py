@@ -1,8 +1,8 @@
 """Large aligned reads and writes between page-aligned host buffers and checkpoint files.
 
-Uses foresight's C I/O engine (io_uring, with its own pread/pwrite fallback) when it is importable, and
-otherwise a thread pool over ``os.pwritev``/``os.preadv`` (both release the GIL). A region is split into
-``chunk_bytes`` pieces submitted together, so the device sees a deep queue of large sequential requests.
+All I/O goes through foresight's C I/O engine (io_uring, or its pread/pwrite thread pool where io_uring is
+missing or refused). A region is split into ``chunk_bytes`` pieces submitted together, so the device sees a
+deep queue of large sequential requests.
 O_DIRECT is used where the file system supports it (buffers and offsets are 4096-aligned by the layout).
 
 Example::
@@ -19,13 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from foresight.checkpoint._workers import Workers
 from foresight.errors import CheckpointError
-
-try:  # the engine is optional at import time; the fallback below keeps checkpoints working without it
-    from foresight.io import IOEngine as _IOEngine
-except Exception:  # noqa: BLE001 - any import failure means "no engine"
-    _IOEngine = None
+from foresight.io import IOEngine
 
 DEFAULT_CHUNK = 8 << 20
 
@@ -38,26 +33,17 @@ def buffer_address(view: memoryview) -> int:
 class FileIO:
     """Chunked, parallel region I/O; ``backend`` says which implementation is in use."""
 
-    def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK, threads: int = 4, use_engine: bool = True) -> None:
+    def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK, threads: int = 4, backend: str = "auto") -> None:
         if chunk_bytes <= 0 or chunk_bytes % 4096:
             raise ValueError(f"chunk_bytes must be a positive multiple of 4096, got {chunk_bytes}")
         self.chunk_bytes = chunk_bytes
-        self._engine = None
-        if use_engine and _IOEngine is not None:
-            try:  # keep enough large requests in flight to saturate the device
-                self._engine = _IOEngine(queue_depth=64, threads=threads, max_inflight_bytes=16 * chunk_bytes)
-            except TypeError:
-                self._engine = _IOEngine(queue_depth=64, threads=threads)
-            self.backend = f"engine:{self._engine.backend}"
-        else:
-            self._pool = Workers(threads, "io")
-            self.backend = "pwritev"
+        # Keep enough large requests in flight to saturate the device.
+        self._engine = IOEngine(backend=backend, queue_depth=64, threads=threads,
+                                max_inflight_bytes=16 * chunk_bytes)
+        self.backend = f"engine:{self._engine.backend}"
 
     def close(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
-        else:
-            self._pool.shutdown()
+        self._engine.close()
 
     # -- files -------------------------------------------------------------------------------------
     def open(self, path: str, *, write: bool = False, direct: bool = True) -> tuple[int, bool]:
@@ -94,25 +80,12 @@ class FileIO:
         what = "write" if write else "read"
         if kind == "none":
             return
-        if kind == "engine":
-            try:
-                got = self._engine.wait(handle)
-            except OSError as e:
-                raise CheckpointError(f"{what} failed: {e}", path=path) from e
-            if not write and np.any(np.asarray(got) != lengths):
-                raise CheckpointError("file is shorter than its index says", path=path)
-            return
-        first: BaseException | None = None
-        for f in handle:
-            try:
-                f.result()
-            except BaseException as e:  # noqa: BLE001 - collect all, raise the first
-                first = first or e
-        if first is not None:
-            if isinstance(first, CheckpointError):
-                raise CheckpointError(f"{what} failed: {first}", path=path) from first
-            raise CheckpointError(f"{what} failed: {getattr(first, 'strerror', None) or first}",
-                                  path=path) from first
+        try:
+            got = self._engine.wait(handle)
+        except OSError as e:
+            raise CheckpointError(f"{what} failed: {e}", path=path) from e
+        if not write and np.any(np.asarray(got) != lengths):
+            raise CheckpointError("file is shorter than its index says", path=path)
 
     def _run(self, fd: int, view: memoryview, file_offset: int, *, write: bool, path: str | None) -> None:
         self.wait(self._start(fd, view, file_offset, write=write, path=path))
@@ -123,27 +96,12 @@ class FileIO:
             return ("none", None, None, write, path)
         starts = np.arange(0, n, self.chunk_bytes, dtype=np.int64)
         lengths = np.minimum(self.chunk_bytes, n - starts)
-        if self._engine is not None:
-            fds = np.full(len(starts), fd, dtype=np.int32)
-            addrs = np.uint64(buffer_address(view)) + starts.astype(np.uint64)
-            submit = self._engine.submit_writes if write else self._engine.submit_reads
-            try:
-                ticket = submit(fds, starts + file_offset, lengths, addrs)
-            except OSError as e:
-                raise CheckpointError(f"{'write' if write else 'read'} failed: {e}", path=path) from e
-            return ("engine", ticket, lengths, write, path)
-        futures = [self._pool.submit(_one, fd, view[s:s + ln], int(file_offset + s), write)
-                   for s, ln in zip(starts.tolist(), lengths.tolist())]
-        return ("pool", futures, lengths, write, path)
+        fds = np.full(len(starts), fd, dtype=np.int32)
+        addrs = np.uint64(buffer_address(view)) + starts.astype(np.uint64)
+        submit = self._engine.submit_writes if write else self._engine.submit_reads
+        try:
+            ticket = submit(fds, starts + file_offset, lengths, addrs)
+        except OSError as e:
+            raise CheckpointError(f"{'write' if write else 'read'} failed: {e}", path=path) from e
+        return ("engine", ticket, lengths, write, path)
 
-
-def _one(fd: int, view: memoryview, offset: int, write: bool) -> None:
-    done, n = 0, len(view)
-    while done < n:
-        if write:
-            k = os.pwritev(fd, [view[done:]], offset + done)
-        else:
-            k = os.preadv(fd, [view[done:]], offset + done)
-            if k == 0:
-                raise CheckpointError("file is shorter than its index says", offset=offset + done)
-        done += k

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from foresight.checkpoint import store
-from foresight.checkpoint._checksum import checksums
+from foresight.checksum import xxh3_many
 from foresight.checkpoint._fileio import FileIO
 from foresight.checkpoint._tree import flatten, match_targets, restore_into, unflatten
 from foresight.checkpoint._workers import Workers
@@ -355,7 +355,7 @@ class Checkpointer:
             data_path = os.path.join(tmp, DATA_FILE)
             total = job.layout.total
             view = job.slot.memoryview(total)
-            sums = self._hash_pool.submit(checksums, view, job.layout.offsets, job.layout.nbytes)
+            sums = self._hash_pool.submit(xxh3_many, view, job.layout.offsets, job.layout.nbytes)
             fd, _ = self._fio.open(data_path, write=True, direct=self.direct)
             try:
                 if total:

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.storage import (
 from torch.futures import Future
 
 from foresight.checkpoint import store
-from foresight.checkpoint._checksum import checksums
+from foresight.checksum import xxh3_many
 from foresight.checkpoint._fileio import FileIO
 from foresight.checkpoint.layout import ALIGN, align_up, dtype_from_name, plan_layout
 from foresight.errors import CheckpointError
@@ -178,7 +178,7 @@ class ForesightStorageWriter(BlockingAsyncStager, StorageWriter):
             with torch.no_grad():
                 torch._foreach_copy_(views, srcs)
         view = memoryview(buf.numpy())[:layout.total]
-        sums = checksums(view, layout.offsets, layout.nbytes)
+        sums = xxh3_many(view, layout.offsets, layout.nbytes)
         fio = FileIO(threads=self.io_threads)
         path = os.path.join(self.path, name)
         try:
@@ -363,7 +363,7 @@ class ForesightStorageReader(StorageReader):
             pos = where(info.offset)
             raw = buf[pos:pos + info.length]
             if self.verify and info.offset not in verified:
-                got = int(checksums(mv, np.array([pos]), np.array([info.length]))[0])
+                got = int(xxh3_many(mv, np.array([pos]), np.array([info.length]))[0])
                 if got != info.xxh3:
                     raise CheckpointError("DCP item checksum mismatch: data file is corrupt", path=path,
                                           item=req.storage_index.fqn, offset=info.offset)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from foresight.checkpoint import store
-from foresight.checkpoint._checksum import checksums
+from foresight.checksum import xxh3_many
 from foresight.checkpoint._fileio import FileIO
 from foresight.checkpoint.layout import align_up, dtype_from_name
 from foresight.errors import CheckpointError
@@ -135,7 +135,7 @@ def _consume(ids: np.ndarray, mv: memoryview, offsets: np.ndarray, nbytes: np.nd
              names: list[str]) -> None:
     """Verify the tensors ``ids`` (all read by now) and copy those with a target into it."""
     if verify:
-        got = checksums(mv, offsets[ids], nbytes[ids])
+        got = xxh3_many(mv, offsets[ids], nbytes[ids])
         bad = ids[got != expected[ids]]
         if len(bad):
             i = int(bad[0])

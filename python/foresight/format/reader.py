@@ -19,7 +19,7 @@ import numpy as np
 import xxhash
 
 from ..errors import FormatError
-from .hashing import file_xxh3
+from foresight.checksum import file_xxh3
 from .manifest import MANIFEST_NAME, Manifest, parse_manifest, token_dtype_of
 from .shard_map import ShardMap, read_map
 from .types import Dataset, Extents, Modality

@@ -190,7 +190,7 @@ class Dataset:
     def verify_packed(self, ids: np.ndarray | Sequence[int], buffer: np.ndarray, positions: np.ndarray) -> None:
         """Batch form of :meth:`verify`: sample ``ids[k]`` sits at ``buffer[positions[k]:]`` (its byte length
         comes from the map). Hashes in one native call when ``foresight._core`` provides ``xxh3_batch``."""
-        from .hashing import xxh3_many
+        from foresight.checksum import xxh3_many
 
         ids = self._check_ids(ids)
         if self.checksums() is None or ids.size == 0:

@@ -30,7 +30,7 @@ import numpy as np
 import xxhash
 
 from .. import __version__
-from .hashing import file_xxh3, xxh3_many
+from foresight.checksum import file_xxh3, xxh3_many
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry
 from .shard_map import write_map
 from .types import TOKEN_DTYPES, Modality
