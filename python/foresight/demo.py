@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import shutil

@@ -44,6 +44,7 @@ from foresight.checkpoint.layout import Layout, dtype_from_name, plan_layout
 from foresight.checkpoint.reader import read_checkpoint
 from foresight.checkpoint.staging import StagingPool, copy_into
 from foresight.errors import CheckpointError
+from foresight.io.durable import fsync_dir
 
 DATA_FILE = "data-00000.bin"
 
@@ -462,7 +463,7 @@ def copy_checkpoint(src: str, root: str, step: int, *, fio: FileIO | None = None
         names = sorted(os.listdir(src), key=lambda n: n == store.COMMIT)  # COMMIT last
         for name in names:
             _copy_file(os.path.join(src, name), os.path.join(tmp, name), fio)
-        store.fsync_path(tmp, directory=True)
+        fsync_dir(tmp)
         return store.publish(tmp, root, step)
     except BaseException as e:
         _rmtree_quiet(tmp)

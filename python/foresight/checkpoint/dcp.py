@@ -53,6 +53,7 @@ from foresight.checksum import xxh3_many
 from foresight.checkpoint._fileio import FileIO
 from foresight.checkpoint.layout import ALIGN, align_up, dtype_from_name, plan_layout
 from foresight.errors import CheckpointError
+from foresight.io.durable import fsync_dir
 
 METADATA = ".metadata"
 _BYTES = "bytes"
@@ -210,7 +211,7 @@ class ForesightStorageWriter(BlockingAsyncStager, StorageWriter):
         tmp = os.path.join(self.path, METADATA + ".tmp")
         store.write_small_file(tmp, pickle.dumps(metadata))
         os.replace(tmp, os.path.join(self.path, METADATA))
-        store.fsync_path(self.path, directory=True)
+        fsync_dir(self.path)
         if self.drain_to is not None:
             # not a daemon: the interpreter waits for a drain in progress before exiting
             self._drain_thread = threading.Thread(target=self._drain, args=(self.path,), name="foresight-dcp-drain")
@@ -240,7 +241,7 @@ class ForesightStorageWriter(BlockingAsyncStager, StorageWriter):
                         _copy_file(os.path.join(src, f), os.path.join(tmp, f), fio)
             finally:
                 fio.close()
-            store.fsync_path(tmp, directory=True)
+            fsync_dir(tmp)
             store.publish_dir(tmp, os.path.join(self.drain_to, name))
         except BaseException as e:  # noqa: BLE001 - reported by wait_drain
             self._drain_error = e

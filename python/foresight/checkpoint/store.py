@@ -27,6 +27,7 @@ from typing import Any
 import xxhash
 
 from foresight.errors import CheckpointError
+from foresight.io.durable import fsync_dir
 
 INDEX = "index.json"
 COMMIT = "COMMIT"
@@ -54,14 +55,6 @@ def new_tmp_dir(root: str, step: int) -> str:
     return path
 
 
-def fsync_path(path: str, *, directory: bool = False) -> None:
-    fd = os.open(path, (os.O_RDONLY | os.O_DIRECTORY) if directory else os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_small_file(path: str, data: bytes) -> None:
     """Write and fsync a small file (index, marker)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -81,7 +74,7 @@ def write_index_and_commit(tmp: str, index: dict[str, Any]) -> None:
     marker = {"format": FORMAT, "version": VERSION, "step": index["step"],
               "index_bytes": len(body), "index_xxh3": f"{xxhash.xxh3_64_intdigest(body):016x}"}
     write_small_file(os.path.join(tmp, COMMIT), json.dumps(marker).encode())
-    fsync_path(tmp, directory=True)
+    fsync_dir(tmp)
 
 
 def publish(tmp: str, root: str, step: int) -> str:
@@ -97,7 +90,7 @@ def publish_dir(tmp: str, final: str) -> str:
         trash = os.path.join(root, f".trash-{os.path.basename(final)}.{uuid.uuid4().hex[:8]}")
         os.rename(final, trash)
     os.rename(tmp, final)
-    fsync_path(root, directory=True)
+    fsync_dir(root)
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
     return final

@@ -31,6 +31,7 @@ import xxhash
 
 from .. import __version__
 from foresight.checksum import file_xxh3, xxh3_many
+from foresight.io.durable import fsync_dir
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry
 from .shard_map import write_map
 from .types import TOKEN_DTYPES, Modality
@@ -38,14 +39,6 @@ from .types import TOKEN_DTYPES, Modality
 __all__ = ["DatasetWriter"]
 
 _BATCH_BYTES = 32 << 20  # padded bytes staged per write in add_many (bounds temporary memory)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _scatter_numpy(src: np.ndarray, src_offsets: np.ndarray, lengths: np.ndarray, dst: np.ndarray,
@@ -218,7 +211,7 @@ class DatasetWriter:
                 os.fsync(f.fileno())
         os.rename(tmp, os.path.join(self.tmp_dir, MANIFEST_NAME))
         if self._fsync:
-            _fsync_dir(self.tmp_dir)
+            fsync_dir(self.tmp_dir)
         self._stage("manifest_written")
         parent = os.path.dirname(self.out_dir)
         aside = None
@@ -229,7 +222,7 @@ class DatasetWriter:
             os.rename(self.out_dir, aside)
         os.rename(self.tmp_dir, self.out_dir)
         if self._fsync:
-            _fsync_dir(parent)
+            fsync_dir(parent)
         self._closed = True
         self._stage("renamed")
         if aside:

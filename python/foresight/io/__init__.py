@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .durable import fsync_dir, fsync_path
 from .engine import BACKENDS, ENV_BACKEND, IOEngine, fdatasync, fsync, get_backend, open_file
 
 # coalesce/arena sit on foresight._core. Imported eagerly so that `foresight.io.coalesce` is the
@@ -50,6 +51,8 @@ __all__ = [
     "open_file",
     "fsync",
     "fdatasync",
+    "fsync_dir",
+    "fsync_path",
     "get_backend",
     "BACKENDS",
     "ENV_BACKEND",

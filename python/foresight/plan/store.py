@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from foresight.errors import FormatError, PlanError
+from foresight.io.durable import fsync_dir
 from foresight.plan.plan import ARRAY_DTYPES, FORMAT_NAME, FORMAT_VERSION, Plan
 
 PLAN_JSON = "plan.json"
@@ -75,7 +76,7 @@ def save_plan(plan: Plan, path: str, *, overwrite: bool = False) -> str:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         os.chmod(tmp, 0o755)
         if os.path.lexists(path):
             trash = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
@@ -84,20 +85,12 @@ def save_plan(plan: Plan, path: str, *, overwrite: bool = False) -> str:
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.rename(tmp, path)
-        _fsync_dir(parent)
+        fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     plan.path = path
     return path
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_plan(path: str, *, verify: bool = True) -> Plan:
