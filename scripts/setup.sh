@@ -27,9 +27,13 @@ stamp=build/.deps-$(echo "${PIP_PKGS[*]}" | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   echo "foresight setup: pip install (${#PIP_PKGS[@]} packages)"
   $PY -m pip install -q --disable-pip-version-check "${PIP_PKGS[@]}" 2>&1 | grep -v -E "^WARNING: (Running pip as|Location)" || true
-  # megatron-core only for the compatibility tests; --no-deps so it cannot replace the pinned torch.
-  $PY -m pip install -q --disable-pip-version-check --no-deps "megatron-core==0.16.1" 2>&1 \
-    | grep -v -E "^WARNING: (Running pip as|Location)" || echo "foresight setup: megatron-core unavailable (its tests skip)"
+  # Anchors for tests and benches only, each optional (what uses them skips without them). --no-deps so
+  # none of them can replace the pinned torch: megatron-core (compatibility tests, plan bench), decord and
+  # torchcodec (decode bench; torchcodec 0.13 pairs with torch 2.13).
+  for anchor in "megatron-core==0.16.1" "decord==0.6.0" "torchcodec==0.13.0"; do
+    $PY -m pip install -q --disable-pip-version-check --no-deps "$anchor" 2>&1 \
+      | grep -v -E "^WARNING: (Running pip as|Location)" || echo "foresight setup: $anchor unavailable (what uses it skips)"
+  done
   mkdir -p build && touch "$stamp"
 fi
 

@@ -1,0 +1,120 @@
+"""Synthetic media for tests, benches and demos: small real clips encoded with PyAV.
+
+Video frames come from FFmpeg's ``testsrc2`` (moving pattern with a frame counter, so every
+frame is distinct). Source frames are stripped of their picture type, else libx264 would obey
+it and make every frame a keyframe.
+
+Example::
+
+    mp4 = make_video(codec="libx264", width=160, height=120, seconds=2, gop=12)   # bytes
+    make_video("clip.mp4", seconds=60, width=1280, height=720, gop=60)            # to a file
+"""
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import av
+import numpy as np
+from av.video.frame import PictureType
+from PIL import Image
+
+CONTAINERS = {"libx264": "mp4", "libvpx-vp9": "webm", "mpeg4": "mp4", "libsvtav1": "mp4"}
+
+
+def make_video(path: str | None = None, *, codec: str = "libx264", width: int = 160, height: int = 120,
+               seconds: float = 2.0, fps: int = 30, gop: int | None = None, bframes: int | None = None,
+               container: str | None = None, options: dict[str, str] | None = None) -> bytes | None:
+    """Encode a testsrc2 clip; returns the bytes (or writes ``path`` atomically and returns None)."""
+    fmt = container or CONTAINERS.get(codec, "mp4")
+    src = av.open(f"testsrc2=size={width}x{height}:rate={fps}:duration={seconds}", format="lavfi")
+    sink: Any = io.BytesIO() if path is None else path + ".part"
+    out = av.open(sink, "w", format=fmt)
+    opts = dict(options or {})
+    if codec == "libvpx-vp9":
+        opts.setdefault("deadline", "realtime")
+        opts.setdefault("cpu-used", "8")
+    if codec == "libsvtav1":
+        opts.setdefault("preset", "12")
+    s = out.add_stream(codec, rate=fps, options=opts)
+    s.width, s.height, s.pix_fmt = width, height, "yuv420p"
+    if gop is not None:
+        s.codec_context.gop_size = gop
+    if bframes is not None:
+        s.codec_context.max_b_frames = bframes
+    for frame in src.decode(video=0):
+        frame.pts = None
+        frame.pict_type = PictureType.NONE
+        for p in s.encode(frame):
+            out.mux(p)
+    for p in s.encode():
+        out.mux(p)
+    out.close()
+    src.close()
+    if path is None:
+        return sink.getvalue()
+    os.replace(sink, path)
+    return None
+
+
+def remux(data: bytes, *, container: str = "matroska", pts_from_dts: bool = False) -> bytes:
+    """Copy the video packets into another container; ``pts_from_dts`` writes pts = dts (a real-world
+    muxer bug: with B-frames the decoder then emits frames with non-increasing pts)."""
+    src = av.open(io.BytesIO(data))
+    ins = src.streams.video[0]
+    buf = io.BytesIO()
+    out = av.open(buf, "w", format=container)
+    os_ = out.add_stream_from_template(ins)
+    for p in src.demux(ins):
+        if p.dts is None:
+            continue
+        if pts_from_dts:
+            p.pts = p.dts
+        p.stream = os_
+        out.mux(p)
+    out.close()
+    src.close()
+    return buf.getvalue()
+
+
+def make_image(fmt: str = "JPEG", *, width: int = 320, height: int = 240, seed: int = 0, **save: Any) -> bytes:
+    """A smooth colour image (plus mild noise) encoded as JPEG/PNG/WEBP."""
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    noise = np.random.default_rng(seed).normal(0, 6, (height, width, 3))
+    rgb = np.stack([x / width * 255, y / height * 255, (x + y) / (width + height) * 255], -1) + noise
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8)).save(buf, format=fmt, **save)
+    return buf.getvalue()
+
+
+def make_audio(*, seconds: float = 2.0, rate: int = 48000, freq: float = 440.0, codec: str = "aac",
+               container: str = "mp4", channels: int = 1) -> bytes:
+    """A sine tone encoded with PyAV (aac/mp4, flac/flac, pcm_s16le/wav, libopus/ogg...)."""
+    buf = io.BytesIO()
+    out = av.open(buf, "w", format=container)
+    layout = "mono" if channels == 1 else "stereo"
+    s = out.add_stream(codec, rate=rate, layout=layout)
+    n = int(seconds * rate)
+    t = np.arange(n) / rate
+    pcm = (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+    fs = s.codec_context.frame_size or 1024
+    fmt = s.codec_context.format.name
+    for i in range(0, n, fs):
+        chunk = np.tile(pcm[i:i + fs], (channels, 1))
+        if fmt in ("s16", "s16p"):
+            chunk = (chunk * 32767).astype(np.int16)
+        if not fmt.endswith("p"):  # packed: one row, interleaved
+            chunk = chunk.T.reshape(1, -1)
+        f = av.AudioFrame.from_ndarray(np.ascontiguousarray(chunk), format=fmt, layout=layout)
+        f.sample_rate = rate
+        f.pts = i
+        for p in s.encode(f):
+            out.mux(p)
+    for p in s.encode():
+        out.mux(p)
+    out.close()
+    return buf.getvalue()
+
+
+__all__ = ["make_audio", "make_image", "make_video", "remux"]
