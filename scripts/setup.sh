@@ -31,8 +31,8 @@ if [ ! -f "$stamp" ]; then
   # none of them can replace the pinned torch: megatron-core (compatibility tests, plan bench), decord and
   # torchcodec (decode bench; torchcodec 0.13 pairs with torch 2.13).
   for anchor in "megatron-core==0.16.1" "decord==0.6.0" "torchcodec==0.13.0"; do
-    $PY -m pip install -q --disable-pip-version-check --no-deps "$anchor" 2>&1 \
-      | grep -v -E "^WARNING: (Running pip as|Location)" || echo "foresight setup: $anchor unavailable (what uses it skips)"
+    $PY -m pip install -q --disable-pip-version-check --no-deps "$anchor" >/dev/null 2>&1 \
+      || echo "foresight setup: $anchor unavailable (what uses it skips)"
   done
   mkdir -p build && touch "$stamp"
 fi
