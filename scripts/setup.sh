@@ -26,7 +26,9 @@ PIP_PKGS=(
 stamp=build/.deps-$(echo "${PIP_PKGS[*]}" | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   echo "foresight setup: pip install (${#PIP_PKGS[@]} packages)"
-  $PY -m pip install -q --disable-pip-version-check "${PIP_PKGS[@]}" 2>&1 | grep -v -E "^WARNING: (Running pip as|Location)" || true
+  mkdir -p build
+  $PY -m pip install -q --disable-pip-version-check "${PIP_PKGS[@]}" >build/pip.log 2>&1 \
+    || { cat build/pip.log >&2; echo "foresight setup: pip install failed" >&2; exit 1; }
   # Anchors for tests and benches only, each optional (what uses them skips without them). --no-deps so
   # none of them can replace the pinned torch: megatron-core (compatibility tests, plan bench), decord and
   # torchcodec (decode bench; torchcodec 0.13 pairs with torch 2.13).
@@ -34,11 +36,13 @@ if [ ! -f "$stamp" ]; then
     $PY -m pip install -q --disable-pip-version-check --no-deps "$anchor" >/dev/null 2>&1 \
       || echo "foresight setup: $anchor unavailable (what uses it skips)"
   done
-  mkdir -p build && touch "$stamp"
+  touch "$stamp"
 fi
 
 echo "foresight setup: building the native core"
-$PY -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . 2>&1 \
-  | grep -v -E "^WARNING: (Running pip as|Location)|^\s*$" || true
-$PY -c "import foresight._uring, foresight._core, foresight._engine_plan" \
+mkdir -p build
+$PY -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . >build/build.log 2>&1 \
+  || { cat build/build.log >&2; echo "foresight setup: the native build failed" >&2; exit 1; }
+grep -h "^foresight:" build/build.log || true  # e.g. the one-time note that liburing is missing
+$PY -c "import foresight._uring, foresight._core, foresight._engine_plan, foresight._engine_format" \
   || { echo "foresight setup: the native build did not import" >&2; exit 1; }
