@@ -135,7 +135,7 @@ class Loader:
             datasets = [datasets]
         self.datasets: Sequence = list(datasets)
         self.plan = plan
-        self._check_fingerprints()
+        plan.check_sources(self.datasets)
         self.rank, self.world_size = _resolve_rank(rank, world_size)
         if plan.global_batch_size % self.world_size:
             raise PlanError(
@@ -172,12 +172,20 @@ class Loader:
         nslots = self.prefetch + 2
 
         self._engine = IOEngine(backend=backend, queue_depth=queue_depth)
-        self.stats.backend = self._engine.backend
-        self._files = FileTable(self.datasets, open_file, direct=self.direct)
-        # Huge pages: a 1 MiB transfer into 4 KiB pages needs 256 scatter-gather segments, more than a virtio
-        # disk takes (max_segments 254), so the block layer splits it; 2 MiB pages keep large transfers whole
-        # (bench/read_path.py: 1 MiB O_DIRECT reads 1.2 -> 2.1 GB/s). Only advice: ignored where THP is off.
-        self._arena = Arena(slot_bytes, nslots, hugepages=True)
+        try:
+            self.stats.backend = self._engine.backend
+            self._files = FileTable(self.datasets, open_file, direct=self.direct)
+            try:
+                # Huge pages: a 1 MiB transfer into 4 KiB pages needs 256 scatter-gather segments, more than a
+                # virtio disk takes (max_segments 254), so the block layer splits it; 2 MiB pages keep large
+                # transfers whole (bench/read_path.py: 1 MiB O_DIRECT 1.2 -> 2.1 GB/s). Ignored where THP is off.
+                self._arena = Arena(slot_bytes, nslots, hugepages=True)
+            except BaseException:
+                self._files.close()
+                raise
+        except BaseException:
+            self._engine.close()
+            raise
         self._register()
         self._pending_events: deque = deque()
         log.info(
@@ -192,16 +200,6 @@ class Loader:
         self._closed = False
 
     # -- set-up -------------------------------------------------------------------------------------------
-
-    def _check_fingerprints(self) -> None:
-        expected = list(getattr(self.plan, "dataset_fingerprints", []) or [])
-        if expected and len(expected) != len(self.datasets):
-            raise PlanError("plan was built over a different number of datasets",
-                            plan=len(expected), given=len(self.datasets))
-        for i, (want, ds) in enumerate(zip(expected, self.datasets)):
-            if want and ds.fingerprint != want:
-                raise PlanError("dataset does not match the one the plan was built over",
-                                dataset=i, path=ds.path, expected=want, found=ds.fingerprint)
 
     def _slot_layout(self) -> tuple[int, int]:
         """Bytes of one slot's transfer region and rows region, from the plan (stated up front)."""
