@@ -14,7 +14,9 @@ import os
 import numpy as np
 import xxhash
 
-from foresight._core import xxh3_batch
+from foresight._native import load
+
+xxh3_batch = load("_core").xxh3_batch
 
 __all__ = ["xxh3_many", "file_xxh3"]
 

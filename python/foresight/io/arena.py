@@ -28,14 +28,9 @@ import time
 
 import numpy as np
 
-try:
-    from foresight import _core
-except ImportError as e:  # one message with the likely causes, not a bare "cannot import name"
-    raise ImportError(
-        "foresight._core (the C++ core) failed to load. Likely causes: it was not built (run "
-        "`FORESIGHT_ONLY=_core python setup.py build_ext --inplace` in the source tree, or reinstall), it was "
-        "built for another Python version, or libstdc++ is missing."
-    ) from e
+from foresight._native import load
+
+_core = load("_core")
 
 __all__ = ["Arena"]
 

@@ -32,14 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-try:
-    from foresight import _core
-except ImportError as e:  # one message with the likely causes, not a bare "cannot import name"
-    raise ImportError(
-        "foresight._core (the C++ core) failed to load. Likely causes: it was not built (run "
-        "`FORESIGHT_ONLY=_core python setup.py build_ext --inplace` in the source tree, or reinstall), it was "
-        "built for another Python version, or libstdc++ is missing."
-    ) from e
+from foresight._native import load
+
+_core = load("_core")
 
 __all__ = ["Transfers", "coalesce", "DEFAULT_MAX_GAP", "DEFAULT_MAX_TRANSFER", "DEFAULT_ALIGN"]
 

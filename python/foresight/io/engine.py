@@ -48,16 +48,11 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from foresight._native import load
 from foresight.errors import IOEngineError, check
 
-try:
-    from foresight._uring import ffi, lib
-except ImportError as e:  # pragma: no cover - only on a broken install
-    raise ImportError(
-        "foresight._uring (the C I/O engine) failed to load. Likely causes: the package was not built "
-        "(`python setup.py build_ext --inplace`), it was built for another Python, or cffi is missing. "
-        f"Original error: {e}"
-    ) from e
+_uring = load("_uring")
+ffi, lib = _uring.ffi, _uring.lib
 
 log = logging.getLogger("foresight.io")
 

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from foresight._native import load
+
+_core = load("_core")
+
 
 def gather_tokens(
     region: np.ndarray, x_dest: np.ndarray, piece_tokens: np.ndarray, piece_itemsize: int, rows: np.ndarray
@@ -24,8 +28,6 @@ def gather_tokens(
     flat = rows.reshape(-1)
     if int(piece_tokens.sum()) != flat.size:
         raise ValueError(f"pieces hold {int(piece_tokens.sum())} tokens, rows need {flat.size}")
-    from foresight import _core
-
     # Pieces are packed back to back: exactly the row-major order of ``rows``. GIL released inside.
     _core.gather(region, np.ascontiguousarray(x_dest, dtype=np.int64),
                  np.ascontiguousarray(piece_tokens * piece_itemsize, dtype=np.int64), flat.view(np.uint8))

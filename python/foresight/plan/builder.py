@@ -29,10 +29,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from foresight import _engine_plan as _engine
+from foresight._native import load
 from foresight.errors import PlanError
 from foresight.plan.plan import Plan
 from foresight.plan.shuffle import epoch_order, index_dtype
+
+_engine = load("_engine_plan")
 
 SHUFFLES = ("global", "block")
 MAX_DATASETS = 65535

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from foresight import _engine_plan as _engine
+from foresight._native import load
+
+_engine = load("_engine_plan")
 
 #: Samples per bucket of the global shuffle: 64 Ki int32 entries (256 KiB) stay in L2 cache.
 BUCKET_TARGET = 1 << 16
