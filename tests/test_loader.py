@@ -196,3 +196,16 @@ def test_iterable_dataset_adapter_with_workers(token_setup):
     assert len(got) == len(reference)
     for a, b in zip(got, reference):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixture_of_uint16_and_uint32_datasets(tmp_path, backend):
+    narrow, _, _ = _token_dataset(tmp_path / "narrow", docs=150, seed=3, dtype=np.uint16)
+    wide, _, _ = _token_dataset(tmp_path / "wide", docs=150, seed=4, dtype=np.uint32)
+    plan = build_plan([(narrow, 0.5), (wide, 0.5)], seed=2, global_batch_size=6, seq_len=40, num_steps=8)
+    with Loader([narrow, wide], plan, backend=backend) as loader:
+        for batch in loader:
+            start, stop = plan.rank_items(batch.step, 0, 1)
+            want = _expected_rows([narrow, wide], plan, start, stop).astype(np.int64)
+            assert batch["tokens"].numpy().dtype == np.uint32
+            assert torch.equal(batch["input_ids"], torch.from_numpy(want[:, :-1]))

@@ -7,7 +7,7 @@ only copy on the token path); ``input_ids``/``labels`` are then views ``rows[:, 
 Example::
 
     rows = np.empty((n_items, seq_len + 1), np.uint16)
-    gather_tokens(region, x_dest, piece_tokens, rows.itemsize, rows)
+    gather_tokens(region, x_dest, piece_tokens, rows)
 """
 from __future__ import annotations
 
@@ -18,19 +18,34 @@ from foresight._native import load
 _core = load("_core")
 
 
-def gather_tokens(
-    region: np.ndarray, x_dest: np.ndarray, piece_tokens: np.ndarray, piece_itemsize: int, rows: np.ndarray
-) -> None:
+def gather_tokens(region: np.ndarray, x_dest: np.ndarray, piece_tokens: np.ndarray, rows: np.ndarray, *,
+                  piece_dataset: np.ndarray | None = None, dataset_dtypes: list[np.dtype] | None = None) -> None:
     """Copy each piece ``region[x_dest[p] : x_dest[p] + piece_tokens[p] * itemsize]`` into ``rows`` in order.
 
-    ``region`` is the uint8 transfer buffer, ``rows`` a C-contiguous array whose dtype matches the pieces.
+    ``region`` is the uint8 transfer buffer and ``rows`` a C-contiguous array. When every piece has the rows'
+    dtype this is one native byte gather; datasets of a narrower token dtype (a mixture of uint16 and uint32
+    datasets) are gathered per dataset and widened into their positions.
     """
     flat = rows.reshape(-1)
     if int(piece_tokens.sum()) != flat.size:
         raise ValueError(f"pieces hold {int(piece_tokens.sum())} tokens, rows need {flat.size}")
-    # Pieces are packed back to back: exactly the row-major order of ``rows``. GIL released inside.
-    _core.gather(region, np.ascontiguousarray(x_dest, dtype=np.int64),
-                 np.ascontiguousarray(piece_tokens * piece_itemsize, dtype=np.int64), flat.view(np.uint8))
+    x_dest = np.ascontiguousarray(x_dest, dtype=np.int64)
+    if dataset_dtypes is None or all(np.dtype(d) == rows.dtype for d in dataset_dtypes):
+        # Pieces are packed back to back: exactly the row-major order of ``rows``. GIL released inside.
+        _core.gather(region, x_dest, np.ascontiguousarray(piece_tokens * rows.itemsize, dtype=np.int64),
+                     flat.view(np.uint8))
+        return
+    starts = np.zeros(len(piece_tokens), dtype=np.int64)
+    np.cumsum(piece_tokens[:-1], out=starts[1:])
+    for d in np.unique(piece_dataset):
+        dtype = np.dtype(dataset_dtypes[int(d)])
+        mask = piece_dataset == d
+        counts = piece_tokens[mask]
+        scratch = np.empty(int(counts.sum()), dtype=dtype)
+        _core.gather(region, x_dest[mask], np.ascontiguousarray(counts * dtype.itemsize), scratch.view(np.uint8))
+        # Destination of every token of this dataset's pieces, in order.
+        first = np.repeat(starts[mask] - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+        flat[first + np.arange(scratch.size)] = scratch
 
 
 def document_boundaries(item_ptr: np.ndarray, piece_tokens: np.ndarray, seq_len: int) -> np.ndarray:

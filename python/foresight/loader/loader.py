@@ -162,10 +162,10 @@ class Loader:
 
         self._tokens = plan.kind == "tokens"
         if self._tokens:
-            dtypes = {np.dtype(ds.token_dtype) for ds in self.datasets}
-            if len(dtypes) != 1:
-                raise PlanError("token datasets of one plan must share a token dtype", dtypes=sorted(map(str, dtypes)))
-            self._token_dtype = dtypes.pop()
+            # A mixture may hold uint16 and uint32 datasets (the packer picks the narrowest per dataset):
+            # rows take the widest, narrower pieces are widened while they are gathered.
+            self._dataset_dtypes = [np.dtype(ds.token_dtype) for ds in self.datasets]
+            self._token_dtype = np.result_type(*self._dataset_dtypes)
         self._per_rank = plan.global_batch_size // self.world_size
         self._transfer_bytes, self._rows_bytes = self._slot_layout()
         slot_bytes = _round_up(self._transfer_bytes + self._rows_bytes, ALIGN)
@@ -336,7 +336,8 @@ class Loader:
             rows_region = self._arena.slot(job.slot)[self._transfer_bytes : self._transfer_bytes + self._rows_bytes]
             rows = rows_region[: n_items * (seq + 1) * self._token_dtype.itemsize].view(self._token_dtype)
             rows = rows.reshape(n_items, seq + 1)
-            gather_tokens(job.region, job.x_dest, ext.piece_tokens, self._token_dtype.itemsize, rows)
+            gather_tokens(job.region, job.x_dest, ext.piece_tokens, rows, piece_dataset=ext.dataset,
+                          dataset_dtypes=self._dataset_dtypes)
             cu = document_boundaries(ext.item_ptr, ext.piece_tokens, seq)
             fields.update(tokens=rows, cu_seqlens=cu, position_ids=position_ids(cu, n_items * seq).reshape(n_items, seq),
                           item_ptr=ext.item_ptr, dataset=ext.dataset)
