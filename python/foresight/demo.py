@@ -185,7 +185,7 @@ def _train(out: str, ds, plan, steps: int, seed: int):
         ckpt.wait()
         info["checkpoint drain wait (ms)"] = round((time.perf_counter() - t0) * 1e3, 2)
         stats = loader.stats.as_dict()
-    ckpt.close() if hasattr(ckpt, "close") else None
+    ckpt.close()
     print("losses:", " ".join(f"{x:.3f}" for x in losses))
     keep = ("backend", "steps", "ios", "extents", "bytes_requested", "bytes_read", "amplification",
             "io_wait_s", "collate_s", "stall_s")
@@ -204,10 +204,11 @@ def _resume(out: str, ds, plan, steps: int, seed: int) -> list[float]:
     losses = []
     with Loader(ds, plan, prefetch=2) as loader:
         loader.load_state_dict(restored.extra_state["loader"])
-        print(f"restored step {restored.step} from {restored.tier}; loader resumes at step {loader.state_dict()['next_step']}")
+        print(f"restored step {restored.step} from {restored.path} (tier {restored.tier}); "
+              f"loader resumes at step {loader.state_dict()['next_step']}")
         for batch in loader:
             losses.append(lm.step(batch))
-    ckpt.close() if hasattr(ckpt, "close") else None
+    ckpt.close()
     return losses
 
 
