@@ -2,7 +2,7 @@
 
 Where a CUDA device is present this one script
 
-1. (``--build``) builds the native extensions in place, (``--test``) runs the loader and arena tests;
+1. (``--build``) builds the native extensions in place, (``--test``) runs the arena, loader and GPU tests;
 2. packs a small token dataset and builds a plan;
 3. runs :class:`foresight.Loader` with ``device="cpu"`` and checks that the batch's ``tokens`` tensor lies inside
    one arena slot (``data_ptr`` within ``[arena.address(slot), + slot_bytes)``) and is pinned: the bytes the
@@ -20,6 +20,7 @@ Usage::
     python bench/gpu_handoff.py                    # measure (GPU machine)
     python bench/gpu_handoff.py --build --test     # build, test and measure in one go
     python bench/gpu_handoff.py --smoke            # tiny dataset, few runs
+    bash bench/gpu_device.sh                       # all of it on a GPU machine without registries
 """
 from __future__ import annotations
 
@@ -54,8 +55,10 @@ def build() -> None:
 
 
 def run_tests() -> int:
-    return subprocess.call([sys.executable, "-m", "pytest", "-q", "tests/test_arena.py", "tests/test_loader.py"],
-                           cwd=REPO)
+    tests = ["tests/test_arena.py", "tests/test_loader.py", "tests/test_gpu.py", "tests/test_checkpoint_internals.py"]
+    path = [str(REPO / "python"), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
+    return subprocess.call([sys.executable, "-m", "pytest", "-q", *tests], cwd=REPO, env=env)
 
 
 def make_token_data(root: Path, *, tokens: int, batch: int, seq_len: int, steps: int):

@@ -44,7 +44,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, cpu_seconds, drop_page_cache, evict_file, have, machine, print_table, warm_file, write_results  # noqa: E402,F401
+from common import (  # noqa: E402,F401
+    RESULTS, cpu_seconds, drop_page_cache, evict_file, have, machine, print_table, warm_file, write_results,
+)
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = {"4K": 4 * KiB, "16K": 16 * KiB, "64K": 64 * KiB, "1M": 1 * MiB}
@@ -54,6 +56,8 @@ PREFETCH = 2
 DL_WORKERS = 2
 SWEEP_GAPS = (0, 16 * KiB, 64 * KiB, 256 * KiB)
 SWEEP_TRANSFERS = (256 * KiB, 1 * MiB, 4 * MiB)
+# Large samples: does a transfer limit that grows with the sample (the loader's max_transfer=None) pay?
+LARGE_SWEEP_TRANSFERS = (4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB)
 
 
 # -- data ---------------------------------------------------------------------------------------------------------
@@ -176,12 +180,12 @@ def result(samples: int, nbytes: int, wall: float, cpu: float, **extra) -> dict:
 
 def run_foresight(case: Case, cold: bool, *, shuffle: str = "global", backend: str = "uring",
                   max_gap: int | None = None, max_transfer: int | None = None) -> dict:
-    from foresight.loader import DEFAULT_MAX_GAP, DEFAULT_MAX_TRANSFER, Loader
+    from foresight.loader import DEFAULT_MAX_GAP, Loader
 
     loader = Loader(
         case.ds, case.plans[shuffle], backend=backend, direct=cold, queue_depth=QUEUE_DEPTH, prefetch=PREFETCH,
         max_gap=DEFAULT_MAX_GAP if max_gap is None else max_gap,
-        max_transfer=DEFAULT_MAX_TRANSFER if max_transfer is None else max_transfer,
+        max_transfer=max_transfer,
         end_step=case.steps,
     )
     meter = Meter()
@@ -199,6 +203,7 @@ def run_foresight(case: Case, cold: bool, *, shuffle: str = "global", backend: s
         loader.close()
     return result(samples, samples * case.size, wall, cpu, backend=stats["backend"],
                   ios_per_sample=stats["ios"] / max(1, stats["samples"]), amplification=stats["amplification"],
+                  max_transfer=loader.max_transfer,
                   stages_s={k: stats[k] for k in ("plan_s", "coalesce_s", "submit_s", "io_wait_s", "collate_s",
                                                    "h2d_s", "stall_s")})
 
@@ -359,7 +364,7 @@ def summarize(case: Case, mode: str, name: str, results: list[dict]) -> dict:
         row[key + "_all"] = [r[key] for r in ok]
     ios = [r["ios_per_sample"] for r in ok if r.get("ios_per_sample") is not None]
     row["ios_per_sample"] = statistics.median(ios) if ios else None
-    for key in ("backend", "amplification"):
+    for key in ("backend", "amplification", "max_transfer"):
         if key in ok[0]:
             row[key] = ok[0][key]
     if "stages_s" in ok[0]:
@@ -386,28 +391,31 @@ def add_ratios(rows: list[dict]) -> None:
             r["x_memmap_sps"] = r["samples_per_s"] / mm["samples_per_s"]
 
 
-def sweep(case: Case, runs: int, cache: CacheControl, gaps, transfers) -> list[dict]:
-    """Coalescing options on the block-local plan, O_DIRECT (cold): samples/s and I/Os per sample."""
-    raw: dict[tuple[int, int], list[dict]] = {}
+def sweep(case: Case, runs: int, cache: CacheControl, gaps, transfers, modes=("cold",)) -> list[dict]:
+    """Coalescing options on the block-local plan: samples/s and I/Os per sample (cold = O_DIRECT)."""
+    raw: dict[tuple[str, int, int], list[dict]] = {}
     for _ in range(runs):
-        for gap in gaps:
-            for mt in transfers:
-                cache.prepare(case.path, True)
-                raw.setdefault((gap, mt), []).append(
-                    run_foresight(case, True, shuffle="block", max_gap=gap, max_transfer=mt))
+        for mode in modes:
+            for gap in gaps:
+                for mt in transfers:
+                    cache.prepare(case.path, mode == "cold")
+                    raw.setdefault((mode, gap, mt), []).append(
+                        run_foresight(case, mode == "cold", shuffle="block", max_gap=gap, max_transfer=mt))
     rows = []
-    for (gap, mt), res in raw.items():
+    for (mode, gap, mt), res in raw.items():
         rows.append({
-            "max_gap": gap, "max_transfer": mt, "size": case.label, "mode": "cold", "plan": "block",
+            "max_gap": gap, "max_transfer": mt, "size": case.label, "mode": mode, "plan": "block",
             "samples_per_s": statistics.median(r["samples_per_s"] for r in res),
             "mb_per_s": statistics.median(r["mb_per_s"] for r in res),
             "cpu_s_per_gb": statistics.median(r["cpu_s_per_gb"] for r in res),
             "ios_per_sample": statistics.median(r["ios_per_sample"] for r in res),
             "amplification": res[0]["amplification"],
         })
-    best = max(rows, key=lambda r: r["mb_per_s"])
-    for r in rows:
-        r["x_best"] = r["mb_per_s"] / best["mb_per_s"]
+    for mode in modes:
+        best = max((r for r in rows if r["mode"] == mode), key=lambda r: r["mb_per_s"])
+        for r in rows:
+            if r["mode"] == mode:
+                r["x_best"] = r["mb_per_s"] / best["mb_per_s"]
     return rows
 
 
@@ -441,21 +449,21 @@ def targets(rows: list[dict]) -> list[dict]:
         r = get(size, "cold", "fs-uring-block")
         add(f"{size} block-local I/Os per sample", r and r["ios_per_sample"], "<= 0.1", lambda v: v <= 0.1,
             r and f"{r['ios_per_sample']:.4f} I/Os per sample"
-            + (" (a 1 MiB sample is already one max_transfer-sized read)" if size == "1M" else ""))
+            + (f" (max_transfer {r['max_transfer'] / MiB:g} MiB)" if r.get("max_transfer") else ""))
     return out
 
 
 # -- output -------------------------------------------------------------------------------------------------------
 
 
-def plot(rows: list[dict], sweep_rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], sweep_rows: list[dict], large_rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     modes = [m for m in ("cold", "warm") if any(r["mode"] == m for r in rows)]
-    ncols = len(modes) + (1 if sweep_rows else 0)
+    ncols = len(modes) + (1 if sweep_rows else 0) + (1 if large_rows else 0)
     fig, axes = plt.subplots(1, ncols, figsize=(7 * ncols, 5), squeeze=False)
     sizes = [s for s in SIZES if any(r["size"] == s for r in rows)]
     names = list(dict.fromkeys(r["method"] for r in rows))
@@ -472,8 +480,26 @@ def plot(rows: list[dict], sweep_rows: list[dict], path: Path) -> None:
         ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(names), 9), fontsize=8, frameon=False)
-    if sweep_rows:
+    if large_rows:
         ax = axes[0][-1]
+        for mode in [m for m in ("cold", "warm") if any(r["mode"] == m for r in large_rows)]:
+            pts = sorted((r["max_transfer"], r["mb_per_s"], r["ios_per_sample"]) for r in large_rows
+                         if r["mode"] == mode)
+            ax.plot([p[0] / MiB for p in pts], [p[1] for p in pts], marker="o", label=mode)
+            for x, y, ios in pts:
+                ax.annotate(f"{ios:.3g} I/O/s.", (x / MiB, y), fontsize=7, textcoords="offset points",
+                            xytext=(0, 5), ha="center")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r["max_transfer"] for r in large_rows})
+        ax.set_xticks([t / MiB for t in ticks], [f"{t / MiB:g}" for t in ticks])
+        ax.set_xlabel("max_transfer (MiB)")
+        ax.set_ylabel("MB/s (median)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.set_title(f"transfer limit: block-local {large_rows[0]['size']}")
+    if sweep_rows:
+        ax = axes[0][len(modes)]
         gaps = sorted({r["max_gap"] for r in sweep_rows})
         mts = sorted({r["max_transfer"] for r in sweep_rows})
         grid = np.array([[next(r["mb_per_s"] for r in sweep_rows if r["max_gap"] == g and r["max_transfer"] == m)
@@ -534,11 +560,13 @@ def main(argv: list[str] | None = None) -> int:
         sizes = ["16K"]
         run_bytes = {s: 2 * MiB for s in sizes}
         sweep_gaps, sweep_transfers = (0, 64 * KiB), (1 * MiB,)
+        large_label, large_transfers = "16K", (64 * KiB, 256 * KiB)
     else:
         root, dataset_bytes, runs = Path(args.data_dir), int(args.dataset_gib * GiB), args.runs
         default_run = {"4K": 128 * MiB, "16K": 256 * MiB, "64K": 512 * MiB, "1M": 1024 * MiB}
         run_bytes = {s: (args.run_mib * MiB if args.run_mib else default_run[s]) for s in sizes}
         sweep_gaps, sweep_transfers = SWEEP_GAPS, SWEEP_TRANSFERS
+        large_label, large_transfers = "1M", LARGE_SWEEP_TRANSFERS
     fio = have("fio")
     runners = methods(fio)
     cache = CacheControl(global_drop=not args.smoke)
@@ -548,17 +576,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"read_path: {info['platform']}, {info['cpus']} CPUs, kernel {info['kernel']}, "
               f"load {info['load_avg_start'][0]:.1f}; fio {'found' if fio else 'absent: skipped'}", flush=True)
         t_start = time.perf_counter()
-        rows, sweep_rows, cases = [], [], {}
+        rows, sweep_rows, large_rows, cases = [], [], [], {}
         for label in sizes:
             size = SIZES[label]
             ds = ensure_dataset(root, size, dataset_bytes, quiet=args.smoke)
             case = make_case(label, size, ds, run_bytes[label], batch=32 if args.smoke else None)
-            cases[label] = {"load_avg": os.getloadavg(), "batch": case.batch, "steps": case.steps, "samples_per_run": case.steps * case.batch,
+            cases[label] = {"load_avg": os.getloadavg(), "batch": case.batch, "steps": case.steps,
+                            "samples_per_run": case.steps * case.batch,
                             "file": case.path, "file_bytes": os.path.getsize(case.path)}
             print(f"{label}: {ds.num_samples} samples, batch {case.batch}, {case.steps} steps per run", flush=True)
             rows += run_case(case, runners, runs, cache, modes)
             if label == "16K" and not args.no_sweep and "cold" in modes:
                 sweep_rows = sweep(case, runs, cache, sweep_gaps, sweep_transfers)
+            if label == large_label and not args.no_sweep:
+                from foresight.loader import DEFAULT_MAX_GAP
+
+                large_rows = sweep(case, runs, cache, (DEFAULT_MAX_GAP,), large_transfers, modes)
         elapsed = time.perf_counter() - t_start
     finally:
         if tmp:
@@ -571,8 +604,11 @@ def main(argv: list[str] | None = None) -> int:
         "machine": info, "smoke": args.smoke, "elapsed_s": elapsed, "runs": runs, "queue_depth": QUEUE_DEPTH,
         "prefetch": PREFETCH, "dataloader_workers": DL_WORKERS, "dataset_bytes": dataset_bytes, "cases": cases,
         "global_cache_drop": cache.global_drop_worked, "rows": rows, "sweep": sweep_rows,
+        "sweep_large": large_rows,
     }
-    report(payload, "read_path_smoke" if args.smoke else "read_path")
+    # a partial run (some sizes) keeps its own file, so it never replaces the full run's figures
+    name = "read_path_smoke" if args.smoke else "read_path" + ("" if sizes == list(SIZES) else "_" + "_".join(sizes))
+    report(payload, name)
     return 0
 
 
@@ -592,11 +628,17 @@ def report(payload: dict, name: str) -> None:
                                  "ios_per_sample", "amplification", "x_best"],
                     title="coalescing sweep: block-local 16K plan, O_DIRECT")
         print(f"best: max_gap={best['max_gap']} max_transfer={best['max_transfer']}")
+    large_rows = payload.get("sweep_large") or []
+    if large_rows:
+        print()
+        print_table(large_rows, ["size", "mode", "max_transfer", "samples_per_s", "mb_per_s", "cpu_s_per_gb",
+                                 "ios_per_sample", "x_best"],
+                    title=f"transfer limit for large samples: block-local {large_rows[0]['size']} plan")
     print()
     print_table(verdicts, ["target", "goal", "value", "met", "detail"], title="targets")
     payload.update(best_coalescing=best, targets=verdicts)
     out = write_results(name, payload)
-    plot(rows, sweep_rows, RESULTS / f"{name}.png")
+    plot(rows, sweep_rows, large_rows, RESULTS / f"{name}.png")
     print(f"\nwrote {out} and {RESULTS / (name + '.png')} ({payload['elapsed_s']:.0f} s of measuring)")
 
 

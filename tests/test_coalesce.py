@@ -207,3 +207,14 @@ def test_large_step_runs_in_one_call():
     tr = coalesce(rng.integers(0, 8, n).astype(np.int32), offset, rng.integers(0, 65536, n),
                   max_gap=32 << 10, max_transfer=1 << 20)
     assert 0 < tr.io_count <= n and tr.total_bytes >= tr.requested_bytes // 2
+
+
+def test_transfer_limit_grows_with_large_extents_within_bounds():
+    from foresight.io.coalesce import (DEFAULT_MAX_TRANSFER, EXTENTS_PER_TRANSFER, MAX_AUTO_TRANSFER,
+                                       transfer_limit_for)
+
+    assert transfer_limit_for(0) == DEFAULT_MAX_TRANSFER
+    assert transfer_limit_for(16 << 10) == DEFAULT_MAX_TRANSFER
+    assert transfer_limit_for(1 << 20) == EXTENTS_PER_TRANSFER << 20
+    assert transfer_limit_for(1e9) == MAX_AUTO_TRANSFER
+    assert transfer_limit_for(300_001) % 4096 == 0

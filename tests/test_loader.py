@@ -209,3 +209,32 @@ def test_mixture_of_uint16_and_uint32_datasets(tmp_path, backend):
             want = _expected_rows([narrow, wide], plan, start, stop).astype(np.int64)
             assert batch["tokens"].numpy().dtype == np.uint32
             assert torch.equal(batch["input_ids"], torch.from_numpy(want[:, :-1]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_samples_get_a_larger_transfer_limit(tmp_path, backend):
+    # 512 KiB samples in block-local steps of 32: the default transfer limit grows to hold 16 of them, so a
+    # step is two reads (8 MiB each) where a fixed 4 MiB limit would make it four; the bytes are the same.
+    from foresight.io.coalesce import DEFAULT_MAX_TRANSFER, EXTENTS_PER_TRANSFER
+
+    size, n = 512 << 10, 64
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, size=size * n, dtype=np.uint8)
+    with DatasetWriter(str(tmp_path / "big"), align=4096) as w:
+        w.add_many(data, np.full(n, size, np.int64), modality="bytes")
+    ds = open_dataset(str(tmp_path / "big"))
+    plan = build_plan([(ds, 1.0)], seed=2, global_batch_size=32, num_steps=2, shuffle="block", block_size=32)
+    ios = {}
+    for max_transfer in (None, DEFAULT_MAX_TRANSFER):
+        with Loader(ds, plan, backend=backend, max_transfer=max_transfer) as loader:
+            for batch in loader:
+                got = batch["data"].numpy()
+                for off, length, sid in zip(batch["offsets"].numpy(), batch["lengths"].numpy(),
+                                            batch["sample_ids"].numpy()):
+                    assert length == size
+                    assert np.array_equal(got[off : off + length], data[sid * size : (sid + 1) * size])
+            ios[max_transfer] = loader.stats.as_dict()["ios"]
+            if max_transfer is None:
+                assert loader.max_transfer == EXTENTS_PER_TRANSFER * size
+    assert ios[None] == 2 * plan.num_steps
+    assert ios[DEFAULT_MAX_TRANSFER] == 4 * plan.num_steps

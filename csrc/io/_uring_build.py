@@ -18,7 +18,8 @@ CSRC = os.path.dirname(HERE)
 def _have_liburing() -> bool:
     if os.environ.get("FORESIGHT_NO_LIBURING"):
         return False
-    include_dirs = ["/usr/include", "/usr/local/include"]
+    # CPATH: where the compiler also looks (bench/gpu_device.sh points it at liburing unpacked from a .deb)
+    include_dirs = [d for d in os.environ.get("CPATH", "").split(":") if d] + ["/usr/include", "/usr/local/include"]
     return any(os.path.exists(os.path.join(d, "liburing.h")) for d in include_dirs)
 
 

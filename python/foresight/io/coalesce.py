@@ -36,7 +36,9 @@ from foresight._native import load
 
 _core = load("_core")
 
-__all__ = ["Transfers", "coalesce", "DEFAULT_MAX_GAP", "DEFAULT_MAX_TRANSFER", "DEFAULT_ALIGN"]
+__all__ = [
+    "Transfers", "coalesce", "transfer_limit_for", "DEFAULT_MAX_GAP", "DEFAULT_MAX_TRANSFER", "DEFAULT_ALIGN",
+]
 
 # Chosen by bench/read_path.py's sweep (block-local 16 KiB, O_DIRECT): one 16 KiB random read costs about
 # 22 us of disk time, ~55 KB of streaming at 2.5 GB/s, so holes up to 64 KiB are cheaper read than skipped;
@@ -44,8 +46,30 @@ __all__ = ["Transfers", "coalesce", "DEFAULT_MAX_GAP", "DEFAULT_MAX_TRANSFER", "
 DEFAULT_MAX_GAP = 64 << 10
 DEFAULT_MAX_TRANSFER = 4 << 20
 DEFAULT_ALIGN = 4096
+# Large samples: a transfer holds at least this many typical extents, up to the cap (the 1 MiB sweep in
+# bench/read_path.py: 4 -> 32 MiB transfers keep or raise MB/s cold and warm, with 8x fewer I/Os).
+EXTENTS_PER_TRANSFER = 16
+MAX_AUTO_TRANSFER = 64 << 20
 
 _INT32 = np.iinfo(np.int32)
+
+
+def transfer_limit_for(mean_extent_bytes: float, *, floor: int = DEFAULT_MAX_TRANSFER,
+                       align: int = DEFAULT_ALIGN) -> int:
+    """The ``max_transfer`` for extents of this mean size: ``floor`` for small ones, room for
+    ``EXTENTS_PER_TRANSFER`` of them for large ones, at most ``MAX_AUTO_TRANSFER`` (and never below ``floor``).
+
+    The arena holds a whole step whatever the transfer size, so a larger limit costs no memory; it only merges
+    neighbours the gap rule already allows into fewer, larger reads.
+
+    Example::
+
+        transfer_limit_for(16 << 10)   # 4 MiB: 256 samples of 16 KiB per transfer at most
+        transfer_limit_for(1 << 20)    # 16 MiB: 16 samples of 1 MiB
+    """
+    want = int(EXTENTS_PER_TRANSFER * max(0.0, float(mean_extent_bytes)))
+    want = -(-want // align) * align
+    return max(int(floor), min(MAX_AUTO_TRANSFER, want))
 
 
 @dataclass(frozen=True, eq=False)

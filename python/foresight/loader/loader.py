@@ -94,6 +94,8 @@ class Loader:
         direct: open shard files with O_DIRECT (cold reads, no page cache).
         max_gap, max_transfer: coalescing: merge extents across holes up to ``max_gap`` bytes into transfers of
             at most ``max_transfer`` bytes. ``max_gap=-1`` turns coalescing off (one read per extent).
+            ``max_transfer=None`` sizes it from the plan's mean piece (4 MiB, more for samples over 256 KiB:
+            :func:`foresight.io.coalesce.transfer_limit_for`).
         verify: check each whole sample's xxh3 checksum (non-token plans).
         decode: optional stage ``(fields, *, stats, first_item) -> fields`` run on the loader thread once a
             step's reads complete, e.g. :class:`foresight.loader.MediaDecodeStage` (frame-selective decode).
@@ -115,7 +117,7 @@ class Loader:
         direct: bool = False,
         queue_depth: int = 64,
         max_gap: int = DEFAULT_MAX_GAP,
-        max_transfer: int = DEFAULT_MAX_TRANSFER,
+        max_transfer: int | None = None,
         verify: bool = False,
         decode: Callable[..., dict] | None = None,
         auto_release: bool = True,
@@ -149,7 +151,6 @@ class Loader:
         self.device = str(device)
         self.direct = bool(direct)
         self.max_gap = int(max_gap)
-        self.max_transfer = int(max_transfer)
         self.verify = bool(verify)
         self.decode = decode
         self.auto_release = bool(auto_release)
@@ -168,6 +169,7 @@ class Loader:
             self._token_dtype = np.result_type(*self._dataset_dtypes)
         self._per_rank = plan.global_batch_size // self.world_size
         self._transfer_bytes, self._rows_bytes = self._slot_layout()
+        self.max_transfer = self._auto_max_transfer() if max_transfer is None else int(max_transfer)
         slot_bytes = _round_up(self._transfer_bytes + self._rows_bytes, ALIGN)
         nslots = self.prefetch + 2
 
@@ -189,9 +191,11 @@ class Loader:
         self._register()
         self._pending_events: deque = deque()
         log.info(
-            "foresight loader: rank %d/%d, backend=%s, %d slots x %.1f MiB = %.1f MiB host memory%s",
+            "foresight loader: rank %d/%d, backend=%s, %d slots x %.1f MiB = %.1f MiB host memory%s, "
+            "transfers <= %.1f MiB",
             self.rank, self.world_size, self._engine.backend, nslots, slot_bytes / 2**20,
             nslots * slot_bytes / 2**20, " (pinned)" if getattr(self._arena, "pinned", False) else "",
+            self.max_transfer / 2**20,
         )
         self._thread: threading.Thread | None = None
         self._queue: queue.Queue = queue.Queue()
@@ -220,6 +224,18 @@ class Loader:
         # back to max_gap=0 for a step that would not fit.
         transfer = _round_up(requested + min(max_pieces * 2 * ALIGN, requested + 2 * ALIGN) + ALIGN, ALIGN)
         return transfer, _round_up(rows, ALIGN)
+
+    def _auto_max_transfer(self) -> int:
+        """``max_transfer`` from the mean piece size in bytes (the first million pieces stand for the plan)."""
+        from foresight.io.coalesce import transfer_limit_for
+
+        count = min(len(self.plan.piece_length), 1 << 20)
+        if count == 0:
+            return DEFAULT_MAX_TRANSFER
+        mean = float(np.asarray(self.plan.piece_length[:count], dtype=np.int64).mean())
+        if self._tokens:
+            mean *= self._token_dtype.itemsize
+        return transfer_limit_for(mean, align=ALIGN)
 
     def _item_limit(self) -> int:
         return self.end_step * self.plan.global_batch_size
@@ -437,21 +453,15 @@ class Loader:
         on_cuda = self.device.startswith("cuda")
         for key, value in list(fields.items()):
             if isinstance(value, np.ndarray):
-                value = torch.from_numpy(value.view(np.int16)).view(torch.uint16) if value.dtype == np.uint16 \
-                    else torch.from_numpy(value)
-            if on_cuda and isinstance(value, torch.Tensor):
+                value = _tensor_of(value, self.device if on_cuda else None)
+            elif on_cuda and isinstance(value, torch.Tensor):
                 value = value.to(self.device, non_blocking=True)
             elif on_cuda and isinstance(value, list) and value and isinstance(value[0], torch.Tensor):
                 value = [t.to(self.device, non_blocking=True) for t in value]
             fields[key] = value
         if self._tokens:
-            tokens = fields["tokens"]
-            if on_cuda:
-                tokens = tokens.to(torch.int64)
-                fields["input_ids"], fields["labels"] = tokens[:, :-1], tokens[:, 1:]
-            else:
-                wide = tokens.to(torch.int64)
-                fields["input_ids"], fields["labels"] = wide[:, :-1], wide[:, 1:]
+            wide = _widen_tokens(fields["tokens"])
+            fields["input_ids"], fields["labels"] = wide[:, :-1], wide[:, 1:]
         release = batch._release
         batch._release = None
         if on_cuda and release is not None:
@@ -532,6 +542,33 @@ class Loader:
             self.close()
         except Exception:
             pass
+
+
+def _tensor_of(array: np.ndarray, device: str | None):
+    """A tensor over ``array`` (no copy), moved to ``device`` with a non-blocking copy when given.
+
+    torch's uint16/uint32 have few kernels (on CUDA not all copies), so those travel as the signed type of the
+    same width and are viewed back as unsigned where they land: the bytes are the same.
+    """
+    import torch
+
+    signed = {np.dtype(np.uint16): (np.int16, torch.uint16), np.dtype(np.uint32): (np.int32, torch.uint32)}
+    as_signed = signed.get(array.dtype)
+    tensor = torch.from_numpy(array.view(as_signed[0]) if as_signed else array)
+    if device is not None:
+        tensor = tensor.to(device, non_blocking=True)
+    return tensor.view(as_signed[1]) if as_signed else tensor
+
+
+def _widen_tokens(tokens):
+    """int64 token ids from uint16/uint32/int64 tokens, on whatever device they are (signed view + mask)."""
+    import torch
+
+    masks = {torch.uint16: (torch.int16, 0xFFFF), torch.uint32: (torch.int32, 0xFFFFFFFF)}
+    if tokens.dtype in masks:
+        signed, mask = masks[tokens.dtype]
+        return tokens.view(signed).to(torch.int64).bitwise_and_(mask)
+    return tokens.to(torch.int64)
 
 
 class _Stopped(Exception):
