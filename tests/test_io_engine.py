@@ -478,6 +478,33 @@ def test_nowait_pass_serves_cached_reads(data_file):
         assert eng.stats["nowait_hits"] == 0
 
 
+@pytest.mark.skipif(URING_SKIP is not None, reason=str(URING_SKIP))
+@pytest.mark.parametrize("threads", [1, 4])
+def test_page_cache_pass_with_errors_and_eof_in_the_batch(data_file, threads):
+    # A batch large enough for the multi-threaded pass (threads=4), or probed by the feeder alone
+    # (threads=1): hits, a bad fd, a read past the end and one reaching it, each with its own result.
+    path, fd, data = data_file
+    n = 40
+    offsets = (np.arange(n, dtype=np.int64) * 4093) % (FILE_SIZE - 4096)
+    lengths = np.full(n, 4096, np.int64)
+    fds = np.full(n, fd, np.int32)
+    fds[7] = -1
+    offsets[20], offsets[31] = FILE_SIZE + 4096, FILE_SIZE - 100
+    buf = np.zeros(n * 4096, np.uint8)
+    addrs = buf.ctypes.data + np.arange(n, dtype=np.uint64) * 4096
+    with IOEngine(backend="uring", threads=threads) as eng:
+        with pytest.raises(IOEngineError) as ei:
+            eng.read_batch(fds, offsets, lengths, addrs)
+        results = ei.value.results
+        assert results[7] == -errno.EBADF and results[20] == -errno.ENODATA and results[31] == -errno.ENODATA
+        got = eng.read_batch(fds.clip(min=fd), offsets, lengths, addrs, allow_eof=True)
+        assert got[20] == 0 and got[31] == 100
+        for i in set(range(n)) - {20, 31}:
+            assert got[i] == 4096
+            assert np.array_equal(buf[i * 4096:(i + 1) * 4096], data[offsets[i]:offsets[i] + 4096]), i
+        assert eng.stats["nowait_hits"] >= 2 * (n - 3)
+
+
 @pytest.mark.slow
 def test_request_over_one_gib_is_continued(backend, tmp_path):
     """io_uring lengths are 32-bit and pread stops at 2 GiB: one request is split and continued."""

@@ -48,7 +48,8 @@ struct fs_engine;
 struct fs_engine_opts {
     int32_t backend;             /* FS_BACKEND_*; default AUTO */
     uint32_t queue_depth;        /* io_uring requests in flight; default 64, at most 4096 */
-    uint32_t threads;            /* pread pool workers (its queue depth); default 4, at most 256 */
+    uint32_t threads;            /* pread pool workers (its queue depth); default 4, at most 256. On
+                                    io_uring: threads of the page-cache pass (at most one per CPU) */
     uint32_t sqpoll;             /* 1: kernel submission-polling thread (io_uring) */
     uint32_t sqpoll_idle_ms;     /* SQPOLL thread idle timeout; default 1000 */
     uint32_t disable_nowait;     /* 1: no preadv2(RWF_NOWAIT) page-cache pass before the ring */
@@ -72,7 +73,8 @@ struct fs_engine_info {
     int32_t backend;             /* FS_BACKEND_URING or FS_BACKEND_PREAD */
     int32_t uring_errno;         /* AUTO fell back: why io_uring failed (positive errno), else 0 */
     uint32_t queue_depth;        /* requests in flight at most (the thread count on the pool) */
-    uint32_t threads;            /* pread pool workers (0 on io_uring) */
+    uint32_t threads;            /* pread pool workers; on io_uring the page-cache pass's threads
+                                    (the caller's included; 0 when the pass is off) */
     uint32_t sqpoll;             /* SQPOLL actually active */
     uint32_t nowait;             /* RWF_NOWAIT pass enabled */
     uint32_t registered_files;

@@ -1,7 +1,8 @@
 /* io_uring backend: keeps up to queue_depth requests in flight across all submitted batches,
  * refilling from the oldest batch as completions are reaped (in poll/wait). Cached extents of
- * buffered reads are served first by preadv2(RWF_NOWAIT), which beats the ring on warm data;
- * only the misses go to the ring. Short transfers are continued, EAGAIN/EINTR retried. */
+ * buffered reads are served first by preadv2(RWF_NOWAIT), which beats the ring on warm data, on
+ * several threads for batches of FS_CACHED_MIN_BATCH requests or bytes (fs_cached.c); only the misses go to
+ * the ring. Short transfers are continued, EAGAIN/EINTR retried. */
 #include <errno.h>
 
 #include "fs_internal.h"
@@ -20,6 +21,12 @@ int fs_uring_create(struct fs_engine *eng) {
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <unistd.h>
+
+/* Batches smaller than this (in requests and bytes) probe the page cache on the feeding thread alone:
+ * waking helpers costs more than it saves. */
+#define FS_CACHED_MIN_BATCH 8
+#define FS_CACHED_MIN_BYTES (1 << 20)
 
 struct slot {
     struct fs_job *job;
@@ -53,6 +60,11 @@ struct fs_uring {
     uint32_t nbufs;
     struct fs_fd_cache fdc;
     int draining;
+    struct fs_cached *cached;  /* page-cache pass helpers, NULL: probe on the feeding thread */
+    const struct fs_job *probe_job; /* the job probe_state describes (cleared once it is all started) */
+    int64_t probe_first, probe_count;
+    uint8_t *probe_state;
+    size_t probe_cap;
 };
 
 static int queue_sqe(struct fs_engine *eng, struct fs_uring *u, uint32_t s) {
@@ -165,16 +177,67 @@ static int fixed_index(struct fs_uring *u, int fd) {
     return k;
 }
 
+/* What the page-cache pass found for request i of job (FS_PROBE_NONE when it was not probed). */
+static uint8_t probed(const struct fs_uring *u, const struct fs_job *job, int64_t i) {
+    if (job != u->probe_job || i < u->probe_first || i >= u->probe_first + u->probe_count)
+        return FS_PROBE_NONE;
+    return u->probe_state[i - u->probe_first];
+}
+
+/* Probe job's remaining buffered reads on the helper threads, when it is worth it. */
+static int cached_pass(struct fs_engine *eng, struct fs_uring *u, struct fs_job *job) {
+    int64_t count = job->b.n - job->next;
+    if (!u->cached || job == u->probe_job || job->b.op != FS_OP_READ || eng->opts.disable_nowait ||
+        job->nowait_off || count < 2)
+        return 0;
+    if (count < FS_CACHED_MIN_BATCH) { /* a few requests: worth it only if they are large */
+        int64_t bytes = 0;
+        for (int64_t i = job->next; i < job->b.n; i++)
+            bytes += job->b.lengths[i];
+        if (bytes < FS_CACHED_MIN_BYTES)
+            return 0;
+    }
+    int direct = 0;
+    if (fs_req_check(job, job->next, &u->fdc, &direct) == 0 && direct)
+        return 0; /* an O_DIRECT batch: nothing is served from the page cache */
+    if ((size_t)count > u->probe_cap) {
+        uint8_t *state = realloc(u->probe_state, (size_t)count);
+        if (!state)
+            return -ENOMEM;
+        u->probe_state = state;
+        u->probe_cap = (size_t)count;
+    }
+    int gave_up = 0;
+    fs_cached_run(u->cached, job, job->next, count, u->probe_state, &gave_up);
+    u->probe_job = job;
+    u->probe_first = job->next;
+    u->probe_count = count;
+    if (gave_up)
+        job->nowait_off = 1;
+    return 0;
+}
+
 /* Start requests, oldest batch first, while slots and the in-flight byte budget allow. */
 static int feed(struct fs_engine *eng, struct fs_uring *u) {
     struct fs_job *job = fs_jobs_feedable(eng);
     while (job) {
+        int ret = cached_pass(eng, u, job);
+        if (ret < 0)
+            return ret;
         while (job->next < job->b.n) {
+            int64_t i = job->next;
+            uint8_t found = probed(u, job, i);
+            if (found == FS_PROBE_DONE) { /* served from the page cache: needs no slot */
+                job->next++;
+                eng->info.nowait_hits++;
+                fs_job_finish(eng, job, i, job->b.results[i]);
+                continue;
+            }
             if (u->nfree == 0 || (u->inflight && u->inflight_bytes >= eng->opts.max_inflight_bytes))
                 return 0;
-            int64_t i = job->next++;
+            job->next++;
             int direct = 0;
-            int ret = fs_req_check(job, i, &u->fdc, &direct);
+            ret = fs_req_check(job, i, &u->fdc, &direct);
             if (ret < 0) {
                 fs_job_finish(eng, job, i, ret);
                 continue;
@@ -183,8 +246,8 @@ static int feed(struct fs_engine *eng, struct fs_uring *u) {
                 fs_job_finish(eng, job, i, 0);
                 continue;
             }
-            if (job->b.op == FS_OP_READ && !direct && !eng->opts.disable_nowait && !job->nowait_off &&
-                nowait_read(eng, job, i))
+            if (found == FS_PROBE_NONE && job->b.op == FS_OP_READ && !direct && !eng->opts.disable_nowait &&
+                !job->nowait_off && nowait_read(eng, job, i))
                 continue;
             uint32_t s = u->free_slots[--u->nfree];
             u->slots[s] = (struct slot){.job = job, .idx = i, .direct = direct, .file_index = fixed_index(u, job->b.fds[i])};
@@ -195,7 +258,11 @@ static int feed(struct fs_engine *eng, struct fs_uring *u) {
                 return ret;
             }
             u->inflight++;
+            if (found == FS_PROBE_MISS && !direct)
+                eng->info.nowait_misses++;
         }
+        if (u->probe_job == job)
+            u->probe_job = NULL; /* all started: the job may be freed, and its address reused */
         job = job->link;
     }
     return 0;
@@ -452,6 +519,8 @@ static void u_destroy(struct fs_engine *eng) {
         reap(eng, u);
     }
     pthread_mutex_unlock(&eng->lock);
+    fs_cached_destroy(u->cached); /* its helpers are idle: passes run only inside feed, under the lock */
+    free(u->probe_state);
     io_uring_queue_exit(&u->ring); /* also drops registered files and buffers */
     free(u->bufs);
     free(u->files);
@@ -524,6 +593,16 @@ int fs_uring_create(struct fs_engine *eng) {
     eng->info.queue_depth = u->qd;
     eng->info.sqpoll = sqpoll_on;
     eng->info.nowait = !eng->opts.disable_nowait;
+    if (!eng->opts.disable_nowait) {
+        /* Page-cache pass threads: as many as the pool would use, at most one per CPU, the feeder included. */
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        uint32_t threads = eng->opts.threads;
+        if (cpus > 0 && (uint32_t)cpus < threads)
+            threads = (uint32_t)cpus;
+        if (threads > 1 && fs_cached_create(threads - 1, &u->cached) < 0)
+            u->cached = NULL; /* no helpers: the feeding thread probes alone */
+        eng->info.threads = fs_cached_threads(u->cached);
+    }
     return 0;
 fail:
     free(u->free_slots);

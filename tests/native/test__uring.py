@@ -203,7 +203,7 @@ def test_c_program_under_sanitizers(tmp_path, sanitizer):
     uring = os.path.exists("/usr/include/liburing.h")
     exe = str(tmp_path / "test_fs_io")
     cmd = ["gcc", "-g", "-O1", f"-fsanitize={sanitizer}", "-D_GNU_SOURCE", f"-I{io}",
-           *[os.path.join(io, f) for f in ("fs_io.c", "fs_uring.c", "fs_pool.c")],
+           *[os.path.join(io, f) for f in ("fs_io.c", "fs_uring.c", "fs_pool.c", "fs_cached.c")],
            os.path.join(ROOT, "tests", "c", "test_fs_io.c"), "-lpthread", "-o", exe]
     if uring:
         cmd[4:4] = ["-DFS_HAVE_LIBURING=1"]

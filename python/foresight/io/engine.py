@@ -167,9 +167,11 @@ class IOEngine:
     Args:
         backend: ``"auto"``, ``"uring"`` or ``"pread"``. ``"uring"`` raises if io_uring fails here.
         queue_depth: requests in flight on the io_uring backend (1..4096).
-        threads: workers of the pread backend (1..256).
+        threads: workers of the pread backend (1..256); on io_uring, the threads (at most one per CPU, the
+            caller's included) that serve a batch's page-cache hits before the ring (``nowait``).
         sqpoll: ask io_uring for a kernel submission thread (falls back to none if refused).
-        nowait: serve page-cache hits of buffered reads with ``preadv2(RWF_NOWAIT)`` first.
+        nowait: serve page-cache hits of buffered reads with ``preadv2(RWF_NOWAIT)`` first (on
+            ``threads`` threads for batches of 8 requests or 1 MiB: warm reads copy at the pread pool's speed).
         max_inflight_bytes: cap on bytes in flight, so large extents don't need a deep queue.
     """
 
