@@ -17,6 +17,8 @@
 
 #include "fs_internal.h"
 
+#define CHUNK (1ll << 20) /* a large read is probed in pieces of this size, so one request spreads over threads */
+
 struct fs_cached {
     pthread_mutex_t mu;
     pthread_cond_t go;   /* a pass started, or stop */
@@ -26,58 +28,67 @@ struct fs_cached {
     int stop;
     uint64_t generation;
     uint32_t busy; /* helpers inside the current pass */
-    /* the current pass (job == NULL: none) */
+    /* the current pass (job == NULL: none). Request first + k owns units [unit_ptr[k], unit_ptr[k + 1]). */
     const struct fs_job *job;
-    int64_t first, count, take;
-    uint8_t *state;
-    int64_t next;           /* next index to claim (atomic) */
-    int64_t probes, hits;   /* atomic */
-    int off;                /* atomic: most probes missed, stop probing */
+    int64_t first, count, units, take;
+    int64_t *unit_ptr;
+    uint32_t *chunks_ok; /* per request: units read whole (atomic) */
+    uint8_t *missed;     /* per request: a unit was not cached, or the request is not for the pass (atomic) */
+    size_t cap;          /* requests the arrays above hold */
+    int64_t next;         /* next unit to claim (atomic) */
+    int64_t probes, hits; /* atomic */
+    int off;              /* atomic: most probes missed, stop probing */
 };
 
-/* Read request i from the page cache only. FS_PROBE_DONE: results[i] is final (all bytes, or the
- * end-of-file outcome); FS_PROBE_MISS: results[i] holds the bytes read so far, the ring does the rest
- * (not cached, O_DIRECT, empty, or invalid: the ring path reports those). */
-static uint8_t probe(const struct fs_job *job, int64_t i, struct fs_fd_cache *cache) {
-    const struct fs_batch *b = &job->b;
+/* Read unit u (request k's piece) from the page cache only; 1 when it was read whole. Not cached, O_DIRECT, an
+ * invalid request or the end of the file: 0, and the ring reads the whole request and reports. */
+static int probe_unit(const struct fs_cached *c, int64_t k, int64_t u, struct fs_fd_cache *cache) {
+    const struct fs_batch *b = &c->job->b;
+    int64_t i = c->first + k;
     int direct = 0;
-    b->results[i] = 0;
-    if (b->lengths[i] == 0 || fs_req_check(job, i, cache, &direct) < 0 || direct)
-        return FS_PROBE_MISS;
-    int64_t len = b->lengths[i], done = 0;
+    if (fs_req_check(c->job, i, cache, &direct) < 0 || direct)
+        return 0;
+    int64_t from = (u - c->unit_ptr[k]) * CHUNK;
+    int64_t len = b->lengths[i] - from < CHUNK ? b->lengths[i] - from : CHUNK;
+    int64_t done = 0;
     while (done < len) {
-        int64_t rest = len - done;
-        struct iovec iov = {(void *)(uintptr_t)(b->addrs[i] + (uint64_t)done),
-                            (size_t)(rest < FS_MAX_CHUNK ? rest : FS_MAX_CHUNK)};
-        ssize_t r = preadv2(b->fds[i], &iov, 1, b->offsets[i] + done, RWF_NOWAIT);
-        if (r == 0) { /* end of file: the ring would say the same */
-            b->results[i] = (b->flags & FS_BATCH_ALLOW_EOF) ? done : -ENODATA;
-            return FS_PROBE_DONE;
-        }
-        if (r < 0)
-            break; /* EAGAIN (not cached) or anything else: the ring does it and reports */
+        struct iovec iov = {(void *)(uintptr_t)(b->addrs[i] + (uint64_t)(from + done)), (size_t)(len - done)};
+        ssize_t r = preadv2(b->fds[i], &iov, 1, b->offsets[i] + from + done, RWF_NOWAIT);
+        if (r <= 0)
+            return 0; /* EAGAIN (not cached), end of file, or an error */
         done += r;
     }
-    b->results[i] = done;
-    return done == len ? FS_PROBE_DONE : FS_PROBE_MISS;
+    return 1;
 }
 
-/* Claim and probe requests of the current pass, ``take`` at a time, until none are left or the pass
- * gives up. */
-static void work(struct fs_cached *c, const struct fs_job *job, int64_t first, int64_t count, uint8_t *state,
-                 int64_t take) {
+/* Claim units of the current pass, ``take`` at a time, and probe them until none are left or the pass gives up. */
+static void work(struct fs_cached *c) {
     struct fs_fd_cache cache = {.job = NULL, .fd = -1};
     for (;;) {
         if (__atomic_load_n(&c->off, __ATOMIC_RELAXED))
             return;
-        int64_t k = __atomic_fetch_add(&c->next, take, __ATOMIC_RELAXED);
-        if (k >= count)
+        int64_t u = __atomic_fetch_add(&c->next, c->take, __ATOMIC_RELAXED);
+        if (u >= c->units)
             return;
-        int64_t end = k + take < count ? k + take : count;
-        int64_t hits = 0, probed = end - k;
-        for (; k < end; k++) {
-            state[k] = probe(job, first + k, &cache);
-            hits += state[k] == FS_PROBE_DONE;
+        int64_t end = u + c->take < c->units ? u + c->take : c->units;
+        int64_t lo = 0, hi = c->count; /* the request owning unit u: last k with unit_ptr[k] <= u */
+        while (hi - lo > 1) {
+            int64_t mid = lo + (hi - lo) / 2;
+            if (c->unit_ptr[mid] <= u)
+                lo = mid;
+            else
+                hi = mid;
+        }
+        int64_t hits = 0, probed = end - u;
+        for (int64_t k = lo; u < end; u++) {
+            while (c->unit_ptr[k + 1] <= u)
+                k++;
+            if (probe_unit(c, k, u, &cache)) {
+                __atomic_add_fetch(&c->chunks_ok[k], 1, __ATOMIC_RELAXED);
+                hits++;
+            } else {
+                __atomic_store_n(&c->missed[k], 1, __ATOMIC_RELAXED);
+            }
         }
         int64_t probes = __atomic_add_fetch(&c->probes, probed, __ATOMIC_RELAXED);
         hits = __atomic_add_fetch(&c->hits, hits, __ATOMIC_RELAXED);
@@ -96,12 +107,9 @@ static void *helper(void *arg) {
         if (c->stop)
             break;
         seen = c->generation;
-        const struct fs_job *job = c->job;
-        int64_t first = c->first, count = c->count, take = c->take;
-        uint8_t *state = c->state;
         c->busy++;
         pthread_mutex_unlock(&c->mu);
-        work(c, job, first, count, state, take);
+        work(c); /* the pass's fields stay put until busy drops to 0 */
         pthread_mutex_lock(&c->mu);
         if (--c->busy == 0)
             pthread_cond_signal(&c->idle);
@@ -150,13 +158,39 @@ void fs_cached_destroy(struct fs_cached *c) {
     pthread_cond_destroy(&c->idle);
     pthread_cond_destroy(&c->go);
     pthread_mutex_destroy(&c->mu);
+    free(c->unit_ptr);
+    free(c->chunks_ok);
+    free(c->missed);
     free(c->tids);
     free(c);
 }
 
 int64_t fs_cached_run(struct fs_cached *c, const struct fs_job *job, int64_t first, int64_t count, uint8_t *state,
                       int *gave_up) {
-    memset(state, FS_PROBE_NONE, (size_t)count);
+    const struct fs_batch *b = &job->b;
+    if ((size_t)count > c->cap) {
+        int64_t *unit_ptr = realloc(c->unit_ptr, sizeof(*unit_ptr) * (size_t)(count + 1));
+        if (unit_ptr)
+            c->unit_ptr = unit_ptr;
+        uint32_t *chunks_ok = realloc(c->chunks_ok, sizeof(*chunks_ok) * (size_t)count);
+        if (chunks_ok)
+            c->chunks_ok = chunks_ok;
+        uint8_t *missed = realloc(c->missed, (size_t)count);
+        if (missed)
+            c->missed = missed;
+        if (!unit_ptr || !chunks_ok || !missed)
+            return -ENOMEM;
+        c->cap = (size_t)count;
+    }
+    c->unit_ptr[0] = 0;
+    for (int64_t k = 0; k < count; k++) {
+        int64_t len = b->lengths[first + k];
+        c->unit_ptr[k + 1] = c->unit_ptr[k] + (len > 0 ? (len + CHUNK - 1) / CHUNK : 0);
+    }
+    memset(c->chunks_ok, 0, sizeof(*c->chunks_ok) * (size_t)count);
+    memset(c->missed, 0, (size_t)count);
+    int64_t units = c->unit_ptr[count];
+
     pthread_mutex_lock(&c->mu);
     while (c->started < c->want) { /* first pass: start the helpers (fewer if the system refuses) */
         if (pthread_create(&c->tids[c->started], NULL, helper, c) != 0) {
@@ -165,13 +199,12 @@ int64_t fs_cached_run(struct fs_cached *c, const struct fs_job *job, int64_t fir
         }
         c->started++;
     }
-    int64_t take = count / (4 * ((int64_t)c->started + 1)); /* a few claims per thread: cheap, balanced */
-    take = take < 1 ? 1 : take > 16 ? 16 : take;
+    int64_t take = units / (4 * ((int64_t)c->started + 1)); /* a few claims per thread: cheap, balanced */
     c->job = job;
     c->first = first;
     c->count = count;
-    c->take = take;
-    c->state = state;
+    c->units = units;
+    c->take = take < 1 ? 1 : take > 16 ? 16 : take;
     __atomic_store_n(&c->next, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&c->probes, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&c->hits, 0, __ATOMIC_RELAXED);
@@ -181,16 +214,25 @@ int64_t fs_cached_run(struct fs_cached *c, const struct fs_job *job, int64_t fir
         pthread_cond_broadcast(&c->go);
     pthread_mutex_unlock(&c->mu);
 
-    work(c, job, first, count, state, take);
+    work(c);
 
     pthread_mutex_lock(&c->mu);
     while (c->busy)
         pthread_cond_wait(&c->idle, &c->mu);
     c->job = NULL; /* helpers waking late find no pass */
     *gave_up = __atomic_load_n(&c->off, __ATOMIC_RELAXED);
-    int64_t hits = __atomic_load_n(&c->hits, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&c->mu);
-    return hits;
+
+    /* A request is served when every one of its units was read whole; the ring reads the rest from the start. */
+    int64_t served = 0;
+    for (int64_t k = 0; k < count; k++) {
+        int64_t units_k = c->unit_ptr[k + 1] - c->unit_ptr[k];
+        int whole = units_k > 0 && !c->missed[k] && c->chunks_ok[k] == (uint32_t)units_k;
+        state[k] = whole ? FS_PROBE_DONE : FS_PROBE_MISS;
+        b->results[first + k] = whole ? b->lengths[first + k] : 0;
+        served += whole;
+    }
+    return served;
 }
 
 uint32_t fs_cached_threads(const struct fs_cached *c) {

@@ -26,7 +26,7 @@ int fs_uring_create(struct fs_engine *eng) {
 /* Batches smaller than this (in requests and bytes) probe the page cache on the feeding thread alone:
  * waking helpers costs more than it saves. */
 #define FS_CACHED_MIN_BATCH 8
-#define FS_CACHED_MIN_BYTES (1 << 20)
+#define FS_CACHED_MIN_BYTES (2 << 20) /* two of the pass's 1 MiB pieces */
 
 struct slot {
     struct fs_job *job;
@@ -188,7 +188,7 @@ static uint8_t probed(const struct fs_uring *u, const struct fs_job *job, int64_
 static int cached_pass(struct fs_engine *eng, struct fs_uring *u, struct fs_job *job) {
     int64_t count = job->b.n - job->next;
     if (!u->cached || job == u->probe_job || job->b.op != FS_OP_READ || eng->opts.disable_nowait ||
-        job->nowait_off || count < 2)
+        job->nowait_off || count < 1)
         return 0;
     if (count < FS_CACHED_MIN_BATCH) { /* a few requests: worth it only if they are large */
         int64_t bytes = 0;
@@ -208,7 +208,8 @@ static int cached_pass(struct fs_engine *eng, struct fs_uring *u, struct fs_job 
         u->probe_cap = (size_t)count;
     }
     int gave_up = 0;
-    fs_cached_run(u->cached, job, job->next, count, u->probe_state, &gave_up);
+    if (fs_cached_run(u->cached, job, job->next, count, u->probe_state, &gave_up) < 0)
+        return 0; /* no memory for the pass: the feeding thread probes alone */
     u->probe_job = job;
     u->probe_first = job->next;
     u->probe_count = count;

@@ -171,7 +171,7 @@ class IOEngine:
             caller's included) that serve a batch's page-cache hits before the ring (``nowait``).
         sqpoll: ask io_uring for a kernel submission thread (falls back to none if refused).
         nowait: serve page-cache hits of buffered reads with ``preadv2(RWF_NOWAIT)`` first (on
-            ``threads`` threads for batches of 8 requests or 1 MiB: warm reads copy at the pread pool's speed).
+            ``threads`` threads for batches of 8 requests or 2 MiB: warm reads copy at the pread pool's speed).
         max_inflight_bytes: cap on bytes in flight, so large extents don't need a deep queue.
     """
 
