@@ -4,6 +4,8 @@
 #
 #   bash scripts/device_kit.sh      # here, once: wheels and .debs the GPU image lacks, into .device/
 #   bash bench/gpu_device.sh        # there, carrying .device; results and logs land in $OUT (or bench/results/device)
+#   READ_PATH=1 bash bench/gpu_device.sh   # also the read-path bench at 16K and 1M (absolute figures on that
+#                                          # machine's disk and cores; ~4 more minutes; fio is absent there)
 #
 # Exit status: gpu_handoff.py's (non-zero if a test failed, the batch was not inside the pinned arena, or the
 # CUDA loader's rows differed from the CPU loader's).
@@ -37,5 +39,10 @@ export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 $PY bench/gpu_handoff.py --build --test 2>&1 | tee "$OUT/gpu_handoff.log"
 rc=${PIPESTATUS[0]}
 cp bench/results/gpu_handoff.json "$OUT/" 2>/dev/null
+if [ "${READ_PATH:-0}" = 1 ]; then
+  timeout 420 $PY bench/read_path.py --sizes 16K,1M --runs 3 --no-sweep --data-dir /tmp/foresight-bench \
+    2>&1 | tee "$OUT/read_path.log"
+  cp bench/results/read_path_16K_1M.json bench/results/read_path_16K_1M.png "$OUT/" 2>/dev/null
+fi
 echo "gpu_device: exit $rc (results in $OUT)"
 exit "$rc"
