@@ -3,12 +3,15 @@
  * A buffered read whose pages are cached is a memcpy: preadv2(RWF_NOWAIT) does it without the ring's
  * overhead, but on one thread it is bound by one core's copy bandwidth, where the pread pool copies on
  * all of its threads. So before a batch's buffered reads go to the ring, the thread feeding the ring
- * and a few helpers probe them together (fork-join, the feeder taking part): a request served whole
- * is finished, the rest go to the ring with the bytes already read. The pass gives up (the rest go
- * straight to the ring) once most probes miss, so cold data costs a few syscalls.
+ * and a few helpers probe them together (fork-join, the feeder taking part), large reads in 1 MiB
+ * pieces so that one big transfer spreads over the threads too: a request whose pieces were all read
+ * is finished, any other goes to the ring whole. The pass gives up (the rest go straight to the ring)
+ * once most probes miss, so cold data costs a few syscalls.
  *
+ * The pass is asynchronous: submit starts it and returns (the caller can collate the previous step
+ * while the helpers copy this one); poll collects it once done; wait takes part in it, then collects it.
  * Helpers start on the first pass; an engine that only does O_DIRECT or writes never starts them.
- * Passes are serialised by the engine lock (the feeder holds it), so one pass runs at a time. */
+ * Passes are started and collected under the engine lock, one at a time. */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -165,8 +168,7 @@ void fs_cached_destroy(struct fs_cached *c) {
     free(c);
 }
 
-int64_t fs_cached_run(struct fs_cached *c, const struct fs_job *job, int64_t first, int64_t count, uint8_t *state,
-                      int *gave_up) {
+int fs_cached_start(struct fs_cached *c, const struct fs_job *job, int64_t first, int64_t count) {
     const struct fs_batch *b = &job->b;
     if ((size_t)count > c->cap) {
         int64_t *unit_ptr = realloc(c->unit_ptr, sizeof(*unit_ptr) * (size_t)(count + 1));
@@ -213,26 +215,36 @@ int64_t fs_cached_run(struct fs_cached *c, const struct fs_job *job, int64_t fir
     if (c->started)
         pthread_cond_broadcast(&c->go);
     pthread_mutex_unlock(&c->mu);
+    return 0;
+}
 
-    work(c);
-
+int fs_cached_finish(struct fs_cached *c, int block, uint8_t *state, int *gave_up) {
+    if (block || !c->started) /* take part: the pass's work is this thread's best use now */
+        work(c);
     pthread_mutex_lock(&c->mu);
+    if (!block) {
+        int claimed = __atomic_load_n(&c->next, __ATOMIC_RELAXED) >= c->units || __atomic_load_n(&c->off, __ATOMIC_RELAXED);
+        if (c->busy || !claimed) {
+            pthread_mutex_unlock(&c->mu);
+            return 0;
+        }
+    }
     while (c->busy)
         pthread_cond_wait(&c->idle, &c->mu);
+    const struct fs_job *job = c->job;
     c->job = NULL; /* helpers waking late find no pass */
     *gave_up = __atomic_load_n(&c->off, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&c->mu);
 
     /* A request is served when every one of its units was read whole; the ring reads the rest from the start. */
-    int64_t served = 0;
-    for (int64_t k = 0; k < count; k++) {
+    const struct fs_batch *b = &job->b;
+    for (int64_t k = 0; k < c->count; k++) {
         int64_t units_k = c->unit_ptr[k + 1] - c->unit_ptr[k];
         int whole = units_k > 0 && !c->missed[k] && c->chunks_ok[k] == (uint32_t)units_k;
         state[k] = whole ? FS_PROBE_DONE : FS_PROBE_MISS;
-        b->results[first + k] = whole ? b->lengths[first + k] : 0;
-        served += whole;
+        b->results[c->first + k] = whole ? b->lengths[c->first + k] : 0;
     }
-    return served;
+    return 1;
 }
 
 uint32_t fs_cached_threads(const struct fs_cached *c) {

@@ -70,17 +70,19 @@ void fs_jobs_cancel_unstarted(struct fs_engine *eng);
 struct fs_job *fs_jobs_feedable(struct fs_engine *eng);
 
 /* The io_uring backend's page-cache pass on several threads (fs_cached.c). */
-#define FS_PROBE_NONE 0 /* not probed (the pass gave up first) */
-#define FS_PROBE_MISS 1 /* the ring does it (results[i] = bytes already read) */
+#define FS_PROBE_NONE 0 /* not in a pass: the feeding thread may probe it alone */
+#define FS_PROBE_MISS 1 /* probed, not (all) cached, or not for the page cache: the ring does it (results[i] = 0) */
 #define FS_PROBE_DONE 2 /* results[i] is the final result */
 struct fs_cached;
 int fs_cached_create(uint32_t helpers, struct fs_cached **out); /* helpers start on the first pass */
 void fs_cached_destroy(struct fs_cached *c); /* no pass may be running */
-/* Probe requests [first, first + count) of job (state[k] for request first + k: FS_PROBE_DONE, results final,
- * or FS_PROBE_MISS, results 0); returns how many were served whole, or -ENOMEM. *gave_up: most probes missed
- * and the pass stopped early. */
-int64_t fs_cached_run(struct fs_cached *c, const struct fs_job *job, int64_t first, int64_t count, uint8_t *state,
-                      int *gave_up);
+/* Start probing requests [first, first + count) of job on the helpers: 0, or -ENOMEM (no pass). The requests
+ * belong to the pass until fs_cached_finish returns 1. */
+int fs_cached_start(struct fs_cached *c, const struct fs_job *job, int64_t first, int64_t count);
+/* Collect the running pass: 1 with state[k] for request first + k (FS_PROBE_DONE: results final; FS_PROBE_MISS:
+ * results 0) and *gave_up (most probes missed, the pass stopped early); 0 when it is not done yet and !block.
+ * block: take part in the work, then wait for the helpers. */
+int fs_cached_finish(struct fs_cached *c, int block, uint8_t *state, int *gave_up);
 uint32_t fs_cached_threads(const struct fs_cached *c); /* threads a pass runs on, the feeder included */
 
 int fs_uring_create(struct fs_engine *eng); /* 0 or -errno (ENOSYS without liburing) */

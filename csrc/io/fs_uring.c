@@ -61,6 +61,7 @@ struct fs_uring {
     struct fs_fd_cache fdc;
     int draining;
     struct fs_cached *cached;  /* page-cache pass helpers, NULL: probe on the feeding thread */
+    struct fs_job *pass_job;   /* the job whose pass is running, NULL: none */
     const struct fs_job *probe_job; /* the job probe_state describes (cleared once it is all started) */
     int64_t probe_first, probe_count;
     uint8_t *probe_state;
@@ -184,11 +185,12 @@ static uint8_t probed(const struct fs_uring *u, const struct fs_job *job, int64_
     return u->probe_state[i - u->probe_first];
 }
 
-/* Probe job's remaining buffered reads on the helper threads, when it is worth it. */
-static int cached_pass(struct fs_engine *eng, struct fs_uring *u, struct fs_job *job) {
+/* Start the page-cache pass over job's remaining buffered reads on the helpers, when it is worth it;
+ * 1 when started. */
+static int start_pass(struct fs_engine *eng, struct fs_uring *u, struct fs_job *job) {
     int64_t count = job->b.n - job->next;
-    if (!u->cached || job == u->probe_job || job->b.op != FS_OP_READ || eng->opts.disable_nowait ||
-        job->nowait_off || count < 1)
+    if (!u->cached || u->pass_job || job == u->probe_job || job->b.op != FS_OP_READ ||
+        eng->opts.disable_nowait || job->nowait_off || count < 1)
         return 0;
     if (count < FS_CACHED_MIN_BATCH) { /* a few requests: worth it only if they are large */
         int64_t bytes = 0;
@@ -203,28 +205,41 @@ static int cached_pass(struct fs_engine *eng, struct fs_uring *u, struct fs_job 
     if ((size_t)count > u->probe_cap) {
         uint8_t *state = realloc(u->probe_state, (size_t)count);
         if (!state)
-            return -ENOMEM;
+            return 0; /* no memory for the pass: the feeding thread probes alone */
         u->probe_state = state;
         u->probe_cap = (size_t)count;
     }
-    int gave_up = 0;
-    if (fs_cached_run(u->cached, job, job->next, count, u->probe_state, &gave_up) < 0)
-        return 0; /* no memory for the pass: the feeding thread probes alone */
-    u->probe_job = job;
+    if (fs_cached_start(u->cached, job, job->next, count) < 0)
+        return 0;
+    u->pass_job = job;
     u->probe_first = job->next;
     u->probe_count = count;
-    if (gave_up)
-        job->nowait_off = 1;
-    return 0;
+    return 1;
 }
 
-/* Start requests, oldest batch first, while slots and the in-flight byte budget allow. */
-static int feed(struct fs_engine *eng, struct fs_uring *u) {
+/* Collect the running pass (block: take part and wait); 1 when collected, 0 while it runs. */
+static int finish_pass(struct fs_uring *u, int block) {
+    int gave_up = 0;
+    if (!fs_cached_finish(u->cached, block, u->probe_state, &gave_up))
+        return 0;
+    struct fs_job *job = u->pass_job;
+    u->pass_job = NULL;
+    u->probe_job = job;
+    if (gave_up)
+        job->nowait_off = 1;
+    return 1;
+}
+
+/* Start requests, oldest batch first, while slots and the in-flight byte budget allow. A batch in a running
+ * page-cache pass stops the feeding until the pass is collected (block: take part and wait for it). */
+static int feed(struct fs_engine *eng, struct fs_uring *u, int block) {
     struct fs_job *job = fs_jobs_feedable(eng);
     while (job) {
-        int ret = cached_pass(eng, u, job);
-        if (ret < 0)
-            return ret;
+        if (start_pass(eng, u, job) || job == u->pass_job) { /* its requests are the pass's until collected */
+            if (!finish_pass(u, block))
+                return 0;
+        }
+        int ret;
         while (job->next < job->b.n) {
             int64_t i = job->next;
             uint8_t found = probed(u, job, i);
@@ -337,7 +352,7 @@ static int transient(int ret) {
 
 /* One round: start what fits, submit, optionally wait for one completion, reap. */
 static int pump(struct fs_engine *eng, struct fs_uring *u, int block) {
-    int ret = feed(eng, u);
+    int ret = feed(eng, u, block);
     if (ret < 0 && !transient(ret))
         return ret;
     unsigned wait_nr = block && u->inflight ? 1 : 0;
@@ -510,6 +525,8 @@ static int u_register_buffers(struct fs_engine *eng, const uint64_t *addrs, cons
 static void u_destroy(struct fs_engine *eng) {
     struct fs_uring *u = eng->impl;
     pthread_mutex_lock(&eng->lock);
+    if (u->pass_job) /* the helpers write into caller memory: let them finish first */
+        finish_pass(u, 1);
     fs_jobs_cancel_unstarted(eng);
     u->draining = 1;
     /* No I/O may land in caller memory after destroy returns: wait for everything in flight. */
@@ -520,7 +537,7 @@ static void u_destroy(struct fs_engine *eng) {
         reap(eng, u);
     }
     pthread_mutex_unlock(&eng->lock);
-    fs_cached_destroy(u->cached); /* its helpers are idle: passes run only inside feed, under the lock */
+    fs_cached_destroy(u->cached); /* its helpers are idle: the pass was collected above */
     free(u->probe_state);
     io_uring_queue_exit(&u->ring); /* also drops registered files and buffers */
     free(u->bufs);
