@@ -170,8 +170,9 @@ class IOEngine:
         threads: workers of the pread backend (1..256); on io_uring, the threads (at most one per CPU, the
             caller's included) that serve a batch's page-cache hits before the ring (``nowait``).
         sqpoll: ask io_uring for a kernel submission thread (falls back to none if refused).
-        nowait: serve page-cache hits of buffered reads with ``preadv2(RWF_NOWAIT)`` first (on
-            ``threads`` threads for batches of 8 requests or 2 MiB: warm reads copy at the pread pool's speed).
+        nowait: serve page-cache hits of buffered reads with ``preadv2(RWF_NOWAIT)`` first. Batches of 8 requests
+            or 2 MiB are served on helper threads behind :meth:`submit_reads` (``wait`` takes part), so warm reads
+            copy at the pread pool's speed while the caller does other work.
         max_inflight_bytes: cap on bytes in flight, so large extents don't need a deep queue.
     """
 
