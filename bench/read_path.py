@@ -51,7 +51,7 @@ from common import (  # noqa: E402,F401
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = {"4K": 4 * KiB, "16K": 16 * KiB, "64K": 64 * KiB, "1M": 1 * MiB}
 DEFAULT_DATA_DIR = "/tmp/foresight-bench"
-QUEUE_DEPTH = 64
+QUEUE_DEPTH = 128  # the Loader's default; fio runs at the same depth
 PREFETCH = 2
 DL_WORKERS = 2
 SWEEP_GAPS = (0, 16 * KiB, 64 * KiB, 256 * KiB)
