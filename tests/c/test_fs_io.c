@@ -149,7 +149,7 @@ static int run_cached_pass(const char *dir) {
             CHECK(posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) == 0);
         }
         memset(dst, 0, (size_t)N * BS);
-        for (int i = 0; i < N; i++) { /* a permutation of the blocks, one request short of the last */
+        for (int i = 0; i < N; i++) { /* a permutation of the blocks (37 is prime to N) */
             int k = (i * 37 + round) % N;
             a.fds[i] = fd;
             a.offsets[i] = (int64_t)k * BS;
