@@ -81,7 +81,21 @@ def _aligned_buffer(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=torch.uint8)
 
 
-class ForesightStorageWriter(BlockingAsyncStager, StorageWriter):
+class _DirectoryCheckpoint:
+    """What DCP asks of a storage writer and reader alike: the checkpoint is the directory ``self.path``."""
+
+    path: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageWriter):
     """DCP ``StorageWriter`` over foresight's packed, aligned, checksummed data files.
 
     Args:
@@ -249,16 +263,8 @@ class ForesightStorageWriter(BlockingAsyncStager, StorageWriter):
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
-
-
-class ForesightStorageReader(StorageReader):
+class ForesightStorageReader(_DirectoryCheckpoint, StorageReader):
     """DCP ``StorageReader`` for checkpoints written by :class:`ForesightStorageWriter`.
 
     Args:
@@ -381,14 +387,6 @@ class ForesightStorageReader(StorageReader):
                                       stored=tuple(tensor.shape), target=tuple(target.shape))
             target.copy_(tensor)
             planner.commit_tensor(req, target)
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike))
 
 
 __all__ = ["ForesightStorageInfo", "ForesightStorageReader", "ForesightStorageWriter"]

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
+from .._closing import Closing
 from ..errors import ChecksumError
 
 __all__ = ["Modality", "Extents", "Dataset", "TOKEN_DTYPES", "modality_names"]
@@ -74,7 +75,7 @@ class Extents(NamedTuple):
     length: np.ndarray  # int64, byte length
 
 
-class Dataset:
+class Dataset(Closing):
     """The read-side contract every dataset kind implements (see ``notes/common.md``).
 
     Subclasses set ``path``, ``kind``, ``num_samples``, ``modalities``, ``token_dtype``, ``shard_paths``,
@@ -221,18 +222,6 @@ class Dataset:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
-
-    def __enter__(self) -> Dataset:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __reduce__(self) -> tuple:
         # Mapped files and descriptors do not travel between processes: reopen (and revalidate) by path.

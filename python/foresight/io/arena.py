@@ -28,6 +28,7 @@ import time
 
 import numpy as np
 
+from foresight._closing import Closing
 from foresight._native import load
 
 _core = load("_core")
@@ -58,7 +59,7 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-class Arena:
+class Arena(Closing):
     """``slots`` page-aligned buffers of ``slot_bytes`` (rounded up to the page size) with an acquire/release pool.
 
     ``pin``: ``"auto"`` pins with CUDA when available, ``True`` requires it, ``False`` never pins.
@@ -196,14 +197,3 @@ class Arena:
         self._core.close()
         log.debug("arena closed (%d views still alive)", self._core.live_views)
 
-    def __enter__(self) -> Arena:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -48,6 +48,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from foresight._closing import Closing
 from foresight._native import load
 from foresight.errors import IOEngineError, check
 
@@ -161,7 +162,7 @@ class _Batch:
     cdata: Any  # the struct fs_batch and the cffi buffers
 
 
-class IOEngine:
+class IOEngine(Closing):
     """Batched reads and writes; see the module docstring. Keyword-only options.
 
     Args:
@@ -255,18 +256,6 @@ class IOEngine:
         self._pending.clear()
         self._orphans.clear()
         self._registered.clear()
-
-    def __enter__(self) -> IOEngine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:  # safety net; prefer close() or `with`
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - never raise from a finalizer
-            pass
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"queue_depth={self.queue_depth}"

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from foresight._closing import Closing
 from foresight.errors import ForesightError, PlanError
 from foresight.loader.batch import Batch
 from foresight.loader.collate import document_boundaries, gather_tokens, position_ids
@@ -81,7 +82,7 @@ def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-class Loader:
+class Loader(Closing):
     """Yields this rank's batches in plan order; see the module docstring.
 
     Args:
@@ -533,17 +534,6 @@ class Loader:
         self._engine.close()
         self._arena.close()
 
-    def __enter__(self) -> "Loader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def _tensor_of(array: np.ndarray, device: str | None):

@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -29,7 +29,9 @@ from .rng import keyed_rng
 STARTS = ("random", "center", "begin")
 
 
-def _check_start(start: Any) -> None:
+def _check_window(window_s: Any, start: Any) -> None:
+    if window_s is not None and not window_s > 0:
+        raise ValueError(f"window_s must be > 0 or None, got {window_s!r}")
     if isinstance(start, str):
         if start not in STARTS:
             raise ValueError(f"start must be a number of seconds or one of {STARTS}, got {start!r}")
@@ -37,8 +39,19 @@ def _check_start(start: Any) -> None:
         raise ValueError(f"start must be >= 0 seconds or one of {STARTS}, got {start!r}")
 
 
+class _DictRoundTrip:
+    """``to_dict``/``from_dict`` of a frozen dataclass (what transform specs store and hash)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Self:
+        return cls(**d)
+
+
 @dataclasses.dataclass(frozen=True)
-class FrameSampling:
+class FrameSampling(_DictRoundTrip):
     """``num_frames`` frames evenly over a ``window_s`` window (None: the whole clip)."""
 
     num_frames: int = 8
@@ -48,20 +61,11 @@ class FrameSampling:
     def __post_init__(self) -> None:
         if not isinstance(self.num_frames, int) or self.num_frames < 1:
             raise ValueError(f"num_frames must be an int >= 1, got {self.num_frames!r}")
-        if self.window_s is not None and not self.window_s > 0:
-            raise ValueError(f"window_s must be > 0 or None, got {self.window_s!r}")
-        _check_start(self.start)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> FrameSampling:
-        return cls(**d)
+        _check_window(self.window_s, self.start)
 
 
 @dataclasses.dataclass(frozen=True)
-class AudioSampling:
+class AudioSampling(_DictRoundTrip):
     """A ``window_s`` window of audio (None: the whole clip), resampled to ``rate`` Hz."""
 
     rate: int = 16000
@@ -72,16 +76,7 @@ class AudioSampling:
     def __post_init__(self) -> None:
         if not isinstance(self.rate, int) or self.rate <= 0:
             raise ValueError(f"rate must be a positive int, got {self.rate!r}")
-        if self.window_s is not None and not self.window_s > 0:
-            raise ValueError(f"window_s must be > 0 or None, got {self.window_s!r}")
-        _check_start(self.start)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> AudioSampling:
-        return cls(**d)
+        _check_window(self.window_s, self.start)
 
 
 def draw_window(duration_s: float, window_s: float | None, start: str | float, *,
