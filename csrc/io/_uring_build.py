@@ -1,6 +1,8 @@
 """cffi (API mode) builder for ``foresight._uring``: the C I/O engine in ``csrc/io``.
 
-The declarations live once, in ``csrc/cdef/_uring.h``. The engine links liburing when its
+The cffi declarations are in ``csrc/cdef/_uring.h``: they mirror ``csrc/io/fs_io.h`` with ``...`` for
+constants and struct layouts, so API mode compiles them against the real header and any drift between
+the two fails the build instead of misreading memory. The engine links liburing when its
 header is present; otherwise it is built with the pread thread-pool backend alone and says so
 once at build time.
 """
