@@ -1,31 +1,46 @@
 #!/usr/bin/env bash
-# Idempotent set-up of a fresh Debian machine for foresight: system packages, Python packages,
-# and the build of the native core (cffi + pybind11 + Cython). Sourced by demo.sh and test.sh.
+# Idempotent set-up of a fresh Debian machine for foresight: system packages, a project-local virtual
+# environment (.venv, so clones never touch each other or the system Python), its Python packages, and the build
+# of the native core (cffi + pybind11 + Cython) into it. Run by demo.sh and test.sh; prints nothing on success
+# beyond progress lines.
+#
+#   bash scripts/setup.sh && .venv/bin/python -m foresight demo
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-PY=${PYTHON:-python3}
-APT_PKGS=(liburing-dev libxxhash-dev fio)
+BASE_PY=${PYTHON:-python3}
+VENV=${FORESIGHT_VENV:-$PWD/.venv}
+APT_PKGS=(liburing-dev libxxhash-dev fio etcd-server)
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "foresight setup: apt-get install ${missing[*]}"
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      "${missing[@]}" >/dev/null
+    # Debian starts the etcd service it installs; tests and the daemon start their own on loopback.
+    if dpkg -s etcd-server >/dev/null 2>&1; then systemctl disable --now etcd >/dev/null 2>&1 || true; fi
   else
     echo "foresight setup: missing ${missing[*]} (not root: the build falls back where it can)" >&2
   fi
 fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "foresight setup: creating $VENV"
+  "$BASE_PY" -m venv "$VENV"
+fi
+PY=$VENV/bin/python
 
 # torch is pinned: 2.13.0 (CPU) lies on this machine's disk; an unpinned torch pulls a CUDA build.
 PIP_PKGS=(
   "torch==2.13.0" "numpy>=1.26" "pyarrow>=15" "av>=12" "pillow>=10" "xxhash>=3.4" "tqdm>=4.66"
   "psutil>=5.9" "safetensors>=0.4" "cffi>=1.16" "Cython>=3.0,<4" "pybind11>=2.12" "setuptools>=70" "wheel"
   "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3" "matplotlib>=3.8"
+  "etcd3gw==2.4.2" "prometheus-client>=0.20" "cryptography>=42"
 )
-stamp=build/.deps-$(echo "${PIP_PKGS[*]}" | sha1sum | cut -c1-12)
+stamp=$VENV/.deps-$(echo "${PIP_PKGS[*]}" | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
-  echo "foresight setup: pip install (${#PIP_PKGS[@]} packages)"
+  echo "foresight setup: pip install into $VENV (${#PIP_PKGS[@]} packages)"
   mkdir -p build
   $PY -m pip install -q --disable-pip-version-check "${PIP_PKGS[@]}" >build/pip.log 2>&1 \
     || { cat build/pip.log >&2; echo "foresight setup: pip install failed" >&2; exit 1; }

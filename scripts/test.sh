@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
-exec python3 -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q "$@"
