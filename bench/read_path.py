@@ -7,21 +7,23 @@ One command runs everything over a random plan on a >= 4 GiB dataset per sample 
   io_uring with coalescing off (``max_gap=-1``), and the pread thread-pool backend; each over the global plan and
   over a block-local plan (``shuffle="block"``, ``-block`` suffix), where neighbouring samples share a step and
   coalescing pays (``ios/sample`` shows it).
-* ``torch-dl``: ``torch.utils.data.DataLoader`` with 2 workers over a map-style dataset that preads each sample
-  (``os.preadv`` into a numpy buffer, then the default collate), batch size = the plan's, in plan order.
-* ``memmap``: ``np.memmap`` indexing per sample into a batch array (how Megatron-LM's dataset reads), plan order.
-* ``fio``: fio's io_uring random read at the sample size and the loader's queue depth over the same file: the limit.
+* anchors (``bench/read_anchors.py``), each in the configuration an expert would pick, chosen per size and cache
+  state by a sweep printed beside the results: ``torch-dl`` is ``torch.utils.data.DataLoader`` over a map-style
+  dataset that preads samples (workers 2-16, per-sample or batched ``__getitems__``, prefetch factor, pin_memory
+  with CUDA, O_DIRECT into aligned buffers when cold); ``memmap`` indexes ``np.memmap`` per sample as Megatron-LM's
+  dataset does (``MADV_RANDOM`` when cold); ``fio`` is the best of fio's io_uring random read over numjobs x iodepth
+  x submission mode (fixedbufs, registerfiles; batched submit/complete, SQPOLL, hipri where it works): the disk's
+  limit. ``-block`` anchors read the block-local plan's order, and ``-block`` rows are compared with them only.
 
-Cold runs drop the page cache first and open with O_DIRECT where the method can (foresight, fio; the DataLoader
-and memmap have no O_DIRECT mode and read buffered from an empty cache); warm runs read the file once just before
-(buffered everywhere). Each figure is the median of ``--runs`` runs, timed in steady state from the first batch to
-the last (start-up such as worker forks is excluded, which favours the baselines); CPU-seconds count the process
-and its worker processes (fio reports its own). A sweep of the coalescing options (``max_gap`` x
-``max_transfer``) on the block-local 16 KiB plan, O_DIRECT, picks the defaults.
+Cold runs drop the page cache first and open with O_DIRECT where the method can; warm runs read the file once just
+before (buffered everywhere). Each figure is the median of ``--runs`` runs (the spread is printed), timed in steady
+state from the first batch to the last (start-up such as worker forks is excluded, which favours the anchors);
+CPU-seconds count the process and its worker processes (fio reports its own). A sweep of the coalescing options
+(``max_gap`` x ``max_transfer``) on the block-local 16 KiB plan, O_DIRECT, picks the defaults.
 
 Usage::
 
-    python bench/read_path.py                    # full: 4 x 4 GiB datasets cached in /tmp/foresight-bench (~20 min)
+    python bench/read_path.py                    # full: 4 x 4 GiB datasets cached in /tmp/foresight-bench (~1 h)
     python bench/read_path.py --smoke            # a few MiB, one run of each, seconds
     python bench/read_path.py --sizes 16K --runs 5
     python bench/read_path.py --clean            # delete the cached datasets
@@ -44,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import read_anchors as anchors  # noqa: E402
 from common import (  # noqa: E402,F401
     RESULTS, cpu_seconds, drop_page_cache, evict_file, have, machine, print_table, warm_file, write_results,
 )
@@ -53,7 +56,6 @@ SIZES = {"4K": 4 * KiB, "16K": 16 * KiB, "64K": 64 * KiB, "1M": 1 * MiB}
 DEFAULT_DATA_DIR = "/tmp/foresight-bench"
 QUEUE_DEPTH = 128  # the Loader's default; fio runs at the same depth
 PREFETCH = 2
-DL_WORKERS = 2
 SWEEP_GAPS = (0, 16 * KiB, 64 * KiB, 256 * KiB)
 SWEEP_TRANSFERS = (256 * KiB, 1 * MiB, 4 * MiB)
 # Large samples: does a transfer limit that grows with the sample (the loader's max_transfer=None) pay?
@@ -208,95 +210,9 @@ def run_foresight(case: Case, cold: bool, *, shuffle: str = "global", backend: s
                                                    "h2d_s", "stall_s")})
 
 
-class PreadSamples:
-    """Map-style dataset: one pread per sample (``os.preadv`` into a fresh numpy buffer), fd opened per worker."""
-
-    def __init__(self, path: str, offsets: np.ndarray, size: int) -> None:
-        self.path, self.offsets, self.size = path, offsets, size
-        self._fd, self._pid = -1, -1
-
-    def __len__(self) -> int:
-        return len(self.offsets)
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        if self._pid != os.getpid():
-            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
-        buf = np.empty(self.size, dtype=np.uint8)
-        if os.preadv(self._fd, [buf], int(self.offsets[i])) != self.size:
-            raise OSError(f"short read at sample {i} of {self.path}")
-        return buf
-
-
-def run_dataloader(case: Case, cold: bool) -> dict:
-    import torch.utils.data as tud
-
-    order = case.order("global")
-    offsets = np.asarray(case.ds.lookup(np.arange(case.ds.num_samples)).offset, dtype=np.int64)
-    dl = tud.DataLoader(PreadSamples(case.path, offsets, case.size), batch_size=case.batch,
-                        sampler=order.tolist(), num_workers=DL_WORKERS, shuffle=False)
-    meter = Meter()
-    it = iter(dl)
-    try:
-        first = next(it)
-        assert tuple(first.shape) == (case.batch, case.size)
-        meter.start()
-        samples = 0
-        for batch in it:
-            samples += batch.shape[0]
-        wall, cpu = meter.stop()
-    finally:
-        del it
-        gc.collect()
-    return result(samples, samples * case.size, wall, cpu, ios_per_sample=1.0)
-
-
-def run_memmap(case: Case, cold: bool) -> dict:
-    order = case.order("global").reshape(case.steps, case.batch)
-    offsets = np.asarray(case.ds.lookup(np.arange(case.ds.num_samples)).offset, dtype=np.int64)
-    mm = np.memmap(case.path, dtype=np.uint8, mode="r")  # mapped per run: mapped pages survive a cache drop
-    size = case.size
-    meter = Meter()
-    try:
-
-        def step(ids):
-            out = np.empty((len(ids), size), dtype=np.uint8)
-            for j, i in enumerate(ids.tolist()):  # per sample, as Megatron's dataset __getitem__ does
-                off = int(offsets[i])
-                out[j] = mm[off : off + size]
-            return out
-
-        step(order[0])
-        meter.start()
-        for ids in order[1:]:
-            step(ids)
-        wall, cpu = meter.stop()
-    finally:
-        mm._mmap.close()
-        del mm
-    samples = (case.steps - 1) * case.batch
-    return result(samples, samples * size, wall, cpu, ios_per_sample=None)
-
-
-def run_fio(case: Case, cold: bool) -> dict:
-    samples = (case.steps - 1) * case.batch  # as many as the other methods time
-    cmd = [
-        "fio", "--name=randread", f"--filename={case.path}", "--rw=randread", f"--bs={case.size}",
-        f"--iodepth={QUEUE_DEPTH}", "--ioengine=io_uring", "--fixedbufs=1", "--registerfiles=1",
-        f"--direct={1 if cold else 0}", "--invalidate=0", "--norandommap", "--randrepeat=0",
-        f"--size={os.path.getsize(case.path)}", f"--io_size={samples * case.size}", "--numjobs=1",
-        "--thread", "--output-format=json",
-    ]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]
-    read = job["read"]
-    wall = read["runtime"] / 1e3
-    cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * job["job_runtime"] / 1e3
-    return result(int(read["total_ios"]), int(read["io_bytes"]), wall, cpu, ios_per_sample=1.0,
-                  fio_iops=read["iops"], fio_bw_bytes=read["bw_bytes"])
-
-
-def methods(fio: bool) -> dict:
-    """Name -> runner(case, cold)."""
+def methods(fio: bool, dl_cfg: dict, fio_cfg: dict | None) -> dict:
+    """Name -> runner(case, cold). Anchors run in the configuration their sweep picked; ``-block`` rows (ours and
+    the anchors') read the block-local plan's order, the others the global plan's."""
     m = {
         "fs-uring": lambda c, cold: run_foresight(c, cold),
         "fs-uring-nocoal": lambda c, cold: run_foresight(c, cold, max_gap=-1),
@@ -304,12 +220,46 @@ def methods(fio: bool) -> dict:
         "fs-uring-block": lambda c, cold: run_foresight(c, cold, shuffle="block"),
         "fs-uring-nocoal-block": lambda c, cold: run_foresight(c, cold, shuffle="block", max_gap=-1),
         "fs-pread-block": lambda c, cold: run_foresight(c, cold, shuffle="block", backend="pread"),
-        "torch-dl": run_dataloader,
-        "memmap": run_memmap,
+        "torch-dl": lambda c, cold: anchors.run_dataloader(c, cold, c.order("global"), **dl_cfg),
+        "torch-dl-block": lambda c, cold: anchors.run_dataloader(c, cold, c.order("block"), **dl_cfg),
+        "memmap": lambda c, cold: anchors.run_memmap(c, cold, c.order("global")),
+        "memmap-block": lambda c, cold: anchors.run_memmap(c, cold, c.order("block")),
     }
-    if fio:
-        m["fio"] = run_fio
+    if fio and fio_cfg:
+        m["fio"] = lambda c, cold: anchors.run_fio(c, cold, **fio_cfg)
     return m
+
+
+def pick_anchors(case: Case, cold: bool, runs: int, cache: "CacheControl", fio: bool, smoke: bool):
+    """Sweep the DataLoader's and fio's knobs on the global plan; the best (median MB/s) of each is the anchor."""
+    rows, best = [], {}
+    sweeps = [("torch-dl", cfg, lambda c, cold, cfg=cfg: anchors.run_dataloader(c, cold, c.order("global"), **cfg))
+              for cfg in anchors.dataloader_configs(cold, smoke=smoke)]
+    if fio:
+        sweeps += [("fio", cfg, lambda c, cold, cfg=cfg: anchors.run_fio(c, cold, **cfg))
+                   for cfg in anchors.fio_configs(smoke=smoke)]
+    for anchor, cfg, fn in sweeps:
+        results = []
+        for _ in range(runs):
+            cache.prepare(case.path, cold)
+            try:
+                results.append(fn(case, cold))
+            except Exception as e:  # a mode this machine lacks (hipri without poll queues) is reported, not fatal
+                results.append({"error": f"{type(e).__name__}: {e}"})
+        ok = [r for r in results if "error" not in r]
+        row = {"size": case.label, "mode": "cold" if cold else "warm", "anchor": anchor, **cfg,
+               "config": ok[0]["config"] if ok else str(cfg), "runs": len(ok),
+               "error": next((r["error"] for r in results if "error" in r), None)}
+        if ok:
+            for key in ("samples_per_s", "mb_per_s", "cpu_s_per_gb"):
+                row[key] = statistics.median(r[key] for r in ok)
+            if row["mb_per_s"] > best.get(anchor, (None, -1.0))[1]:
+                best[anchor] = (cfg, row["mb_per_s"])
+        rows.append(row)
+    for r in rows:
+        if r.get("mb_per_s") and r["anchor"] in best:
+            r["x_best"] = r["mb_per_s"] / best[r["anchor"]][1]
+    return best["torch-dl"][0], (best["fio"][0] if "fio" in best else None), rows
 
 
 # -- running ------------------------------------------------------------------------------------------------------
@@ -332,11 +282,18 @@ class CacheControl:
             evict_file(path)
 
 
-def run_case(case: Case, runners: dict, runs: int, cache: CacheControl, modes: list[str]) -> list[dict]:
-    """Every method, cold and warm, ``runs`` times, interleaved so drift hits every method alike."""
+def run_case(case: Case, runs: int, sweep_runs: int, cache: CacheControl, modes: list[str], fio: bool,
+             smoke: bool) -> tuple[list[dict], list[dict]]:
+    """Per mode: sweep the anchors' knobs, then every method ``runs`` times, interleaved so drift hits all alike."""
     raw: dict[tuple[str, str], list[dict]] = {}
+    anchor_rows: list[dict] = []
     for mode in modes:
         cold = mode == "cold"
+        dl_cfg, fio_cfg, swept = pick_anchors(case, cold, sweep_runs, cache, fio, smoke)
+        anchor_rows += swept
+        print(f"  {case.label} {mode}: anchors DataLoader [{anchors.config_label(dl_cfg)}]"
+              + (f", fio [{fio_cfg}]" if fio_cfg else ""), flush=True)
+        runners = methods(fio, dl_cfg, fio_cfg)
         for r in range(runs):
             for name, fn in runners.items():
                 cache.prepare(case.path, cold)
@@ -350,7 +307,7 @@ def run_case(case: Case, runners: dict, runs: int, cache: CacheControl, modes: l
     rows = []
     for (mode, name), results in raw.items():
         rows.append(summarize(case, mode, name, results))
-    return rows
+    return rows, anchor_rows
 
 
 def summarize(case: Case, mode: str, name: str, results: list[dict]) -> dict:
@@ -362,6 +319,9 @@ def summarize(case: Case, mode: str, name: str, results: list[dict]) -> dict:
     for key in ("samples_per_s", "mb_per_s", "cpu_s_per_gb"):
         row[key] = statistics.median(r[key] for r in ok)
         row[key + "_all"] = [r[key] for r in ok]
+    row["mb_per_s_spread"] = f"{min(row['mb_per_s_all']):.0f}-{max(row['mb_per_s_all']):.0f}"
+    if "config" in ok[0]:
+        row["config"] = ok[0]["config"]
     ios = [r["ios_per_sample"] for r in ok if r.get("ios_per_sample") is not None]
     row["ios_per_sample"] = statistics.median(ios) if ios else None
     for key in ("backend", "amplification", "max_transfer"):
@@ -374,14 +334,19 @@ def summarize(case: Case, mode: str, name: str, results: list[dict]) -> dict:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Ratios of every row to the anchors of its (size, mode): fio bandwidth, DataLoader, memmap."""
-    anchors = {(r["size"], r["mode"], r["method"]): r for r in rows}
+    """Ratios of every row to the anchors that read the same order in the same cache state: the best DataLoader
+    and memmap of that order (``-block`` rows against ``-block`` anchors), and fio's best (random order only)."""
+    anchors_by = {(r["size"], r["mode"], r["method"]): r for r in rows}
     for r in rows:
         for key in [k for k in r if k.startswith("x_")]:
             del r[key]
         if "mb_per_s" not in r:
             continue
-        fio, dl, mm = (anchors.get((r["size"], r["mode"], m), {}) for m in ("fio", "torch-dl", "memmap"))
+        block = r["method"].endswith("-block")
+        suffix = "-block" if block else ""
+        fio = {} if block else anchors_by.get((r["size"], r["mode"], "fio"), {})
+        dl = anchors_by.get((r["size"], r["mode"], "torch-dl" + suffix), {})
+        mm = anchors_by.get((r["size"], r["mode"], "memmap" + suffix), {})
         if fio.get("mb_per_s"):
             r["x_fio_bw"] = r["mb_per_s"] / fio["mb_per_s"]
         if dl.get("samples_per_s"):
@@ -435,7 +400,7 @@ def targets(rows: list[dict]) -> list[dict]:
                     "met": None if value is None else bool(ok_if(value)), "detail": detail})
 
     fs, fio = get("16K", "cold", "fs-uring"), get("16K", "cold", "fio")
-    add("16K O_DIRECT bandwidth vs fio", fs and fio and fs["mb_per_s"] / fio["mb_per_s"], ">= 0.85x",
+    add("16K O_DIRECT bandwidth vs fio's best", fs and fio and fs["mb_per_s"] / fio["mb_per_s"], ">= 0.85x",
         lambda v: v >= 0.85, fs and fio and f"{fs['mb_per_s']:.0f} vs {fio['mb_per_s']:.0f} MB/s")
     for mode in ("cold", "warm"):
         fs, dl = get("16K", mode, "fs-uring"), get("16K", mode, "torch-dl")
@@ -445,6 +410,10 @@ def targets(rows: list[dict]) -> list[dict]:
         add(f"16K {mode} CPU-s/GB vs DataLoader", fs and dl and fs["cpu_s_per_gb"] / dl["cpu_s_per_gb"],
             "<= 0.333x", lambda v: v <= 1 / 3,
             fs and dl and f"{fs['cpu_s_per_gb']:.2f} vs {dl['cpu_s_per_gb']:.2f} CPU-s/GB")
+    fs, dl = get("16K", "cold", "fs-uring-block"), get("16K", "cold", "torch-dl-block")
+    add("16K cold block-local samples/s vs DataLoader (same order)",
+        fs and dl and fs["samples_per_s"] / dl["samples_per_s"], ">= 4x", lambda v: v >= 4.0,
+        fs and dl and f"{fs['samples_per_s']:.0f} vs {dl['samples_per_s']:.0f} samples/s")
     for size in [s for s in SIZES if any(r["size"] == s for r in rows)]:
         r = get(size, "cold", "fs-uring-block")
         add(f"{size} block-local I/Os per sample", r and r["ios_per_sample"], "<= 0.1", lambda v: v <= 0.1,
@@ -528,7 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dataset-gib", type=float, default=4.0, help="bytes per dataset (>= 4 GiB for the figures)")
     ap.add_argument("--run-mib", type=int, default=None,
                     help="bytes per run (default: 128 MiB at 4K, 256 at 16K, 512 at 64K, 1024 at 1M)")
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=5, help="runs of every method in the main table (>= 3 to publish)")
+    ap.add_argument("--anchor-runs", type=int, default=2,
+                    help="runs of each anchor configuration in the sweep that picks the anchors")
     ap.add_argument("--modes", default="cold,warm")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--clean", action="store_true", help="delete the cached datasets (alone: and exit)")
@@ -568,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep_gaps, sweep_transfers = SWEEP_GAPS, SWEEP_TRANSFERS
         large_label, large_transfers = "1M", LARGE_SWEEP_TRANSFERS
     fio = have("fio")
-    runners = methods(fio)
+    sweep_runs = 1 if args.smoke else args.anchor_runs
     cache = CacheControl(global_drop=not args.smoke)
     info = machine()
     try:
@@ -576,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"read_path: {info['platform']}, {info['cpus']} CPUs, kernel {info['kernel']}, "
               f"load {info['load_avg_start'][0]:.1f}; fio {'found' if fio else 'absent: skipped'}", flush=True)
         t_start = time.perf_counter()
-        rows, sweep_rows, large_rows, cases = [], [], [], {}
+        rows, anchor_rows, sweep_rows, large_rows, cases = [], [], [], [], {}
         for label in sizes:
             size = SIZES[label]
             ds = ensure_dataset(root, size, dataset_bytes, quiet=args.smoke)
@@ -585,7 +556,9 @@ def main(argv: list[str] | None = None) -> int:
                             "samples_per_run": case.steps * case.batch,
                             "file": case.path, "file_bytes": os.path.getsize(case.path)}
             print(f"{label}: {ds.num_samples} samples, batch {case.batch}, {case.steps} steps per run", flush=True)
-            rows += run_case(case, runners, runs, cache, modes)
+            case_rows, case_anchor_rows = run_case(case, runs, sweep_runs, cache, modes, fio, args.smoke)
+            rows += case_rows
+            anchor_rows += case_anchor_rows
             if label == "16K" and not args.no_sweep and "cold" in modes:
                 sweep_rows = sweep(case, runs, cache, sweep_gaps, sweep_transfers)
             if label == large_label and not args.no_sweep:
@@ -602,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     info["load_avg_end"] = os.getloadavg()
     payload = {
         "machine": info, "smoke": args.smoke, "elapsed_s": elapsed, "runs": runs, "queue_depth": QUEUE_DEPTH,
-        "prefetch": PREFETCH, "dataloader_workers": DL_WORKERS, "dataset_bytes": dataset_bytes, "cases": cases,
+        "prefetch": PREFETCH, "anchor_runs": sweep_runs, "anchor_sweep": anchor_rows, "dataset_bytes": dataset_bytes, "cases": cases,
         "global_cache_drop": cache.global_drop_worked, "rows": rows, "sweep": sweep_rows,
         "sweep_large": large_rows,
     }
@@ -618,8 +591,14 @@ def report(payload: dict, name: str) -> None:
     add_ratios(rows)
     verdicts = targets(rows)
     best = max(sweep_rows, key=lambda r: r["mb_per_s"]) if sweep_rows else None
-    columns = ["size", "mode", "method", "samples_per_s", "mb_per_s", "cpu_s_per_gb", "ios_per_sample",
-               "x_fio_bw", "x_dl_sps", "x_dl_cpu", "x_memmap_sps"]
+    columns = ["size", "mode", "method", "samples_per_s", "mb_per_s", "mb_per_s_spread", "cpu_s_per_gb",
+               "ios_per_sample", "x_fio_bw", "x_dl_sps", "x_dl_cpu", "x_memmap_sps", "config"]
+    anchor_rows = payload.get("anchor_sweep") or []
+    if anchor_rows:
+        print()
+        print_table(anchor_rows, ["size", "mode", "anchor", "config", "samples_per_s", "mb_per_s", "cpu_s_per_gb",
+                                  "x_best", "error"],
+                    title=f"anchor sweep (medians of {payload.get('anchor_runs')} run(s); the best of each is the anchor)")
     print()
     print_table(rows, columns, title=f"read path (medians of {runs} run(s); x_* = ratio to that anchor)")
     if sweep_rows:

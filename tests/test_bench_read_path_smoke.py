@@ -25,7 +25,14 @@ def test_read_path_smoke():
     result = json.loads((RESULTS / "read_path_smoke.json").read_text())
     assert result["smoke"] and result["machine"]["cpus"]
     methods = {r["method"] for r in result["rows"]}
-    assert {"fs-uring", "fs-uring-nocoal", "fs-pread", "fs-uring-block", "torch-dl", "memmap"} <= methods
+    assert {"fs-uring", "fs-uring-nocoal", "fs-pread", "fs-uring-block", "torch-dl", "torch-dl-block", "memmap",
+            "memmap-block"} <= methods
+    # every anchor comes from a printed sweep of its knobs; block-local rows are only compared with block anchors
+    sweep = result["anchor_sweep"]
+    assert {"batched", "workers", "prefetch_factor"} <= set(next(r for r in sweep if r["anchor"] == "torch-dl"))
+    assert any(r["direct"] for r in sweep if r["anchor"] == "torch-dl" and r["mode"] == "cold")
+    assert all(r["config"] for r in result["rows"] if r["method"].startswith(("torch-dl", "memmap")))
+    assert all("x_fio_bw" not in r for r in result["rows"] if r["method"].endswith("-block"))
     for row in result["rows"]:
         assert not row["errors"], row
         assert row["samples_per_s"] > 0 and row["mb_per_s"] > 0 and row["cpu_s_per_gb"] >= 0
