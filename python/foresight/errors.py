@@ -63,6 +63,14 @@ class CheckpointError(ForesightError):
     """A checkpoint could not be written, committed, found or verified."""
 
 
+class NodeError(ForesightError, RuntimeError):
+    """A storage node or the cluster could not serve a request (unreachable, refused, shutting down)."""
+
+
+class ProtocolError(ForesightError, ValueError):
+    """A storage-node request is malformed, unauthorised, out of range or over a limit."""
+
+
 def check(ret: int, what: str, **context: Any) -> int:
     """Turn a native ``-errno`` return into :class:`IOEngineError`; pass counts through.
 
@@ -83,5 +91,7 @@ __all__ = [
     "IOEngineError",
     "DecodeError",
     "CheckpointError",
+    "NodeError",
+    "ProtocolError",
     "check",
 ]
