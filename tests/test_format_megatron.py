@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import struct
 import warnings
 
 import numpy as np
@@ -139,3 +140,72 @@ def test_missing_files(tmp_path):
         open_dataset(tmp_path / "n")
     with pytest.raises(FormatError, match="no dataset"):
         open_dataset(tmp_path / "nothing")
+
+
+# --- an .idx/.bin pair must agree the way Megatron writes it, or be refused --------------------------------------
+def _patch_idx(prefix, offset: int, fmt: str, value: int) -> None:
+    idx = f"{prefix}.idx"
+    data = bytearray(open(idx, "rb").read())
+    struct.pack_into(fmt, data, offset, value)
+    open(idx, "wb").write(bytes(data))
+
+
+def _pointer_offset(n: int, i: int) -> int:
+    return 34 + 4 * n + 8 * i  # header, n int32 lengths, then int64 pointers
+
+
+def test_idx_beside_another_datasets_larger_bin_is_refused(tmp_path):
+    rng = np.random.default_rng(6)
+    write_megatron_dataset(tmp_path / "small", [rng.integers(0, 9, 40).astype(np.uint16) for _ in range(5)],
+                           np.uint16)
+    write_megatron_dataset(tmp_path / "big", [rng.integers(0, 9, 90).astype(np.uint16) for _ in range(5)], np.uint16)
+    os.replace(tmp_path / "big.bin", tmp_path / "small.bin")
+    with pytest.raises(FormatError, match=r"\.bin is 900 bytes but the sequences of small\.idx end at byte 400") as e:
+        open_dataset(tmp_path / "small")
+    assert f"path={tmp_path / 'small.bin'}" in str(e.value)  # the error is about the .bin: it names the .bin
+    with pytest.raises(FormatError, match="does not belong"):
+        pack_megatron(tmp_path / "small", tmp_path / "out", progress=False)
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("code", [1, 4, 5, 6, 7])  # uint8, int32, int64, float64, float32: other widths than uint16
+def test_changed_dtype_code_is_refused(tmp_path, code):
+    rng = np.random.default_rng(code)
+    write_megatron_dataset(tmp_path / "m", [rng.integers(1, 9, int(k)).astype(np.uint16) for k in (7, 3, 12, 5)],
+                           np.uint16)
+    _patch_idx(tmp_path / "m", 17, "<B", code)
+    with pytest.raises(FormatError, match=r"fit 2-byte items \(int16, uint16\): is the dtype code") as e:
+        open_dataset(tmp_path / "m")
+    assert "m.idx" in str(e.value) or "m.bin" in str(e.value)
+
+
+def test_pointer_not_a_multiple_of_the_item_size_is_refused(tmp_path):
+    write_megatron_dataset(tmp_path / "m", [np.arange(6), np.arange(6), np.arange(6)], np.int32)
+    _patch_idx(tmp_path / "m", _pointer_offset(3, 1), "<q", 26)  # inside the .bin, but mid-token
+    with pytest.raises(FormatError, match="not a multiple of the 4-byte int32 item size") as e:
+        open_dataset(tmp_path / "m")
+    assert "m.idx" in str(e.value) and "sample=1" in str(e.value) and "offset=26" in str(e.value)
+
+
+@pytest.mark.parametrize("pointers", [(24, 0, 48), (0, 28, 48), (4, 24, 48)])  # swapped, a gap, not from 0
+def test_pointers_not_the_running_sum_of_lengths_are_refused(tmp_path, pointers):
+    write_megatron_dataset(tmp_path / "m", [np.arange(6), np.arange(6), np.arange(6)], np.int32)
+    for i, p in enumerate(pointers):
+        _patch_idx(tmp_path / "m", _pointer_offset(3, i), "<q", p)
+    bad = next(i for i, p in enumerate(pointers) if p != 24 * i)
+    with pytest.raises(FormatError, match=f"pointer is not byte {24 * bad}, where the previous sequence ends") as e:
+        open_dataset(tmp_path / "m")
+    assert "m.idx" in str(e.value) and f"sample={bad}" in str(e.value)
+
+
+def test_content_fingerprint_covers_the_bin(tmp_path):
+    write_megatron_dataset(tmp_path / "m", [np.arange(5), np.arange(3)], np.uint16)
+    index_before = open_dataset(tmp_path / "m").fingerprint
+    content_before = open_dataset(tmp_path / "m", fingerprint="content").fingerprint
+    assert content_before.startswith("content:") and content_before != index_before
+    with open(tmp_path / "m.bin", "r+b") as f:  # same size, other tokens
+        f.write(b"\xff\xff")
+    assert open_dataset(tmp_path / "m").fingerprint == index_before  # documented: the index hash cannot see it
+    assert MegatronDataset(tmp_path / "m", fingerprint="content").fingerprint != content_before
+    with pytest.raises(ValueError, match="fingerprint must be"):
+        open_dataset(tmp_path / "m", fingerprint="bin")

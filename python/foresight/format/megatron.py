@@ -13,13 +13,19 @@ The ``.idx`` layout (Megatron-LM ``megatron/core/datasets/indexed_dataset.py``; 
     int8     sequence modes [N]       (only in the multimodal variant; detected here from the file size)
 
 Each sequence is one sample; the ``.bin`` is the single shard. Every field is validated on open (sizes, ranges,
-monotonic document index) with numpy over the memory-mapped index, and errors name the file and sample.
+monotonic document index) with numpy over the memory-mapped index, and errors name the file and sample. The pair
+must also agree the way Megatron writes it: each pointer a multiple of the item size and the running sum of the
+lengths before it (sequences back to back from byte 0), and the ``.bin`` exactly as long as the last sequence's end.
+So an ``.idx`` beside another dataset's ``.bin``, or with its dtype code changed to one of another width, is refused
+instead of yielding wrong tokens. (A dtype changed to another of the same width, int16 for uint16, leaves every byte
+where it was and cannot be told from the files.)
 
 Example::
 
     write_megatron_dataset("/tmp/toy", [np.arange(5), np.arange(3)], np.uint16)
     ds = MegatronDataset("/tmp/toy")      # or open_dataset("/tmp/toy")
     ds.lookup(np.array([1]))              # Extents(shard=[0], offset=[10], length=[6])
+    MegatronDataset("/tmp/toy", fingerprint="content").fingerprint   # also hashes every byte of the .bin
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import numpy as np
 import xxhash
 
 from ..errors import FormatError
+from foresight.checksum import file_xxh3
 from .types import Dataset, Extents, Modality
 
 __all__ = ["MEGATRON_MAGIC", "MEGATRON_DTYPES", "MegatronDataset", "write_megatron_dataset"]
@@ -43,15 +50,25 @@ MEGATRON_DTYPES: dict[int, np.dtype] = {
 }
 _CODE_OF = {dt: code for code, dt in MEGATRON_DTYPES.items()}
 _HEADER = struct.Struct("<9sQBQQ")  # 34 bytes
+_CHECK_BLOCK = 1 << 22  # sequences checked per numpy pass: bounds the temporaries (~100 MiB) on huge indexes
+FINGERPRINTS = ("index", "content")
 
 
 class MegatronDataset(Dataset):
-    """A Megatron-LM ``.idx``/``.bin`` pair behind the :class:`~foresight.format.Dataset` contract, zero-copy."""
+    """A Megatron-LM ``.idx``/``.bin`` pair behind the :class:`~foresight.format.Dataset` contract, zero-copy.
+
+    ``fingerprint``: ``"index"`` (default, instant) hashes the ``.idx`` and the ``.bin`` size, so a ``.bin`` whose
+    bytes changed in place at the same size keeps the fingerprint; ``"content"`` also hashes the whole ``.bin``
+    (xxh3, streamed once on first use of :attr:`fingerprint`; reads the whole file).
+    """
 
     kind = "megatron"
 
-    def __init__(self, prefix: str | os.PathLike) -> None:
+    def __init__(self, prefix: str | os.PathLike, *, fingerprint: str = "index") -> None:
         super().__init__()
+        if fingerprint not in FINGERPRINTS:
+            raise ValueError(f"fingerprint must be one of {FINGERPRINTS}, got {fingerprint!r}")
+        self.fingerprint_kind = fingerprint
         prefix = os.fspath(prefix)
         if prefix.endswith((".idx", ".bin")):
             prefix = prefix[:-4]
@@ -113,39 +130,86 @@ class MegatronDataset(Dataset):
         self._validate(n)
 
     def _validate(self, n: int) -> None:
-        p, lengths, ptr = self.idx_path, self.sequence_lengths, self.sequence_pointers
+        p, bin_path, lengths, ptr = self.idx_path, self.shard_paths[0], self.sequence_lengths, self.sequence_pointers
+        dt = self.token_dtype
 
-        def fail(msg: str, bad: np.ndarray) -> None:
-            i = int(np.flatnonzero(bad)[0])
-            raise FormatError(f"{msg} (length {int(lengths[i])}, pointer {int(ptr[i])})", path=p, sample=i,
-                              offset=int(ptr[i]))
+        def fail(msg: str, i: int, note: str = "", **context: Any) -> None:
+            raise FormatError(f"{msg} (length {int(lengths[i])}, pointer {int(ptr[i])}){note}{self._dtype_hint()}",
+                              path=p, sample=i, offset=int(ptr[i]), **context)
 
-        if n:
-            if (bad := lengths < 0).any():
-                fail("negative sequence length", bad)
-            if (bad := (ptr < 0) | (ptr > self.bin_bytes)).any():
-                fail(f"sequence pointer outside the {self.bin_bytes}-byte .bin", bad)
-            nbytes = lengths.astype(np.int64) * self.token_dtype.itemsize
-            if (bad := nbytes > self.bin_bytes - ptr).any():
-                fail(f"sequence runs past the end of the {self.bin_bytes}-byte .bin", bad)
+        for a in range(0, n, _CHECK_BLOCK):  # per block of millions of sequences, never per sequence
+            lens, ptrs = lengths[a : a + _CHECK_BLOCK], ptr[a : a + _CHECK_BLOCK]
+            if (bad := lens < 0).any():
+                fail("negative sequence length", a + _first(bad))
+            if (bad := (ptrs < 0) | (ptrs > self.bin_bytes)).any():
+                fail(f"sequence pointer outside the {self.bin_bytes}-byte .bin", a + _first(bad), bin=bin_path)
+            if (bad := lens.astype(np.int64) * dt.itemsize > self.bin_bytes - ptrs).any():
+                fail(f"sequence runs past the end of the {self.bin_bytes}-byte .bin", a + _first(bad), bin=bin_path)
+            if (bad := ptrs % dt.itemsize != 0).any():
+                fail(f"sequence pointer is not a multiple of the {dt.itemsize}-byte {dt.name} item size",
+                     a + _first(bad))
+        bad_at, end = self._running_sum(dt.itemsize)
+        if bad_at >= 0:
+            fail(f"sequence pointer is not byte {end}, where the previous sequence ends", bad_at,
+                 "; Megatron writes sequences back to back from byte 0")
+        if end != self.bin_bytes:
+            raise FormatError(
+                f".bin is {self.bin_bytes} bytes but the sequences of {os.path.basename(p)} end at byte {end}: this "
+                f".bin does not belong to this .idx (another dataset's, or bytes appended){self._dtype_hint()}",
+                path=bin_path, idx=p,
+            )
         doc = self.document_indices
         if int(doc[0]) != 0:
             raise FormatError(f"document index starts at {int(doc[0])}, not 0", path=p, offset=_HEADER.size + 12 * n)
         if doc.size > 1 and (bad := doc[1:] < doc[:-1]).any():
-            k = int(np.flatnonzero(bad)[0]) + 1
+            k = _first(bad) + 1
             raise FormatError(f"document index decreases at entry {k}", path=p,
                               offset=_HEADER.size + 12 * n + 8 * k)
         if int(doc[-1]) != n:
             raise FormatError(f"document index ends at {int(doc[-1])}, not at the sequence count {n}", path=p)
 
+    def _running_sum(self, itemsize: int) -> tuple[int, int]:
+        """``(first sequence whose pointer is not the running sum of lengths * itemsize or -1, where it should
+        start)``; with -1 the second value is the end of the last sequence. Lengths must be non-negative."""
+        lengths, ptr = self.sequence_lengths, self.sequence_pointers
+        end = 0
+        for a in range(0, int(lengths.shape[0]), _CHECK_BLOCK):
+            nbytes = lengths[a : a + _CHECK_BLOCK].astype(np.int64) * itemsize
+            # No int64 overflow: a block sums to < 2**56 bytes, and `end` is reached only through pointers that
+            # matched, which lie inside the .bin.
+            starts = np.cumsum(nbytes) - nbytes + end
+            if (bad := ptr[a : a + _CHECK_BLOCK] != starts).any():
+                i = _first(bad)
+                return a + i, int(starts[i])
+            end = int(starts[-1] + nbytes[-1])
+        return -1, end
+
+    def _dtype_hint(self) -> str:
+        """On an inconsistent pair: say so when the pointers and the .bin fit another item width (a dtype code
+        changed). Only runs on the error path."""
+        if (self.sequence_lengths < 0).any():
+            return ""
+        for size in sorted({dt.itemsize for dt in MEGATRON_DTYPES.values()} - {self.token_dtype.itemsize}):
+            bad_at, end = self._running_sum(size)
+            if bad_at < 0 and end == self.bin_bytes and end:
+                names = ", ".join(sorted(dt.name for dt in MEGATRON_DTYPES.values() if dt.itemsize == size))
+                code = _CODE_OF[self.token_dtype]
+                return (f"; the pointers and the .bin fit {size}-byte items ({names}): is the dtype code "
+                        f"{code} ({self.token_dtype.name}) wrong?")
+        return ""
+
     @property
     def fingerprint(self) -> str:
-        """xxh3-128 of the whole ``.idx`` plus the ``.bin`` size."""
+        """xxh3-128 of the whole ``.idx`` plus the ``.bin`` size; with ``fingerprint="content"`` also the ``.bin``'s
+        xxh3 (then prefixed ``content:`` so that it never equals an index-only fingerprint of the same files)."""
         if self._fingerprint is None:
             h = xxhash.xxh3_128()
             h.update(memoryview(self._idx_map))
             h.update(struct.pack("<Q", self.bin_bytes))
-            self._fingerprint = h.hexdigest()
+            if self.fingerprint_kind == "content":
+                h.update(file_xxh3(self.shard_paths[0]).encode())
+            prefix = "content:" if self.fingerprint_kind == "content" else ""
+            self._fingerprint = prefix + h.hexdigest()
         return self._fingerprint
 
     @property
@@ -184,6 +248,10 @@ class MegatronDataset(Dataset):
     def tokens(self, i: int) -> np.ndarray:
         """Sample ``i`` as a numpy array of ``token_dtype`` (a copy read with ``pread``)."""
         return np.frombuffer(self.read(i, verify=False), dtype=self.token_dtype)
+
+
+def _first(bad: np.ndarray) -> int:
+    return int(np.flatnonzero(bad)[0])
 
 
 def _sequences(doc: Any) -> list[np.ndarray]:

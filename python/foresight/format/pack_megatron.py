@@ -1,9 +1,10 @@
 """Convert a Megatron-LM indexed dataset (``prefix.idx``/``prefix.bin``) into foresight shards.
 
 Foresight reads Megatron datasets in place (:class:`MegatronDataset`); converting adds per-sample checksums,
-aligned starts and sharding. Sequences are copied in batches straight from the memory-mapped ``.bin`` (one slice per
-batch when the sequences are stored back to back, as Megatron writes them). When documents span several sequences,
-or the index carries modes, each sample's meta records ``document`` (and ``mode``) so nothing is lost.
+aligned starts and sharding. An inconsistent ``.idx``/``.bin`` pair is refused on open (see :mod:`.megatron`), so
+the sequences are known to lie back to back and each batch is copied as one slice of the memory-mapped ``.bin``.
+When documents span several sequences, or the index carries modes, each sample's meta records ``document`` (and
+``mode``) so nothing is lost.
 
 Example::
 
@@ -38,7 +39,6 @@ def pack_megatron(prefix: str | os.PathLike, out: str | os.PathLike, *, align: i
     itemsize = src.token_dtype.itemsize
     tokens = np.memmap(src.shard_paths[0], dtype=np.uint8, mode="r") if src.bin_bytes else np.zeros(0, np.uint8)
     lengths = src.sequence_lengths.astype(np.int64)
-    pointers = src.sequence_pointers
     ends = np.cumsum(lengths)
     extra = {"source": src.path, "source_format": "megatron", "megatron_fingerprint": src.fingerprint,
              "num_documents": src.num_documents}
@@ -52,13 +52,9 @@ def pack_megatron(prefix: str | os.PathLike, out: str | os.PathLike, *, align: i
             # Take sequences until about batch_tokens tokens (at least one).
             b = max(a + 1, int(np.searchsorted(ends, (ends[a - 1] if a else 0) + batch_tokens, side="right")))
             b = min(b, n)
-            ptr, lens = pointers[a:b], lengths[a:b]
-            contiguous = bool((ptr[1:] == ptr[:-1] + lens[:-1] * itemsize).all())
-            if contiguous:
-                raw = tokens[int(ptr[0]) : int(ptr[0]) + int(lens.sum()) * itemsize]
-            else:  # rare: gaps or reordering in the .bin; gather sequence by sequence
-                raw = np.concatenate([tokens[int(p) : int(p) + int(k) * itemsize] for p, k in zip(ptr, lens)] or
-                                     [np.zeros(0, np.uint8)])
+            lens = lengths[a:b]
+            start = int(src.sequence_pointers[a])  # == (ends[a - 1] if a else 0) * itemsize: checked on open
+            raw = tokens[start : start + int(lens.sum()) * itemsize]
             meta = None
             if keep_docs:
                 meta = [{"document": int(d)} for d in docs[a:b]]

@@ -27,19 +27,23 @@ from .types import Dataset, Extents, Modality
 __all__ = ["open_dataset", "ShardedDataset"]
 
 
-def open_dataset(path: str | os.PathLike) -> Dataset:
+def open_dataset(path: str | os.PathLike, *, fingerprint: str = "index") -> Dataset:
     """Open a foresight dataset directory (with ``manifest.json``) or a Megatron-LM ``.idx``/``.bin`` prefix.
 
+    ``fingerprint="content"`` makes a Megatron dataset's fingerprint cover every byte of its ``.bin`` (see
+    :class:`MegatronDataset`); a foresight directory's fingerprint always does (its manifest holds each shard's xxh3).
     Raises :class:`FormatError` naming the file when the dataset is missing, incomplete or malformed.
     """
     path = os.fspath(path)
+    if fingerprint not in ("index", "content"):
+        raise ValueError(f"fingerprint must be 'index' or 'content', got {fingerprint!r}")
     if os.path.isdir(path):
         return ShardedDataset(path)
     prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
     if os.path.exists(prefix + ".idx") or os.path.exists(prefix + ".bin"):
         from .megatron import MegatronDataset
 
-        return MegatronDataset(prefix)
+        return MegatronDataset(prefix, fingerprint=fingerprint)
     if os.path.exists(path):
         raise FormatError("not a foresight dataset directory nor a Megatron .idx/.bin prefix", path=path)
     raise FormatError("no dataset here (a pack that did not finish leaves none)", path=path)
