@@ -50,7 +50,10 @@ class MediaDecodeStage:
         dataset, samples = np.asarray(fields["dataset"]), np.asarray(fields["sample_ids"])
         codes = np.empty(len(samples), dtype=np.int16)
         epochs = np.empty(len(samples), dtype=np.int64)
-        items = first_item + np.arange(len(samples), dtype=np.int64)
+        # A storage node or a fallback decodes a subset of a step: ``fields["items"]`` then gives each sample's
+        # plan item (its epoch key); a whole step's items are ``first_item + position``.
+        items = (np.asarray(fields["items"], dtype=np.int64) if "items" in fields
+                 else first_item + np.arange(len(samples), dtype=np.int64))
         for d in np.unique(dataset):
             ds, mask = self.datasets[int(d)], dataset == d
             codes[mask] = np.asarray(ds.modality_codes())[samples[mask]]
