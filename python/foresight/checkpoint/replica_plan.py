@@ -1,0 +1,111 @@
+"""The replica planner: how many copies of each hinted file, and on which nodes, before a synchronized restart.
+
+replicas(file) = ceil(expected concurrent readers / safe readers per replica), never fewer than the base replication
+and capped by the nodes available, a per-file cap and the job's quota (extra bytes and extra replicas). Hot files come
+first (most readers), then small ones (most readers served per byte copied), so a tight quota goes where it pays.
+Copies go to distinct nodes, least loaded first, the load projected as the plan places readers on them. Every cap
+that bit is recorded with its reason; files whose hot bytes are a small part of them are reported with the bytes the
+file granularity copies in vain.
+
+Example::
+
+    plan = plan_replicas(hints, nodes={"n0": 0.2, "n1": 0.5, "n2": 0.1}, holders={".metadata": ["n0"]},
+                         safe_readers=64, quota_bytes=8 << 30)
+    for f in plan.files: print(f.path, f.replicas, f.new_nodes, f.capped_by)
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from foresight.checkpoint.hints import FileHint, HintError
+
+DEFAULT_BASE_REPLICAS = 3
+DEFAULT_SAFE_READERS = 64  # concurrent readers one replica serves before its node's queue dominates the read
+
+
+@dataclass
+class FilePlan:
+    path: str
+    size: int
+    readers: int
+    wanted: int  # replicas the formula asks for
+    replicas: int  # replicas after the caps
+    holders: list[str]  # nodes that already hold it
+    new_nodes: list[str]  # nodes that get a new copy
+    capped_by: str | None = None  # "nodes", "per_file", "quota_bytes", "quota_replicas"
+    granularity_waste: int = 0  # bytes per extra copy that no hot reader needs
+
+    @property
+    def copy_bytes(self) -> int:
+        return self.size * len(self.new_nodes)
+
+
+@dataclass
+class ReplicaPlan:
+    files: list[FilePlan] = field(default_factory=list)
+
+    @property
+    def copy_bytes(self) -> int:
+        return sum(f.copy_bytes for f in self.files)
+
+    @property
+    def new_replicas(self) -> int:
+        return sum(len(f.new_nodes) for f in self.files)
+
+    def wasteful(self, *, min_fraction: float = 0.5) -> list[FilePlan]:
+        """Files copied mostly for bytes no hot reader needs (a layout that isolates hot tensors would avoid it)."""
+        return [f for f in self.files if f.new_nodes and f.size and f.granularity_waste / f.size >= min_fraction]
+
+
+def wanted_replicas(readers: int, safe_readers: int, base: int) -> int:
+    """The formula: ceil(readers / safe readers per replica), at least the base replication."""
+    if safe_readers < 1:
+        raise HintError(f"safe readers per replica {safe_readers} < 1")
+    return max(base, math.ceil(readers / safe_readers))
+
+
+def plan_replicas(hints: Sequence[FileHint], nodes: Mapping[str, float], *,
+                  holders: Mapping[str, Sequence[str]] | None = None, safe_readers: int = DEFAULT_SAFE_READERS,
+                  base_replicas: int = DEFAULT_BASE_REPLICAS, max_per_file: int | None = None,
+                  quota_bytes: int | None = None, quota_replicas: int | None = None) -> ReplicaPlan:
+    """Plan replicas for ``hints`` over ``nodes`` (node id -> current load in concurrent readers).
+
+    ``holders`` lists the nodes that already hold each file (the base replicas); they count toward the total and
+    never get a second copy. Quotas bound the *new* copies of this job.
+    """
+    holders = holders or {}
+    unknown = sorted({n for hs in holders.values() for n in hs} - set(nodes))
+    if unknown:
+        raise HintError(f"holders name nodes that are not available: {unknown}")
+    # projected load per node: current load plus the readers each copy will take; a heap finds the freest
+    load = dict(nodes)
+    bytes_left = quota_bytes if quota_bytes is not None else math.inf
+    replicas_left = quota_replicas if quota_replicas is not None else math.inf
+    plan = ReplicaPlan()
+    for h in sorted(hints, key=lambda h: (-h.readers, h.size, h.path)):
+        have = list(dict.fromkeys(holders.get(h.path, ())))
+        wanted = wanted_replicas(h.readers, safe_readers, base_replicas)
+        target, capped = wanted, None
+        for limit, reason in ((len(nodes), "nodes"), (max_per_file, "per_file")):
+            if limit is not None and target > limit:
+                target, capped = limit, reason
+        extra = max(0, target - len(have))
+        if extra and h.size and extra * h.size > bytes_left:
+            extra, capped = int(bytes_left // h.size), "quota_bytes"
+        if extra > replicas_left:
+            extra, capped = int(replicas_left), "quota_replicas"
+        heap = [(load[n], n) for n in nodes if n not in have]
+        heapq.heapify(heap)
+        new = [heapq.heappop(heap)[1] for _ in range(min(extra, len(heap)))]
+        total = len(have) + len(new)
+        per_replica = h.readers / max(1, total)
+        for n in have + new:
+            load[n] += per_replica
+        bytes_left -= h.size * len(new)
+        replicas_left -= len(new)
+        plan.files.append(FilePlan(h.path, h.size, h.readers, wanted, total, have, new, capped,
+                                   h.granularity_waste))
+    return plan

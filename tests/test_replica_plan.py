@@ -1,0 +1,121 @@
+"""Replication hints derived from a real DCP checkpoint, and the replica planner's formula, caps and placement."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from foresight.checkpoint.dcp import ForesightStorageWriter
+from foresight.checkpoint.hints import FileHint, HintError, _chunk_readers, derive_dcp_hints, validate_hints
+from foresight.checkpoint.replica_plan import plan_replicas, wanted_replicas
+
+
+@pytest.fixture
+def dcp_ckpt(tmp_path):
+    state = {"emb": torch.randn(64, 8), "bias": torch.zeros(4), "extra": {"step": 7, "note": "hi"}}
+    dcp.save(state, storage_writer=ForesightStorageWriter(tmp_path / "ck"))
+    return tmp_path / "ck"
+
+
+def test_hints_from_a_dcp_checkpoint_cover_every_file(dcp_ckpt):
+    hints = {h.path: h for h in derive_dcp_hints(str(dcp_ckpt), world_size=2048)}
+    files = {p.name: p.stat().st_size for p in dcp_ckpt.iterdir()}
+    assert set(hints) == set(files)  # .metadata and every data file, nothing else
+    assert all(h.size == files[h.path] for h in hints.values())
+    assert hints[".metadata"].readers == 2048
+    data = next(h for p, h in hints.items() if p != ".metadata")
+    assert data.readers == 2048 and 0 < data.hot_bytes <= data.size  # whole tensors: every rank reads them
+    validate_hints(hints.values(), known=files, ttl_s=600)
+
+
+def test_replicated_readers_follow_the_data_parallel_group(dcp_ckpt):
+    hints = {h.path: h for h in derive_dcp_hints(str(dcp_ckpt), world_size=64, replicated_readers=8)}
+    data = next(h for p, h in hints.items() if p != ".metadata")
+    assert data.readers == 64  # the bytes item (extra state) is read by every rank
+    assert hints[".metadata"].readers == 64
+
+
+@pytest.mark.parametrize("offset,length,dim0,world,expected", [
+    (0, 8, 16, 2, 1), (8, 8, 16, 2, 1),      # same world size: each chunk has its owner
+    (0, 8, 16, 4, 2), (0, 16, 16, 4, 4),     # loaded by more ranks: a chunk spans several slices
+    (0, 8, 16, 1, 1), (4, 8, 16, 2, 2),      # fewer ranks; a chunk straddling a slice boundary
+])
+def test_sharded_chunk_readers(offset, length, dim0, world, expected):
+    assert _chunk_readers(offset, length, dim0, world) == expected
+
+
+def test_missing_metadata_is_a_clear_error(tmp_path):
+    with pytest.raises(Exception, match=r"\.metadata"):
+        derive_dcp_hints(str(tmp_path), world_size=4)
+
+
+def _hint(path, size, readers, hot=None):
+    return FileHint(path, size, readers, size if hot is None else hot)
+
+
+def test_replica_count_follows_the_formula_and_the_caps():
+    nodes = {f"n{i}": 0.0 for i in range(10)}
+    hints = [_hint("meta", 1 << 10, 2048), _hint("rep", 1 << 20, 300), _hint("shard", 1 << 30, 1)]
+    plan = {f.path: f for f in plan_replicas(hints, nodes, safe_readers=64, base_replicas=3).files}
+    assert plan["rep"].wanted == math.ceil(300 / 64) == 5 and plan["rep"].replicas == 5
+    assert plan["shard"].wanted == 3 and plan["shard"].replicas == 3  # never below the base replication
+    assert plan["meta"].wanted == 32 and plan["meta"].replicas == 10 and plan["meta"].capped_by == "nodes"
+    capped = {f.path: f for f in plan_replicas(hints, nodes, safe_readers=64, max_per_file=4).files}
+    assert capped["meta"].replicas == 4 and capped["meta"].capped_by == "per_file"
+    assert wanted_replicas(1, 64, 3) == 3 and wanted_replicas(6400, 64, 3) == 100
+
+
+def test_quota_goes_to_hot_and_small_files_first():
+    nodes = {f"n{i}": 0.0 for i in range(8)}
+    hints = [_hint("big-hot", 100, 512), _hint("small-hot", 10, 512), _hint("cold", 10, 1)]
+    plan = plan_replicas(hints, nodes, safe_readers=64, base_replicas=1, quota_bytes=8 * 10 + 2 * 100)
+    by = {f.path: f for f in plan.files}
+    assert [f.path for f in plan.files] == ["small-hot", "big-hot", "cold"]
+    assert len(by["small-hot"].new_nodes) == 8 and by["small-hot"].capped_by is None
+    assert len(by["big-hot"].new_nodes) == 2 and by["big-hot"].capped_by == "quota_bytes"
+    assert plan.copy_bytes <= 8 * 10 + 2 * 100
+    by_count = {f.path: f for f in plan_replicas(hints, nodes, safe_readers=64, base_replicas=1,
+                                                  quota_replicas=3).files}
+    assert sum(len(f.new_nodes) for f in by_count.values()) == 3 and by_count["big-hot"].capped_by == "quota_replicas"
+
+
+def test_copies_go_to_distinct_least_loaded_nodes():
+    nodes = {"busy": 50.0, "idle": 0.0, "mid": 10.0, "held": 0.0}
+    plan = plan_replicas([_hint("f", 1, 128)], nodes, holders={"f": ["held"]}, safe_readers=64, base_replicas=1)
+    f = plan.files[0]
+    assert f.replicas == 2 and f.holders == ["held"] and f.new_nodes == ["idle"]
+    plan = plan_replicas([_hint("f", 1, 64 * 3)], nodes, holders={"f": ["held"]}, safe_readers=64, base_replicas=1)
+    assert plan.files[0].new_nodes == ["idle", "mid"] and len(set(plan.files[0].new_nodes + ["held"])) == 3
+    # the projected load moves the next file's copies elsewhere
+    plan = plan_replicas([_hint("a", 1, 128), _hint("b", 2, 128)], {"x": 0.0, "y": 1.0, "z": 2.0},
+                         safe_readers=64, base_replicas=1)
+    assert plan.files[0].new_nodes == ["x", "y"] and plan.files[1].new_nodes == ["z", "x"]
+
+
+def test_files_packing_a_hot_tensor_with_cold_ones_are_reported():
+    plan = plan_replicas([_hint("mixed", 1000, 512, hot=10), _hint("pure", 10, 512)], {f"n{i}": 0 for i in range(4)},
+                         safe_readers=64, base_replicas=1)
+    wasteful = plan.wasteful()
+    assert [f.path for f in wasteful] == ["mixed"] and wasteful[0].granularity_waste == 990
+
+
+@pytest.mark.parametrize("bad,match", [
+    (_hint("../etc/passwd", 1, 1), "outside"),
+    (_hint("/abs", 1, 1), "outside"),
+    (_hint("f", 1, 0), "reader count"),
+    (_hint("f", 1, 10**9), "reader count"),
+    (_hint("nope", 1, 1), "does not have"),
+    (_hint("f", 2, 1), "the file has"),
+])
+def test_bad_hints_are_refused_clearly(bad, match):
+    with pytest.raises(HintError, match=match):
+        validate_hints([bad], known={"f": 1})
+
+
+def test_bad_ttl_and_unknown_holders_are_refused():
+    with pytest.raises(HintError, match="TTL"):
+        validate_hints([_hint("f", 1, 1)], ttl_s=0)
+    with pytest.raises(HintError, match="not available"):
+        plan_replicas([_hint("f", 1, 1)], {"a": 0}, holders={"f": ["ghost"]})
