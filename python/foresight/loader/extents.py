@@ -1,6 +1,9 @@
 """From a plan's pieces to file extents: which bytes of which shard file one step needs.
 
 All work is vectorized over the step's pieces; the only Python loop is over the (few) datasets of a mixture.
+Token pieces are usually parts of a sample; with ``whole_samples=True`` (the loader's ``verify``) the extents
+are the whole samples the pieces come from, each once, so their checksums can be checked, and every piece is
+located inside its sample's extent.
 
 Example::
 
@@ -50,7 +53,12 @@ class FileTable:
 
 @dataclass
 class StepExtents:
-    """One entry per plan piece of the step, in plan order."""
+    """The byte ranges to read for one step, and the step's pieces in plan order.
+
+    ``file``/``offset``/``length`` are the extents to read: one per piece, or with ``whole_samples`` one per
+    distinct sample (then ``read_dataset``/``read_sample`` name them, and piece ``p`` starts
+    ``piece_skip[p]`` bytes into extent ``piece_read[p]``). The other arrays are per piece.
+    """
 
     file: np.ndarray  # int32, index into FileTable
     offset: np.ndarray  # int64, byte offset in the file
@@ -59,13 +67,26 @@ class StepExtents:
     sample: np.ndarray  # int64
     piece_tokens: np.ndarray | None  # int64 tokens per piece (token plans), else None
     item_ptr: np.ndarray  # int64, pieces of item i are item_ptr[i]:item_ptr[i+1] (rebased to 0)
+    piece_read: np.ndarray | None = None  # int64, extent of each piece (whole_samples only)
+    piece_skip: np.ndarray | None = None  # int64, bytes from its extent's start to the piece
+    read_dataset: np.ndarray | None = None  # int32, per extent (whole_samples only)
+    read_sample: np.ndarray | None = None  # int64, per extent (whole_samples only)
+
+    def piece_positions(self, x_dest: np.ndarray) -> np.ndarray:
+        """Where each piece starts in the transfer region, given where each extent landed (``x_dest``)."""
+        if self.piece_read is None:
+            return x_dest
+        return x_dest[self.piece_read] + self.piece_skip
 
 
-def step_extents(plan, datasets: Sequence, files: FileTable, start: int, stop: int) -> StepExtents:
+def step_extents(plan, datasets: Sequence, files: FileTable, start: int, stop: int, *,
+                 whole_samples: bool = False) -> StepExtents:
     """Extents of items ``[start, stop)`` of ``plan`` (a rank's share of one step)."""
     pieces = plan.pieces(start, stop)
-    p_dataset = np.asarray(pieces.dataset, dtype=np.int32)
-    p_sample = np.asarray(pieces.sample, dtype=np.int64)
+    # Copies: the plan's arrays are read-only mmaps (torch warns on them) and must never be written through
+    # a batch's ``sample_ids`` or ``dataset``.
+    p_dataset = np.array(pieces.dataset, dtype=np.int32)
+    p_sample = np.array(pieces.sample, dtype=np.int64)
     p_offset = np.asarray(pieces.offset, dtype=np.int64)
     p_length = np.asarray(pieces.length, dtype=np.int64)
     n = len(p_sample)
@@ -90,7 +111,7 @@ def step_extents(plan, datasets: Sequence, files: FileTable, start: int, stop: i
         else:
             offset[mask] = ext.offset
             length[mask] = ext.length
-    return StepExtents(
+    ext = StepExtents(
         file=file,
         offset=offset,
         length=length,
@@ -99,6 +120,29 @@ def step_extents(plan, datasets: Sequence, files: FileTable, start: int, stop: i
         piece_tokens=p_length if tokens else None,
         item_ptr=np.asarray(pieces.item_ptr, dtype=np.int64),
     )
+    return _whole_samples(ext, datasets, files) if whole_samples and tokens else ext
+
+
+def _whole_samples(ext: StepExtents, datasets: Sequence, files: FileTable) -> StepExtents:
+    """``ext`` reading each distinct sample of its pieces whole, once."""
+    key = (ext.dataset.astype(np.int64) << 40) | ext.sample  # sample ids < 2**40
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    r_dataset, r_sample = ext.dataset[first], ext.sample[first]
+    r_file = np.empty(len(first), dtype=np.int32)
+    r_offset = np.empty(len(first), dtype=np.int64)
+    r_length = np.empty(len(first), dtype=np.int64)
+    for d in np.unique(r_dataset):
+        mask = r_dataset == d
+        whole = datasets[int(d)].lookup(r_sample[mask])
+        r_file[mask] = files.base[d] + whole.shard
+        r_offset[mask] = whole.offset
+        r_length[mask] = whole.length
+    inverse = inverse.reshape(-1).astype(np.int64)
+    ext.piece_skip = ext.offset - r_offset[inverse]
+    ext.piece_read = inverse
+    ext.file, ext.offset, ext.length = r_file, r_offset, r_length
+    ext.read_dataset, ext.read_sample = r_dataset, r_sample
+    return ext
 
 
 __all__ = ["FileTable", "StepExtents", "step_extents"]

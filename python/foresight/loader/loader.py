@@ -99,7 +99,12 @@ class Loader(Closing):
             at most ``max_transfer`` bytes. ``max_gap=-1`` turns coalescing off (one read per extent).
             ``max_transfer=None`` sizes it from the plan's mean piece (4 MiB, more for samples over 256 KiB:
             :func:`foresight.io.coalesce.transfer_limit_for`).
-        verify: check each whole sample's xxh3 checksum (non-token plans).
+        verify: check the xxh3 checksum (recorded at pack time) of every sample a step uses, in one native call
+            per dataset and step; a mismatch raises :class:`~foresight.errors.ChecksumError` naming the shard
+            file, the sample's offset and its id. Token plans use parts of samples, so with ``verify`` each
+            sample a step touches is read whole (a long document cut over many steps is read and checked at
+            each of them: more bytes read, same rows). Datasets without checksums (Megatron-LM ``.bin``/``.idx``)
+            are refused with ``verify=True``.
         decode: optional stage ``(fields, *, stats, first_item) -> fields`` run on the loader thread once a
             step's reads complete, e.g. :class:`foresight.loader.MediaDecodeStage` (frame-selective decode).
         auto_release: recycle a batch's slot when the consumer asks for the next one.
@@ -141,6 +146,8 @@ class Loader(Closing):
         self.datasets: Sequence = list(datasets)
         self.plan = plan
         plan.check_sources(self.datasets)
+        if verify:
+            _check_verifiable(self.datasets)
         self.rank, self.world_size = _resolve_rank(rank, world_size)
         if plan.global_batch_size % self.world_size:
             raise PlanError(
@@ -213,7 +220,7 @@ class Loader(Closing):
         plan, n = self.plan, self._per_rank
         if self._tokens:
             rows = n * (plan.seq_len + 1) * self._token_dtype.itemsize
-            requested = rows
+            requested = self._max_rank_count(self._whole_sample_bytes()) if self.verify else rows
             max_pieces = self._max_rank_count(np.diff(np.asarray(plan.item_ptr[: self._item_limit() + 1])))
         else:
             rows = 0
@@ -227,6 +234,28 @@ class Loader(Closing):
         # back to max_gap=0 for a step that would not fit.
         transfer = _round_up(requested + min(max_pieces * 2 * ALIGN, requested + 2 * ALIGN) + ALIGN, ALIGN)
         return transfer, _round_up(rows, ALIGN)
+
+    def _whole_sample_bytes(self) -> np.ndarray:
+        """Per item: bytes of the whole samples its pieces come from, counting a sample once while consecutive
+        pieces of one rank's share of a step repeat it (a long document cut into several rows), as
+        ``step_extents(whole_samples=True)`` reads it. Repeats that are not consecutive are counted again: the
+        bound stays an upper bound."""
+        plan = self.plan
+        item_ptr = np.asarray(plan.item_ptr[: self._item_limit() + 1], dtype=np.int64)
+        count = int(item_ptr[-1])
+        p_dataset = np.asarray(plan.piece_dataset[:count])
+        p_sample = np.asarray(plan.piece_sample[:count], dtype=np.int64)
+        sizes = np.zeros(count, dtype=np.int64)
+        for d in np.unique(p_dataset):
+            mask = p_dataset == d
+            sizes[mask] = np.asarray(self.datasets[int(d)].sample_bytes(), dtype=np.int64)[p_sample[mask]]
+        repeat = np.zeros(count, dtype=bool)
+        repeat[1:] = (p_dataset[1:] == p_dataset[:-1]) & (p_sample[1:] == p_sample[:-1])
+        share_starts = item_ptr[:-1][:: self._per_rank]
+        repeat[share_starts[share_starts < count]] = False
+        sizes[repeat] = 0
+        cumulative = np.concatenate(([0], np.cumsum(sizes)))
+        return cumulative[item_ptr[1:]] - cumulative[item_ptr[:-1]]
 
     def _auto_max_transfer(self) -> int:
         """``max_transfer`` from the mean piece size in bytes (the first million pieces stand for the plan)."""
@@ -287,9 +316,11 @@ class Loader(Closing):
         completes the next step's reads go in at once instead of after a Python gap with a draining ring."""
         t0 = time.perf_counter()
         start, stop = self.plan.rank_items(step, self.rank, self.world_size)
-        ext = step_extents(self.plan, self.datasets, self._files, start, stop)
+        ext = step_extents(self.plan, self.datasets, self._files, start, stop,
+                           whole_samples=self.verify and self._tokens)
         t1 = time.perf_counter()
         slot = self._acquire_slot(busy)
+        t_slot = time.perf_counter()
         region = self._arena.slot(slot)[: self._transfer_bytes]
         tr = self._coalesce(ext, self.max_gap)
         overflow = None
@@ -305,8 +336,8 @@ class Loader(Closing):
                      tr.t_needed)
         t2 = time.perf_counter()
         self.stats.add(
-            plan_s=t1 - t0, coalesce_s=t2 - t1, extents=len(ext.offset), ios=len(tr.t_offset),
-            bytes_requested=int(ext.length.sum()), bytes_read=int(tr.t_length.sum()),
+            plan_s=t1 - t0, slot_wait_s=t_slot - t1, coalesce_s=t2 - t_slot, extents=len(ext.offset),
+            ios=len(tr.t_offset), bytes_requested=int(ext.length.sum()), bytes_read=int(tr.t_length.sum()),
         )
         return job
 
@@ -334,7 +365,10 @@ class Loader(Closing):
         return np.frombuffer(buf, dtype=np.uint8)
 
     def _complete(self, job: _Job) -> Batch:
-        """Collate a step whose reads are done (waited for by the caller)."""
+        """Verify and collate a step whose reads are done (waited for by the caller)."""
+        if self.verify:
+            with self.stats.timed("verify"):
+                self._verify(job)
         t0 = time.perf_counter()
         fields = self._collate(job)
         self.stats.add(collate_s=time.perf_counter() - t0, steps=1, samples=job.stop - job.start)
@@ -355,22 +389,23 @@ class Loader(Closing):
             rows_region = self._arena.slot(job.slot)[self._transfer_bytes : self._transfer_bytes + self._rows_bytes]
             rows = rows_region[: n_items * (seq + 1) * self._token_dtype.itemsize].view(self._token_dtype)
             rows = rows.reshape(n_items, seq + 1)
-            gather_tokens(job.region, job.x_dest, ext.piece_tokens, rows, piece_dataset=ext.dataset,
-                          dataset_dtypes=self._dataset_dtypes)
+            gather_tokens(job.region, ext.piece_positions(job.x_dest), ext.piece_tokens, rows,
+                          piece_dataset=ext.dataset, dataset_dtypes=self._dataset_dtypes)
             cu = document_boundaries(ext.item_ptr, ext.piece_tokens, seq)
             fields.update(tokens=rows, cu_seqlens=cu, position_ids=position_ids(cu, n_items * seq).reshape(n_items, seq),
                           item_ptr=ext.item_ptr, dataset=ext.dataset)
         else:
-            if self.verify:
-                self._verify(job)
             fields.update(data=job.region, offsets=job.x_dest, lengths=ext.length, dataset=ext.dataset)
         return fields
 
     def _verify(self, job: _Job) -> None:
+        """Hash every extent read for ``job`` (whole samples) in one native call per dataset."""
         ext = job.extents
-        for d in np.unique(ext.dataset):
-            mask = ext.dataset == d
-            self.datasets[int(d)].verify_packed(ext.sample[mask], job.region, job.x_dest[mask])
+        whole = ext.read_sample is not None  # token pieces widened to whole samples
+        dataset, sample = (ext.read_dataset, ext.read_sample) if whole else (ext.dataset, ext.sample)
+        for d in np.unique(dataset):
+            mask = dataset == d
+            self.datasets[int(d)].verify_packed(sample[mask], job.region, job.x_dest[mask])
 
     def _releaser(self, slot: int) -> "_SlotLease":
         return _SlotLease(self._arena, slot)
@@ -534,6 +569,16 @@ class Loader(Closing):
         self._engine.close()
         self._arena.close()
 
+
+
+def _check_verifiable(datasets: Sequence) -> None:
+    """``verify=True`` needs a checksum per sample: refuse datasets that have none rather than check nothing."""
+    for i, ds in enumerate(datasets):
+        if ds.checksums() is None:
+            raise ValueError(
+                f"verify=True but dataset {i} ({getattr(ds, 'path', ds)}) has no checksums to verify "
+                f"({type(ds).__name__}); open the loader with verify=False, or repack it with foresight pack"
+            )
 
 
 def _tensor_of(array: np.ndarray, device: str | None):

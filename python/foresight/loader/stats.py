@@ -15,12 +15,40 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Iterator
 
-STAGES = ("plan", "coalesce", "submit", "io_wait", "collate", "decode", "h2d", "stall")
+STAGES = ("plan", "slot_wait", "coalesce", "submit", "io_wait", "verify", "collate", "decode", "h2d", "stall")
 
 
 @dataclass
 class LoaderStats:
-    """Counters are cumulative since the loader started; times are seconds of wall clock per stage."""
+    """Counters are cumulative since the loader was created; times are seconds of wall clock summed over steps.
+
+    The pipeline thread runs ``plan``, ``slot_wait``, ``coalesce``, ``submit``, ``io_wait``, ``verify``,
+    ``collate`` and ``decode`` for steps ahead of the consumer; ``h2d`` and ``stall`` are spent in the consumer's
+    ``next()``. Only ``stall_s`` is time the training loop waited; the other stages overlap with it.
+
+    Fields:
+        backend: the I/O backend in use, ``"uring"`` or ``"pread"``.
+        steps: steps collated (read, verified, collated; decoded when a decode stage is given).
+        samples: items of those steps on this rank (token plans: rows; other plans: samples).
+        extents: byte ranges asked for: one per plan piece, or per distinct sample with ``verify`` on token plans.
+        ios: reads issued after coalescing (at most ``extents`` unless coalescing is off).
+        bytes_requested: bytes of the extents (what the samples need).
+        bytes_read: bytes of the reads, with alignment and the holes coalescing read across (>= requested).
+        slot_overflows: steps larger than the arena slot sized at start-up, read into a one-off buffer instead.
+        plan_s: turning the plan's items into file extents.
+        slot_wait_s: waiting for a free arena slot: the consumer holds every other slot (prefetch is full, or
+            batches are kept with ``auto_release=False``) or CUDA copies out of them have not finished.
+        coalesce_s: merging extents into aligned transfers (the slot wait excluded).
+        submit_s: handing a step's reads to the engine.
+        io_wait_s: waiting for a step's reads to complete.
+        verify_s: hashing the samples read and comparing with the checksums (``verify=True``).
+        collate_s: building the batch's fields (token rows: the gather pass, positions, boundaries).
+        decode_s: the decode stage (media), waiting for its pool; ``decode_by_modality_s`` splits it.
+        h2d_s: making tensors of the fields and, on CUDA, queuing their copies to the device.
+        stall_s: the consumer waiting for the next batch (the loader did not keep up).
+        decode_by_modality_s: ``decode_s`` per modality name (``"video"``, ``"image"``, ``"audio"``).
+        amplification (property): ``bytes_read / bytes_requested``.
+    """
 
     backend: str = "?"
     steps: int = 0
@@ -31,9 +59,11 @@ class LoaderStats:
     bytes_read: int = 0
     slot_overflows: int = 0
     plan_s: float = 0.0
+    slot_wait_s: float = 0.0
     coalesce_s: float = 0.0
     submit_s: float = 0.0
     io_wait_s: float = 0.0
+    verify_s: float = 0.0
     collate_s: float = 0.0
     decode_s: float = 0.0
     h2d_s: float = 0.0
@@ -43,6 +73,7 @@ class LoaderStats:
 
     @contextmanager
     def timed(self, stage: str) -> Iterator[None]:
+        """Add the wall time of the ``with`` block to ``<stage>_s``."""
         t0 = time.perf_counter()
         try:
             yield
@@ -50,11 +81,13 @@ class LoaderStats:
             self.add(**{f"{stage}_s": time.perf_counter() - t0})
 
     def add(self, **amounts: float) -> None:
+        """Add to counters by name, e.g. ``add(steps=1, io_wait_s=0.002)`` (thread-safe)."""
         with self._lock:
             for name, value in amounts.items():
                 setattr(self, name, getattr(self, name) + value)
 
     def add_decode(self, modality: str, seconds: float) -> None:
+        """Add ``seconds`` to ``decode_s`` and to ``decode_by_modality_s[modality]``."""
         with self._lock:
             self.decode_s += seconds
             self.decode_by_modality_s[modality] = self.decode_by_modality_s.get(modality, 0.0) + seconds
@@ -65,6 +98,7 @@ class LoaderStats:
         return self.bytes_read / self.bytes_requested if self.bytes_requested else 1.0
 
     def as_dict(self) -> dict:
+        """Every field above plus ``amplification``, as plain Python values (a consistent snapshot)."""
         with self._lock:
             out = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
             out["decode_by_modality_s"] = dict(self.decode_by_modality_s)
