@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "pack": ("foresight.format.cli", "pack JSONL/Parquet, a media folder or a Megatron dataset into shards"),
     "plan": ("foresight.plan.cli", "build a deterministic per-step sample plan"),
     "inspect": ("foresight.plan.inspect_cli", "print a dataset's manifest, a plan's summary, or step k"),
+    "ckpt": ("foresight.checkpoint.replicate.cli", "checkpoint tools: merge a distributed checkpoint to safetensors"),
     "demo": ("foresight.demo", "pack, serve, train a toy model, checkpoint and resume, print what was measured"),
 }
 

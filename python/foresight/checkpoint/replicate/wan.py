@@ -1,0 +1,180 @@
+"""WAN test bed: a delaying TCP proxy on loopback with a round-trip time and a bandwidth cap.
+
+This kernel has no ``netem`` (``tc qdisc add dev lo root netem`` -> "Specified qdisc kind is unknown"), so the
+two "sites" talk through this proxy instead. Each direction models a link: a chunk read at time t leaves the
+serializer at ``max(t, previous_end) + len/bandwidth`` and is delivered ``rtt/2`` later. Many chunks are in
+flight at once (the link stays pipelined, like a real long fat pipe); the bytes queued inside the proxy are
+bounded (bandwidth-delay product + 4 MiB), so a fast sender feels TCP backpressure instead of filling memory.
+It runs as its own process (``python -m foresight.checkpoint.replicate.wan``), so it never competes for the
+GIL with what it carries.
+
+Example::
+
+    with WanLink(("127.0.0.1", 9000), rtt_ms=100, mbit=1000) as link:
+        flight.connect(f"grpc://127.0.0.1:{link.port}")   # 100 ms away from the server on :9000
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+CHUNK = 256 << 10
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, one_way: float, bps: float) -> None:
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    limit = int(bps * one_way * 2) + (4 << 20) if bps else 64 << 20
+    state = {"queued": 0}
+    space = asyncio.Event()
+    space.set()
+
+    async def receive() -> None:
+        tx_free = loop.time()
+        while True:
+            while state["queued"] > limit:
+                space.clear()
+                await space.wait()
+            data = await reader.read(CHUNK)
+            now = loop.time()
+            if not data:
+                await queue.put((max(now, tx_free) + one_way, None))
+                return
+            tx_free = max(now, tx_free) + (len(data) / bps if bps else 0.0)
+            state["queued"] += len(data)
+            await queue.put((tx_free + one_way, data))
+
+    async def deliver() -> None:
+        while True:
+            due, data = await queue.get()
+            wait = due - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if data is None:
+                if writer.can_write_eof():
+                    writer.write_eof()
+                return
+            writer.write(data)
+            await writer.drain()
+            state["queued"] -= len(data)
+            space.set()
+
+    rx = asyncio.ensure_future(receive())
+    try:
+        await deliver()
+    finally:
+        rx.cancel()
+
+
+async def _serve(listen_port: int, target: tuple[str, int], one_way: float, bps: float) -> None:
+    async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        try:
+            sr, sw = await asyncio.open_connection(*target)
+        except OSError:
+            cw.close()
+            return
+        for s in (cw, sw):
+            sock = s.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        up = asyncio.ensure_future(_pump(cr, sw, one_way, bps))
+        down = asyncio.ensure_future(_pump(sr, cw, one_way, bps))
+        await asyncio.wait([up, down], return_when=asyncio.ALL_COMPLETED)
+        for w in (cw, sw):
+            w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", listen_port)
+    port = server.sockets[0].getsockname()[1]
+    print(f"READY {port}", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+class WanLink:
+    """A delaying proxy process from ``127.0.0.1:port`` to ``target`` (``rtt_ms`` round trip, ``mbit`` cap per
+    direction; 0 = uncapped). ``close()`` (or leaving the ``with``) stops it."""
+
+    def __init__(self, target: tuple[str, int], *, rtt_ms: float = 100.0, mbit: float = 0.0) -> None:
+        self.target, self.rtt_ms, self.mbit = target, rtt_ms, mbit
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "foresight.checkpoint.replicate.wan", "--target", f"{target[0]}:{target[1]}",
+             "--rtt-ms", str(rtt_ms), "--mbit", str(mbit)], stdout=subprocess.PIPE, text=True)
+        line = self._proc.stdout.readline()
+        if not line.startswith("READY "):
+            self._proc.kill()
+            raise RuntimeError(f"WAN proxy did not start (exit {self._proc.wait()})")
+        self.port = int(line.split()[1])
+
+    @property
+    def url(self) -> str:
+        return f"grpc://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._proc.stdout:
+            self._proc.stdout.close()
+
+    def __enter__(self) -> WanLink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def measure_rtt(*, rtt_ms: float, mbit: float = 0.0, pings: int = 5) -> dict[str, float]:
+    """Median and min round trip (ms) of 1-byte ping-pongs through a fresh link to a local echo server."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def echo() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            while data := conn.recv(64):
+                conn.sendall(data)
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    with WanLink(("127.0.0.1", port), rtt_ms=rtt_ms, mbit=mbit) as link:
+        with socket.create_connection(("127.0.0.1", link.port)) as c:
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            samples = []
+            for _ in range(pings):
+                t0 = time.perf_counter()
+                c.sendall(b"x")
+                if c.recv(1) != b"x":
+                    raise RuntimeError("echo through the WAN proxy returned wrong bytes")
+                samples.append((time.perf_counter() - t0) * 1e3)
+    srv.close()
+    t.join(5)
+    return {"median_ms": statistics.median(samples), "min_ms": min(samples), "configured_ms": rtt_ms}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", required=True, help="host:port to forward to")
+    p.add_argument("--port", type=int, default=0, help="port to listen on (0: any; printed as READY <port>)")
+    p.add_argument("--rtt-ms", type=float, default=100.0)
+    p.add_argument("--mbit", type=float, default=0.0, help="bandwidth cap per direction in Mbit/s (0: none)")
+    a = p.parse_args(argv)
+    host, port = a.target.rsplit(":", 1)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    asyncio.run(_serve(a.port, (host, int(port)), a.rtt_ms / 2000.0, a.mbit * 1e6 / 8))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

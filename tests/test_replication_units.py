@@ -1,0 +1,149 @@
+"""Transfer units, the priority lane and the WAN link: pieces of replication that need no second site."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from foresight.checkpoint.replicate.scheduler import PriorityLane, priority_of
+from foresight.checkpoint.replicate.units import (
+    ReplicaBuilder,
+    check_name,
+    meta_files,
+    plan_units,
+    read_unit,
+    verify_checkpoint,
+)
+from foresight.checkpoint.replicate.wan import measure_rtt
+from foresight.errors import CheckpointError
+
+
+def make_source(tmp_path, nbytes=300_000):
+    """A checkpoint directory of foresight's format written by hand: one data file, index, COMMIT."""
+    from foresight.checkpoint import store
+    from foresight.checksum import xxh3_many
+
+    src = tmp_path / "src" / "step-00000007"
+    src.mkdir(parents=True)
+    data = np.random.default_rng(3).integers(0, 255, nbytes, dtype=np.uint8)
+    (src / "data-00000.bin").write_bytes(data.tobytes())
+    offs = np.array([0, 100, 5000, 70000], np.int64)
+    lens = np.array([100, 4900, 65000, nbytes - 70000], np.int64)
+    sums = xxh3_many(data, offs, lens)
+    index = {"format": store.FORMAT, "version": store.VERSION, "step": 7, "files": [{"name": "data-00000.bin",
+             "bytes": nbytes}], "tensors": {"name": ["a", "b", "c", "d"], "file": [0] * 4, "offset": offs.tolist(),
+             "nbytes": lens.tolist(), "dtype": ["torch.uint8"] * 4, "shape": [[int(n)] for n in lens],
+             "xxh3": [f"{int(h):016x}" for h in sums]}, "skeleton": None, "extra_state": None}
+    store.write_index_and_commit(str(src), index)
+    return str(src)
+
+
+def send(src, rb, units, only=None):
+    fd = os.open(os.path.join(src, units[0].file), os.O_RDONLY)
+    try:
+        for u in units:
+            if only is None or u.id in only:
+                body, h = read_unit(fd, u)
+                rb.write_unit(u.header(h), [memoryview(body)[:7], memoryview(body)[7:]])
+    finally:
+        os.close(fd)
+
+
+def test_units_rebuild_a_bit_identical_replica(tmp_path):
+    src = make_source(tmp_path)
+    units = plan_units([("data-00000.bin", 300_000)], unit_bytes=64 << 10)
+    assert len(units) == 5 and sum(u.length for u in units) == 300_000
+    rb = ReplicaBuilder(str(tmp_path / "dst"), "job/step-00000007")
+    send(src, rb, units)
+    final = rb.finalize(meta_files(src), len(units))
+    assert final == str(tmp_path / "dst" / "job" / "step-00000007")
+    for n in os.listdir(src):
+        assert open(os.path.join(src, n), "rb").read() == open(os.path.join(final, n), "rb").read(), n
+    assert verify_checkpoint(final) == 4
+    assert not os.path.exists(rb.tmp)
+
+
+def test_a_cut_transfer_is_never_a_replica_and_resumes_by_unit(tmp_path):
+    src = make_source(tmp_path)
+    units = plan_units([("data-00000.bin", 300_000)], unit_bytes=64 << 10)
+    dst = str(tmp_path / "dst")
+    rb = ReplicaBuilder(dst, "job/step-00000007")
+    send(src, rb, units, only={0, 1})
+    fd = os.open(os.path.join(src, "data-00000.bin"), os.O_RDONLY)
+    body, h = read_unit(fd, units[2])
+    os.close(fd)
+    with pytest.raises(CheckpointError, match="cut short"):  # the stream broke half way through unit 2
+        rb.write_unit(units[2].header(h), [memoryview(body)[:1000]])
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        rb.write_unit(units[2].header(h ^ 1), [body])
+    with pytest.raises(CheckpointError, match="units missing"):
+        rb.finalize(meta_files(src), len(units))
+    assert not os.path.exists(os.path.join(dst, "job", "step-00000007"))
+    from foresight.checkpoint import store
+
+    assert store.committed_steps(os.path.join(dst, "job")) == []
+    rb2 = ReplicaBuilder(dst, "job/step-00000007")  # e.g. the receiver restarted
+    assert rb2.done_units() == {0, 1}
+    send(src, rb2, units, only=set(range(len(units))) - rb2.done_units())
+    assert verify_checkpoint(rb2.finalize(meta_files(src), len(units))) == 4
+
+
+def test_a_corrupt_replica_fails_verification(tmp_path):
+    src = make_source(tmp_path)
+    units = plan_units([("data-00000.bin", 300_000)], unit_bytes=1 << 20)
+    rb = ReplicaBuilder(str(tmp_path / "dst"), "job/step-00000007")
+    send(src, rb, units)
+    with open(os.path.join(rb.tmp, "data-00000.bin"), "r+b") as f:  # bit rot after the unit check
+        f.seek(6000)
+        f.write(b"\x00\x01")
+    with pytest.raises(CheckpointError, match="replica tensor checksum mismatch.*tensor=c"):
+        rb.finalize(meta_files(src), len(units))
+    assert not os.path.exists(rb.final)
+
+
+def test_names_cannot_escape_the_root():
+    assert check_name("job-1/step-00000100") == "job-1/step-00000100"
+    for bad in ("../x", "job/../../etc", "/abs", "job//step", ".hidden/x", ""):
+        with pytest.raises(CheckpointError, match="bad checkpoint name"):
+            check_name(bad)
+
+
+def test_urgent_overtakes_bulk_in_progress_and_bulk_is_not_starved():
+    lane = PriorityLane(aging=1.0)
+    bulk, urgent = priority_of(model_bytes=7 << 30), priority_of(model_bytes=7 << 30, severity=0.5)
+    lane.add("bulk", range(10), bulk)
+    order = [lane.pop(timeout=0) for _ in range(3)]
+    assert order == [("bulk", 0), ("bulk", 1), ("bulk", 2)]
+    lane.add("urgent", range(4), urgent)  # an anomaly: evaluate this step now
+    order = [lane.pop(timeout=0) for _ in range(5)]
+    assert order == [("urgent", 0), ("urgent", 1), ("urgent", 2), ("urgent", 3), ("bulk", 3)]
+    # a flood of urgent work: bulk still gets a unit once its credit has grown past the gap
+    lane.add("flood", range(10_000), urgent)
+    keys = [lane.pop(timeout=0)[0] for _ in range(2000)]
+    first_bulk = keys.index("bulk")
+    assert 0 < first_bulk <= int(urgent - bulk) + 2
+    assert keys.count("bulk") == 6  # the rest of bulk finished inside the flood
+
+
+def test_priority_grows_with_size_importance_and_severity():
+    assert priority_of(model_bytes=1 << 30) < priority_of(model_bytes=1 << 40)
+    assert priority_of(importance=1) < priority_of(importance=2)
+    assert priority_of(model_bytes=1 << 40, importance=5) < priority_of(severity=0.1)
+    with pytest.raises(ValueError):
+        priority_of(severity=2.0)
+
+
+def test_lane_is_fifo_among_equals_and_closes():
+    lane = PriorityLane()
+    lane.add("a", [0], 1.0)
+    lane.add("b", [0], 1.0)
+    assert lane.pop(timeout=0) == ("a", 0)
+    lane.close()
+    assert lane.pop() is None
+
+
+def test_wan_link_delays_every_round_trip():
+    rtt = measure_rtt(rtt_ms=40, pings=3)
+    # the proxy never delivers a byte before its due time, so this lower bound holds on any machine
+    assert rtt["min_ms"] >= 40 - 2
