@@ -17,8 +17,14 @@ def test_checkpoint_bench_smoke(tmp_path):
     assert "foresight" in proc.stdout and "torch.save" in proc.stdout
     data = json.loads((out / "checkpoint_smoke.json").read_text())
     methods = data["results"][0]["methods"]
-    assert {"torch.save", "dcp.save", "dcp.async_save", "foresight"} <= set(methods)
+    assert {"torch.save", "dcp.save t1", "dcp.async_save t1", "dcp.async_save t2", "foresight"} <= set(methods)
     for m in methods.values():
-        assert m["median"]["blocking"] > 0 and m["median"]["restore"] > 0
+        assert m["median"]["blocking"] > 0 and m["median"]["restore"] > 0 and m["median"]["first_total"] > 0
+        assert len(m["samples"]["total"]) == 2  # first save and steady state are both measured
+    res = data["results"][0]
+    assert res["best_dcp_async"].startswith("dcp.async_save t")
+    assert res["fio"] is None or res["fio"]["own_config"] == {"bs": "8m", "numjobs": 4, "iodepth": 1,
+                                                               **{k: res["fio"]["own_config"][k]
+                                                                  for k in ("write_Bps", "read_Bps", "own")}}
     assert (out / "checkpoint_smoke.png").stat().st_size > 0
     assert not (tmp_path / "work").exists()  # scratch files cleaned up
