@@ -9,11 +9,15 @@ and GOP 250, generated once and cached (``--clips-dir``, default /tmp/foresight_
 * ``decord``        decord VideoReader(width=224, height=224).get_batch
 * ``tc_exact``      torchcodec VideoDecoder(seek_mode="exact", transforms=[Resize]).get_frames_at
 * ``tc_approx``     the same with seek_mode="approximate"
+* ``tc_mapped``     the same with the clip's frame index given up front (``custom_frame_mappings``, built from the
+                    pack-time probe outside the timing, as foresight's own index is)
 
 Every method gets the same frame indices per sample and decodes from the clip's bytes in memory with
 one FFmpeg thread; "threads" is the number of samples decoded at once (a thread pool). Each method's
 frames are checked against a reference decode from the start, by timestamp and by pixels, at native
-resolution. torchcodec needs FFmpeg shared libraries: we point it at the ones inside the PyAV wheel
+resolution; and every frame of the timed 224x224 output (the last repeat's) is checked for identity against the
+reference frames resized alike: it must be closer to the frame it names than to that frame's neighbours. A method
+whose package is unavailable is listed as such in the tables, never silently dropped. torchcodec needs FFmpeg shared libraries: we point it at the ones inside the PyAV wheel
 (symlinks with the plain sonames + LD_LIBRARY_PATH, set by re-executing this script).
 
 Usage::
@@ -51,7 +55,8 @@ from foresight.media import (
 from foresight.media.synth import make_video
 
 OUT = 224
-METHODS = ("foresight", "pyav_start", "pyav_seek", "decord", "tc_exact", "tc_approx")
+METHODS = ("foresight", "pyav_start", "pyav_seek", "decord", "tc_exact", "tc_approx", "tc_mapped")
+ANCHORS = METHODS[2:]  # what foresight is compared with (pyav_start is the naive baseline)
 FULL = [  # (name, width, height, gop)
     ("360p_gop60", 640, 360, 60), ("360p_gop250", 640, 360, 250),
     ("720p_gop60", 1280, 720, 60), ("720p_gop250", 1280, 720, 250),
@@ -151,13 +156,25 @@ def _decord(data: bytes, idx: np.ndarray, size) -> np.ndarray:
     return vr.get_batch(idx.tolist()).asnumpy()
 
 
-def _torchcodec(data: bytes, idx: np.ndarray, size, mode: str) -> np.ndarray:
+def _torchcodec(data: bytes, idx: np.ndarray, size, mode: str, mappings: str | None = None) -> np.ndarray:
     from torchcodec.decoders import VideoDecoder
     from torchcodec.transforms import Resize
 
     tf = None if size is None else [Resize(size=(size, size))]
-    d = VideoDecoder(data, seek_mode=mode, num_ffmpeg_threads=1, dimension_order="NHWC", transforms=tf)
+    kw = {"custom_frame_mappings": mappings} if mappings else {"seek_mode": mode}
+    d = VideoDecoder(data, num_ffmpeg_threads=1, dimension_order="NHWC", transforms=tf, **kw)
     return d.get_frames_at(idx.tolist()).data.numpy()
+
+
+def frame_mappings(meta: dict) -> str:
+    """torchcodec's custom_frame_mappings JSON from foresight's probe: pts, duration and key flag per frame."""
+    import json
+
+    pts = video_pts(meta).astype(np.int64)
+    dur = np.diff(pts, append=pts[-1] + (pts[-1] - pts[-2] if len(pts) > 1 else 1))
+    keys = set(int(k) for k in meta["key_frames"])
+    return json.dumps({"frames": [{"pts": int(p), "duration": int(d), "key_frame": int(i in keys)}
+                                  for i, (p, d) in enumerate(zip(pts.tolist(), dur.tolist()))]})
 
 
 def method_fn(method: str, size):
@@ -170,22 +187,43 @@ def method_fn(method: str, size):
     if method in ("tc_exact", "tc_approx"):
         mode = "exact" if method == "tc_exact" else "approximate"
         return lambda data, meta, idx, times: _torchcodec(data, idx, size, mode)
+    if method == "tc_mapped":
+        return lambda data, meta, idx, times: _torchcodec(data, idx, size, "exact", meta["_tc_mappings"])
     raise ValueError(method)
 
 
 # ---------------------------------------------------------------- correctness
-def reference_frames(data: bytes, pts_needed: set[int]) -> dict[int, np.ndarray]:
-    """Decode from the start (no seek, no skip) and keep the frames whose pts is needed."""
-    out = {}
+def reference_frames(data: bytes, pts_needed: set[int], pts_small: set[int] = frozenset()):
+    """Decode from the start (no seek, no skip): native frames whose pts is in ``pts_needed`` and OUT x OUT
+    (bilinear) ones whose pts is in ``pts_small``."""
+    out, small = {}, {}
     with av.open(io.BytesIO(data)) as c:
         s = c.streams.video[0]
         s.codec_context.thread_type = "AUTO"
         for frame in c.decode(s):
             if frame.pts in pts_needed:
                 out[frame.pts] = frame.to_ndarray(format="rgb24")
-            if len(out) == len(pts_needed):
+            if frame.pts in pts_small:
+                small[frame.pts] = frame.reformat(OUT, OUT, "rgb24", interpolation="BILINEAR").to_ndarray()
+            if len(out) == len(pts_needed) and len(small) == len(pts_small):
                 break
-    return out
+    return out, small
+
+
+def verify_timed(outputs: list[np.ndarray], samples, pts_all: np.ndarray, ref_small: dict[int, np.ndarray]) -> dict:
+    """Identity of every timed 224x224 frame: closer to the reference frame it names than to its neighbours."""
+    wrong = total = 0
+    diffs = []
+    for frames, idx in zip(outputs, samples):
+        frames = np.asarray(frames)
+        for k, i in enumerate(idx):
+            got = frames[k].astype(np.int16)
+            errs = {j: np.abs(got - ref_small[int(pts_all[j])]).mean()
+                    for j in range(max(0, i - 2), min(len(pts_all), i + 3)) if int(pts_all[j]) in ref_small}
+            total += 1
+            wrong += int(min(errs, key=errs.get) != i)
+            diffs.append(errs[i])
+    return {"frames_224": total, "wrong_frame_224": wrong, "mean_abs_diff_224": float(np.mean(diffs))}
 
 
 def verify(method: str, data: bytes, meta: dict, samples: list[np.ndarray], spec_frames, pts_all: np.ndarray,
@@ -199,6 +237,7 @@ def verify(method: str, data: bytes, meta: dict, samples: list[np.ndarray], spec
             frames = decode_video(data, meta, spec_frames, seed=SEED, sample_id=sid)
         else:
             frames = method_fn(method, None)(data, meta, idx, times)
+        frames = np.asarray(frames)
         for k, i in enumerate(idx):
             total += 1
             want = ref[int(pts_all[i])].astype(np.int16)
@@ -221,27 +260,32 @@ def _cpu() -> float:
 
 
 def run_method(method: str, data: bytes, meta: dict, samples, threads: int, spec: TransformSpec,
-               codec_threads: int = 1) -> tuple[float, float]:
-    """Decode all samples with `threads` at once; returns (wall seconds, process CPU seconds)."""
+               codec_threads: int = 1, keep: list | None = None) -> tuple[float, float]:
+    """Decode all samples with `threads` at once; returns (wall seconds, process CPU seconds). The outputs go to
+    ``keep`` (if given) after the clock stops, for the identity check of the timed frames."""
     n = len(samples)
     if method == "foresight":
         with DecodePool(threads=threads, codec_threads=codec_threads) as pool:
             t0, c0 = time.perf_counter(), _cpu()
-            pool.decode(spec, [data] * n, [meta] * n, list(range(n)), seed=SEED, epoch=0)
-            return time.perf_counter() - t0, _cpu() - c0
-    fn = method_fn(method, OUT)
-    rate = float(Fraction(*meta["avg_rate"]))
-    with cf.ThreadPoolExecutor(threads) as ex:
-        t0, c0 = time.perf_counter(), _cpu()
-        list(ex.map(lambda idx: fn(data, meta, idx, idx / rate), samples))
-        return time.perf_counter() - t0, _cpu() - c0
+            out = pool.decode(spec, [data] * n, [meta] * n, list(range(n)), seed=SEED, epoch=0)
+            wall, cpu = time.perf_counter() - t0, _cpu() - c0
+    else:
+        fn = method_fn(method, OUT)
+        rate = float(Fraction(*meta["avg_rate"]))
+        with cf.ThreadPoolExecutor(threads) as ex:
+            t0, c0 = time.perf_counter(), _cpu()
+            out = list(ex.map(lambda idx: fn(data, meta, idx, idx / rate), samples))
+            wall, cpu = time.perf_counter() - t0, _cpu() - c0
+    if keep is not None:
+        keep[:] = list(out)
+    return wall, cpu
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny clips, one repeat: a few seconds")
-    ap.add_argument("--samples", type=int, default=None, help="samples (clip windows) per timed run")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per cell (median reported)")
+    ap.add_argument("--samples", type=int, default=None, help="samples (clip windows) per timed run (>= 32)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per cell, median reported (>= 3)")
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     ap.add_argument("--scaling", default="1,2,3,4", help="foresight pool sizes for the scaling sweep ('' = skip)")
     ap.add_argument("--methods", default=",".join(METHODS))
@@ -256,7 +300,7 @@ def main() -> None:
     if args.only:
         configs = [c for c in configs if c[0] in args.only.split(",")]
     seconds = 6.0 if smoke else 60.0
-    n_samples = args.samples or (4 if smoke else 8)
+    n_samples = args.samples or (4 if smoke else 32)
     repeats = args.repeats or (1 if smoke else 3)
     thread_counts = [int(t) for t in args.threads.split(",")]
     scaling = [] if smoke or not args.scaling else [int(t) for t in args.scaling.split(",")]
@@ -277,12 +321,15 @@ def main() -> None:
     for name, *_ in configs:
         data = clips[name].read_bytes()
         meta = probe_media(data, "video")
+        meta["_tc_mappings"] = frame_mappings(meta)  # torchcodec's index, like foresight's, built before timing
         samples = [sample_frame_indices(meta, frames_spec, seed=SEED, sample_id=i) for i in range(n_samples)]
         pts_all = video_pts(meta)
         n_check = min(2 if not smoke else n_samples, n_samples)
         needed = {int(pts_all[j]) for idx in samples[:n_check] for i in idx
                   for j in range(max(0, i - 2), min(len(pts_all), i + 3))}
-        ref = reference_frames(data, needed)
+        small_needed = {int(pts_all[j]) for idx in samples for i in idx
+                        for j in range(max(0, i - 2), min(len(pts_all), i + 3))}
+        ref, ref_small = reference_frames(data, needed, small_needed)
         for m in methods:
             v = verify(m, data, meta, samples[:n_check], frames_spec, pts_all, ref)
             checks.append({"clip": name, "method": m, **v})
@@ -291,9 +338,14 @@ def main() -> None:
         # round-robin over (method, threads) in every repeat, so load from elsewhere hits all cells alike
         cells = [(m, t) for m in methods for t in thread_counts]
         timings: dict[tuple, list] = {c: [] for c in cells}
+        outputs: dict[tuple, list] = {c: [] for c in cells}
         for _ in range(repeats):
             for m, t in cells:
-                timings[(m, t)].append(run_method(m, data, meta, samples, t, spec))
+                timings[(m, t)].append(run_method(m, data, meta, samples, t, spec, keep=outputs[(m, t)]))
+        for c in checks:
+            if c["clip"] == name:
+                c.update(verify_timed(outputs[(c["method"], thread_counts[0])], samples, pts_all, ref_small))
+        del outputs
         for m, t in cells:
             runs = timings[(m, t)]
             med = statistics.median(w for w, _ in runs)
@@ -311,13 +363,18 @@ def main() -> None:
     summary = summarize(rows, thread_counts)
     cpu_rows = summarize_cpu(rows)
     print()
-    print_table(checks, ["clip", "method", "frames", "pixel_exact", "wrong_frame", "max_abs_diff"],
-                "correctness vs reference decode from the start (native resolution)")
+    print_table(checks, ["clip", "method", "frames", "pixel_exact", "wrong_frame", "max_abs_diff", "frames_224",
+                         "wrong_frame_224", "mean_abs_diff_224"],
+                "correctness vs a reference decode from the start: native resolution, and every timed 224x224 frame")
+    for row in summary:  # an anchor that could not run is shown as such, not left out
+        row.update({m: "unavailable" for m in skipped})
+    for row in cpu_rows:
+        row.update({m: "unavailable" for m in skipped})
     print()
-    print_table(summary, ["clip", "threads", *[m for m in methods], "vs_start", "vs_best_anchor", "best_anchor",
+    print_table(summary, ["clip", "threads", *methods, *skipped, "vs_start", "vs_best_anchor", "best_anchor",
                           "scale_1_to_2"], "clips/s (median); ratios are foresight / other")
     print()
-    print_table(cpu_rows, ["clip", *[m for m in methods], "cpu_vs_start", "cpu_vs_best_anchor", "best_anchor"],
+    print_table(cpu_rows, ["clip", *methods, *skipped, "cpu_vs_start", "cpu_vs_best_anchor", "best_anchor"],
                 "CPU ms per clip at 1 thread (robust to other load on the machine); ratios other / foresight")
     if sweep:
         print()
@@ -347,7 +404,7 @@ def summarize(rows: list[dict], thread_counts: list[int]) -> list[dict]:
             continue
         if row.get("pyav_start"):
             row["vs_start"] = fs / row["pyav_start"]
-        anchors = {m: row[m] for m in ("pyav_seek", "decord", "tc_exact", "tc_approx") if row.get(m)}
+        anchors = {m: row[m] for m in ANCHORS if isinstance(row.get(m), float)}
         if anchors:
             best = max(anchors, key=anchors.get)
             row["best_anchor"] = best
@@ -369,7 +426,7 @@ def summarize_cpu(rows: list[dict]) -> list[dict]:
             continue
         if row.get("pyav_start"):
             row["cpu_vs_start"] = row["pyav_start"] / fs
-        anchors = {m: row[m] for m in ("pyav_seek", "decord", "tc_exact", "tc_approx") if row.get(m)}
+        anchors = {m: row[m] for m in ANCHORS if isinstance(row.get(m), float)}
         if anchors:
             best = min(anchors, key=anchors.get)
             row["best_anchor"], row["cpu_vs_best_anchor"] = best, anchors[best] / fs

@@ -22,3 +22,7 @@ def test_bench_decode_smoke(tmp_path):
         assert check["wrong_frame"] == 0, check
     fs = [c for c in result["correctness"] if c["method"] == "foresight"]
     assert all(c["pixel_exact"] == c["frames"] for c in fs)
+    for check in result["correctness"]:  # the timed 224x224 output of every method is checked too
+        assert check["frames_224"] > 0 and check["wrong_frame_224"] == 0, check
+    for m in ("decord", "tc_exact", "tc_approx", "tc_mapped"):  # an anchor runs or is listed as unavailable
+        assert m in methods or m in result["skipped"]
