@@ -7,6 +7,10 @@ runs; ``cpu_s`` its CPU time (steadier on a shared 2-core VM); ``mem_gib`` the p
 during the build (inputs excluded); ``same_as_numpy`` checks foresight's arrays are byte-identical
 to the numpy implementation's.
 
+Rows compare like with like: ``foresight`` (global shuffle) with ``numpy`` and megatron-core (which builds only a
+global shuffle), ``foresight-block`` with ``numpy-block`` (block-local shuffle, blocks of 256); ``vs_*`` are the other
+builder's time over ours (> 1: ours is faster), and ``does`` says what each builder actually computes.
+
 * tokens: N documents of 1..599 tokens (mean 300), seq_len 2048, one epoch; items are packed
   sequences of seq_len + 1 tokens, each a list of (dataset, sample, offset, length) pieces.
   megatron: ``RandomState.shuffle`` of the document index + ``helpers.build_sample_idx`` (C++),
@@ -38,7 +42,21 @@ from common import machine, print_table, write_results
 SEQ_LEN = 2048
 BATCH = 512
 MEM_CAP = 16 << 30
-IMPLS = ("foresight", "foresight-block", "numpy", "megatron")
+IMPLS = ("foresight", "numpy", "megatron", "foresight-block", "numpy-block")
+BLOCK = 256  # block size of the block-local shuffles
+# What each builder computes: the rows are not all the same work, so the table says it beside the figure.
+DOES = {
+    ("tokens", "foresight"): "global shuffle + packing, full piece lists",
+    ("tokens", "numpy"): "same algorithm as foresight, plain numpy",
+    ("tokens", "megatron"): "global doc shuffle + sample_idx (doc, offset) only, no piece lists",
+    ("tokens", "foresight-block"): "block shuffle + packing, full piece lists",
+    ("tokens", "numpy-block"): "same block algorithm, plain numpy",
+    ("media", "foresight"): "global shuffle, one piece per item",
+    ("media", "numpy"): "same algorithm as foresight, plain numpy",
+    ("media", "megatron"): "global shuffle index only (_build_shuffle_index)",
+    ("media", "foresight-block"): "block shuffle, one piece per item",
+    ("media", "numpy-block"): "same block algorithm, plain numpy",
+}
 
 
 def make_sizes(kind: str, n: int):
@@ -83,12 +101,14 @@ def worker(impl: str, kind: str, n: int) -> dict:
         src = ArraySource(sizes, tokens=kind == "tokens", fingerprint="bench")
         block = impl == "foresight-block"
         run = lambda: build_plan([(src, 1.0)], seed=1, global_batch_size=BATCH, seq_len=seq_len, epochs=1,
-                                 shuffle="block" if block else "global", block_size=256 if block else None).arrays
-    elif impl == "numpy":
+                                 shuffle="block" if block else "global", block_size=BLOCK if block else None).arrays
+    elif impl.startswith("numpy"):
         from foresight.plan.reference import reference_arrays
 
+        block = impl == "numpy-block"
         run = lambda: reference_arrays([sizes], weights=[1.0], kind=kind, seed=1, num_items=num_items,
-                                       seq_len=seq_len)
+                                       seq_len=seq_len, shuffle="block" if block else "global",
+                                       block_size=BLOCK if block else None)
     elif impl == "megatron":
         try:
             import warnings
@@ -134,7 +154,7 @@ def run_case(impl: str, kind: str, n: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="100k samples, one run")
     ap.add_argument("--sizes", default="10000000,100000000", help="comma-separated sample counts")
     ap.add_argument("--repeats", type=int, default=3)
@@ -157,7 +177,7 @@ def main() -> int:
                     f"{r['build_s']:.2f}s" if "build_s" in r else r["error"] for r in runs), file=sys.stderr, flush=True)
                 raw.extend(runs)
                 good = [r for r in runs if "error" not in r]
-                row = {"kind": kind, "samples": f"{n:,}", "impl": impl}
+                row = {"kind": kind, "samples": f"{n:,}", "impl": impl, "does": DOES.get((kind, impl), "")}
                 if not good:
                     row["note"] = runs[0]["error"][:70]
                     rows.append(row)
@@ -169,15 +189,18 @@ def main() -> int:
                 row["pieces"] = good[0].get("pieces")
                 row["sha"] = good[0].get("arrays_sha")
                 rows.append(row)
-            base = next((r for r in rows if r["kind"] == kind and r["samples"] == f"{n:,}" and r["impl"] == "numpy"
-                         and "build_s" in r), None)
-            for r in rows:
-                if r["kind"] == kind and r["samples"] == f"{n:,}" and "build_s" in r and base:
+            case = {r["impl"]: r for r in rows if r["kind"] == kind and r["samples"] == f"{n:,}" and "build_s" in r}
+            for impl, r in case.items():
+                # each foresight row against the numpy build of the same shuffle; megatron beside the global ones
+                base = case.get("numpy-block" if impl.endswith("-block") else "numpy")
+                if base:
                     r["vs_numpy"] = base["build_s"] / r["build_s"]
-                    if r["impl"] == "foresight" and r.get("sha"):
+                    if impl.startswith("foresight") and r.get("sha"):
                         r["same_as_numpy"] = r["sha"] == base.get("sha")
-    cols = ["kind", "samples", "impl", "build_s", "cpu_s", "vs_numpy", "mem_gib", "peak_rss_gib", "items", "pieces",
-            "same_as_numpy", "note"]
+                if "megatron" in case and not impl.endswith("-block"):
+                    r["vs_megatron"] = case["megatron"]["build_s"] / r["build_s"]
+    cols = ["kind", "samples", "impl", "build_s", "cpu_s", "vs_numpy", "vs_megatron", "mem_gib", "peak_rss_gib",
+            "items", "pieces", "same_as_numpy", "does", "note"]
     print_table(rows, cols, title=f"plan build, {'smoke' if args.smoke else 'full'} (median of {repeats})")
     path = write_results("plan_build_smoke" if args.smoke else "plan_build",
                          {"machine": machine(), "seq_len": SEQ_LEN, "global_batch_size": BATCH, "repeats": repeats,
