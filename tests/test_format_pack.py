@@ -131,6 +131,20 @@ def test_media_probe_errors(tmp_path):
     assert ds.num_samples == 5 and ds.manifest.extra["skipped"] == ["broken.mp4"]
 
 
+def test_media_folder_with_nothing_to_pack_is_refused(tmp_path):
+    (tmp_path / "empty" / ".hidden").mkdir(parents=True)
+    (tmp_path / "empty" / ".hidden" / "a.png").write_bytes(b"skipped: hidden")
+    with pytest.raises(FormatError, match="no media files here") as err:
+        pack_media(tmp_path / "empty", tmp_path / "out", progress=False)
+    assert str(tmp_path / "empty") in str(err.value) and not (tmp_path / "out").exists()
+    pytest.importorskip("foresight.media.probe")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "x.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 this is not a video")
+    with pytest.raises(FormatError, match=r"the probe rejected all 1 media files \(first: x.mp4\)"):
+        pack_media(tmp_path / "broken", tmp_path / "out", on_error="skip", progress=False)
+    assert sorted(os.listdir(tmp_path)) == ["broken", "empty"]
+
+
 def test_media_without_probe_and_bad_captions(tmp_path):
     src = tmp_path / "media"
     make_media_folder(str(src))

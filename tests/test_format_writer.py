@@ -1,6 +1,7 @@
 """Shard writer and reader: round trips, alignment, sharding, lookups, checksums, errors."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -11,6 +12,7 @@ import xxhash
 from foresight.errors import ChecksumError, FormatError
 from foresight.format import DatasetWriter, Extents, Modality, ShardedDataset, open_dataset
 from format_helpers import random_tokens, split
+from full_disk import full_disk  # noqa: F401 (a fixture)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -239,3 +241,102 @@ def test_native_and_numpy_scatter_agree():
     assert np.array_equal(a, b)
     with pytest.raises(ValueError, match="out of bounds"):
         _scatter(src, src_off, lengths + 1000, a, dst_off)
+
+
+# --- failure paths leave nothing behind and name the file -----------------------------------------------------------
+def _tokens(nbytes: int) -> tuple[np.ndarray, list[int]]:
+    n = nbytes // 2
+    return np.arange(n, dtype=np.uint16), [n // 2, n - n // 2]
+
+
+def test_full_disk_during_add_leaves_nothing_and_names_the_shard(full_disk):
+    with pytest.raises(OSError) as err:
+        with DatasetWriter(full_disk / "ds", align=0, buffer_bytes=64 << 10) as w:
+            w.add_many(*_tokens(2 << 20), modality="tokens")
+    assert err.value.errno == errno.ENOSPC and "shard-00000.bin" in str(err.value)
+    assert f"the pack into {full_disk / 'ds'} stopped" in str(err.value)
+    assert os.listdir(full_disk) == []
+    with pytest.raises(ValueError, match="already closed"):  # the failed writer takes nothing more
+        w.add(b"x", modality="bytes")
+
+
+def test_full_disk_at_close_leaves_nothing_and_names_the_shard(full_disk):
+    w = DatasetWriter(full_disk / "ds", align=0)
+    w.add_many(*_tokens(1200 << 10), modality="tokens")  # fits the 8 MiB buffer: the disk fills at the flush
+    with pytest.raises(OSError) as err:
+        w.close()
+    assert err.value.errno == errno.ENOSPC and "shard-00000.bin" in str(err.value)
+    assert os.listdir(full_disk) == []
+    w.abort()  # harmless afterwards
+
+
+def test_abort_on_a_full_disk_keeps_the_callers_error(full_disk):
+    with pytest.raises(KeyError, match="the caller's"):
+        with DatasetWriter(full_disk / "ds", align=0) as w:
+            w.add_many(*_tokens(1200 << 10), modality="tokens")
+            raise KeyError("the caller's")  # abort() must not replace this with the ENOSPC of its flush
+    assert os.listdir(full_disk) == []
+    w = DatasetWriter(full_disk / "ds2", align=0)
+    w.add_many(*_tokens(1200 << 10), modality="tokens")
+    w.abort()
+    assert os.listdir(full_disk) == []
+
+
+def test_full_disk_while_replacing_keeps_the_old_dataset(full_disk):
+    with DatasetWriter(full_disk / "ds", align=0) as w:
+        w.add(b"old", modality="bytes")
+    with pytest.raises(OSError, match="No space left"):
+        with DatasetWriter(full_disk / "ds", align=0, overwrite=True) as w:
+            w.add_many(*_tokens(2 << 20), modality="tokens")
+    assert os.listdir(full_disk) == ["ds"] and open_dataset(full_disk / "ds").read(0) == b"old"
+
+
+# The child writes under RLIMIT_FSIZE (no root needed): files past the limit fail with EFBIG, so the map or the
+# manifest fails while the shard before it was written.
+_FSIZE_CHILD = """
+import json, os, resource, signal, sys
+import numpy as np
+from foresight.format import DatasetWriter
+out, where = sys.argv[1], sys.argv[2]
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+w = DatasetWriter(out, align=0, fsync=False, extra={"blob": "x" * (100 << 10)} if where == "manifest" else None)
+if where == "map":  # 1000 one-byte samples whose meta makes a ~110 KiB map
+    w.add_many(np.zeros(1000, np.uint8), np.ones(1000, np.int64), modality="bytes", meta=[{"n": "y" * 100}] * 1000)
+else:
+    w.add(b"tiny", modality="bytes")
+try:
+    w.close()
+except OSError as e:
+    print(json.dumps({"type": type(e).__name__, "errno": e.errno, "text": str(e)}))
+"""
+
+
+@pytest.mark.parametrize("where,name", [("map", "shard-00000.map"), ("manifest", "manifest.json.tmp")])
+def test_failure_inside_close_leaves_nothing_and_names_the_file(tmp_path, where, name):
+    import subprocess
+    import sys
+
+    parent = tmp_path / "d"
+    proc = subprocess.run([sys.executable, "-c", _FSIZE_CHILD, str(parent / "ds"), where], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    err = json.loads(proc.stdout)
+    assert err["errno"] == errno.EFBIG and name in err["text"], err
+    assert os.listdir(parent) == []
+
+
+def test_failure_at_the_rename_leaves_nothing(tmp_path):
+    w = DatasetWriter(tmp_path / "ds", align=0)
+    w.add(b"x", modality="bytes")
+    (tmp_path / "ds").mkdir()  # someone else created OUT meanwhile
+    with pytest.raises(FileExistsError, match="appeared while packing"):
+        w.close()
+    assert os.listdir(tmp_path) == ["ds"] and os.listdir(tmp_path / "ds") == []
+
+
+def test_out_under_a_file_is_named(tmp_path):
+    (tmp_path / "somefile").write_text("")
+    with pytest.raises(NotADirectoryError, match="Not a directory") as err:
+        DatasetWriter(tmp_path / "somefile" / "ds")
+    assert err.value.filename == str(tmp_path / "somefile")

@@ -1,6 +1,8 @@
 """``foresight`` command line: one dispatcher, each subcommand owned by its layer's module.
 
-Each module named in :data:`SUBCOMMANDS` provides ``add_arguments(parser)`` and ``run(args) -> int``.
+Each module named in :data:`SUBCOMMANDS` provides ``add_arguments(parser)`` and ``run(args) -> int``. User errors
+(:class:`~foresight.errors.ForesightError`, ``OSError``, ``ValueError``) raised by ``run`` are reported here, once for
+every command: one line on stderr naming the path, exit status 1. ``FORESIGHT_DEBUG=1`` shows the traceback instead.
 
 Example::
 
@@ -12,7 +14,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+from foresight.errors import ForesightError
+
+USER_ERRORS = (ForesightError, OSError, ValueError)
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "pack": ("foresight.format.cli", "pack JSONL/Parquet, a media folder or a Megatron dataset into shards"),
@@ -25,7 +32,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="foresight", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="foresight", description=__doc__.splitlines()[0],
+                                     epilog="FORESIGHT_DEBUG=1 prints the traceback of an error.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # Import only the module of the command asked for: the others may need heavy libraries.
     wanted = argv[0] if argv and argv[0] in SUBCOMMANDS else None
@@ -34,7 +42,26 @@ def main(argv: list[str] | None = None) -> int:
         if name == wanted:
             importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
-    return int(importlib.import_module(SUBCOMMANDS[args.command][0]).run(args) or 0)
+    try:
+        return int(importlib.import_module(SUBCOMMANDS[args.command][0]).run(args) or 0)
+    except USER_ERRORS as e:
+        if os.environ.get("FORESIGHT_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"foresight {args.command}: error: {describe_error(e)}", file=sys.stderr)
+        return 1
+
+
+def describe_error(e: BaseException) -> str:
+    """One line for a user error; an OSError leads with its path, as the shell does (``PATH: No space left...``).
+
+    >>> describe_error(FileNotFoundError(2, "No such file or directory", "/data/x"))
+    '/data/x: No such file or directory'
+    """
+    text = str(e)
+    if isinstance(e, OSError) and not isinstance(e, ForesightError) and e.filename is not None:
+        where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else f"{e.filename}"
+        text = f"{where}: {e.strerror}"
+    return " ".join(text.split("\n")) or type(e).__name__
 
 
 if __name__ == "__main__":

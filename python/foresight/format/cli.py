@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
-
-from ..errors import ForesightError
 
 __all__ = ["add_arguments", "run", "parse_size"]
 
@@ -51,21 +48,18 @@ def run(args: argparse.Namespace) -> int:
     from . import pack_jsonl, pack_media, pack_megatron, pack_parquet
     from .reader import open_dataset
 
+    # Errors (bad input, a full disk, an existing OUT) are reported by foresight.cli as one line naming the path.
     common = dict(shard_bytes=args.shard_bytes, overwrite=args.overwrite, progress=not args.no_progress)
     align = args.align if args.align is not None else (4096 if args.kind == "media" else 0)
-    try:
-        if args.kind in ("jsonl", "parquet"):
-            fn = pack_jsonl if args.kind == "jsonl" else pack_parquet
-            out = fn(args.input, args.out, column=args.column, token_dtype=args.token_dtype, align=align, **common)
-        elif args.kind == "media":
-            out = pack_media(args.input, args.out, captions=args.captions, probe=not args.no_probe,
-                             on_error=args.on_error, align=align, **common)
-        else:
-            out = pack_megatron(args.input, args.out, align=align, **common)
-        ds = open_dataset(out)
-    except (ForesightError, FileExistsError, ValueError) as e:
-        print(f"foresight pack: error: {e}", file=sys.stderr)
-        return 1
+    if args.kind in ("jsonl", "parquet"):
+        fn = pack_jsonl if args.kind == "jsonl" else pack_parquet
+        out = fn(args.input, args.out, column=args.column, token_dtype=args.token_dtype, align=align, **common)
+    elif args.kind == "media":
+        out = pack_media(args.input, args.out, captions=args.captions, probe=not args.no_probe,
+                         on_error=args.on_error, align=align, **common)
+    else:
+        out = pack_megatron(args.input, args.out, align=align, **common)
+    ds = open_dataset(out)
     total = int(ds.sample_bytes().sum())
     print(f"packed {ds.num_samples} samples ({total} payload bytes) into {len(ds.shard_paths)} shard(s) at {out}; "
           f"modalities={','.join(ds.modalities) or '-'} token_dtype={ds.token_dtype} align={ds.align} "

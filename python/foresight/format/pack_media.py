@@ -102,7 +102,8 @@ def pack_media(folder: str | os.PathLike, out: str | os.PathLike, *, captions: s
     """Pack every media file under ``folder`` into a dataset at ``out``; returns its path.
 
     ``on_error``: "raise" (default) stops at the first file the probe rejects, "skip" leaves it out (counted in the
-    manifest's ``extra``).
+    manifest's ``extra``). A folder without media files, or whose every file was skipped, is a FormatError (an empty
+    dataset would only fail later, in the plan).
     """
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -110,6 +111,9 @@ def pack_media(folder: str | os.PathLike, out: str | os.PathLike, *, captions: s
     if not os.path.isdir(folder):
         raise FormatError("media input is not a directory", path=folder)
     files = media_files(folder)
+    if not files:
+        raise FormatError(f"no media files here (looked for {' '.join(sorted(MEDIA_EXTENSIONS))}, hidden entries "
+                          f"skipped)", path=folder)
     caption_of = load_captions(captions) if captions is not None else {}
     probe_media = _load_probe() if probe else None
     from tqdm.auto import tqdm
@@ -142,6 +146,8 @@ def pack_media(folder: str | os.PathLike, out: str | os.PathLike, *, captions: s
                 meta["caption"] = caption
                 captioned += 1
             w.add(data, modality=mod, meta=meta)
+        if len(skipped) == len(files):  # raised inside the writer: it removes what it wrote
+            raise FormatError(f"the probe rejected all {len(files)} media files (first: {skipped[0]})", path=folder)
         w.extra.update(files=len(files) - len(skipped), captioned=captioned, skipped=skipped[:100],
                        skipped_count=len(skipped))
     return os.path.abspath(os.fspath(out))

@@ -6,6 +6,11 @@ shards; then the directory itself is fsynced and renamed to ``out_dir`` and the 
 point leaves either no ``out_dir`` or a complete one: :func:`~foresight.format.open_dataset` never accepts a partial
 pack. Stale partial directories of dead writers are removed by the next writer of the same ``out_dir``.
 
+Bad arguments are refused before anything is written (the writer stays usable). A failure once writing has begun (a
+full disk in ``add``, the map, the manifest or the rename in ``close``) removes the partial directory at once, closes
+the writer and raises one error naming the file that failed (an ``OSError`` keeps its class and errno); ``abort``
+never raises. An ``out_dir`` being replaced (``overwrite``) stays as it was.
+
 Memory is bounded: payload bytes go straight to the shard file (checksums are streamed), and only the current shard's
 map columns (about 33 bytes per sample plus its meta JSON) are held until that shard closes.
 
@@ -18,12 +23,14 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,12 +38,13 @@ import xxhash
 
 from .. import __version__
 from foresight.checksum import file_xxh3, xxh3_many
+from foresight.errors import ForesightError
 from foresight.io.durable import fsync_dir
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry
 from .shard_map import write_map
 from .types import TOKEN_DTYPES, Modality
 
-__all__ = ["DatasetWriter"]
+__all__ = ["DatasetWriter", "check_parent_dir"]
 
 _BATCH_BYTES = 32 << 20  # padded bytes staged per write in add_many (bounds temporary memory)
 
@@ -70,6 +78,36 @@ def _round_up(x: np.ndarray | int, align: int):
     return x if not align else (x + (align - 1)) // align * align
 
 
+def check_parent_dir(path: str | os.PathLike) -> None:
+    """Raise NotADirectoryError naming the file when an existing ancestor of ``path`` is not a directory.
+
+    Lets a command fail before its work, and with a clearer message than ``os.makedirs``' "File exists".
+
+    >>> check_parent_dir("/tmp/new/dataset")
+    """
+    parent = os.path.dirname(os.path.abspath(os.fspath(path)))
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)  # ends at "/", which exists
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(errno.ENOTDIR, f"{os.strerror(errno.ENOTDIR)}, so {os.fspath(path)} cannot be "
+                                 f"created under it", parent)
+
+
+def _named(e: OSError, path: str) -> OSError:
+    """``e`` naming ``path`` when it names no file (buffered writes, fsync and close raise without one)."""
+    if e.filename is not None or e.errno is None:
+        return e
+    return OSError(e.errno, e.strerror, path).with_traceback(e.__traceback__)  # errno picks the same subclass
+
+
+@contextlib.contextmanager
+def _naming(path: str) -> Iterator[None]:
+    try:
+        yield
+    except OSError as e:
+        raise _named(e, path) from None
+
+
 class _Shard:
     """The shard being written: its open ``.bin``, streamed checksum and accumulating map columns."""
 
@@ -78,7 +116,8 @@ class _Shard:
         self.first_sample = first_sample
         self.bin_name = f"shard-{index:05d}.bin"
         self.map_name = f"shard-{index:05d}.map"
-        self.file = open(os.path.join(directory, self.bin_name), "wb", buffering=buffer_bytes)
+        self.bin_path = os.path.join(directory, self.bin_name)
+        self.file = open(self.bin_path, "wb", buffering=buffer_bytes)
         self.hasher = xxhash.xxh3_64()
         self.pos = 0
         self.rows = 0
@@ -86,7 +125,10 @@ class _Shard:
         self.meta: dict[int, bytes] = {}
 
     def write(self, data: memoryview | np.ndarray | bytes) -> None:
-        self.file.write(data)
+        try:
+            self.file.write(data)
+        except OSError as e:
+            raise _named(e, self.bin_path) from None
         self.hasher.update(data)
         self.pos += memoryview(data).nbytes
 
@@ -125,10 +167,16 @@ class DatasetWriter:
         if os.path.lexists(self.out_dir) and not overwrite:
             raise FileExistsError(f"{self.out_dir} exists; pass overwrite=True (--overwrite) to replace it")
         parent, name = os.path.split(self.out_dir)
-        os.makedirs(parent, exist_ok=True)
-        self._remove_stale_partials(parent, name)
+        check_parent_dir(self.out_dir)
         self.tmp_dir = os.path.join(parent, f".{name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
-        os.mkdir(self.tmp_dir)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            self._remove_stale_partials(parent, name)
+            os.mkdir(self.tmp_dir)
+        except OSError as e:
+            if e.errno is None:
+                raise
+            raise OSError(e.errno, f"{e.strerror} (creating the dataset {self.out_dir})", e.filename) from None
         self._zeros = bytes(align) if align else b""
         self._shards: list[ShardEntry] = []
         self._shard: _Shard | None = None
@@ -148,12 +196,13 @@ class DatasetWriter:
         mod = Modality.parse(modality)
         data = self._payload_bytes(payload, mod)
         n = data.nbytes
-        shard = self._shard_for(n)
-        self._pad(shard)
-        start = shard.pos
-        shard.write(data)
-        self._record(shard, np.array([start], np.uint64), np.array([n], np.uint64), mod,
-                     np.array([xxhash.xxh3_64_intdigest(data)], np.uint64), [meta])
+        with self._all_or_nothing():
+            shard = self._shard_for(n)
+            self._pad(shard)
+            start = shard.pos
+            shard.write(data)
+            self._record(shard, np.array([start], np.uint64), np.array([n], np.uint64), mod,
+                         np.array([xxhash.xxh3_64_intdigest(data)], np.uint64), [meta])
         return self._num_samples - 1
 
     def add_many(self, data: np.ndarray, lengths: np.ndarray | Sequence[int], *, modality: Modality | int | str,
@@ -182,15 +231,71 @@ class DatasetWriter:
         np.cumsum(nbytes, out=src[1:])
         sums = xxh3_many(raw, src[:-1], nbytes)
         k = 0
-        while k < lengths.size:
-            k = self._write_run(raw, src, nbytes, sums, k, mod, meta)
+        with self._all_or_nothing():
+            while k < lengths.size:
+                k = self._write_run(raw, src, nbytes, sums, k, mod, meta)
         return np.arange(first_id, self._num_samples, dtype=np.int64)
 
     def close(self) -> str:
-        """Finish the last shard, write the manifest, publish ``out_dir`` atomically; returns its path."""
+        """Finish the last shard, write the manifest, publish ``out_dir`` atomically; returns its path.
+
+        On any failure nothing is left behind (see the module docstring) and the error names the file.
+        """
         if self._closed:
             return self.out_dir
-        self._close_shard()
+        with self._all_or_nothing():
+            self._close_shard()
+            self._write_manifest()
+            aside = self._publish()
+        self._closed = True
+        if aside:
+            shutil.rmtree(aside, ignore_errors=True)
+        if self._fsync:  # published: a failure from here on is reported, but the dataset stays
+            parent = os.path.dirname(self.out_dir)
+            with _naming(parent):
+                fsync_dir(parent)
+        self._stage("renamed")
+        return self.out_dir
+
+    def abort(self) -> None:
+        """Drop everything written so far (``out_dir`` is left untouched). Never raises: the bytes are dropped."""
+        if not self._closed:
+            self._discard()
+
+    def __enter__(self) -> DatasetWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    # -- internals ---------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _all_or_nothing(self) -> Iterator[None]:
+        """A step that writes: when it fails, the writer is unusable (a shard may hold half a write), so remove
+        everything and raise the one error, saying so when it is an OSError."""
+        try:
+            yield
+        except BaseException as e:
+            self._discard()
+            if not isinstance(e, OSError) or isinstance(e, ForesightError) or e.errno is None:
+                raise
+            raise OSError(e.errno, f"{e.strerror}; the pack into {self.out_dir} stopped and its partial files were "
+                          f"removed", e.filename, None, e.filename2).with_traceback(e.__traceback__) from None
+
+    def _discard(self) -> None:
+        self._closed = True
+        shard, self._shard = self._shard, None
+        if shard is not None:
+            try:
+                shard.file.close()
+            except OSError:
+                pass  # flushing onto a full disk fails again; the bytes are being dropped anyway
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+    def _write_manifest(self) -> None:
         modalities = [Modality(c).label for c in sorted(self._codes_seen)]
         manifest = Manifest(
             align=self.align,
@@ -204,15 +309,21 @@ class DatasetWriter:
         )
         self._stage("before_manifest")
         tmp = os.path.join(self.tmp_dir, MANIFEST_NAME + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(manifest.dumps())
-            f.flush()
-            if self._fsync:
-                os.fsync(f.fileno())
+        with _naming(tmp):
+            with open(tmp, "wb") as f:
+                f.write(manifest.dumps())
+                f.flush()
+                if self._fsync:
+                    os.fsync(f.fileno())
         os.rename(tmp, os.path.join(self.tmp_dir, MANIFEST_NAME))
         if self._fsync:
-            fsync_dir(self.tmp_dir)
+            with _naming(self.tmp_dir):
+                fsync_dir(self.tmp_dir)
         self._stage("manifest_written")
+
+    def _publish(self) -> str | None:
+        """Rename the finished directory to ``out_dir``; an old one is moved aside first (and back on failure):
+        returns where, for the caller to remove."""
         parent = os.path.dirname(self.out_dir)
         aside = None
         if os.path.lexists(self.out_dir):
@@ -220,35 +331,14 @@ class DatasetWriter:
                 raise FileExistsError(f"{self.out_dir} appeared while packing; not replacing it")
             aside = os.path.join(parent, f".{os.path.basename(self.out_dir)}.old-{secrets.token_hex(4)}")
             os.rename(self.out_dir, aside)
-        os.rename(self.tmp_dir, self.out_dir)
-        if self._fsync:
-            fsync_dir(parent)
-        self._closed = True
-        self._stage("renamed")
-        if aside:
-            shutil.rmtree(aside, ignore_errors=True)
-        return self.out_dir
+        try:
+            os.rename(self.tmp_dir, self.out_dir)
+        except BaseException:
+            if aside:
+                os.rename(aside, self.out_dir)
+            raise
+        return aside
 
-    def abort(self) -> None:
-        """Drop everything written so far (``out_dir`` is left untouched)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._shard is not None:
-            self._shard.file.close()
-            self._shard = None
-        shutil.rmtree(self.tmp_dir, ignore_errors=True)
-
-    def __enter__(self) -> DatasetWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
-    # -- internals ---------------------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError(f"DatasetWriter for {self.out_dir} is already closed")
@@ -349,18 +439,21 @@ class DatasetWriter:
         return stop
 
     def _close_shard(self) -> None:
-        shard, self._shard = self._shard, None
+        shard = self._shard
         if shard is None:
             return
-        if not shard.rows:
+        with _naming(shard.bin_path):  # the shard stays current until its file is closed: a failure closes it
+            if not shard.rows:
+                shard.file.close()
+                self._shard = None
+                os.unlink(shard.bin_path)
+                return
+            self._pad(shard)  # whole aligned blocks to the end of file: O_DIRECT reads of the last sample stay in-file
+            shard.file.flush()
+            if self._fsync:
+                os.fsync(shard.file.fileno())
             shard.file.close()
-            os.unlink(os.path.join(self.tmp_dir, shard.bin_name))
-            return
-        self._pad(shard)  # whole aligned blocks to the end of file: O_DIRECT reads of the last sample stay in-file
-        shard.file.flush()
-        if self._fsync:
-            os.fsync(shard.file.fileno())
-        shard.file.close()
+        self._shard = None
         cat = {k: np.concatenate(v) for k, v in shard.cols.items()}
         meta_len = np.zeros(shard.rows + 1, dtype=np.int64)
         for row, text in shard.meta.items():
@@ -368,13 +461,15 @@ class DatasetWriter:
         meta_offsets = np.cumsum(meta_len)
         meta_data = b"".join(shard.meta[r] for r in sorted(shard.meta))
         map_path = os.path.join(self.tmp_dir, shard.map_name)
-        map_bytes = write_map(map_path, offset=cat["offset"], length=cat["length"], modality=cat["modality"],
-                              checksum=cat["checksum"], meta_offsets=meta_offsets, meta_data=meta_data,
-                              fsync=self._fsync)
+        with _naming(map_path):
+            map_bytes = write_map(map_path, offset=cat["offset"], length=cat["length"], modality=cat["modality"],
+                                  checksum=cat["checksum"], meta_offsets=meta_offsets, meta_data=meta_data,
+                                  fsync=self._fsync)
+            map_xxh3 = file_xxh3(map_path)
         self._shards.append(
             ShardEntry(
                 bin=shard.bin_name, map=shard.map_name, bin_bytes=shard.pos, map_bytes=map_bytes,
-                bin_xxh3=shard.hasher.hexdigest(), map_xxh3=file_xxh3(map_path), num_samples=shard.rows,
+                bin_xxh3=shard.hasher.hexdigest(), map_xxh3=map_xxh3, num_samples=shard.rows,
                 first_sample=shard.first_sample,
             )
         )

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
-from foresight.errors import ForesightError
+from foresight.errors import PlanError
 from foresight.plan.builder import SHUFFLES
 
 
@@ -36,25 +35,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from foresight.format import open_dataset
+    from foresight.format.writer import check_parent_dir
     from foresight.plan.builder import build_plan
 
-    try:
-        weights = args.weights or [1.0] * len(args.datasets)
-        if len(weights) != len(args.datasets):
-            print(f"foresight plan: error: {len(args.datasets)} datasets but {len(weights)} weights", file=sys.stderr)
-            return 2
-        datasets = [open_dataset(p) for p in args.datasets]
-        t0 = time.perf_counter()
-        plan = build_plan(
-            list(zip(datasets, weights)), seed=args.seed, global_batch_size=args.global_batch_size,
-            seq_len=args.seq_len, num_steps=args.steps, epochs=args.epochs, shuffle=args.shuffle,
-            block_size=args.block_size,
-        )
-        built = time.perf_counter() - t0
-        plan.save(args.out, overwrite=args.overwrite)
-    except ForesightError as e:
-        print(f"foresight plan: error: {e}", file=sys.stderr)
-        return 1
+    # Errors are reported by foresight.cli as one line naming the path.
+    weights = args.weights or [1.0] * len(args.datasets)
+    if len(weights) != len(args.datasets):
+        raise PlanError(f"{len(args.datasets)} datasets but {len(weights)} weights")
+    check_parent_dir(args.out)  # before the build, which can take minutes
+    datasets = [open_dataset(p) for p in args.datasets]
+    t0 = time.perf_counter()
+    plan = build_plan(
+        list(zip(datasets, weights)), seed=args.seed, global_batch_size=args.global_batch_size,
+        seq_len=args.seq_len, num_steps=args.steps, epochs=args.epochs, shuffle=args.shuffle,
+        block_size=args.block_size,
+    )
+    built = time.perf_counter() - t0
+    plan.save(args.out, overwrite=args.overwrite)
     report = plan.describe()
     report["build_seconds"] = round(built, 3)
     print(json.dumps(report, indent=1))

@@ -12,10 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
-from typing import Any
 
-from foresight.errors import ForesightError, FormatError, PlanError
+from foresight.errors import PlanError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,17 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        if os.path.isfile(os.path.join(args.path, "plan.json")):
-            out = _plan(args)
-        else:
-            if args.step is not None or args.rank is not None:
-                print("foresight inspect: error: --step/--rank apply to plans only", file=sys.stderr)
-                return 2
-            out = _dataset(args.path)
-    except ForesightError as e:
-        print(f"foresight inspect: error: {e}", file=sys.stderr)
-        return 1
+    # Errors are reported by foresight.cli as one line naming the path.
+    if os.path.isfile(os.path.join(args.path, "plan.json")):
+        out = _plan(args)
+    else:
+        if args.step is not None or args.rank is not None:
+            raise PlanError("--step/--rank apply to plans only, and this is not a plan directory", path=args.path)
+        out = _dataset(args.path)
     print(out)
     return 0
 
@@ -54,14 +48,14 @@ def _plan(args: argparse.Namespace) -> str:
 
 
 def _dataset(path: str) -> str:
-    manifest = os.path.join(path, "manifest.json")
+    from foresight.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest
+
+    manifest = os.path.join(path, MANIFEST_NAME)
     if os.path.isfile(manifest):
-        try:
-            with open(manifest, "rb") as f:
-                doc: Any = json.loads(f.read().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"manifest.json is not valid JSON: {e}", path=manifest) from None
-        return json.dumps(doc, indent=1)
+        with open(manifest, "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+        # Only a valid foresight manifest is printed (any other JSON there is refused, naming the file).
+        return json.dumps(parse_manifest(raw, path=manifest).to_json(), indent=1)
     from foresight.format import open_dataset
 
     ds = open_dataset(path)
