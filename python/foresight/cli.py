@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("foresight.plan.cli", "build a deterministic per-step sample plan"),
     "inspect": ("foresight.plan.inspect_cli", "print a dataset's manifest, a plan's summary, or step k"),
     "ckpt": ("foresight.checkpoint.replicate.cli", "checkpoint tools: merge a distributed checkpoint to safetensors"),
+    "node": ("foresight.node.cli", "run a storage node (serve), print node status, place shards on nodes"),
     "demo": ("foresight.demo", "pack, serve, train a toy model, checkpoint and resume, print what was measured"),
 }
 

@@ -1,0 +1,173 @@
+"""``foresight node {serve, status, place}``: run a storage node, print what nodes are doing, place shards.
+
+Example::
+
+    foresight node serve --root /data --port 7000 --etcd http://127.0.0.1:2379 --metrics-port 9100
+    foresight node status --etcd http://127.0.0.1:2379          # or --node grpc://127.0.0.1:7000
+    foresight node place --etcd http://127.0.0.1:2379 /data/media --nodes n1,n2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="node_command", metavar="ACTION", required=True)
+    s = sub.add_parser("serve", help="serve a data root over Arrow Flight (foreground; SIGTERM stops it cleanly)")
+    s.add_argument("--root", required=True, help="data root: datasets and plans are named relative to it")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=0, help="0 picks a free port (see --ready-file)")
+    s.add_argument("--node-id", default=None)
+    s.add_argument("--etcd", default=None, help="etcd endpoint(s), comma-separated; none: a single node")
+    s.add_argument("--ttl", type=int, default=10, help="lease TTL in seconds (a dead node drops out within it)")
+    s.add_argument("--tls-cert", default=None)
+    s.add_argument("--tls-key", default=None)
+    s.add_argument("--client-ca", default=None, help="require client certificates signed by this CA (mutual TLS)")
+    s.add_argument("--max-jobs", type=int, default=8)
+    s.add_argument("--max-queue-bytes", type=int, default=1 << 30)
+    s.add_argument("--max-lead", type=int, default=8)
+    s.add_argument("--cpu-threshold", type=float, default=80.0, help="percent; 0 = always raw")
+    s.add_argument("--decode-threads", type=int, default=None)
+    s.add_argument("--workers", type=int, default=1, help="threads preparing steps ahead")
+    s.add_argument("--job-idle-s", type=float, default=600.0)
+    s.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 picks one)")
+    s.add_argument("--ready-file", default=None, help="write {node, location, metrics_port, pid} here when serving")
+    s.add_argument("--log-level", default="INFO")
+    st = sub.add_parser("status", help="per node and job: queue depth, lead, bytes, fallbacks; CPU")
+    st.add_argument("--etcd", default=None)
+    st.add_argument("--node", action="append", default=None, help="node location (repeatable) instead of etcd")
+    st.add_argument("--tls-root", default=None)
+    st.add_argument("--json", action="store_true")
+    p = sub.add_parser("place", help="place a dataset's shards on nodes and record it in etcd")
+    p.add_argument("dataset", help="the dataset directory (read for its fingerprint and shard count)")
+    p.add_argument("--etcd", required=True)
+    p.add_argument("--nodes", default=None, help="comma-separated node ids (default: live nodes holding it)")
+
+
+def run(args: argparse.Namespace) -> int:
+    return {"serve": _serve, "status": _status, "place": _place}[args.node_command](args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from foresight.node.logs import setup_json_logging
+    from foresight.node.server import NodeServer
+
+    setup_json_logging(args.log_level)
+    log = logging.getLogger("foresight.node")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise SystemExit("foresight node serve: give both --tls-cert and --tls-key, or neither")
+    scheme = "grpc+tls" if args.tls_cert else "grpc"
+    cluster = None
+    node_id_box: list[str] = []
+    if args.etcd:
+        from foresight.node.cluster import Cluster
+
+        cluster = Cluster(args.etcd)
+    server = NodeServer(
+        args.root, location=f"{scheme}://{args.host}:{args.port}",
+        tls=(args.tls_cert, args.tls_key) if args.tls_cert else None, client_ca=args.client_ca,
+        node_id=args.node_id, max_jobs=args.max_jobs, max_queue_bytes=args.max_queue_bytes, max_lead=args.max_lead,
+        cpu_threshold=args.cpu_threshold, decode_threads=args.decode_threads, workers=args.workers,
+        job_idle_s=args.job_idle_s,
+        served_shards=(lambda fp: cluster.served_shards(node_id_box[0], fp)) if cluster else None)
+    node_id_box.append(server.node_id)
+    metrics_port = server.metrics.serve_http(args.metrics_port) if args.metrics_port is not None else None
+    registration = None
+    if cluster is not None:
+        def record() -> dict:
+            return {"node": server.node_id, "instance": server.instance, "location": server.location,
+                    "datasets": server.datasets, "plans": server.plans, "metrics_port": metrics_port,
+                    "load": {"cpu_percent": server.guard.cpu_percent, "guard": server.guard.engaged,
+                             "jobs": len(server._jobs)}}
+
+        registration = cluster.register_node(server.node_id, record, ttl=args.ttl)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.ready_file:
+        tmp = args.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"node": server.node_id, "location": server.location, "metrics_port": metrics_port,
+                       "pid": os.getpid(), "instance": server.instance}, f)
+        os.replace(tmp, args.ready_file)
+    while not stop.wait(0.5):
+        pass
+    log.info("signal received, shutting down", extra={"node": server.node_id})
+    if registration is not None:
+        registration.close()  # leave the cluster first: clients stop choosing this node
+    server.stop()
+    return 0
+
+
+def _node_statuses(args: argparse.Namespace) -> list[dict]:
+    import pyarrow.flight as flight
+
+    from foresight.node.auth import connect
+
+    if args.node:
+        locations = args.node
+    elif args.etcd:
+        from foresight.node.cluster import Cluster
+
+        locations = [r["location"] for _, r in sorted(Cluster(args.etcd).nodes().items())]
+    else:
+        raise SystemExit("foresight node status: give --etcd or --node")
+    out = []
+    for loc in locations:
+        try:
+            client = connect(loc, tls_root=args.tls_root)
+            res = list(client.do_action(flight.Action("status", b"{}"), flight.FlightCallOptions(timeout=10)))
+            out.append(json.loads(res[0].body.to_pybytes()))
+            client.close()
+        except Exception as e:  # one unreachable node must not hide the others
+            out.append({"location": loc, "error": str(e)[:200]})
+    return out
+
+
+def _status(args: argparse.Namespace) -> int:
+    statuses = _node_statuses(args)
+    if args.json:
+        print(json.dumps(statuses, indent=1, default=str))
+        return 0
+    for s in statuses:
+        if "error" in s:
+            print(f"{s['location']}  UNREACHABLE  {s['error']}")
+            continue
+        print(f"node {s['node']}  {s['location']}  cpu {s['cpu_percent']:.0f}%  "
+              f"guard {'ON (raw)' if s['guard_engaged'] else 'off'}  jobs {len(s['jobs'])}/{s['max_jobs']}")
+        dec = ", ".join(f"{m} {v:.2f}s" for m, v in sorted(s["decode_seconds"].items())) or "-"
+        print(f"  decode time by modality: {dec}")
+        for job, j in sorted(s["jobs"].items()):
+            served = j.get("bytes_decoded", 0) + j.get("bytes_raw", 0)
+            samples = j.get("samples_decoded", 0) + j.get("samples_raw", 0)
+            print(f"  job {job}: queue {j.get('queue_depth', 0)} steps, lead {j.get('lead', 0)}, "
+                  f"{j.get('queue_bytes', 0) / 2**20:.1f} MiB queued, served {served / 2**20:.1f} MiB / {samples} "
+                  f"samples, fallback rate {j['fallback_rate']:.2f}")
+    return 0
+
+
+def _place(args: argparse.Namespace) -> int:
+    from foresight.format import open_dataset
+    from foresight.node.cluster import Cluster
+
+    ds = open_dataset(args.dataset)
+    cluster = Cluster(args.etcd)
+    fp = str(ds.fingerprint)
+    if args.nodes:
+        nodes = [n for n in args.nodes.split(",") if n]
+    else:
+        nodes = sorted(i for i, r in cluster.nodes().items()
+                       if any(d.get("fingerprint") == fp for d in r.get("datasets", {}).values()))
+    if not nodes:
+        print(f"foresight node place: no live node holds dataset {args.dataset} ({fp})", file=sys.stderr)
+        return 1
+    assignment = cluster.place(fp, num_shards=len(ds.shard_paths), nodes=nodes)
+    print(json.dumps({"dataset": fp, "placement": {f"{s:06d}": n for s, n in assignment.items()}}))
+    return 0

@@ -1,0 +1,371 @@
+"""The client side: :class:`NodeSource`, a loader decode stage whose decoding happens on the storage nodes.
+
+It plugs into the loader where a :class:`~foresight.loader.MediaDecodeStage` goes and wraps one: per step it asks
+every node that holds some of the step's samples for its part (one ``DoGet`` per node, in parallel), and assembles
+the tensors in plan order exactly as the stage would have. Whatever a node does not deliver -- it is down, slow
+(the call's deadline passes), restarted (it forgot the job: the source registers again), or it answered with raw
+bytes under its CPU guard -- is decoded here by the wrapped stage with the same (seed, epoch, sample) keys, from
+the bytes the loader already read (or the node's raw bytes). Every sample of the step is in the batch once, at its
+position: none lost, repeated or reordered. A node that failed is retried after a backoff, and used again once back.
+
+Copies: on the node the decoded batch tensor is the Arrow values buffer (zero copy until gRPC writes it); here the
+received tensors view Arrow's buffers, and stacking each modality into the (pinned) batch tensor is the one copy
+(``stats["copied_bytes"]``); raw parts are gathered once before decoding.
+
+Example::
+
+    stage = MediaDecodeStage([ds], specs, seed=1)
+    source = NodeSource(stage, plan, etcd="http://127.0.0.1:2379", token="s3cret-token", job="run-7")
+    with Loader(ds, plan, decode=source) as loader:
+        for batch in loader:
+            batch["video"], batch["video_index"]       # as with the stage alone, bit for bit
+    source.close()
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow.flight as flight
+
+from foresight.errors import NodeError
+from foresight.node.auth import call_options, connect
+from foresight.node.jobs import spec_digest
+from foresight.node.protocol import KIND_RAW, decode_tensors, encode_ticket
+
+log = logging.getLogger("foresight.node.client")
+
+
+@dataclass
+class _Node:
+    node_id: str
+    location: str
+    record: dict
+    client: Any = None
+    registered: dict | None = None  # the node's register_job answer (served shards, instance)
+    down_until: float = 0.0
+    failures: int = 0
+    served: list = field(default_factory=list)  # per dataset: set of shards or None (all)
+
+
+class NodeSource:
+    """See the module docstring. Keyword-only options.
+
+    Args:
+        stage: the :class:`~foresight.loader.MediaDecodeStage` (specs, seed, datasets) nodes and fallback share.
+        plan: the plan the loader follows (its digest and rank view are registered with the nodes).
+        etcd: etcd endpoint(s) to find nodes; or ``nodes``: node locations (single node without etcd).
+        token: the job's token (at least 8 characters), sent on every call.
+        job: job id (default: a random one); rank ``r`` registers on the nodes as ``<job>.<r>``.
+        lead: steps each node prepares ahead; queue_bytes: cap of each node's queue for this job.
+        timeout: deadline of one node call in seconds (a slower node is treated as down for this step).
+        retry_s: first backoff before a failed node is tried again (doubles per failure, at most 30 s).
+        tls_root, cert: CA PEM path for ``grpc+tls`` nodes; (chain, key) PEM paths for mutual TLS.
+    """
+
+    def __init__(self, stage: Any, plan: Any, *, token: str, etcd: str | None = None, nodes: list[str] | None = None,
+                 job: str | None = None, rank: int = 0, world_size: int = 1, lead: int = 2,
+                 queue_bytes: int = 256 << 20, timeout: float = 30.0, retry_s: float = 1.0,
+                 tls_root: str | None = None, cert: tuple[str, str] | None = None,
+                 prefix: str | None = None, refresh_s: float = 2.0) -> None:
+        if (etcd is None) == (nodes is None):
+            raise ValueError("give etcd=<endpoint> or nodes=[locations], not both and not neither")
+        if not isinstance(token, str) or len(token) < 8:
+            raise ValueError("token must be a string of at least 8 characters")
+        self.stage, self.plan, self.token = stage, plan, token
+        self.job = job or f"job-{uuid.uuid4().hex[:12]}"
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.node_job = f"{self.job}.{self.rank}"
+        self.lead, self.queue_bytes = int(lead), int(queue_bytes)
+        self.timeout, self.retry_s, self.refresh_s = float(timeout), float(retry_s), float(refresh_s)
+        self.tls_root, self.cert = tls_root, cert
+        self.datasets = stage.datasets
+        self._fingerprints = [str(ds.fingerprint) for ds in self.datasets]
+        self._spec_dicts = {k: v.to_dict() for k, v in stage.specs.items()}
+        self._spec_digest = spec_digest(stage.specs)
+        from foresight.format import Modality
+
+        self._codes = {name: int(Modality.parse(name)) for name in stage.specs}
+        self._static = list(nodes) if nodes is not None else None
+        self.cluster = None
+        self._job_reg = None
+        if etcd is not None:
+            from foresight.node.cluster import DEFAULT_PREFIX, Cluster
+
+            self.cluster = Cluster(etcd, prefix=prefix or DEFAULT_PREFIX)
+        self._nodes: dict[str, _Node] = {}
+        self._refreshed = 0.0
+        self._step = 0
+        self._lock = threading.Lock()
+        self._pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="foresight-node-fetch")
+        self.stats: dict[str, Any] = {"steps": 0, "parts_remote": 0, "parts_raw": 0, "parts_failed": 0,
+                                      "samples_remote": 0, "samples_raw": 0, "samples_local": 0,
+                                      "bytes_received": 0, "copied_bytes": 0, "reregistered": 0}
+        if self.cluster is not None:
+            self._job_reg = self.cluster.register_job(self.job, self.rank, self._job_record)
+
+    # -- node discovery and registration -------------------------------------------------------------------
+    def _job_record(self) -> dict:
+        return {"plan_digest": self.plan.digest, "step": self._step, "nodes": sorted(self._nodes)}
+
+    def _refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._refreshed < self.refresh_s:
+            return
+        self._refreshed = now
+        if self.cluster is not None:
+            try:
+                records = self.cluster.nodes()
+            except NodeError as e:  # etcd away: keep the nodes we know
+                log.warning("cannot list nodes", extra={"error": str(e)})
+                return
+        else:
+            records = {}
+            for loc in self._static:
+                known = next((n for n in self._nodes.values() if n.location == loc), None)
+                if known is not None and (known.registered is not None or known.down_until > now):
+                    records[known.node_id] = known.record
+                    continue
+                try:
+                    rec = self._health(loc)
+                    records[rec["node"]] = rec
+                except Exception as e:
+                    if known is not None:
+                        records[known.node_id] = known.record
+                        self._mark_down(known, e)
+        for node_id, rec in records.items():
+            n = self._nodes.get(node_id)
+            if n is None or n.location != rec.get("location"):
+                self._nodes[node_id] = _Node(node_id, rec["location"], rec)
+            elif n.record.get("instance") != rec.get("instance"):  # restarted: it forgot the job
+                n.record, n.registered, n.client, n.down_until, n.failures = rec, None, None, 0.0, 0
+        if self.cluster is not None:
+            for node_id in [i for i in self._nodes if i not in records]:  # its lease expired: gone
+                del self._nodes[node_id]
+
+    def _health(self, location: str) -> dict:
+        client = connect(location, tls_root=self.tls_root, cert=self.cert)
+        try:
+            out = list(client.do_action(flight.Action("health", b"{}"), call_options(None, None, timeout=self.timeout)))
+        finally:
+            client.close()
+        return json.loads(out[0].body.to_pybytes())
+
+    def _register(self, n: _Node) -> None:
+        names = {}
+        for ds_name, info in n.record.get("datasets", {}).items():
+            names.setdefault(info.get("fingerprint"), ds_name)
+        plan_name = n.record.get("plans", {}).get(self.plan.digest)
+        missing = [fp for fp in self._fingerprints if fp not in names]
+        if missing or plan_name is None:
+            raise NodeError("node does not hold this job's datasets or plan", node=n.node_id,
+                            datasets_missing=len(missing), plan=plan_name is not None)
+        if n.client is None:
+            n.client = connect(n.location, tls_root=self.tls_root, cert=self.cert)
+        req = {"job": self.node_job, "datasets": [names[fp] for fp in self._fingerprints], "plan": plan_name,
+               "plan_digest": self.plan.digest, "rank": self.rank, "world_size": self.world_size,
+               "specs": self._spec_dicts, "seed": self.stage.seed, "step": self._step, "lead": self.lead,
+               "queue_bytes": self.queue_bytes, "spec_digest": self._spec_digest}
+        out = list(n.client.do_action(flight.Action("register_job", json.dumps(req).encode()), self._options()))
+        n.registered = json.loads(out[0].body.to_pybytes())
+        n.served = [None if s is None else set(s) for s in n.registered["served_shards"]]
+
+    def _options(self) -> flight.FlightCallOptions:
+        return call_options(self.node_job, self.token, timeout=self.timeout)
+
+    def _mark_down(self, n: _Node, error: BaseException) -> None:
+        n.failures += 1
+        n.down_until = time.monotonic() + min(30.0, self.retry_s * 2 ** (n.failures - 1))
+        n.registered = None
+        if n.client is not None:
+            try:
+                n.client.close()
+            except Exception:
+                pass
+            n.client = None
+        log.warning("node unavailable; decoding its part locally",
+                    extra={"node": n.node_id, "failures": n.failures, "error": str(error)[:300]})
+
+    def _usable(self) -> list[_Node]:
+        now = time.monotonic()
+        out = []
+        for n in sorted(self._nodes.values(), key=lambda n: n.node_id):
+            if n.down_until > now:
+                continue
+            if n.registered is None:
+                try:
+                    self._register(n)
+                except flight.FlightUnauthenticatedError:
+                    raise  # a wrong token is the caller's error, not a node failure
+                except Exception as e:
+                    self._mark_down(n, e)
+                    continue
+            out.append(n)
+        return out
+
+    # -- one step ------------------------------------------------------------------------------------------
+    def __call__(self, fields: dict, *, stats=None, first_item: int = 0) -> dict:
+        step = int(fields["step"])
+        self._step = step
+        samples = np.asarray(fields["sample_ids"])
+        dataset = np.asarray(fields["dataset"])
+        n = len(samples)
+        codes = np.full(n, -1, dtype=np.int16)
+        shard = np.zeros(n, dtype=np.int64)
+        for d in np.unique(dataset):
+            mask = dataset == d
+            ds = self.datasets[int(d)]
+            codes[mask] = np.asarray(ds.modality_codes())[samples[mask]]
+            shard[mask] = ds.lookup(samples[mask]).shard
+        wanted = np.flatnonzero(np.isin(codes, list(self._codes.values())))
+        with self._lock:
+            self._refresh(force=any(x.registered is None for x in self._nodes.values()))
+            nodes = self._usable()
+            owner = self._assign(wanted, dataset, shard, nodes)
+            futures = {}
+            for i, node in enumerate(nodes):
+                positions = wanted[owner == i]
+                if len(positions):
+                    futures[node.node_id] = (node, positions, self._pool.submit(self._fetch, node, step))
+            rows: list[tuple[int, str, Any]] = []
+            raw_rows: list[tuple[int, str, Any]] = []
+            covered = np.zeros(n, dtype=bool)
+            for node_id, (node, positions, fut) in futures.items():
+                try:
+                    kind, got = fut.result()
+                except flight.FlightUnauthenticatedError:
+                    raise
+                except Exception as e:
+                    self.stats["parts_failed"] += 1
+                    self._mark_down(node, e)
+                    continue
+                expected = set(positions.tolist())
+                part = [r for r in got if r[0] in expected and not covered[r[0]]]
+                for r in part:
+                    covered[r[0]] = True
+                (raw_rows if kind == KIND_RAW else rows).extend(part)
+                node.failures = 0
+                self.stats["parts_raw" if kind == KIND_RAW else "parts_remote"] += 1
+        self.stats["steps"] += 1
+        self.stats["samples_remote"] += len(rows)
+        self.stats["samples_raw"] += len(raw_rows)
+        local = wanted[~covered[wanted]]
+        self.stats["samples_local"] += len(local)
+        if len(local):
+            rows.extend(self._decode_here(fields, local, first_item, stats))
+        if raw_rows:
+            rows.extend(self._decode_raw(fields, raw_rows, first_item, stats))
+        return self._assemble(fields, rows)
+
+    def _assign(self, wanted: np.ndarray, dataset: np.ndarray, shard: np.ndarray, nodes: list[_Node]) -> np.ndarray:
+        """For each wanted position, the index of the node that serves it (-1: none; decoded here).
+
+        Among several nodes serving a shard, the shard's number picks one, so a dataset placed nowhere in
+        particular is still spread over the nodes that hold it."""
+        owner = np.full(len(wanted), -1, dtype=np.int64)
+        if not nodes or not len(wanted):
+            return owner
+        keys = np.stack([dataset[wanted].astype(np.int64), shard[wanted]], axis=1)
+        uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
+        for u, (d, s) in enumerate(uniq):  # a loop over the step's distinct shards, not its samples
+            holders = [i for i, node in enumerate(nodes) if node.served[int(d)] is None or int(s) in node.served[int(d)]]
+            if holders:
+                owner[inverse.reshape(-1) == u] = holders[int(s) % len(holders)]
+        return owner
+
+    def _fetch(self, node: _Node, step: int) -> tuple[str, list]:
+        ticket = flight.Ticket(encode_ticket(self.node_job, rank=self.rank, step=step))
+        try:
+            reader = node.client.do_get(ticket, self._options())
+            table = reader.read_all()
+        except flight.FlightServerError as e:
+            if "unknown job" not in str(e):
+                raise
+            self.stats["reregistered"] += 1  # the node restarted and forgot us: register again, once
+            self._register(node)
+            table = node.client.do_get(ticket, self._options()).read_all()
+        kind = (table.schema.metadata or {}).get(b"kind", b"").decode()
+        self.stats["bytes_received"] += table.nbytes
+        return kind, decode_tensors(table.to_batches())
+
+    def _decode_here(self, fields: dict, positions: np.ndarray, first_item: int, stats) -> list:
+        sub = {"step": fields["step"], "data": fields["data"], "offsets": np.asarray(fields["offsets"])[positions],
+               "lengths": np.asarray(fields["lengths"])[positions], "dataset": np.asarray(fields["dataset"])[positions],
+               "sample_ids": np.asarray(fields["sample_ids"])[positions], "items": first_item + positions}
+        return self._rows_of(self.stage(sub, stats=stats, first_item=first_item), positions)
+
+    def _decode_raw(self, fields: dict, raw_rows: list, first_item: int, stats) -> list:
+        raw_rows.sort(key=lambda r: r[0])
+        positions = np.array([p for p, _, _ in raw_rows], dtype=np.int64)
+        arrays = [np.asarray(b).reshape(-1).view(np.uint8) for _, _, b in raw_rows]
+        lengths = np.array([a.nbytes for a in arrays], dtype=np.int64)
+        offsets = np.zeros(len(arrays), dtype=np.int64)
+        np.cumsum(lengths[:-1], out=offsets[1:])
+        data = np.concatenate(arrays) if arrays else np.zeros(0, np.uint8)
+        self.stats["copied_bytes"] += data.nbytes
+        sub = {"step": fields["step"], "data": data, "offsets": offsets, "lengths": lengths,
+               "dataset": np.asarray(fields["dataset"])[positions],
+               "sample_ids": np.asarray(fields["sample_ids"])[positions], "items": first_item + positions}
+        return self._rows_of(self.stage(sub, stats=stats, first_item=first_item), positions)
+
+    def _rows_of(self, out: dict, positions: np.ndarray) -> list:
+        rows = []
+        for name in self.stage.specs:
+            if name in out:
+                idx = np.asarray(out[f"{name}_index"], dtype=np.int64)
+                rows.extend((int(positions[i]), name, t) for i, t in zip(idx, out[name]))
+        return rows
+
+    def _assemble(self, fields: dict, rows: list) -> dict:
+        import torch
+
+        from foresight.loader.media_stage import _stack
+
+        out = dict(fields)
+        by_name: dict[str, list] = {}
+        for r in rows:
+            by_name.setdefault(r[1], []).append(r)
+        for name in self.stage.specs:
+            pairs = sorted(by_name.get(name, []), key=lambda r: r[0])
+            if not pairs:
+                continue
+            tensors = [t for _, _, t in pairs]
+            out[name] = _stack(tensors, pin=torch.cuda.is_available())
+            if not isinstance(out[name], list):
+                self.stats["copied_bytes"] += out[name].numel() * out[name].element_size()
+            out[f"{name}_index"] = np.array([p for p, _, _ in pairs], dtype=np.int64)
+        return out
+
+    # -- lifetime ------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unregister from the nodes (best effort) and etcd."""
+        for n in list(self._nodes.values()):
+            if n.client is not None and n.registered is not None:
+                try:
+                    list(n.client.do_action(flight.Action("unregister_job",
+                                                          json.dumps({"job": self.node_job}).encode()),
+                                            call_options(self.node_job, self.token, timeout=5)))
+                except Exception:
+                    pass
+            if n.client is not None:
+                n.client.close()
+        self._pool.shutdown(wait=True)
+        if self._job_reg is not None:
+            self._job_reg.close()
+            self._job_reg = None
+
+    def __enter__(self) -> "NodeSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["NodeSource"]

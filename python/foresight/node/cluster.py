@@ -1,0 +1,171 @@
+"""The cluster's shared state in etcd: nodes under leases, shard placement, jobs.
+
+Client library: ``etcd3gw`` (pinned 2.4.2 in scripts/setup.sh), maintained by OpenStack. It talks to etcd's
+gRPC-JSON gateway over plain HTTP with ``requests`` and discovers the gateway path from ``/version``: against
+Debian's etcd 3.4.23 it picks ``/v3/`` (3.4 also serves ``/v3beta/``; ``/v3alpha/`` is gone), checked here with
+leases, puts under a lease, TTL expiry and prefix reads. The alternative, ``etcd3`` (python-etcd3, native gRPC),
+has had no release since 2020 and needs grpcio and an old protobuf beside pyarrow's own gRPC; a gateway client
+adds only ``requests``. Leases, puts with a lease, prefix reads and deletes are all the cluster needs.
+
+Key layout (``prefix`` defaults to ``/foresight/v1``; values are JSON):
+
+``{prefix}/nodes/{node_id}``                 under the node's lease (TTL ``ttl``, refreshed every ttl/3; a dead node
+                                             drops out within ``ttl``): ``{node, instance, location, datasets:
+                                             {name: {fingerprint, shards}}, plans: {digest: name}, load: {cpu_percent,
+                                             guard, jobs}, metrics, updated}``
+``{prefix}/placement/{fingerprint}/{shard:06d}``  node id serving that shard (no lease: written by ``foresight node
+                                             place``); a dataset with no placement keys is served whole by every node
+                                             that advertises it
+``{prefix}/jobs/{job}/{rank:06d}``           under the client's lease: ``{plan_digest, step, nodes, updated}``
+``{prefix}/replicas/...``, ``{prefix}/hints/...``  reserved for checkpoint replication and replication hints (same
+                                             rules: liveness through leases, one JSON value per key)
+
+Example::
+
+    cluster = Cluster("http://127.0.0.1:2379")
+    reg = cluster.register_node("n1", lambda: {"location": "grpc://10.0.0.5:7000", ...}, ttl=10)
+    cluster.place(fingerprint, num_shards=8, nodes=["n1", "n2"])     # round-robin
+    cluster.nodes()                                                  # {"n1": {...}, "n2": {...}}
+    reg.close()                                                      # revokes the lease: n1 drops at once
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable
+from urllib.parse import urlparse
+
+from foresight.errors import NodeError
+
+log = logging.getLogger("foresight.node.cluster")
+DEFAULT_PREFIX = "/foresight/v1"
+
+
+def _client(endpoint: str, timeout: float):
+    import etcd3gw
+
+    u = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+    return etcd3gw.client(host=u.hostname or "127.0.0.1", port=u.port or 2379, protocol=u.scheme or "http",
+                          timeout=timeout)
+
+
+class Cluster:
+    """etcd-backed cluster state; see the module docstring. ``endpoints``: one URL or a comma-separated list
+    (the first that answers is used; on a connection error the next is tried)."""
+
+    def __init__(self, endpoints: str | list[str], *, prefix: str = DEFAULT_PREFIX, timeout: float = 5.0) -> None:
+        self.endpoints = [e.strip() for e in (endpoints.split(",") if isinstance(endpoints, str) else endpoints) if e.strip()]
+        if not self.endpoints:
+            raise NodeError("no etcd endpoint given")
+        self.prefix = prefix.rstrip("/")
+        self.timeout = timeout
+        self._i = 0
+        self._etcd = _client(self.endpoints[0], timeout)
+
+    def _call(self, fn: Callable[[Any], Any]) -> Any:
+        last: Exception | None = None
+        for _ in range(len(self.endpoints)):
+            try:
+                return fn(self._etcd)
+            except Exception as e:  # requests' connection errors, etcd3gw's ConnectionFailedError, ...
+                last = e
+                self._i = (self._i + 1) % len(self.endpoints)
+                self._etcd = _client(self.endpoints[self._i], self.timeout)
+        raise NodeError(f"etcd unreachable: {last}", endpoints=",".join(self.endpoints))
+
+    def key(self, *parts: str) -> str:
+        return "/".join([self.prefix, *parts])
+
+    def _get_prefix(self, prefix: str) -> list[tuple[str, Any]]:
+        items = self._call(lambda c: c.get_prefix(prefix))
+        out = []
+        for value, meta in items:
+            key = meta["key"].decode() if isinstance(meta["key"], bytes) else meta["key"]
+            try:
+                out.append((key, json.loads(value)))
+            except ValueError:
+                log.warning("ignoring a malformed value in etcd", extra={"key": key})
+        return out
+
+    # -- nodes ---------------------------------------------------------------------------------------------
+    def nodes(self) -> dict[str, dict]:
+        """Live nodes (their lease has not expired): ``{node_id: record}``."""
+        base = self.key("nodes") + "/"
+        return {k[len(base):]: v for k, v in self._get_prefix(base)}
+
+    def register_node(self, node_id: str, record: Callable[[], dict], *, ttl: int = 10) -> "Registration":
+        """Put ``record()`` under a lease and keep it fresh (every ttl/3) until ``close()``."""
+        return Registration(self, self.key("nodes", node_id), record, ttl=ttl)
+
+    # -- placement -----------------------------------------------------------------------------------------
+    def placement(self, fingerprint: str) -> dict[int, str]:
+        base = self.key("placement", fingerprint) + "/"
+        return {int(k[len(base):]): v for k, v in self._get_prefix(base)}
+
+    def place(self, fingerprint: str, *, num_shards: int, nodes: list[str]) -> dict[int, str]:
+        """Assign shards round-robin to ``nodes`` and record it (replacing any earlier placement)."""
+        if not nodes:
+            raise NodeError("no nodes to place shards on", dataset=fingerprint)
+        assignment = {s: nodes[s % len(nodes)] for s in range(num_shards)}
+        self._call(lambda c: c.delete_prefix(self.key("placement", fingerprint) + "/"))
+        for s, n in assignment.items():
+            self._call(lambda c: c.put(self.key("placement", fingerprint, f"{s:06d}"), json.dumps(n)))
+        return assignment
+
+    def served_shards(self, node_id: str, fingerprint: str) -> list[int] | None:
+        """The shards of a dataset this node serves, or None when the dataset has no placement (all)."""
+        placement = self.placement(fingerprint)
+        if not placement:
+            return None
+        return sorted(s for s, n in placement.items() if n == node_id)
+
+    # -- jobs ----------------------------------------------------------------------------------------------
+    def register_job(self, job: str, rank: int, record: Callable[[], dict], *, ttl: int = 30) -> "Registration":
+        return Registration(self, self.key("jobs", job, f"{rank:06d}"), record, ttl=ttl)
+
+    def jobs(self) -> dict[str, dict]:
+        base = self.key("jobs") + "/"
+        return {k[len(base):]: v for k, v in self._get_prefix(base)}
+
+
+class Registration:
+    """A key kept alive under a lease by a daemon thread; the record is re-read on every refresh (load changes)."""
+
+    def __init__(self, cluster: Cluster, key: str, record: Callable[[], dict], *, ttl: int) -> None:
+        self.cluster, self.key, self.record, self.ttl = cluster, key, record, max(2, int(ttl))
+        self._stop = threading.Event()
+        self._lease = None
+        self._put()
+        self._thread = threading.Thread(target=self._run, name="foresight-etcd-lease", daemon=True)
+        self._thread.start()
+
+    def _put(self) -> None:
+        value = json.dumps(dict(self.record(), updated=time.time()), default=str)
+        if self._lease is None:
+            self._lease = self.cluster._call(lambda c: c.lease(ttl=self.ttl))
+        self.cluster._call(lambda c: c.put(self.key, value, lease=self._lease))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            try:
+                if self._lease.refresh() <= 0:  # expired (etcd was away longer than the TTL): start over
+                    self._lease = None
+                self._put()
+            except Exception as e:
+                log.warning("etcd refresh failed; retrying", extra={"key": self.key, "error": str(e)})
+                self._lease = None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self._lease is not None:
+            try:
+                self._lease.revoke()
+            except Exception as e:
+                log.warning("lease revoke failed (the key expires with its TTL)", extra={"key": self.key,
+                                                                                         "error": str(e)})
+
+
+__all__ = ["Cluster", "DEFAULT_PREFIX", "Registration"]

@@ -1,0 +1,207 @@
+"""One registered job on a node: its plan, datasets, decode stage, the shards this node serves, and how one step's
+part is prepared (read through the landed extents -> coalesce -> IOEngine path, decoded by the landed
+:class:`~foresight.loader.MediaDecodeStage`: one code path for host and node).
+
+A job's *part* of a step is the samples of this rank's share whose modality has a spec and whose shard this node
+serves; each travels with its ``position`` in the step so the client can assemble the step in plan order.
+
+Example::
+
+    job = NodeJob.open(root, request, token="t", served_shards=lambda fp: None, decode_threads=2)
+    part = job.prepare(step=3, engine=engine, raw=False)     # StepPart: Arrow schema + record batches
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import xxhash
+
+from foresight.errors import ProtocolError
+from foresight.node.protocol import KIND_DECODED, KIND_RAW, encode_tensors
+
+ALIGN = 4096
+
+
+def spec_digest(specs: dict) -> str:
+    """Digest of the specs and of every library version that shapes their output: host and node must agree on
+    it, or their tensors could differ (the node refuses the job rather than serve different pixels)."""
+    from foresight.media import TransformSpec
+
+    fps = {name: (s if isinstance(s, TransformSpec) else TransformSpec.from_dict(s)).fingerprint()["digest"]
+           for name, s in sorted(specs.items())}
+    return xxhash.xxh3_64_hexdigest(json.dumps(fps, sort_keys=True).encode())
+
+
+def resolve_under(root: str, name: str, what: str) -> str:
+    """``root/name`` with symlinks resolved; :class:`ProtocolError` when it escapes ``root``."""
+    real_root = os.path.realpath(root)
+    path = os.path.realpath(os.path.join(real_root, name))
+    if os.path.commonpath([real_root, path]) != real_root or path == real_root:
+        raise ProtocolError(f"{what} escapes the node's data root", name=name)
+    if not os.path.isdir(path):
+        raise ProtocolError(f"no such {what} under the node's data root", name=name)
+    return path
+
+
+@dataclass
+class StepPart:
+    """A prepared part of one step: what DoGet streams."""
+
+    step: int
+    kind: str
+    schema: Any
+    batches: list
+    nbytes: int
+    samples: int
+    copied_bytes: int = 0
+
+
+class _DecodeTimes:
+    """The stage reports decode seconds per modality here (LoaderStats' ``add_decode`` interface)."""
+
+    def __init__(self, sink: Callable[[str, float], None]) -> None:
+        self.sink = sink
+
+    def add_decode(self, modality: str, seconds: float) -> None:
+        self.sink(modality, seconds)
+
+
+@dataclass
+class NodeJob:
+    job: str
+    token: str
+    rank: int
+    world_size: int
+    plan: Any
+    datasets: list
+    specs: dict
+    seed: int
+    lead: int
+    queue_bytes: int
+    served: list  # per dataset: sorted shard list this node serves, or None for all
+    stage: Any
+    files: Any
+    node: str
+    spec_codes: np.ndarray = field(default=None)  # type: ignore[assignment]
+    local_file: np.ndarray = field(default=None)  # type: ignore[assignment]
+    last_seen: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def open(cls, root: str, req: dict, *, token: str, node: str, served_shards: Callable[[str], Any],
+             decode_threads: int | None, open_cache: Callable[[str, str], Any]) -> "NodeJob":
+        from foresight.format import Modality
+        from foresight.io import open_file
+        from foresight.loader import MediaDecodeStage
+        from foresight.loader.extents import FileTable
+        from foresight.media import TransformSpec
+
+        datasets = [open_cache("dataset", resolve_under(root, name, "dataset")) for name in req["datasets"]]
+        plan = open_cache("plan", resolve_under(root, req["plan"], "plan"))
+        if plan.digest != req["plan_digest"]:
+            raise ProtocolError("plan on the node has another digest", plan=req["plan"], node_digest=plan.digest,
+                                requested=req["plan_digest"])
+        if plan.kind != "samples":
+            raise ProtocolError("the node serves media (samples) plans only", plan=req["plan"], kind=plan.kind)
+        try:
+            plan.check_sources(datasets)
+        except ValueError as e:
+            raise ProtocolError(f"datasets do not match the plan: {e}") from None
+        if plan.global_batch_size % req["world_size"]:
+            raise ProtocolError("global batch size is not divisible by world_size", world_size=req["world_size"])
+        specs = {k: TransformSpec.from_dict(v) for k, v in req["specs"].items()}
+        if req["spec_digest"] is not None and req["spec_digest"] != spec_digest(specs):
+            raise ProtocolError("transform specs or decode library versions differ between host and node: "
+                                "the tensors would not match", node_digest=spec_digest(specs),
+                                requested=req["spec_digest"])
+        served = [served_shards(str(ds.fingerprint)) for ds in datasets]
+        files = FileTable(datasets, open_file)
+        local = np.zeros(len(files.paths), dtype=bool)
+        for d, shards in enumerate(served):
+            n = int(files.base[d + 1] - files.base[d])
+            if shards is None:
+                local[files.base[d]: files.base[d + 1]] = True
+            else:
+                idx = np.asarray([s for s in shards if 0 <= s < n], dtype=np.int64)
+                local[files.base[d] + idx] = True
+        stage = MediaDecodeStage(datasets, specs, seed=req["seed"], threads=decode_threads)
+        return cls(job=req["job"], token=token, rank=req["rank"], world_size=req["world_size"], plan=plan,
+                   datasets=datasets, specs=specs, seed=req["seed"], lead=req["lead"],
+                   queue_bytes=req["queue_bytes"], served=served, stage=stage, files=files, node=node,
+                   spec_codes=np.asarray(sorted(int(Modality.parse(k)) for k in specs), dtype=np.int16),
+                   local_file=local)
+
+    def check_token(self, token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(token.encode(), self.token.encode())
+
+    def describe(self) -> dict:
+        return {"job": self.job, "rank": self.rank, "world_size": self.world_size, "lead": self.lead,
+                "queue_bytes": self.queue_bytes, "node": self.node,
+                "served_shards": [None if s is None else list(s) for s in self.served],
+                "num_steps": self.plan.num_steps}
+
+    def prepare(self, step: int, engine, *, raw: bool, decode_seconds: Callable[[str, float], None]) -> StepPart:
+        """Read (and unless ``raw``, decode) this node's part of ``step``; see the module docstring."""
+        from foresight.io import coalesce
+        from foresight.io.coalesce import DEFAULT_MAX_GAP, DEFAULT_MAX_TRANSFER
+        from foresight.loader.extents import step_extents
+
+        start, stop = self.plan.rank_items(step, self.rank, self.world_size)
+        ext = step_extents(self.plan, self.datasets, self.files, start, stop)
+        codes = np.empty(len(ext.sample), dtype=np.int16)
+        for d in np.unique(ext.dataset):
+            mask = ext.dataset == d
+            codes[mask] = np.asarray(self.datasets[int(d)].modality_codes())[ext.sample[mask]]
+        sel = np.flatnonzero(self.local_file[ext.file] & np.isin(codes, self.spec_codes))
+        kind = KIND_RAW if raw else KIND_DECODED
+        if len(sel) == 0:
+            schema, batches, copied = encode_tensors(kind, [], step=step, node=self.node)
+            return StepPart(step, kind, schema, batches, 0, 0, copied)
+        tr = coalesce(ext.file[sel], ext.offset[sel], ext.length[sel], max_gap=DEFAULT_MAX_GAP,
+                      max_transfer=DEFAULT_MAX_TRANSFER, align=ALIGN)
+        region = np.frombuffer(mmap.mmap(-1, max(ALIGN, -(-tr.total_bytes // ALIGN) * ALIGN)), dtype=np.uint8)
+        engine.read_batch(self.files.fds[tr.t_file], tr.t_offset, tr.t_length,
+                          (region.ctypes.data + tr.t_dest).astype(np.uint64), needed=tr.t_needed)
+        lengths = ext.length[sel]
+        names = {int(c): n for n, c in zip(self.specs, (_code(k) for k in self.specs))}
+        if raw:
+            rows = [(int(p), names[int(codes[p])], region[int(x): int(x) + int(n)])
+                    for p, x, n in zip(sel, tr.x_dest, lengths)]
+            schema, batches, copied = encode_tensors(kind, rows, step=step, node=self.node)
+        else:
+            fields = {"step": step, "data": region, "offsets": tr.x_dest, "lengths": lengths,
+                      "dataset": ext.dataset[sel], "sample_ids": ext.sample[sel], "items": start + sel}
+            out = self.stage(fields, stats=_DecodeTimes(decode_seconds), first_item=start)
+            stacked, rows = {}, []
+            for name in self.specs:
+                if name not in out:
+                    continue
+                positions = sel[np.asarray(out[f"{name}_index"], dtype=np.int64)]
+                if isinstance(out[name], list):  # shapes differ within the step
+                    rows.extend((int(p), name, t) for p, t in zip(positions, out[name]))
+                else:
+                    stacked[name] = (positions, out[name])
+            schema, batches, copied = encode_tensors(kind, rows, step=step, node=self.node, stacked=stacked)
+        nbytes = sum(b.nbytes for b in batches)
+        return StepPart(step, kind, schema, batches, nbytes, len(sel), copied)
+
+    def close(self) -> None:
+        self.stage.close()
+        self.files.close()
+
+
+def _code(name: str) -> int:
+    from foresight.format import Modality
+
+    return int(Modality.parse(name))
+
+
+__all__ = ["NodeJob", "StepPart", "resolve_under", "spec_digest"]

@@ -1,0 +1,336 @@
+"""The node's wire protocol on Arrow Flight: request decoding, tickets and tensors as Arrow record batches.
+
+Every call carries two gRPC headers, ``x-foresight-job`` and ``x-foresight-token``; every action body and ticket
+is a small JSON object checked field by field here (types, ranges, lengths, unknown keys refused), so that the
+server never acts on a request it did not fully understand. Nothing here unpickles or evaluates anything.
+
+Actions (``DoAction``; body JSON -> result JSON):
+    ``health``        {}                                   -> node id, datasets, plans, cpu, guard, jobs (no token)
+    ``register_job``  {job, datasets, plan, plan_digest, rank, world_size, specs, seed, step, lead, queue_bytes,
+                       spec_digest}                        -> shards this node serves per dataset, lead, queue cap
+    ``progress``      {job, step}                          -> the step the job consumed last; the node decodes ahead
+    ``status``        {}                                   -> per-job queue depth, lead, bytes, fallbacks; node cpu
+    ``unregister_job`` {job}
+Streams (``DoGet``): ticket JSON ``{"job", "rank", "step"}`` -> this node's part of the step: record batches with
+columns ``position`` (int64, index in the rank's step), ``modality``, ``dtype``, ``shape`` (list<int64>) and
+``data`` (large_binary); schema metadata ``kind`` is ``decoded`` or ``raw`` (CPU guard: raw sample bytes).
+
+Example::
+
+    req = decode_action("progress", b'{"job": "j1", "step": 3}')     # -> {"job": "j1", "step": 3}
+    ticket = encode_ticket("j1", rank=0, step=4)
+    batches = encode_tensors("decoded", [(0, "video", tensor)], step=4, node="n1")
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from foresight.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+HEADER_JOB = "x-foresight-job"
+HEADER_TOKEN = "x-foresight-token"
+#: Largest action body or ticket accepted, in bytes (plans never travel in actions).
+MAX_MESSAGE_BYTES = 64 << 10
+#: Largest tensor payload in one record batch (a step part is split into several batches).
+MAX_BATCH_BYTES = 8 << 20
+KIND_DECODED, KIND_RAW = "decoded", "raw"
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bfloat16")
+
+
+def _fail(message: str, **context: Any) -> None:
+    raise ProtocolError(message, **context)
+
+
+def _int(v: Any, name: str, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        _fail(f"{name} must be an integer in [{lo}, {hi}]", got=repr(v)[:40])
+    return v
+
+
+def _ident(v: Any, name: str) -> str:
+    if not isinstance(v, str) or not _ID.match(v):
+        _fail(f"{name} must be 1-128 characters of [A-Za-z0-9._-] starting with a letter or digit", got=repr(v)[:40])
+    return v
+
+
+def _relpath(v: Any, name: str) -> str:
+    """A dataset or plan name relative to the node's data root; the server also checks it resolves inside."""
+    if not isinstance(v, str) or not 0 < len(v) <= 512 or "\x00" in v:
+        _fail(f"{name} must be a non-empty path of at most 512 characters", got=repr(v)[:40])
+    if v.startswith("/") or any(part in ("..", "") for part in v.split("/")):
+        _fail(f"{name} must be relative to the data root, without '..' or empty parts", got=v[:80])
+    return v
+
+
+def _digest(v: Any, name: str) -> str:
+    if not isinstance(v, str) or not re.match(r"^[a-z0-9]{2,16}:[0-9a-f]{8,128}$", v):
+        _fail(f"{name} must look like 'sha256:<hex>'", got=repr(v)[:40])
+    return v
+
+
+def _spec_dict(v: Any, modality: str) -> dict:
+    from foresight.media import TransformSpec
+
+    if not isinstance(v, dict):
+        _fail("a transform spec must be a JSON object", modality=modality)
+    allowed = set(TransformSpec.__dataclass_fields__)
+    unknown = sorted(set(v) - allowed)
+    if unknown:
+        _fail("unknown transform spec fields (only the registered TransformSpec fields are accepted)",
+              modality=modality, fields=",".join(unknown)[:80])
+    try:
+        spec = TransformSpec.from_dict(v)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ProtocolError(f"bad transform spec: {e}", modality=modality) from None
+    if spec.modality != modality:
+        _fail("spec modality differs from its key", key=modality, modality=spec.modality)
+    return spec.to_dict()
+
+
+def _parse(body: bytes, what: str) -> dict:
+    if not isinstance(body, (bytes, bytearray, memoryview)):
+        _fail(f"{what} must be bytes")
+    if len(body) > MAX_MESSAGE_BYTES:
+        _fail(f"{what} is larger than the node accepts", bytes=len(body), limit=MAX_MESSAGE_BYTES)
+    try:
+        obj = json.loads(bytes(body).decode("utf-8") or "{}", parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ProtocolError(f"{what} is not valid JSON: {e}"[:200]) from None
+    if not isinstance(obj, dict):
+        _fail(f"{what} must be a JSON object")
+    return obj
+
+
+def _no_constant(name: str) -> None:
+    _fail(f"JSON constant {name} is not accepted")
+
+
+def _only(obj: dict, required: Sequence[str], optional: Sequence[str], what: str) -> None:
+    missing = [k for k in required if k not in obj]
+    if missing:
+        _fail(f"{what} lacks fields", missing=",".join(missing))
+    unknown = sorted(set(obj) - set(required) - set(optional))
+    if unknown:
+        _fail(f"{what} has unknown fields", fields=",".join(unknown)[:80])
+
+
+def _register_job(o: dict) -> dict:
+    from foresight.format import Modality
+
+    _only(o, ("job", "datasets", "plan", "plan_digest", "rank", "world_size", "specs", "seed"),
+          ("step", "lead", "queue_bytes", "spec_digest", "version"), "register_job")
+    ds = o["datasets"]
+    if not isinstance(ds, list) or not 1 <= len(ds) <= 64:
+        _fail("datasets must be a list of 1 to 64 names")
+    specs = o["specs"]
+    labels = {m.label for m in Modality}
+    if not isinstance(specs, dict) or not 1 <= len(specs) <= len(labels):
+        _fail("specs must map modality names to transform specs")
+    for k in specs:
+        if k not in labels:
+            _fail(f"spec for unknown modality; allowed: {sorted(labels)}", modality=str(k)[:20])
+    world = _int(o["world_size"], "world_size", 1, 1 << 20)
+    out = {
+        "job": _ident(o["job"], "job"),
+        "datasets": [_relpath(d, "dataset") for d in ds],
+        "plan": _relpath(o["plan"], "plan"),
+        "plan_digest": _digest(o["plan_digest"], "plan_digest"),
+        "rank": _int(o["rank"], "rank", 0, world - 1),
+        "world_size": world,
+        "specs": {k: _spec_dict(v, k) for k, v in specs.items()},
+        "seed": _int(o["seed"], "seed", 0, (1 << 63) - 1),
+        "step": _int(o.get("step", 0), "step", 0, 1 << 40),
+        "lead": _int(o.get("lead", 2), "lead", 1, 64),
+        "queue_bytes": _int(o.get("queue_bytes", 256 << 20), "queue_bytes", 1, 1 << 40),
+        "spec_digest": None if o.get("spec_digest") is None else _ident(o["spec_digest"], "spec_digest"),
+        "version": _int(o.get("version", PROTOCOL_VERSION), "version", PROTOCOL_VERSION, PROTOCOL_VERSION),
+    }
+    return out
+
+
+def _progress(o: dict) -> dict:
+    _only(o, ("job", "step"), ("rank",), "progress")
+    return {"job": _ident(o["job"], "job"), "step": _int(o["step"], "step", -1, 1 << 40)}
+
+
+def _job_only(o: dict) -> dict:
+    _only(o, ("job",), (), "request")
+    return {"job": _ident(o["job"], "job")}
+
+
+def _empty(o: dict) -> dict:
+    _only(o, (), (), "request")
+    return {}
+
+
+#: Body decoders of the built-in actions; :meth:`NodeServer.register_action` adds more.
+ACTION_DECODERS = {
+    "health": _empty,
+    "status": _empty,
+    "register_job": _register_job,
+    "progress": _progress,
+    "unregister_job": _job_only,
+}
+
+
+def decode_action(name: str, body: bytes, decoders: dict | None = None) -> dict:
+    """The checked request of action ``name``; :class:`ProtocolError` for anything unexpected."""
+    decoders = ACTION_DECODERS if decoders is None else decoders
+    if name not in decoders:
+        _fail(f"unknown action; known: {sorted(decoders)}", action=str(name)[:40])
+    return decoders[name](_parse(body, f"{name} request"))
+
+
+def encode_ticket(job: str, *, rank: int, step: int) -> bytes:
+    return json.dumps({"job": job, "rank": int(rank), "step": int(step)}, separators=(",", ":")).encode()
+
+
+def decode_ticket(body: bytes) -> dict:
+    o = _parse(body, "ticket")
+    _only(o, ("job", "rank", "step"), (), "ticket")
+    return {"job": _ident(o["job"], "job"), "rank": _int(o["rank"], "rank", 0, 1 << 20),
+            "step": _int(o["step"], "step", 0, 1 << 40)}
+
+
+# -- tensors as record batches ------------------------------------------------------------------------------
+
+
+def _schema(kind: str, step: int, node: str):
+    import pyarrow as pa
+
+    return pa.schema(
+        [("position", pa.int64()), ("modality", pa.string()), ("dtype", pa.string()),
+         ("shape", pa.list_(pa.int64())), ("data", pa.large_binary())],
+        metadata={"kind": kind, "step": str(step), "node": node, "version": str(PROTOCOL_VERSION)},
+    )
+
+
+def _as_numpy(t) -> tuple[np.ndarray, str]:
+    """A contiguous numpy view of a tensor/array and its dtype name (bfloat16 travels as its int16 bits)."""
+    try:
+        import torch
+
+        if isinstance(t, torch.Tensor):
+            t = t.detach().contiguous()
+            if t.dtype == torch.bfloat16:
+                return t.view(torch.int16).numpy(), "bfloat16"
+            return t.numpy(), str(t.dtype).removeprefix("torch.")
+    except ImportError:  # pragma: no cover
+        pass
+    a = np.ascontiguousarray(t)
+    return a, str(a.dtype)
+
+
+def encode_tensors(kind: str, rows: Iterable[tuple[int, str, Any]], *, step: int, node: str,
+                   stacked: dict[str, tuple[np.ndarray, Any]] | None = None):
+    """Record batches of ``(position, modality, tensor-or-bytes)`` rows, each at most :data:`MAX_BATCH_BYTES`.
+
+    ``stacked`` maps a modality to ``(positions, batch_tensor)``: its rows are slices of one contiguous tensor,
+    sent with zero copies (the Arrow values buffer *is* the tensor's memory). Other rows are concatenated (one copy).
+    Returns ``(schema, batches, copied_bytes)``.
+    """
+    import pyarrow as pa
+
+    schema = _schema(kind, step, node)
+    batches, copied = [], 0
+    for modality, (positions, tensor) in (stacked or {}).items():
+        arr, dtype = _as_numpy(tensor)
+        n = len(positions)
+        if n == 0:
+            continue
+        per = arr.nbytes // n
+        rows_per_batch = max(1, MAX_BATCH_BYTES // max(per, 1))
+        flat = arr.reshape(-1).view(np.uint8) if arr.nbytes else np.zeros(0, np.uint8)
+        for lo in range(0, n, rows_per_batch):
+            hi = min(n, lo + rows_per_batch)
+            values = pa.py_buffer(flat[lo * per: hi * per])  # zero copy over the tensor
+            offsets = pa.py_buffer(np.arange(hi - lo + 1, dtype=np.int64) * per)
+            data = pa.Array.from_buffers(pa.large_binary(), hi - lo, [None, offsets, values])
+            batches.append(pa.record_batch([
+                pa.array(np.asarray(positions[lo:hi], dtype=np.int64)),
+                pa.array([modality] * (hi - lo)), pa.array([dtype] * (hi - lo)),
+                pa.array([list(arr.shape[1:])] * (hi - lo), type=pa.list_(pa.int64())), data], schema=schema))
+    pending: list[tuple[int, str, np.ndarray, str]] = []
+    size = 0
+    for position, modality, t in rows:
+        arr, dtype = _as_numpy(t)
+        pending.append((int(position), modality, arr, dtype))
+        size += arr.nbytes
+        if size >= MAX_BATCH_BYTES:
+            batches.append(_rows_batch(pending, schema))
+            copied += size
+            pending, size = [], 0
+    if pending:
+        batches.append(_rows_batch(pending, schema))
+        copied += size
+    return schema, batches, copied
+
+
+def _rows_batch(rows: list, schema):
+    import pyarrow as pa
+
+    lengths = np.array([a.nbytes for _, _, a, _ in rows], dtype=np.int64)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.empty(int(offsets[-1]), dtype=np.uint8)
+    for (_, _, a, _), lo, n in zip(rows, offsets[:-1], lengths):
+        values[lo: lo + n] = a.reshape(-1).view(np.uint8)
+    data = pa.Array.from_buffers(pa.large_binary(), len(rows), [None, pa.py_buffer(offsets), pa.py_buffer(values)])
+    return pa.record_batch([
+        pa.array([p for p, _, _, _ in rows], type=pa.int64()), pa.array([m for _, m, _, _ in rows]),
+        pa.array([d for _, _, _, d in rows]), pa.array([list(a.shape) for _, _, a, _ in rows], type=pa.list_(pa.int64())),
+        data], schema=schema)
+
+
+def decode_tensors(table_batches: Iterable, *, as_torch: bool = True) -> list[tuple[int, str, Any]]:
+    """``(position, modality, tensor)`` rows of received record batches; tensors view the Arrow buffers (no copy).
+
+    Raises :class:`ProtocolError` on a batch whose shapes, dtypes or sizes do not add up.
+    """
+    out = []
+    for batch in table_batches:
+        cols = {name: batch.column(i) for i, name in enumerate(batch.schema.names)}
+        if set(cols) != {"position", "modality", "dtype", "shape", "data"}:
+            _fail("record batch has unexpected columns", columns=",".join(batch.schema.names))
+        data = cols["data"]
+        offsets = np.frombuffer(data.buffers()[1], dtype=np.int64)[data.offset: data.offset + len(data) + 1]
+        values = data.buffers()[2]
+        raw = np.frombuffer(values, dtype=np.uint8) if values is not None else np.zeros(0, np.uint8)
+        positions = cols["position"].to_numpy()
+        modalities = cols["modality"].to_pylist()
+        dtypes = cols["dtype"].to_pylist()
+        shapes = cols["shape"].to_pylist()
+        for i in range(len(batch)):
+            dtype, shape = dtypes[i], tuple(shapes[i])
+            if dtype not in _DTYPES or any(s < 0 for s in shape):
+                _fail("tensor row has a bad dtype or shape", position=int(positions[i]), dtype=dtype)
+            np_dtype = np.dtype("int16" if dtype == "bfloat16" else dtype)
+            view = raw[int(offsets[i]): int(offsets[i + 1])]
+            if view.nbytes != int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize:
+                _fail("tensor row's bytes do not match its shape", position=int(positions[i]), shape=shape)
+            arr = view.view(np_dtype).reshape(shape)
+            out.append((int(positions[i]), modalities[i], _to_torch(arr, dtype) if as_torch else arr))
+    return out
+
+
+def _to_torch(arr: np.ndarray, dtype: str):
+    import torch
+    import warnings
+
+    with warnings.catch_warnings():  # Arrow buffers are read-only; the tensor is never written in place
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(arr)
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+__all__ = [
+    "ACTION_DECODERS", "HEADER_JOB", "HEADER_TOKEN", "KIND_DECODED", "KIND_RAW", "MAX_BATCH_BYTES",
+    "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode_action", "decode_ticket", "decode_tensors",
+    "encode_tensors", "encode_ticket",
+]

@@ -1,0 +1,385 @@
+"""The storage-node daemon: an Arrow Flight server that prepares each job's coming steps next to the data.
+
+A job registers once (datasets and plan by name under the node's data root, plan digest, rank and world size, the
+decode stage's transform specs and seed, the step it is on) and then only reports progress; the node resolves the
+coming steps from the plan itself and keeps ``lead`` steps of its part decoded ahead (:mod:`foresight.node.queue`).
+``DoGet`` streams a step's part as Arrow record batches; when the CPU guard is engaged the part is raw sample bytes
+(marked ``raw``) that the client decodes with the same spec. See :mod:`foresight.node.protocol` for the messages.
+
+Extending: ``server.register_action(name, decoder, handler, job_scoped=True)`` adds a ``DoAction``;
+``server.register_put(kind, handler)`` adds a ``DoPut`` whose descriptor path starts with ``kind`` (checkpoint
+replication plugs in here). Job-scoped handlers run only after the job's token was checked.
+
+Example::
+
+    with NodeServer("/data", location="grpc://127.0.0.1:0", cpu_threshold=80) as node:
+        print(node.location)          # grpc://127.0.0.1:PORT
+        node.wait_stopped()           # or node.stop() from a signal handler
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import pyarrow.flight as flight
+
+from foresight.errors import ForesightError, NodeError, ProtocolError
+from foresight.node.auth import HeaderMiddlewareFactory
+from foresight.node.guard import CpuGuard
+from foresight.node.jobs import NodeJob, spec_digest
+from foresight.node.metrics import NodeMetrics
+from foresight.node.protocol import ACTION_DECODERS, PROTOCOL_VERSION, decode_action, decode_ticket
+from foresight.node.queue import Scheduler
+
+log = logging.getLogger("foresight.node")
+
+
+def scan_root(root: str, depth: int = 3) -> tuple[dict[str, dict], dict[str, str]]:
+    """Datasets (``manifest.json``) and plans (``plan.json``) under ``root``: ``{name: {fingerprint, shards}}`` and
+    ``{digest: name}``, names relative to ``root``."""
+    import xxhash
+
+    datasets, plans = {}, {}
+    root = os.path.realpath(root)
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        if rel.count(os.sep) >= depth:
+            dirnames[:] = []
+        if rel == ".":
+            continue
+        if "manifest.json" in filenames:
+            try:
+                with open(os.path.join(dirpath, "manifest.json"), "rb") as f:
+                    raw = f.read(256 << 20)
+                shards = len(json.loads(raw).get("shards", []))
+                datasets[rel] = {"fingerprint": xxhash.xxh3_128_hexdigest(raw), "shards": shards}
+            except (OSError, ValueError, AttributeError):
+                pass
+            dirnames[:] = []
+        elif "plan.json" in filenames:
+            try:
+                with open(os.path.join(dirpath, "plan.json"), "rb") as f:
+                    digest = json.loads(f.read(16 << 20)).get("digest")
+                if isinstance(digest, str):
+                    plans[digest] = rel
+            except (OSError, ValueError, AttributeError):
+                pass
+            dirnames[:] = []
+    return datasets, plans
+
+
+class NodeServer(flight.FlightServerBase):
+    """See the module docstring. Keyword-only options.
+
+    Args:
+        root: the data root; every dataset and plan name resolves inside it (names escaping it are refused).
+        location: ``grpc://host:port`` or ``grpc+tls://host:port`` (port 0 picks one; see :attr:`location`).
+        tls: (certificate chain PEM path, private key PEM path) for ``grpc+tls``.
+        client_ca: CA PEM path; when given, clients must present a certificate it signed (mutual TLS).
+        node_id: name in the cluster (default: host-port).
+        max_jobs: jobs registered at once; max_queue_bytes: cap of any job's queue; max_lead: cap of its lead.
+        cpu_threshold: CPU percent (sustained) above which the node serves raw bytes (default 80; 0 = always raw).
+        decode_threads: threads of each job's decode pool (default: CPU count); workers: step-preparing threads.
+        served_shards: ``fingerprint -> shard list or None (all)``; the cluster's placement when in a cluster.
+        job_idle_s: a job not heard from for this long is dropped (frees its slot and memory).
+    """
+
+    def __init__(self, root: str, *, location: str = "grpc://127.0.0.1:0", tls: tuple[str, str] | None = None,
+                 client_ca: str | None = None, node_id: str | None = None, max_jobs: int = 8,
+                 max_queue_bytes: int = 1 << 30, max_lead: int = 8, cpu_threshold: float = 80.0,
+                 guard_interval: float = 0.5, decode_threads: int | None = None, workers: int = 1,
+                 served_shards: Callable[[str], Any] | None = None, job_idle_s: float = 600.0) -> None:
+        from foresight.node.auth import read_pem
+
+        if not os.path.isdir(root):
+            raise NodeError("data root is not a directory", root=root)
+        kwargs: dict[str, Any] = {"middleware": {"auth": HeaderMiddlewareFactory()}}
+        if tls is not None:
+            kwargs["tls_certificates"] = [flight.CertKeyPair(cert=read_pem(tls[0]), key=read_pem(tls[1]))]
+        if client_ca is not None:
+            kwargs["verify_client"] = True
+            kwargs["root_certificates"] = read_pem(client_ca)
+        super().__init__(location, **kwargs)
+        scheme, _, rest = location.partition("://")
+        self.location = f"{scheme}://{rest.rsplit(':', 1)[0]}:{self.port}"
+        self.root = os.path.realpath(root)
+        self.node_id = node_id or f"{os.uname().nodename}-{self.port}"
+        self.instance = f"{os.getpid()}-{time.time_ns()}"  # changes on restart: clients re-register
+        self.max_jobs, self.max_queue_bytes, self.max_lead = int(max_jobs), int(max_queue_bytes), int(max_lead)
+        self.decode_threads = decode_threads
+        self.job_idle_s = float(job_idle_s)
+        self.served_shards = served_shards or (lambda fingerprint: None)
+        self.metrics = NodeMetrics()
+        self.guard = CpuGuard(cpu_threshold, interval=guard_interval).start()
+        self.datasets, self.plans = scan_root(self.root)
+        self._jobs: dict[str, NodeJob] = {}
+        self._jobs_lock = threading.Lock()
+        self._opened: dict[tuple[str, str], Any] = {}
+        self._open_lock = threading.Lock()
+        self._local = threading.local()
+        self._engines: list = []
+        self._draining = threading.Event()
+        self._stopped = threading.Event()
+        self._actions: dict[str, tuple[Callable, Callable, bool]] = {}
+        self._puts: dict[str, Callable] = {}
+        for name, handler, scoped in (("health", self._health, False), ("status", self._status, False),
+                                      ("register_job", self._register_job, False),
+                                      ("progress", self._progress, True), ("unregister_job", self._unregister, True)):
+            self.register_action(name, ACTION_DECODERS[name], handler, job_scoped=scoped)
+        self.scheduler = Scheduler(self._produce, workers=workers, engine_factory=self._new_engine,
+                                   on_change=self._queue_metrics)
+        self._janitor = threading.Thread(target=self._janitor_loop, name="foresight-node-janitor", daemon=True)
+        self._janitor.start()
+        log.info("node serving", extra={"node": self.node_id, "location": self.location, "root": self.root,
+                                        "datasets": len(self.datasets), "plans": len(self.plans),
+                                        "cpu_threshold": cpu_threshold})
+
+    # -- extension points -------------------------------------------------------------------------------------
+    def register_action(self, name: str, decoder: Callable[[dict], dict], handler: Callable[[Any, dict], Any],
+                        *, job_scoped: bool = True) -> None:
+        """Add a ``DoAction``: ``decoder(json_object) -> request`` (raise ProtocolError), ``handler(context,
+        request) -> JSON-able result``. Job-scoped requests must name ``job``; its token is checked first."""
+        self._actions[name] = (decoder, handler, job_scoped)
+
+    def register_put(self, kind: str, handler: Callable[[Any, Any, Any, Any], None]) -> None:
+        """Add a ``DoPut`` for descriptors whose path starts with ``kind``: ``handler(context, descriptor,
+        reader, writer)``; the caller's job token is checked with :meth:`authorize` by the handler."""
+        self._puts[kind] = handler
+
+    def authorize(self, context, job_id: str) -> NodeJob:
+        """The registered job named by the request, after checking the call's job header and token."""
+        mw = context.get_middleware("auth")
+        with self._jobs_lock:
+            job = self._jobs.get(job_id)
+        if job is None:
+            self.metrics.refusals.labels("unknown_job").inc()
+            raise flight.FlightServerError(f"foresight: unknown job {job_id!r} (register it first)")
+        if mw is None or mw.job != job_id or not job.check_token(mw.token):
+            self.metrics.refusals.labels("token").inc()
+            raise flight.FlightUnauthenticatedError(f"foresight: bad or missing token for job {job_id!r}")
+        job.last_seen = time.monotonic()
+        return job
+
+    # -- Flight entry points ----------------------------------------------------------------------------------
+    def list_actions(self, context):
+        return [(name, f"foresight node action {name}") for name in sorted(self._actions)]
+
+    def do_action(self, context, action):
+        name = action.type
+        try:
+            if self._draining.is_set() and name not in ("health", "status"):
+                raise flight.FlightUnavailableError("foresight: node is shutting down")
+            entry = self._actions.get(name)
+            if entry is None:
+                raise ProtocolError(f"unknown action; known: {sorted(self._actions)}", action=name[:40])
+            decoder, handler, scoped = entry
+            req = decode_action(name, action.body.to_pybytes(), {name: decoder})
+            if scoped:
+                self.authorize(context, req["job"])
+            result = handler(context, req)
+        except ForesightError as e:
+            self.metrics.refusals.labels(type(e).__name__).inc()
+            log.info("request refused", extra={"action": name, "error": str(e)})
+            raise flight.FlightServerError(f"foresight: {e}") from None
+        yield flight.Result(json.dumps(result, default=str).encode())
+
+    def do_get(self, context, ticket):
+        if self._draining.is_set():
+            raise flight.FlightUnavailableError("foresight: node is shutting down")
+        try:
+            t = decode_ticket(ticket.ticket)
+            job = self.authorize(context, t["job"])
+            if t["rank"] != job.rank or not 0 <= t["step"] < job.plan.num_steps:
+                raise ProtocolError("ticket names another rank or a step outside the plan", job=job.job,
+                                    rank=t["rank"], step=t["step"])
+            q = self.scheduler.queues.get(job.job)
+            if q is None:
+                raise NodeError("job was unregistered", job=job.job)
+            part = q.take(t["step"], lambda s: self._produce(job, s, self._engine()))
+            self.scheduler.wake()
+            self._queue_metrics(q)
+        except ForesightError as e:
+            self.metrics.refusals.labels(type(e).__name__).inc()
+            log.info("stream refused", extra={"error": str(e)})
+            raise flight.FlightServerError(f"foresight: {e}") from None
+        self.metrics.served(job.job, part.kind, nbytes=part.nbytes, samples=part.samples)
+        return flight.RecordBatchStream(_table(part))
+
+    def do_put(self, context, descriptor, reader, writer):
+        kind = descriptor.path[0].decode("utf-8", "replace") if descriptor.path else ""
+        handler = self._puts.get(kind)
+        if handler is None:
+            raise flight.FlightServerError(f"foresight: no DoPut for {kind!r}; known: {sorted(self._puts)}")
+        if self._draining.is_set():
+            raise flight.FlightUnavailableError("foresight: node is shutting down")
+        return handler(context, descriptor, reader, writer)
+
+    # -- actions ------------------------------------------------------------------------------------------
+    def _health(self, context, req: dict) -> dict:
+        return {"ok": not self._draining.is_set(), "node": self.node_id, "instance": self.instance,
+                "version": PROTOCOL_VERSION, "location": self.location, "datasets": self.datasets,
+                "plans": self.plans, "cpu_percent": self.guard.cpu_percent, "guard": self.guard.engaged,
+                "jobs": len(self._jobs), "max_jobs": self.max_jobs}
+
+    def _status(self, context, req: dict) -> dict:
+        self.metrics.cpu.set(self.guard.cpu_percent)
+        self.metrics.guard.set(1 if self.guard.engaged else 0)
+        self.metrics.jobs.set(len(self._jobs))
+        snap = self.metrics.snapshot()
+        snap.update(node=self.node_id, instance=self.instance, location=self.location, max_jobs=self.max_jobs)
+        return snap
+
+    def _register_job(self, context, req: dict) -> dict:
+        mw = context.get_middleware("auth")
+        token = None if mw is None else mw.token
+        if mw is None or mw.job != req["job"] or not token or len(token) < 8:
+            self.metrics.refusals.labels("token").inc()
+            raise flight.FlightUnauthenticatedError("foresight: register_job needs the job header and a token "
+                                                    "of at least 8 characters")
+        with self._jobs_lock:
+            old = self._jobs.get(req["job"])
+            if old is not None and not old.check_token(token):
+                self.metrics.refusals.labels("token").inc()
+                raise flight.FlightUnauthenticatedError(f"foresight: job {req['job']!r} is registered with "
+                                                        "another token")
+            if old is None and len(self._jobs) >= self.max_jobs:
+                raise ProtocolError("node has as many jobs as it accepts", max_jobs=self.max_jobs)
+        if old is not None:  # re-registration (client restart): start over at its step
+            self._drop_job(req["job"])
+        req = dict(req, lead=min(req["lead"], self.max_lead), queue_bytes=min(req["queue_bytes"], self.max_queue_bytes))
+        job = NodeJob.open(self.root, req, token=token, node=self.node_id, served_shards=self.served_shards,
+                           decode_threads=self.decode_threads, open_cache=self._open_cached)
+        with self._jobs_lock:
+            if len(self._jobs) >= self.max_jobs:
+                job.close()
+                raise ProtocolError("node has as many jobs as it accepts", max_jobs=self.max_jobs)
+            self._jobs[job.job] = job
+        q = self.scheduler.add(job)
+        with q.cond:
+            q.set_progress(req["step"] - 1)
+        self.metrics.jobs.set(len(self._jobs))
+        log.info("job registered", extra={"job": job.job, "rank": job.rank, "world_size": job.world_size,
+                                          "lead": job.lead, "queue_bytes": job.queue_bytes})
+        return dict(job.describe(), instance=self.instance, spec_digest=spec_digest(job.specs))
+
+    def _progress(self, context, req: dict) -> dict:
+        q = self.scheduler.queues.get(req["job"])
+        if q is None:
+            raise NodeError("job was unregistered", job=req["job"])
+        with q.cond:
+            q.set_progress(req["step"])
+            lead = q.lead()
+        self._queue_metrics(q)
+        return {"job": req["job"], "progress": q.progress, "lead": lead}
+
+    def _unregister(self, context, req: dict) -> dict:
+        self._drop_job(req["job"])
+        return {"job": req["job"], "unregistered": True}
+
+    # -- internals ----------------------------------------------------------------------------------------
+    def _drop_job(self, job_id: str) -> None:
+        with self._jobs_lock:
+            job = self._jobs.pop(job_id, None)
+        q = self.scheduler.remove(job_id)
+        if q is not None:
+            with q.cond:  # wait for workers preparing its steps before closing its files
+                while q.producing:
+                    q.cond.wait(timeout=1.0)
+        if job is not None:
+            job.close()
+            self.metrics.forget(job_id)
+            self.metrics.jobs.set(len(self._jobs))
+            log.info("job dropped", extra={"job": job_id})
+
+    def _open_cached(self, kind: str, path: str) -> Any:
+        with self._open_lock:
+            obj = self._opened.get((kind, path))
+            if obj is None:
+                try:
+                    if kind == "dataset":
+                        from foresight.format import open_dataset
+
+                        obj = open_dataset(path)
+                    else:
+                        from foresight.plan import load_plan
+
+                        obj = load_plan(path)
+                except (OSError, ValueError) as e:
+                    raise ProtocolError(f"cannot open {kind}: {e}"[:300]) from None
+                self._opened[(kind, path)] = obj
+            return obj
+
+    def _new_engine(self):
+        from foresight.io import IOEngine
+
+        engine = IOEngine(queue_depth=64)
+        self._engines.append(engine)
+        return engine
+
+    def _engine(self):
+        engine = getattr(self._local, "engine", None)
+        if engine is None:
+            engine = self._local.engine = self._new_engine()
+        return engine
+
+    def _produce(self, job: NodeJob, step: int, engine) -> Any:
+        return job.prepare(step, engine, raw=self.guard.engaged, decode_seconds=self.metrics.decoded)
+
+    def _queue_metrics(self, q) -> None:
+        with q.cond:
+            depth, lead, nbytes = len(q.ready), q.lead(), q.nbytes
+        self.metrics.job_queue(q.job.job, depth=depth, lead=lead, nbytes=nbytes)
+
+    def _janitor_loop(self) -> None:
+        while not self._stopped.wait(1.0):
+            self.metrics.cpu.set(self.guard.cpu_percent)
+            self.metrics.guard.set(1 if self.guard.engaged else 0)
+            now = time.monotonic()
+            with self._jobs_lock:
+                idle = [j for j, job in self._jobs.items() if now - job.last_seen > self.job_idle_s]
+            for j in idle:
+                log.info("job idle, dropping", extra={"job": j})
+                self._drop_job(j)
+
+    # -- lifetime -----------------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Refuse new calls, let in-flight streams finish, then stop (idempotent; safe from any thread)."""
+        if self._draining.is_set():
+            return
+        self._draining.set()
+        log.info("node draining", extra={"node": self.node_id})
+        self.shutdown()  # waits for in-flight calls
+        self.scheduler.close()
+        for job_id in list(self._jobs):
+            self._drop_job(job_id)
+        self.guard.stop()
+        self.metrics.close()
+        for engine in self._engines:
+            try:
+                engine.close()
+            except Exception:  # engines of finished threads may already be closed
+                pass
+        self._stopped.set()
+        log.info("node stopped", extra={"node": self.node_id})
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _table(part) -> Any:
+    import pyarrow as pa
+
+    return pa.Table.from_batches(part.batches, schema=part.schema)
+
+
+__all__ = ["NodeServer", "scan_root"]

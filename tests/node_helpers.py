@@ -1,0 +1,131 @@
+"""Shared set-up for the storage-node tests: a media data root, node subprocesses, reference decodes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from foresight.media import FrameSampling, TransformSpec
+
+PY = sys.executable
+SPECS = {
+    "image": TransformSpec(modality="image", size=(32, 32), crop="random_resized", flip=0.5),
+    "video": TransformSpec(modality="video", size=(32, 32), frames=FrameSampling(num_frames=3, window_s=0.8)),
+}
+TOKEN = "token-of-job-a"
+
+
+def make_root(root: str, *, samples: int = 12, steps: int = 6, batch: int = 4) -> dict:
+    """A data root with one media dataset (several shards) and a plan under ``plans/p1``."""
+    from test_loader_media import _clip, _jpeg
+
+    from foresight.format import DatasetWriter, open_dataset
+    from foresight.media import probe_media
+    from foresight.plan import build_plan
+
+    os.makedirs(root, exist_ok=True)
+    with DatasetWriter(os.path.join(root, "media"), shard_bytes=20000) as w:
+        for i in range(samples):
+            data, kind = (_jpeg(i), "image") if i % 2 else (_clip(i), "video")
+            w.add(data, modality=kind, meta=probe_media(data, kind))
+    ds = open_dataset(os.path.join(root, "media"))
+    plan = build_plan([(ds, 1.0)], seed=5, global_batch_size=batch, num_steps=steps)  # steps straddle epochs
+    plan.save(os.path.join(root, "plans", "p1"))
+    return {"root": root, "dataset": ds, "plan": plan}
+
+
+class NodeProc:
+    """``python -m foresight node serve`` as a subprocess; ready when its ready file appears."""
+
+    def __init__(self, root: str, workdir: str, *args: str, name: str = "n", timeout: float = 120.0) -> None:
+        os.makedirs(workdir, exist_ok=True)
+        self.ready_file = os.path.join(workdir, f"{name}.ready.json")
+        self.log_path = os.path.join(workdir, f"{name}.log")
+        if os.path.exists(self.ready_file):
+            os.unlink(self.ready_file)
+        self._log = open(self.log_path, "ab")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath("python"), os.environ.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen([PY, "-m", "foresight", "node", "serve", "--root", root, "--ready-file",
+                                      self.ready_file, "--decode-threads", "2", *args],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(self.ready_file):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node exited at start ({self.proc.returncode}): {self.log()[-2000:]}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"node not ready in {timeout}s: {self.log()[-2000:]}")
+            time.sleep(0.1)
+        with open(self.ready_file) as f:
+            self.info = json.load(f)
+        self.location = self.info["location"]
+        self.node_id = self.info["node"]
+
+    def log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self._log.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def host_reference(ds, plan, *, seed: int = 9, rank: int = 0, world_size: int = 1) -> list[dict]:
+    """Per step: {modality: (positions, output_hash per sample)} decoded on the host with the plain stage."""
+    from foresight.loader import Loader, MediaDecodeStage
+
+    stage = MediaDecodeStage([ds], SPECS, seed=seed, threads=2)
+    try:
+        with Loader(ds, plan, decode=stage, rank=rank, world_size=world_size) as loader:
+            return [summary(b) for b in loader]
+    finally:
+        stage.close()
+
+
+def summary(batch) -> dict:
+    from foresight.media import output_hash
+
+    out = {"step": batch.step, "sample_ids": np.asarray(batch["sample_ids"]).tolist()}
+    for name in SPECS:
+        if name in batch:
+            out[name] = (np.asarray(batch[f"{name}_index"]).tolist(), [output_hash(t) for t in batch[name]],
+                         output_hash(batch[name]))
+    return out
+
+
+def run_source(ds, plan, source, *, rank: int = 0, world_size: int = 1, on_step=None) -> list[dict]:
+    from foresight.loader import Loader
+
+    out = []
+    with Loader(ds, plan, decode=source, rank=rank, world_size=world_size) as loader:
+        for batch in loader:
+            out.append(summary(batch))
+            if on_step is not None:
+                on_step(batch.step)
+    return out
+
+
+def wait_for(predicate, *, timeout: float = 60.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
