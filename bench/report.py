@@ -1,0 +1,188 @@
+"""Turns each bench's result JSON into the tables of BENCHMARKS.md: our figure, the anchors measured in the same run,
+and the source paper's figure where there is one.
+
+One summarizer per bench, registered in ``SUMMARIZERS``: ``summarize(name, payload) -> Section``. A summarizer only
+reads the JSON; nothing here measures. Example::
+
+    from report import render
+    text = render({"read_path": json.load(open("bench/reference/quick/read_path.json"))}, preset="quick", ...)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# The source paper's results (shared/seeds/000_*), quoted beside ours where a bench measures the same mechanism.
+PAPER = {
+    "remote_merge": "76.1% lower merge latency (89.3% and 70.8% on two jobs)",
+    "restart_storm": "40.8% lower checkpoint loading time (38.48 s -> 22.78 s at 2,048 GPUs)",
+    "pushdown_stall": "63.2% fewer transformation stalls",
+    "pushdown_p99": "85.7% lower P99 data-loading latency",
+    "pushdown_cpu": "94% less data-loading CPU on the training hosts",
+}
+
+
+@dataclass
+class Section:
+    title: str
+    command: str = ""
+    notes: list[str] = field(default_factory=list)
+    tables: list[tuple[str, list[str], list[list]]] = field(default_factory=list)  # (caption, header, rows)
+    plots: list[str] = field(default_factory=list)  # file names under docs/bench/
+
+
+def fmt(v) -> str:
+    if v is None or v == "":
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+    return str(v)
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+# -- per bench --------------------------------------------------------------------------------------------------
+
+
+def read_path(payload: dict) -> Section:
+    s = Section("Read path: random sample reads, foresight vs the best DataLoader, memmap and fio")
+    s.notes.append(f"{payload['runs']} run(s) per method (median, spread shown), dataset "
+                   f"{payload['dataset_bytes'] / 2**30:.0f} GiB per size; anchors chosen by a sweep of their knobs "
+                   f"({payload.get('anchor_runs')} run(s) per configuration)")
+    rows = [[r["size"], r["mode"], r["method"], r.get("samples_per_s"), r.get("mb_per_s"), r.get("mb_per_s_spread"),
+             r.get("cpu_s_per_gb"), r.get("ios_per_sample"), r.get("x_fio_bw"), r.get("x_dl_sps"), r.get("x_dl_cpu"),
+             r.get("config")] for r in payload["rows"]]
+    s.tables.append(("per method (x_* = ratio to the anchor of the same order and cache state)",
+                     ["size", "cache", "method", "samples/s", "MB/s", "MB/s spread", "CPU-s/GB", "I/Os per sample",
+                      "x fio", "x DataLoader samples/s", "x DataLoader CPU", "anchor config"], rows))
+    best = {}
+    for r in payload.get("anchor_sweep") or []:
+        key = (r["size"], r["mode"], r["anchor"])
+        if r.get("mb_per_s") and r["mb_per_s"] > best.get(key, {}).get("mb_per_s", -1):
+            best[key] = r
+    s.tables.append(("anchor sweeps: the best configuration of each anchor",
+                     ["size", "cache", "anchor", "best config", "MB/s", "configs tried"],
+                     [[k[0], k[1], k[2], v["config"], v["mb_per_s"],
+                       sum(1 for r in payload["anchor_sweep"] if (r["size"], r["mode"], r["anchor"]) == k)]
+                      for k, v in best.items()]))
+    s.tables.append(("targets", ["target", "goal", "value", "met", "detail"],
+                     [[t["target"], t["goal"], t["value"], t["met"], t["detail"]] for t in payload["targets"]]))
+    return s
+
+
+def checkpoint(payload: dict) -> Section:
+    s = Section("Checkpoints: training-blocking time, durable write, cold restore")
+    for res in payload["results"]:
+        rows = []
+        for name, m in res["methods"].items():
+            md = m["median"]
+            rows.append([name + (" (best of sweep)" if name in (res.get("best_dcp_async"), res.get("best_dcp_save"))
+                                 else ""), md["first_blocking"], md["first_total"], md["blocking"], md["total"],
+                         md["blocking_vs_torch_save"], md["write_GBps"], md["restore"], md["restore_GBps"]])
+        if res.get("fio"):
+            for label, cfg in (("fio best write", res["fio"]["best_write"]), ("fio best read", res["fio"]["best_read"]),
+                               ("fio at foresight's 8 MiB x 4", res["fio"]["own_config"])):
+                rows.append([f"{label} ({cfg['bs']}, {cfg['numjobs']} jobs, QD {cfg['iodepth']})", None, None, None,
+                             None, None, cfg["write_Bps"] / 1e9, None, cfg["read_Bps"] / 1e9])
+        s.tables.append((f"{res['bytes'] / 2**30:.2f} GiB state ({res['tensors']} tensors), steady state = median "
+                         f"of saves 2..{res['runs']}",
+                         ["method", "1st save blocking s", "1st save total s", "blocking s", "total s",
+                          "blocking / torch.save", "write GB/s", "restore s", "restore GB/s"], rows))
+    s.notes += payload.get("verdicts", [])
+    return s
+
+
+def decode(payload: dict) -> Section:
+    s = Section("Video decode: 8 frames over 4 s windows at 224x224")
+    methods = [m for m in ("foresight", "pyav_start", "pyav_seek", "decord", "tc_exact", "tc_approx", "tc_mapped")]
+    s.tables.append(("clips/s (median); vs_best_anchor = foresight / the fastest anchor",
+                     ["clip", "threads", *methods, "vs best anchor", "best anchor"],
+                     [[r["clip"], r["threads"], *[r.get(m) for m in methods], r.get("vs_best_anchor"),
+                       r.get("best_anchor")] for r in payload["summary"]]))
+    s.tables.append(("correctness of the timed 224x224 output and of native-resolution frames",
+                     ["clip", "method", "frames", "wrong frame (native)", "wrong frame (224, timed)",
+                      "mean abs diff (224)"],
+                     [[c["clip"], c["method"], c["frames"], c["wrong_frame"], c.get("wrong_frame_224"),
+                       c.get("mean_abs_diff_224")] for c in payload["correctness"]]))
+    if payload.get("skipped"):
+        s.notes.append(f"unavailable anchors (not compared): {payload['skipped']}")
+    s.notes.append(f"{payload['samples_per_run']} windows per run, {payload['repeats']} repeats")
+    return s
+
+
+def plan_build(payload: dict) -> Section:
+    s = Section("Plan build: time and memory")
+    s.tables.append((f"median of {payload['repeats']}; vs_* = the other builder's time / ours",
+                     ["kind", "samples", "builder", "build s", "vs numpy (same shuffle)", "vs megatron-core",
+                      "memory GiB", "same as numpy", "what it computes"],
+                     [[r["kind"], r["samples"], r["impl"], r.get("build_s"), r.get("vs_numpy"), r.get("vs_megatron"),
+                       r.get("mem_gib"), r.get("same_as_numpy"), r.get("does") or r.get("note")]
+                      for r in payload["rows"]]))
+    return s
+
+
+def gpu_handoff(payload: dict) -> Section:
+    s = Section("GPU handoff: pinned arena to GPU")
+    if payload.get("skipped"):
+        s.notes.append("not measured in this run: no CUDA device on this machine (bench/gpu_device.sh runs it on one)")
+        return s
+    s.tables.append(("host-to-device copies", list(payload["h2d"][0].keys()),
+                     [list(r.values()) for r in payload["h2d"]]))
+    return s
+
+
+SUMMARIZERS: dict[str, Callable[[dict], Section]] = {
+    "read_path": read_path, "checkpoint": checkpoint, "decode": decode, "plan_build": plan_build,
+    "gpu_handoff": gpu_handoff,
+}
+
+
+def generic(name: str, payload: dict) -> Section:
+    """A bench without its own summarizer: its ``report`` tables (``[{title, header, rows}]``) and paper figure."""
+    s = Section(payload.get("title", name))
+    for t in payload.get("report", []):
+        s.tables.append((t["title"], t["header"], t["rows"]))
+    s.notes += payload.get("notes", [])
+    return s
+
+
+def summarize(name: str, payload: dict) -> Section:
+    fn = SUMMARIZERS.get(name)
+    section = fn(payload) if fn else generic(name, payload)
+    if name in PAPER or any(k.startswith(name) for k in PAPER):
+        paper = [v for k, v in PAPER.items() if k == name or k.startswith(name + "_")]
+        section.notes.append("paper: " + "; ".join(paper))
+    return section
+
+
+def render(results: dict[str, dict], *, preset: str, machine: dict, commands: dict[str, str],
+           plots: dict[str, list[str]], elapsed_s: dict[str, float], failures: dict[str, str]) -> str:
+    lines = ["# BENCHMARKS", "",
+             "Generated by `python bench/run_all.py --preset " + preset + "` from one run; do not edit by hand. "
+             "The result files behind every figure are committed under `bench/reference/" + preset + "/`.", "",
+             "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), "",
+             "Relative figures only on this machine (a 2-core VM, virtio disk): ratios measured side by side in one "
+             "run. Absolute figures need a GPU machine (`bench/gpu_device.sh`).", ""]
+    if failures:
+        lines += ["Benches that failed in this run (no figures): " +
+                  "; ".join(f"`{k}`: {v}" for k, v in failures.items()), ""]
+    for name, payload in results.items():
+        sec = summarize(name, payload)
+        lines += [f"## {sec.title}", "", f"`{commands[name]}` ({elapsed_s.get(name, 0):.0f} s)", ""]
+        for note in sec.notes:
+            lines += [f"- {note}"]
+        if sec.notes:
+            lines.append("")
+        for caption, header, rows in sec.tables:
+            lines += [f"*{caption}*", "", markdown_table(header, rows), ""]
+        for p in plots.get(name, []):
+            lines += [f"![{name}](docs/bench/{p})", ""]
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""One command for every bench: run them, keep their result files, and write BENCHMARKS.md from that one run.
+
+Presets:
+
+* ``quick``: each bench at a reduced size (one sample size, 1 GiB datasets, fewer sweeps): under 15 minutes here.
+* ``full``: the sizes and repeats the published figures need (>= 4 GiB datasets, >= 3 runs, full sweeps): hours.
+* ``smoke``: every bench's ``--smoke`` run, seconds each, into a scratch directory (what CI runs); no BENCHMARKS.md.
+
+Each bench runs as its own process; its result JSON is copied to ``bench/reference/<preset>/`` and its plot to
+``docs/bench/`` (both committed), and BENCHMARKS.md is rendered from those files alone (``bench/report.py``), so every
+figure in it traces to a committed run. ``--render`` re-renders BENCHMARKS.md from the committed files.
+
+Usage::
+
+    python bench/run_all.py --preset quick            # then commit bench/reference/quick, docs/bench, BENCHMARKS.md
+    python bench/run_all.py --preset full --only read_path,checkpoint
+    python bench/run_all.py --render --preset quick   # tables again from the committed results, nothing measured
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS, machine  # noqa: E402
+from report import render  # noqa: E402
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+DOCS = ROOT / "docs" / "bench"
+
+# bench -> preset -> arguments (after the script name)
+PRESETS: dict[str, dict[str, list[str]]] = {
+    "read_path": {"smoke": ["--smoke"],
+                  "quick": ["--sizes", "16K", "--runs", "3", "--anchor-runs", "1", "--dataset-gib", "1",
+                            "--no-sweep"],
+                  "full": ["--runs", "5", "--anchor-runs", "2"]},
+    "checkpoint": {"smoke": ["--smoke"], "quick": ["--sizes", "1", "--runs", "3", "--dcp-threads", "1,4"],
+                   "full": ["--sizes", "1,4", "--runs", "4"]},
+    "decode": {"smoke": ["--smoke"], "quick": ["--only", "720p_gop60", "--scaling", ""], "full": []},
+    "plan_build": {"smoke": ["--smoke"], "quick": ["--sizes", "10000000", "--repeats", "3"], "full": []},
+    "gpu_handoff": {"smoke": ["--smoke"], "quick": [], "full": []},
+    "pushdown": {"smoke": ["--smoke"], "quick": ["--quick"], "full": []},
+    "remote_merge": {"smoke": ["--smoke"], "quick": ["--quick"], "full": []},
+    "restart_storm": {"smoke": ["--smoke"], "quick": ["--quick"], "full": []},
+}
+
+
+def newest_outputs(name: str, since: float, suffix: str) -> list[Path]:
+    found = [p for p in RESULTS.glob(f"{name}*{suffix}") if p.stat().st_mtime >= since]
+    return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
+def run_one(name: str, preset: str, log_dir: Path) -> tuple[dict | None, list[Path], str, float, str | None]:
+    script = BENCH / f"{name}.py"
+    args = PRESETS[name][preset]
+    command = " ".join(["python", f"bench/{name}.py", *[a if a else "''" for a in args]])
+    if not script.exists():
+        return None, [], command, 0.0, "not present in this checkout"
+    t0 = time.time()
+    with open(log_dir / f"{name}.log", "w") as log:
+        proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    elapsed = time.time() - t0
+    if proc.returncode != 0:
+        tail = (log_dir / f"{name}.log").read_text().strip().splitlines()[-3:]
+        return None, [], command, elapsed, f"exit {proc.returncode}: {' | '.join(tail)[-300:]}"
+    jsons = newest_outputs(name, t0, ".json")
+    if not jsons:
+        return None, [], command, elapsed, "wrote no result JSON"
+    return json.loads(jsons[-1].read_text()), newest_outputs(name, t0, ".png"), command, elapsed, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=("smoke", "quick", "full"), default="quick")
+    ap.add_argument("--only", default="", help="comma-separated benches (default: all)")
+    ap.add_argument("--render", action="store_true", help="re-render BENCHMARKS.md from bench/reference/<preset>")
+    ap.add_argument("--out", default=None, help="where BENCHMARKS.md goes (default: the repository root; "
+                                                "smoke: a scratch directory)")
+    args = ap.parse_args(argv)
+    names = [n for n in (args.only.split(",") if args.only else PRESETS) if n]
+    unknown = [n for n in names if n not in PRESETS]
+    if unknown:
+        ap.error(f"unknown benches {unknown}; choose from {list(PRESETS)}")
+    smoke = args.preset == "smoke"
+    ref = ROOT / "bench" / "reference" / args.preset
+    scratch = Path(tempfile.mkdtemp(prefix="foresight-run-all-")) if smoke else None
+    if smoke:
+        ref = scratch / "reference"
+    out = Path(args.out) if args.out else (scratch if smoke else ROOT)
+    plots_dir = (scratch / "docs") if smoke else DOCS
+    ref.mkdir(parents=True, exist_ok=True)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    index_path = ref / "index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else {"benches": {}}
+
+    if not args.render:
+        log_dir = ref / "logs" if not smoke else scratch
+        log_dir.mkdir(parents=True, exist_ok=True)
+        index["machine"] = machine()
+        for name in names:
+            print(f"run_all: {name} ({args.preset}) ...", flush=True)
+            payload, pngs, command, elapsed, failure = run_one(name, args.preset, log_dir)
+            entry = {"command": command, "elapsed_s": round(elapsed, 1), "failure": failure,
+                     "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "plots": []}
+            if payload is not None:
+                (ref / f"{name}.json").write_text(json.dumps(payload, indent=1, default=str))
+                for png in pngs:
+                    dest = f"{name}-{args.preset}{png.name[len(name):]}".replace(".png", "") + ".png"
+                    shutil.copyfile(png, plots_dir / dest)
+                    entry["plots"].append(dest)
+            index["benches"][name] = entry
+            print(f"run_all: {name} {'FAILED: ' + failure if failure else 'done'} in {elapsed:.0f} s", flush=True)
+        index_path.write_text(json.dumps(index, indent=1))
+
+    results = {}
+    for name, entry in index["benches"].items():
+        if not entry.get("failure") and (ref / f"{name}.json").exists():
+            results[name] = json.loads((ref / f"{name}.json").read_text())
+    m = index.get("machine", {})
+    described = {k: m[k] for k in ("cpu_model", "cpus", "memory_gib", "kernel", "python", "torch", "gpu") if k in m}
+    text = render(results, preset=args.preset, machine=described,
+                  commands={n: e["command"] for n, e in index["benches"].items()},
+                  plots={n: e["plots"] for n, e in index["benches"].items()},
+                  elapsed_s={n: e["elapsed_s"] for n, e in index["benches"].items()},
+                  failures={n: e["failure"] for n, e in index["benches"].items()
+                            if e.get("failure") and e["failure"] != "not present in this checkout"})
+    target = out / "BENCHMARKS.md"
+    target.write_text(text)
+    print(f"run_all: wrote {target}")
+    failed = [n for n, e in index["benches"].items() if n in names and e.get("failure")
+              and e["failure"] != "not present in this checkout"]
+    if scratch and not args.out:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
