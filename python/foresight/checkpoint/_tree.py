@@ -9,6 +9,7 @@ Example::
 
     tensors, names, skeleton = flatten({"w": torch.ones(2), "opt": {"step": 3}})
     tree = unflatten(skeleton, tensors)
+    structure_key(tree) == structure_key({"w": torch.zeros(2), "opt": {"step": 4}})  # True
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from foresight.checkpoint.layout import require_raw
 from foresight.errors import CheckpointError
 
 _SCALARS = (str, int, float, bool, type(None))
@@ -35,6 +37,7 @@ def flatten(state: Any) -> tuple[list[torch.Tensor], list[str], Any]:
             if idx is None:
                 if obj.is_sparse or obj.layout != torch.strided or obj.device.type == "meta":
                     raise CheckpointError("only dense strided tensors can be checkpointed", tensor=path)
+                require_raw(obj.dtype, tensor=path)  # refused here, at save time, not when loading
                 idx = seen[id(obj)] = len(tensors)
                 tensors.append(obj)
                 names.append(path)
@@ -145,3 +148,28 @@ def _clone_tree(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_clone_tree(v) for v in obj)
     return obj
+
+
+def structure_key(obj: Any) -> tuple:
+    """A hashable summary of everything a staged copy of ``obj`` bakes in: containers and their keys, and
+    for each tensor its kind, shape and dtype (a DTensor also its placements and local shape, a
+    ShardedTensor its shards). Other leaves count only as "not a tensor": staging deep-copies them."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    def key(o: Any) -> Any:
+        if isinstance(o, DTensor):
+            return ("D", tuple(o.shape), o.dtype, tuple(o.placements), o.device_mesh, tuple(o.to_local().shape))
+        if isinstance(o, ShardedTensor):
+            shards = tuple((tuple(m.shard_offsets), tuple(m.shard_sizes), str(m.placement))
+                           for m in o.metadata().shards_metadata)
+            return ("S", tuple(o.size()), o.dtype, shards, tuple(tuple(s.tensor.shape) for s in o.local_shards()))
+        if isinstance(o, torch.Tensor):
+            return ("T", tuple(o.shape), o.dtype)
+        if isinstance(o, dict):
+            return ("d", tuple((k, key(v)) for k, v in o.items()))
+        if isinstance(o, (list, tuple)):
+            return ("l" if isinstance(o, list) else "u", tuple(key(v) for v in o))
+        return ("o",)
+
+    return key(obj)

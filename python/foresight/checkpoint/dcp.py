@@ -6,8 +6,15 @@ rank packs all its items into one data file with foresight's layout (small items
 4096-byte boundaries), writes it with large O_DIRECT requests through the C I/O engine, and records a
 per-item xxh3 in the metadata; the reader coalesces the extents it needs into few large aligned reads
 and verifies each item. ``.metadata`` is written last (fsynced, then renamed), so a checkpoint without
-it is incomplete. The writer is also an ``AsyncStager`` that stages into a CPU copy allocated once and
-reused by every ``dcp.async_save`` (``cache_staged_state_dict=True``).
+it is incomplete; with ``use_collectives=False`` each rank writes its own ``__<rank>.metadata``, as
+PyTorch's ``FileSystemWriter`` does. The writer is also an ``AsyncStager`` that stages into a CPU copy
+allocated once and reused by every ``dcp.async_save`` (``cache_staged_state_dict=True``) until the state
+dict's structure changes. Quantized tensors are stored with ``torch.save`` as PyTorch's writer stores
+them; every other dtype as raw bytes (see :data:`foresight.checkpoint.layout.DTYPES`).
+
+PyTorch's ``FileSystemReader`` (what ``dcp.load(checkpoint_id=path)`` picks: DCP's storage detection has
+no way to register another reader) cannot decode these files and says so, naming this module's reader;
+this reader names PyTorch's for a checkpoint PyTorch's writer made.
 
 Example::
 
@@ -51,12 +58,26 @@ from torch.futures import Future
 from foresight.checkpoint import store
 from foresight.checksum import xxh3_many
 from foresight.checkpoint._fileio import FileIO
-from foresight.checkpoint.layout import ALIGN, align_up, dtype_from_name, plan_layout
+from foresight.checkpoint._tree import structure_key
+from foresight.checkpoint.layout import ALIGN, DTYPES, REFUSED, TORCH_SAVE, align_up, dtype_info, plan_layout
 from foresight.errors import CheckpointError
 from foresight.io.durable import fsync_dir
 
 METADATA = ".metadata"
 _BYTES = "bytes"
+_THIS_WRITER = "foresight.checkpoint.ForesightStorageWriter"
+_THIS_READER = "storage_reader=foresight.checkpoint.ForesightStorageReader(path)"
+# the storage info other writers record per item -> (that writer, the reader that loads its checkpoints)
+_OTHER_WRITERS = {
+    "torch.distributed.checkpoint.filesystem._StorageInfo": (
+        "PyTorch's torch.distributed.checkpoint.FileSystemWriter",
+        "torch.distributed.checkpoint.FileSystemReader(path) (dcp.load(..., checkpoint_id=path) picks it)"),
+}
+
+
+def metadata_name(rank: int | None) -> str:
+    """``.metadata``, or ``__<rank>.metadata`` for a rank that saved with ``use_collectives=False``."""
+    return METADATA if rank is None else f"__{rank}{METADATA}"
 
 
 @dataclass
@@ -70,10 +91,33 @@ class ForesightStorageInfo:
     shape: tuple[int, ...]
     xxh3: int
 
+    @property
+    def transform_descriptors(self) -> None:
+        # Only PyTorch's FileSystemReader asks for this (dcp.load(checkpoint_id=...) picks that reader for
+        # any directory). It cannot decode raw items, so tell its user which reader can.
+        raise CheckpointError(f"this checkpoint was written by {_THIS_WRITER}; PyTorch's FileSystemReader "
+                              f"cannot read it: load it with {_THIS_READER}", file=self.relative_path)
+
 
 @dataclass
 class _Prefix:
     prefix: str
+
+
+def _bytes_tensor(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+
+
+def _other_writer_error(storage_data: Any, path: str) -> CheckpointError | None:
+    """The error for metadata whose items another writer recorded (None when foresight wrote them all)."""
+    infos = storage_data.values() if isinstance(storage_data, dict) else [storage_data]
+    other = next((v for v in infos if not isinstance(v, ForesightStorageInfo)), None)
+    if other is None:
+        return None
+    cls = f"{type(other).__module__}.{type(other).__qualname__}"
+    writer, reader = _OTHER_WRITERS.get(cls, (f"a writer that records {cls}", "that writer's StorageReader"))
+    return CheckpointError(f"this checkpoint was written by {writer}, not {_THIS_WRITER}: load it with {reader}",
+                           path=path)
 
 
 def _aligned_buffer(nbytes: int) -> torch.Tensor:
@@ -119,25 +163,30 @@ class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageW
         self.io_threads = io_threads
         self.save_id = uuid.uuid4().hex
         self.rank: int | None = None
+        self.use_collectives = True
         self._buffer: torch.Tensor | None = None  # packing buffer, grown when needed, reused across saves
+        self._staged_key: tuple | None = None  # structure_key of the state dict state_dict_cache copies
 
     def stage(self, state_dict: Any) -> Any:
-        """A training-safe CPU copy of ``state_dict`` for ``dcp.async_save`` (pinned only with CUDA)."""
+        """A training-safe CPU copy of ``state_dict`` for ``dcp.async_save`` (pinned only with CUDA).
+
+        Values other than tensors (numpy arrays, sets, objects) are deep-copied, as PyTorch's own stager
+        does. The cached copy is rebuilt when keys, shapes, dtypes or placements changed (copying into
+        the old one would fail, or broadcast and convert without a word).
+        """
         from torch.distributed._state_dict_utils import (
             _copy_state_dict,
             _create_cpu_state_dict,
         )
 
         if not self.cache_staged_state_dict:
-            staged = _create_cpu_state_dict(state_dict)
-            return _copy_state_dict(state_dict, staged)
-        if self.state_dict_cache is not None:
-            try:
-                return _copy_state_dict(state_dict, self.state_dict_cache)
-            except (RuntimeError, KeyError, ValueError, AssertionError):
-                self.state_dict_cache = None  # the state dict changed shape: stage afresh
-        self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-        return _copy_state_dict(state_dict, self.state_dict_cache)
+            return _copy_state_dict(state_dict, _create_cpu_state_dict(state_dict), type_check=False)
+        key = structure_key(state_dict)
+        if self.state_dict_cache is None or key != self._staged_key:
+            self.state_dict_cache = None  # free the old copy before allocating the new one
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            self._staged_key = key
+        return _copy_state_dict(state_dict, self.state_dict_cache, type_check=False)
 
     # -- protocol ----------------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -150,8 +199,15 @@ class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageW
         self.use_collectives = kwargs.get("use_collectives", True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        for item in plan.items:  # refuse before any file is written
+            info = dtype_info(item.tensor_data.properties.dtype) if item.tensor_data is not None else None
+            if info is not None and info.stored == REFUSED:
+                raise CheckpointError(f"{info.name} tensors cannot be saved: {info.why}", item=item.index.fqn)
+        if not self.use_collectives and self.drain_to is not None:
+            raise CheckpointError("drain_to needs use_collectives=True: without collectives no rank knows when "
+                                  "the others have finished the checkpoint", path=self.path)
         os.makedirs(self.path, exist_ok=True)
-        if self.rank is not None and not getattr(self, "use_collectives", True):
+        if self.rank is not None and not self.use_collectives:
             plan = dataclasses.replace(plan, storage_data=_Prefix(f"__{self.rank}_"))
         return plan
 
@@ -169,14 +225,17 @@ class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageW
         for item in items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                t = _bytes_tensor(data.getvalue() if isinstance(data, io.BytesIO) else bytes(data))
                 dtypes.append(_BYTES)
             else:
                 t = data.detach()
                 if t.device.type != "cpu":
                     t = t.cpu()
                 dtypes.append(str(t.dtype))
+                if dtype_info(t.dtype).stored == TORCH_SAVE:
+                    blob = io.BytesIO()
+                    torch.save(t, blob)
+                    t = _bytes_tensor(blob.getvalue())
             srcs.append(t)
             shapes.append(tuple(t.shape))
         nbytes = [t.numel() * t.element_size() for t in srcs]
@@ -222,9 +281,11 @@ class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageW
         self.wait_drain()  # one drain at a time; surfaces an earlier drain's failure
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
-        tmp = os.path.join(self.path, METADATA + ".tmp")
+        # without collectives every rank finishes on its own: one metadata file each, or they would race
+        name = metadata_name(None if self.use_collectives else self.rank)
+        tmp = os.path.join(self.path, name + ".tmp")
         store.write_small_file(tmp, pickle.dumps(metadata))
-        os.replace(tmp, os.path.join(self.path, METADATA))
+        os.replace(tmp, os.path.join(self.path, name))
         fsync_dir(self.path)
         if self.drain_to is not None:
             # not a daemon: the interpreter waits for a drain in progress before exiting
@@ -291,7 +352,8 @@ class ForesightStorageReader(_DirectoryCheckpoint, StorageReader):
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = os.path.join(self.path, METADATA)
+        """``.metadata``, or with ``rank=r`` the ``__r.metadata`` of a save with ``use_collectives=False``."""
+        path = os.path.join(self.path, metadata_name(kwargs.get("rank")))
         try:
             with open(path, "rb") as f:
                 metadata = pickle.load(f)
@@ -305,9 +367,12 @@ class ForesightStorageReader(_DirectoryCheckpoint, StorageReader):
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.storage_data = metadata.storage_data
-        if not self.storage_data:
+        if metadata.storage_data is None:
             raise CheckpointError("DCP metadata has no storage data", path=self.path)
+        error = _other_writer_error(metadata.storage_data, self.path)
+        if error is not None:
+            raise error
+        self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -378,7 +443,14 @@ class ForesightStorageReader(_DirectoryCheckpoint, StorageReader):
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(raw.numpy().tobytes()))
                 continue
-            tensor = raw.view(dtype_from_name(info.dtype)).view(info.shape)
+            kind = DTYPES.get(info.dtype)
+            if kind is None:
+                raise CheckpointError(f"DCP item has dtype {info.dtype!r}, unknown to torch {torch.__version__}",
+                                      path=path, item=req.storage_index.fqn)
+            if kind.stored == TORCH_SAVE:
+                tensor = torch.load(io.BytesIO(raw.numpy().tobytes()), map_location="cpu", weights_only=True)
+            else:
+                tensor = raw.view(kind.dtype).view(info.shape)
             for dim, (off, ln) in enumerate(zip(req.storage_offsets, req.lengths)):
                 tensor = tensor.narrow(dim, off, ln)
             target = planner.resolve_tensor(req).detach()

@@ -9,29 +9,89 @@ Example::
 
     layout = plan_layout([t.nbytes for t in tensors], [t.element_size() for t in tensors])
     layout.offsets[i], layout.total
+    dtype_info(torch.float8_e4m3fnuz).stored  # "raw"
+
+Every torch dtype has one entry in ``DTYPES`` (its name as recorded in indexes and DCP metadata, its
+item size, and how its tensors are stored), so the Checkpointer, its reader and the DCP plug-ins agree
+on what can be saved and what is refused at save time with a clear error.
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from foresight.errors import CheckpointError
+
 ALIGN = 4096
 BIG_TENSOR_BYTES = 256 * 1024  # at or above this size a tensor gets its own aligned extent
 
-_DTYPES = {
-    str(d): d
-    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-              torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-              torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2)
+RAW = "raw"  # the tensor's bytes as they are in memory, viewed back with the dtype
+TORCH_SAVE = "torch.save"  # serialised whole by torch.save, as PyTorch's FileSystemWriter does (DCP only)
+REFUSED = "refused"  # cannot be stored; ``DtypeInfo.why`` says why and what to do instead
+
+# quantized tensors carry a scale and zero point (per tensor or per channel) besides their bytes
+_QUANTIZED = (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4)
+
+
+@dataclass(frozen=True)
+class DtypeInfo:
+    """One torch dtype: its recorded name, item size, and how checkpoints store its tensors."""
+
+    dtype: torch.dtype
+    name: str  # str(dtype), e.g. "torch.bfloat16": what indexes and DCP metadata record
+    itemsize: int
+    stored: str  # RAW, TORCH_SAVE or REFUSED
+    why: str = ""  # for anything but RAW: why the bytes alone are not enough
+
+
+def _classify(dtype: torch.dtype) -> DtypeInfo:
+    name = str(dtype)
+    if dtype in _QUANTIZED:
+        return DtypeInfo(dtype, name, dtype.itemsize, TORCH_SAVE,
+                         "a quantized tensor carries its scale and zero point besides its bytes")
+    try:  # sub-byte dtypes (uint1..7, int1..7) exist as tensors but torch cannot copy them
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # complex32: "ComplexHalf support is experimental"
+            torch.empty(1, dtype=dtype).clone()
+    except (RuntimeError, TypeError):
+        return DtypeInfo(dtype, name, dtype.itemsize, REFUSED,
+                         f"torch has no copy kernel for {name}; store t.view(torch.uint8) instead")
+    return DtypeInfo(dtype, name, dtype.itemsize, RAW)
+
+
+# every dtype this torch has (aliases such as torch.half map to one entry), so new dtypes are classified too
+DTYPES: dict[str, DtypeInfo] = {
+    info.name: info
+    for info in map(_classify, sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
 }
+_BY_DTYPE = {info.dtype: info for info in DTYPES.values()}
+
+
+def dtype_info(dtype: torch.dtype) -> DtypeInfo:
+    """The table entry of ``dtype`` (see :data:`DTYPES`)."""
+    return _BY_DTYPE[dtype]
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    """``"torch.bfloat16"`` -> ``torch.bfloat16``; unknown names raise ``KeyError``."""
-    return _DTYPES[name]
+    """``"torch.bfloat16"`` -> ``torch.bfloat16``; names this torch does not know raise ``KeyError``."""
+    info = DTYPES.get(name)
+    if info is None:
+        raise KeyError(f"unknown dtype {name!r} (written by a newer torch?)")
+    return info.dtype
+
+
+def require_raw(dtype: torch.dtype, **where: Any) -> None:
+    """Raise :class:`CheckpointError` (naming ``where``) unless tensors of ``dtype`` are stored as raw bytes."""
+    info = dtype_info(dtype)
+    if info.stored != RAW:
+        hint = (" (torch.distributed.checkpoint with ForesightStorageWriter stores them as PyTorch's writer does)"
+                if info.stored == TORCH_SAVE else "")
+        raise CheckpointError(f"{info.name} tensors cannot be checkpointed as raw bytes: {info.why}{hint}", **where)
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
