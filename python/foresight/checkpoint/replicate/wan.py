@@ -43,7 +43,10 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, one_
             while state["queued"] > limit:
                 space.clear()
                 await space.wait()
-            data = await reader.read(CHUNK)
+            try:
+                data = await reader.read(CHUNK)
+            except (ConnectionError, OSError):
+                data = b""
             now = loop.time()
             if not data:
                 await queue.put((max(now, tx_free) + one_way, None))
@@ -70,6 +73,8 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, one_
     rx = asyncio.ensure_future(receive())
     try:
         await deliver()
+    except (ConnectionError, OSError):
+        pass  # the far end went away: so does this direction of the link
     finally:
         rx.cancel()
 

@@ -1,0 +1,168 @@
+"""The namespace resolver: checkpoint names -> the nearest complete copy, through etcd.
+
+Keys (etcd3 via its HTTP gateway, :mod:`etcd3gw`)::
+
+    /foresight/ckpt/<name>/copies/<site>            {"site", "path", "endpoint", "source"}   lease = replica TTL
+    /foresight/ckpt/<name>/readers/<site>/<uuid>    {"pid"}                                  lease kept alive
+
+A copy is registered only once complete (the source after its COMMIT, a replica after it verified and was
+renamed into place). :meth:`Resolver.resolve` prefers this site's copy, then the training site's source, then
+any other site's. A replica's key carries a lease with its TTL; once it expired, :meth:`Resolver.reclaim` deletes
+the directory, but never while a reader key for it exists at this site (a reader holds one, under a lease it
+keeps alive, for as long as it reads: a crashed reader releases it within the TTL).
+
+Example::
+
+    with Resolver("http://127.0.0.1:2379", site="eval-b") as res:
+        with res.open("job/step-00001000") as (loc, source):   # loc.local: read from this site
+            merge_checkpoint(source, "/eval/merged")
+        res.reclaim("/eval/replicas")
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse
+
+from foresight.checkpoint import store
+from foresight.checkpoint.replicate.units import DCP_METADATA, check_name
+from foresight.errors import CheckpointError
+
+PREFIX = "/foresight/ckpt/"
+READER_TTL = 10
+
+
+def etcd_client(endpoint: str) -> Any:
+    import etcd3gw
+
+    u = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
+    return etcd3gw.client(host=u.hostname or "127.0.0.1", port=u.port or 2379, protocol=u.scheme or "http",
+                          timeout=10)
+
+
+def is_complete(path: str) -> bool:
+    return store.is_committed(path) or os.path.isfile(os.path.join(path, DCP_METADATA))
+
+
+@dataclass(frozen=True)
+class Location:
+    name: str
+    site: str
+    path: str
+    endpoint: str
+    local: bool
+
+
+class Resolver:
+    """Registers, finds, holds and reclaims checkpoint copies for one ``site``."""
+
+    def __init__(self, etcd: str, *, site: str) -> None:
+        self.site = site
+        self._etcd = etcd_client(etcd)
+
+    def close(self) -> None:
+        session = getattr(self._etcd, "session", None)
+        if session is not None:
+            session.close()
+
+    def __enter__(self) -> Resolver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- copies ----------------------------------------------------------------------------------
+    def register(self, name: str, path: str, endpoint: str, *, ttl: int | None = None, source: bool = False) -> None:
+        """Publish a complete copy of ``name`` at this site (under a lease of ``ttl`` seconds if given)."""
+        check_name(name)
+        if not is_complete(path):
+            raise CheckpointError("refusing to register an incomplete checkpoint", path=path, name=name)
+        lease = self._etcd.lease(ttl) if ttl else None
+        value = json.dumps({"site": self.site, "path": path, "endpoint": endpoint, "source": source})
+        self._etcd.put(f"{PREFIX}{name}/copies/{self.site}", value, lease=lease)
+
+    def unregister(self, name: str) -> None:
+        self._etcd.delete(f"{PREFIX}{check_name(name)}/copies/{self.site}")
+
+    def copies(self, name: str) -> list[dict[str, Any]]:
+        return [json.loads(v) for v, _ in self._etcd.get_prefix(f"{PREFIX}{check_name(name)}/copies/")]
+
+    def resolve(self, name: str) -> Location:
+        """The nearest complete copy: this site's, else the source, else any; CheckpointError if none."""
+        copies = self.copies(name)
+        mine = [c for c in copies if c["site"] == self.site and is_complete(c["path"])]
+        others = sorted((c for c in copies if c["site"] != self.site), key=lambda c: not c.get("source"))
+        for c in mine + others:
+            return Location(name, c["site"], c["path"], c["endpoint"], c["site"] == self.site)
+        raise CheckpointError("no complete copy of the checkpoint is registered", name=name, site=self.site)
+
+    # -- readers ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def hold(self, name: str) -> Iterator[Location]:
+        """Resolve ``name`` and keep this site's copy from being reclaimed until the block ends."""
+        key = f"{PREFIX}{check_name(name)}/readers/{self.site}/{uuid.uuid4().hex}"
+        lease = self._etcd.lease(READER_TTL)
+        self._etcd.put(key, json.dumps({"pid": os.getpid()}), lease=lease)  # before resolving: see reclaim
+        stop = threading.Event()
+
+        def keep_alive() -> None:
+            while not stop.wait(READER_TTL / 3):
+                try:
+                    lease.refresh()
+                except Exception:  # noqa: BLE001 - etcd briefly unreachable: try again next period
+                    pass
+
+        t = threading.Thread(target=keep_alive, name="foresight-reader-lease", daemon=True)
+        t.start()
+        try:
+            yield self.resolve(name)
+        finally:
+            stop.set()
+            t.join()
+            lease.revoke()
+
+    @contextlib.contextmanager
+    def open(self, name: str, *, token: str = "") -> Iterator[tuple[Location, Any]]:
+        """Hold ``name`` and yield ``(location, source)``: a local directory or the remote site's node."""
+        from foresight.checkpoint.replicate.source import LocalSource, RemoteSource
+
+        with self.hold(name) as loc:
+            if loc.local:
+                yield loc, LocalSource(loc.path)
+                return
+            src = RemoteSource(loc.endpoint, name, token=token)
+            try:
+                yield loc, src
+            finally:
+                src.close()
+
+    def readers(self, name: str) -> int:
+        return len(self._etcd.get_prefix(f"{PREFIX}{check_name(name)}/readers/{self.site}/"))
+
+    # -- reclaim ---------------------------------------------------------------------------------
+    def reclaim(self, root: str) -> list[str]:
+        """Delete replicas under ``root`` (``<job>/<step>``) whose copy key expired and that no reader holds."""
+        removed = []
+        for job in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+            jdir = os.path.join(root, job)
+            if job.startswith(".") or not os.path.isdir(jdir):
+                continue
+            for leaf in sorted(os.listdir(jdir)):
+                path = os.path.join(jdir, leaf)
+                if leaf.startswith(".") or not is_complete(path):
+                    continue
+                name = f"{job}/{leaf}"
+                if any(c["site"] == self.site for c in self.copies(name)) or self.readers(name):
+                    continue
+                trash = os.path.join(jdir, f".trash-{leaf}.{uuid.uuid4().hex[:8]}")
+                os.rename(path, trash)  # first, so a half-deleted replica never looks complete
+                shutil.rmtree(trash, ignore_errors=True)
+                removed.append(name)
+        return removed

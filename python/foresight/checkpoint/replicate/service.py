@@ -1,0 +1,477 @@
+"""One site's replication handlers over Arrow Flight: send replicas, receive them, serve checkpoint reads.
+
+The same handlers run on every site's node; which role they play depends on the call:
+
+- training site (sender): ``replicate.start`` (the data files are written: cut them into units, queue them in
+  the :class:`~.scheduler.PriorityLane`), ``replicate.commit`` (the source committed: the replica may now be
+  published), ``replicate.abort``, ``replicate.urgent`` (raise a transfer's priority), ``replicate.wait``,
+  ``replicate.pause``/``replicate.resume`` (``{"units": n}`` lets exactly n more units go: throttling, and a
+  deterministic order for tests), ``replicate.log`` (units in the order they went on the wire);
+- evaluation site (receiver): ``DoPut`` of ``replica.unit`` (one unit, in record batches), ``replica.status``
+  (units already journaled: a resumed transfer skips them), ``replica.commit`` (verify, rename, register in
+  etcd under the replica TTL);
+- any site: ``DoGet`` of ``ckpt.file`` / ``ckpt.read`` (a small file, or many byte ranges of one data file in
+  one stream: a remote reader's round trip per file), ``ping``.
+
+``handlers()`` returns the actions as a ``{name: callable(dict) -> dict}`` registry with ``do_put``/``do_get``
+beside it, so a storage-node daemon can mount them; :class:`ReplicationServer` is a minimal Flight server
+around them, also startable as a process (``python -m foresight.checkpoint.replicate.service``).
+
+Example::
+
+    svc = ReplicationService("train-a", "/data/ckpt", etcd="http://127.0.0.1:2379",
+                             routes={"eval-b": "grpc://wan-gateway:9000"})
+    server = ReplicationServer(svc, port=0)     # grpc://127.0.0.1:<server.port>
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import pyarrow as pa
+from pyarrow import flight
+
+from foresight.checkpoint.replicate.scheduler import PriorityLane
+from foresight.checkpoint.replicate.source import WIRE_CHUNK
+from foresight.checkpoint.replicate.units import (
+    UNIT_BYTES,
+    ReplicaBuilder,
+    Unit,
+    check_file_name,
+    check_name,
+    data_files,
+    meta_files,
+    plan_units,
+    read_unit,
+)
+from foresight.errors import CheckpointError
+
+log = logging.getLogger("foresight.replicate")
+SCHEMA = pa.schema([("data", pa.binary())])
+RETRIES = 5  # 0.5 + 1 + 2 + 4 s of back-off: rides over a node restart
+
+
+def binary_batch(view: memoryview) -> pa.RecordBatch:
+    """One row of ``view``'s bytes, without copying them."""
+    offsets = pa.py_buffer(np.array([0, len(view)], np.int32).tobytes())
+    arr = pa.Array.from_buffers(pa.binary(), 1, [None, offsets, pa.py_buffer(view)])
+    return pa.record_batch([arr], schema=SCHEMA)
+
+
+@dataclass
+class Transfer:
+    name: str
+    site: str
+    src: str
+    priority: float
+    units: list[Unit]
+    fds: dict[str, int]
+    started: float = field(default_factory=time.time)
+    meta: dict[str, bytes] | None = None  # set at the source COMMIT
+    committed_at: float | None = None
+    acked: set[int] = field(default_factory=set)
+    skip: set[int] | None = None  # units the receiver already holds (resume)
+    bytes_sent: int = 0
+    path: str | None = None  # the published replica
+    ready_at: float | None = None
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class ReplicationService:
+    """Replication handlers of the node at ``site`` serving checkpoints under ``root``.
+
+    Args:
+        routes: ``{site: flight endpoint}`` of the other sites' nodes (a WAN gateway address, say); sites not
+            listed are looked up in etcd.
+        replica_ttl: seconds a received replica stays registered (its etcd lease).
+        streams: units in flight at once per sender (the WAN link stays busy during each unit's round trip).
+    """
+
+    def __init__(self, site: str, root: str, *, etcd: str | None = None, routes: dict[str, str] | None = None,
+                 endpoint: str = "", token: str = "", unit_bytes: int = UNIT_BYTES, streams: int = 2,
+                 replica_ttl: int = 3600) -> None:
+        self.site, self.root, self.token = site, os.path.realpath(root), token
+        self.endpoint, self.routes, self.unit_bytes, self.replica_ttl = endpoint, dict(routes or {}), unit_bytes, replica_ttl
+        os.makedirs(self.root, exist_ok=True)
+        self.resolver = None
+        if etcd:
+            from foresight.checkpoint.replicate.resolver import Resolver
+
+            self.resolver = Resolver(etcd, site=site)
+        self.lane = PriorityLane()
+        self.transfers: dict[str, Transfer] = {}
+        self.sent_log: list[tuple[str, int]] = []
+        self._lock = threading.Condition()
+        self._budget: int | None = None  # None: unlimited; n: units that may still go before pausing
+        self._clients: dict[str, flight.FlightClient] = {}
+        self._workers = [threading.Thread(target=self._send_loop, name=f"foresight-repl-send-{i}", daemon=True)
+                         for i in range(streams)]
+        for w in self._workers:
+            w.start()
+
+    def close(self) -> None:
+        self.lane.close()
+        with self._lock:
+            self._budget = None
+            self._lock.notify_all()
+        for w in self._workers:
+            w.join(10)
+        for t in self.transfers.values():
+            self._close_fds(t)
+        for c in self._clients.values():
+            c.close()
+        if self.resolver is not None:
+            self.resolver.close()
+
+    # -- registry for a node daemon --------------------------------------------------------------
+    def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
+        return {
+            "ping": lambda b: {"site": self.site},
+            "replicate.start": self.start, "replicate.commit": self.commit, "replicate.abort": self.abort,
+            "replicate.urgent": self.urgent, "replicate.wait": self.wait, "replicate.pause": self.pause,
+            "replicate.resume": self.resume, "replicate.log": lambda b: {"sent": self.sent_log},
+            "replica.status": self.replica_status, "replica.commit": self.replica_commit,
+        }
+
+    def check_token(self, body: dict[str, Any]) -> None:
+        if self.token and body.get("token") != self.token:
+            raise flight.FlightUnauthorizedError("bad or missing token")
+
+    def _under_root(self, path: str) -> str:
+        real = os.path.realpath(path)
+        if os.path.commonpath([self.root, real]) != self.root:
+            raise CheckpointError("path is outside this node's root", path=path, root=self.root)
+        return real
+
+    # -- sender ----------------------------------------------------------------------------------
+    def start(self, b: dict[str, Any]) -> dict[str, Any]:
+        """The data files of ``b["name"]`` are written in ``b["src"]``: queue their units for ``b["site"]``."""
+        name, src = check_name(b["name"]), self._under_root(b["src"])
+        units = plan_units(data_files(src), int(b.get("unit_bytes") or self.unit_bytes))
+        # open now: the writer renames the directory at its commit, open descriptors survive that
+        fds = {f: os.open(os.path.join(src, f), os.O_RDONLY | os.O_CLOEXEC) for f in {u.file for u in units}}
+        t = Transfer(name, b["site"], src, float(b.get("priority", 1.0)), units, fds)
+        with self._lock:
+            old = self.transfers.get(name)
+            if old is not None and not old.done.is_set():
+                self._close_fds(t)
+                raise CheckpointError("replication of this checkpoint is already in progress", name=name)
+            self.transfers[name] = t
+        self.lane.add(name, units, t.priority)
+        if not units:
+            self._maybe_publish(t)
+        return {"units": len(units), "bytes": sum(u.length for u in units)}
+
+    def commit(self, b: dict[str, Any]) -> dict[str, Any]:
+        """The source of ``b["name"]`` committed at ``b["path"]``: register it; publish the replica when sent."""
+        t = self._transfer(b["name"])
+        path = self._under_root(b["path"])
+        t.meta = meta_files(path)
+        t.committed_at = time.time()
+        if self.resolver is not None:
+            self.resolver.register(t.name, path, self.endpoint, source=True)
+        self._maybe_publish(t)
+        return {"units": len(t.units)}
+
+    def abort(self, b: dict[str, Any]) -> dict[str, Any]:
+        t = self._transfer(b["name"])
+        self.lane.remove(t.name)
+        t.error = "aborted: the source save failed"
+        self._close_fds(t)
+        t.done.set()
+        return {}
+
+    def urgent(self, b: dict[str, Any]) -> dict[str, Any]:
+        t = self._transfer(b["name"])
+        t.priority = float(b["priority"])
+        self.lane.reprioritize(t.name, t.priority)
+        return {}
+
+    def wait(self, b: dict[str, Any]) -> dict[str, Any]:
+        t = self._transfer(b["name"])
+        if not t.done.wait(b.get("timeout")):
+            raise CheckpointError("timed out waiting for the replica", name=t.name)
+        if t.error:
+            raise CheckpointError(f"replication failed: {t.error}", name=t.name, site=t.site)
+        return {"path": t.path, "units": len(t.units), "bytes_sent": t.bytes_sent, "started": t.started,
+                "committed_at": t.committed_at, "ready_at": t.ready_at}
+
+    def pause(self, b: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            self._budget = 0
+        return {}
+
+    def resume(self, b: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            self._budget = None if b.get("units") is None else int(b["units"])
+            self._lock.notify_all()
+        return {}
+
+    def _transfer(self, name: str) -> Transfer:
+        with self._lock:
+            t = self.transfers.get(check_name(name))
+        if t is None:
+            raise CheckpointError("no replication of this checkpoint on this node", name=name)
+        return t
+
+    def _close_fds(self, t: Transfer) -> None:
+        for fd in t.fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        t.fds = {}
+
+    def _client(self, site: str) -> flight.FlightClient:
+        endpoint = self.routes.get(site)
+        if endpoint is None and self.resolver is not None:
+            endpoint = _site_endpoint(self.resolver, site)
+        if endpoint is None:
+            raise CheckpointError("no route to site", site=site)
+        with self._lock:
+            c = self._clients.get(endpoint)
+            if c is None:
+                c = self._clients[endpoint] = flight.connect(endpoint)
+        return c
+
+    def _retrying(self, site: str, fn: Callable[[flight.FlightClient], Any]) -> Any:
+        """``fn(client)``; a site that is unreachable for a moment (restarting) is retried on a fresh channel."""
+        for attempt in range(RETRIES):
+            client = self._client(site)
+            try:
+                return fn(client)
+            except flight.FlightUnavailableError:
+                with self._lock:
+                    for k, c in list(self._clients.items()):
+                        if c is client:
+                            del self._clients[k]
+                if attempt == RETRIES - 1:
+                    raise
+                time.sleep(0.5 * 2 ** attempt)
+
+    def _call(self, site: str, action: str, body: dict[str, Any]) -> dict[str, Any]:
+        data = json.dumps({**body, "token": self.token}).encode()
+        res = self._retrying(site, lambda c: list(c.do_action(flight.Action(action, data))))
+        return json.loads(res[0].body.to_pybytes()) if res else {}
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._lock:
+                while self._budget == 0:
+                    self._lock.wait()
+                if self._budget is not None:
+                    self._budget -= 1
+            item = self.lane.pop()
+            if item is None:
+                return
+            name, unit = item
+            with self._lock:
+                t = self.transfers.get(name)
+            if t is None or t.done.is_set():
+                continue
+            try:
+                if t.skip is None:
+                    t.skip = set(self._call(t.site, "replica.status", {"name": name})["units"])
+                if unit.id not in t.skip:
+                    self._send_unit(t, unit)
+                with self._lock:
+                    t.acked.add(unit.id)
+                    self.sent_log.append((name, unit.id))
+                self._maybe_publish(t)
+            except Exception as e:  # noqa: BLE001 - recorded on the transfer, raised by replicate.wait
+                if t.done.is_set():
+                    continue  # aborted meanwhile: that is the transfer's outcome
+                log.warning("replication failed", extra={"checkpoint": name, "error": str(e)})
+                t.error = str(e)
+                self.lane.remove(name)
+                self._close_fds(t)
+                t.done.set()
+
+    def _send_unit(self, t: Transfer, unit: Unit) -> None:
+        body, digest = read_unit(t.fds[unit.file], unit)
+        cmd = {"op": "replica.unit", "name": t.name, "header": unit.header(digest), "token": self.token}
+        def put(client: flight.FlightClient) -> None:
+            writer, reader = client.do_put(flight.FlightDescriptor.for_command(json.dumps(cmd).encode()), SCHEMA)
+            mv = memoryview(body)
+            for pos in range(0, len(mv), WIRE_CHUNK):
+                writer.write_batch(binary_batch(mv[pos:pos + WIRE_CHUNK]))
+            writer.done_writing()
+            reader.read()  # the receiver's ack: the unit verified and is on its disk
+            writer.close()
+
+        self._retrying(t.site, put)
+        t.bytes_sent += len(body)
+
+    def _maybe_publish(self, t: Transfer) -> None:
+        with self._lock:
+            if t.meta is None or len(t.acked) < len(t.units) or t.done.is_set() or getattr(t, "_publishing", False):
+                return
+            t._publishing = True  # type: ignore[attr-defined]
+        try:
+            res = self._call(t.site, "replica.commit", {
+                "name": t.name, "units": len(t.units), "source_site": self.site,
+                "meta": {k: base64.b64encode(v).decode() for k, v in t.meta.items()}})
+            t.path, t.ready_at = res["path"], time.time()
+        except Exception as e:  # noqa: BLE001
+            t.error = f"publishing the replica failed: {e}"
+        self._close_fds(t)
+        t.done.set()
+
+    # -- receiver --------------------------------------------------------------------------------
+    def replica_status(self, b: dict[str, Any]) -> dict[str, Any]:
+        return {"units": sorted(ReplicaBuilder(self.root, check_name(b["name"])).done_units())}
+
+    def replica_commit(self, b: dict[str, Any]) -> dict[str, Any]:
+        rb = ReplicaBuilder(self.root, check_name(b["name"]))
+        meta = {check_file_name(k): base64.b64decode(v) for k, v in b["meta"].items()}
+        path = rb.finalize(meta, int(b["units"]))
+        if self.resolver is not None:
+            self.resolver.register(rb.name, path, self.endpoint, ttl=self.replica_ttl)
+        return {"path": path}
+
+    def do_put(self, cmd: dict[str, Any], reader: Any) -> None:
+        if cmd.get("op") != "replica.unit":
+            raise CheckpointError("unknown DoPut command", op=cmd.get("op"))
+        rb = ReplicaBuilder(self.root, check_name(cmd["name"]))
+
+        def chunks():
+            for chunk in reader:
+                col = chunk.data.column(0)
+                offs = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + len(col) + 1]
+                if len(col):
+                    yield memoryview(col.buffers()[2])[int(offs[0]):int(offs[-1])]
+
+        rb.write_unit(cmd["header"], chunks())
+
+    # -- reads -----------------------------------------------------------------------------------
+    def _checkpoint_dir(self, name: str) -> str:
+        path = os.path.join(self.root, *check_name(name).split("/"))
+        if self.resolver is not None and not os.path.isdir(path):
+            mine = [c for c in self.resolver.copies(name) if c["site"] == self.site]
+            if mine:
+                path = mine[0]["path"]
+        return self._under_root(path)
+
+    def do_get(self, ticket: dict[str, Any]) -> flight.FlightDataStream:
+        path = os.path.join(self._checkpoint_dir(ticket["name"]), check_file_name(ticket["file"]))
+        if ticket.get("op") == "ckpt.file":
+            with open(path, "rb") as f:
+                return flight.RecordBatchStream(pa.Table.from_batches([binary_batch(memoryview(f.read()))]))
+        if ticket.get("op") != "ckpt.read":
+            raise CheckpointError("unknown DoGet ticket", op=ticket.get("op"))
+        ranges = [(int(o), int(n)) for o, n in ticket["ranges"]]
+        if any(o < 0 or n < 0 for o, n in ranges):
+            raise CheckpointError("negative range", path=path)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+        def batches():
+            try:
+                for off, n in ranges:
+                    for pos in range(0, n, WIRE_CHUNK):
+                        k = min(WIRE_CHUNK, n - pos)
+                        data = os.pread(fd, k, off + pos)
+                        if len(data) != k:
+                            raise CheckpointError("read past the end of a checkpoint file", path=path,
+                                                  offset=off + pos)
+                        yield binary_batch(memoryview(data))
+            finally:
+                os.close(fd)
+
+        return flight.GeneratorStream(SCHEMA, batches())
+
+
+def _site_endpoint(resolver: Any, site: str) -> str | None:
+    v = resolver._etcd.get(f"/foresight/sites/{site}/replication")
+    return v[0].decode() if v else None
+
+
+class ReplicationServer(flight.FlightServerBase):
+    """A Flight server exposing one :class:`ReplicationService` (until a node daemon mounts its handlers)."""
+
+    def __init__(self, service: ReplicationService, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__(f"grpc://{host}:{port}")
+        self.service = service
+        self.url = f"grpc://{host}:{self.port}"
+        if not service.endpoint:
+            service.endpoint = self.url
+        self._actions = service.handlers()
+
+    def do_action(self, context: Any, action: flight.Action) -> Any:
+        fn = self._actions.get(action.type)
+        if fn is None:
+            raise flight.FlightServerError(f"unknown action {action.type!r}")
+        body = json.loads(action.body.to_pybytes() or b"{}")
+        self.service.check_token(body)
+        try:
+            return [json.dumps(fn(body)).encode()]
+        except (CheckpointError, KeyError, ValueError, OSError) as e:
+            raise flight.FlightServerError(f"{action.type}: {e}") from e
+
+    def do_put(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any, writer: Any) -> None:
+        cmd = json.loads(descriptor.command)
+        self.service.check_token(cmd)
+        try:
+            self.service.do_put(cmd, reader)
+        except (CheckpointError, KeyError, ValueError, OSError) as e:
+            raise flight.FlightServerError(f"DoPut: {e}") from e
+        writer.write(pa.py_buffer(b"ok"))
+
+    def do_get(self, context: Any, ticket: flight.Ticket) -> Any:
+        t = json.loads(ticket.ticket)
+        self.service.check_token(t)
+        try:
+            return self.service.do_get(t)
+        except (CheckpointError, KeyError, ValueError, OSError) as e:
+            raise flight.FlightServerError(f"DoGet: {e}") from e
+
+
+def call(endpoint: str, action: str, body: dict[str, Any] | None = None, *, client: Any = None) -> dict[str, Any]:
+    """One ``DoAction`` with a JSON body; returns the JSON answer."""
+    c = client or flight.connect(endpoint)
+    try:
+        res = list(c.do_action(flight.Action(action, json.dumps(body or {}).encode())))
+    finally:
+        if client is None:
+            c.close()
+    return json.loads(res[0].body.to_pybytes()) if res else {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="serve one site's checkpoint replication over Flight")
+    p.add_argument("--site", required=True)
+    p.add_argument("--root", required=True)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--etcd", default=None)
+    p.add_argument("--route", action="append", default=[], metavar="SITE=URL")
+    p.add_argument("--token", default="")
+    p.add_argument("--unit-bytes", type=int, default=UNIT_BYTES)
+    p.add_argument("--streams", type=int, default=2)
+    p.add_argument("--replica-ttl", type=int, default=3600)
+    a = p.parse_args(argv)
+    routes = dict(r.split("=", 1) for r in a.route)
+    svc = ReplicationService(a.site, a.root, etcd=a.etcd, routes=routes, token=a.token, unit_bytes=a.unit_bytes,
+                             streams=a.streams, replica_ttl=a.replica_ttl)
+    server = ReplicationServer(svc, port=a.port)
+    if svc.resolver is not None:
+        svc.resolver._etcd.put(f"/foresight/sites/{a.site}/replication", server.url)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    print(f"READY {server.port}", flush=True)
+    server.serve()
+    svc.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Replication between two sites (two real processes, a delaying WAN link between them, etcd)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from foresight.checkpoint import store
+from foresight.checkpoint.replicate.policy import Replication, ReplicatingStorageWriter
+from foresight.checkpoint.replicate.resolver import Resolver
+from foresight.checkpoint.replicate.wan import WanLink
+from foresight.errors import CheckpointError
+
+from replication_helpers import Etcd, Site, wait_until, write_checkpoint_phases
+
+UNIT = 64 << 10
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("sites")
+    etcd = Etcd(str(tmp_path / "etcd"))
+    train_root, eval_root = str(tmp_path / "train"), str(tmp_path / "eval")
+    made = []
+    made_later = []
+    try:
+        ev = Site("eval-b", eval_root, etcd=etcd.url, unit_bytes=UNIT)
+        made.append(ev)
+        link = WanLink(("127.0.0.1", ev.port), rtt_ms=20)
+        made.append(link)
+        tr = Site("train-a", train_root, etcd=etcd.url, routes={"eval-b": link.url}, unit_bytes=UNIT)
+        made.append(tr)
+        yield {"etcd": etcd, "train": tr, "eval": ev, "link": link, "tmp": tmp_path, "later": made_later}
+    finally:
+        for m in reversed(made + made_later):
+            m.close() if isinstance(m, WanLink) else m.stop()
+        etcd.stop()
+
+
+def files_of(path):
+    return {n: open(os.path.join(path, n), "rb").read() for n in sorted(os.listdir(path))}
+
+
+def test_replica_is_bit_identical_and_invisible_before_the_source_commit(sites):
+    tr, ev = sites["train"], sites["eval"]
+    rep = Replication(every=100, site="eval-b", node=tr.url, job="job1")
+    phases = write_checkpoint_phases(os.path.join(tr.root, "job1"), 200, 700_000)
+    tmp = next(phases)
+    rep.data_written(200, tmp, nbytes=700_000)
+    # every unit crosses the link before the source commits ...
+    wait_until(lambda: sum(n == "job1/step-00000200" for n, _ in tr.call("replicate.log")["sent"]) == 11,
+               "all units sent")
+    # ... but nothing is visible at the evaluation site, and etcd knows no copy
+    assert store.committed_steps(os.path.join(ev.root, "job1")) == []
+    with Resolver(sites["etcd"].url, site="eval-b") as res:
+        assert res.copies("job1/step-00000200") == []
+        with pytest.raises(CheckpointError, match="no complete copy"):
+            res.resolve("job1/step-00000200")
+        final = next(phases)
+        rep.committed(200, final)
+        info = rep.wait(200, timeout=60)
+        assert info["path"] == os.path.join(ev.root, "job1", "step-00000200")
+        assert info["bytes_sent"] == 700_000
+        assert files_of(info["path"]) == files_of(final)
+        loc = res.resolve("job1/step-00000200")
+        assert loc.local and loc.path == info["path"]
+    # a step the schedule does not name is not replicated
+    phases = write_checkpoint_phases(os.path.join(tr.root, "job1"), 250, 10_000)
+    rep.data_written(250, next(phases))
+    rep.committed(250, next(phases))
+    with pytest.raises(CheckpointError, match="not being replicated"):
+        rep.wait(250)
+    rep.close()
+
+
+def test_an_aborted_save_never_becomes_a_replica(sites):
+    tr, ev = sites["train"], sites["eval"]
+    rep = Replication(every=1, site="eval-b", node=tr.url, job="job2")
+    phases = write_checkpoint_phases(os.path.join(tr.root, "job2"), 3, 200_000)
+    rep.data_written(3, next(phases))
+    rep.aborted(3)
+    from pyarrow import flight
+
+    with pytest.raises(flight.FlightServerError, match="aborted"):
+        tr.call("replicate.wait", {"name": "job2/step-00000003", "timeout": 30})
+    assert store.committed_steps(os.path.join(ev.root, "job2")) == []
+
+
+def test_urgent_replication_overtakes_bulk_in_progress(sites):
+    tr = sites["train"]
+    tr.call("replicate.pause")
+    before = len(tr.call("replicate.log")["sent"])
+    bulk = Replication(every=1, site="eval-b", node=tr.url, job="bulk")
+    urgent = Replication(every=1000, site="eval-b", node=tr.url, job="urgent", importance=1.0)
+    pb = write_checkpoint_phases(os.path.join(tr.root, "bulk"), 1, 12 * UNIT)
+    bulk.data_written(1, next(pb), nbytes=12 * UNIT)
+    bulk.committed(1, next(pb))
+    tr.call("replicate.resume", {"units": 3})  # bulk is under way ...
+    wait_until(lambda: len(tr.call("replicate.log")["sent"]) == before + 3, "3 bulk units sent")
+    pu = write_checkpoint_phases(os.path.join(tr.root, "urgent"), 7, 3 * UNIT, seed=1)
+    urgent.data_written(7, next(pu), nbytes=3 * UNIT)  # not a scheduled step: not sent ...
+    urgent.committed(7, next(pu))
+    urgent.urgent(7, severity=0.9)  # ... until an anomaly asks for its evaluation
+    tr.call("replicate.resume")
+    urgent.wait(7, timeout=60)
+    bulk.wait(1, timeout=60)
+    order = [name.split("/")[0] for name, _ in tr.call("replicate.log")["sent"][before:]]
+    assert order == ["bulk"] * 3 + ["urgent"] * 3 + ["bulk"] * 9
+
+
+def test_dcp_writer_replicates_after_metadata(sites):
+    tr, ev = sites["train"], sites["eval"]
+    rep = Replication(every=10, site="eval-b", node=tr.url, job="dcpjob")
+    state = {"w": torch.randn(64, 64), "b": torch.arange(10)}
+    path = os.path.join(tr.root, "dcpjob", "step-00000010")
+    dcp.save(state, storage_writer=ReplicatingStorageWriter(path, replicate=rep, step=10), no_dist=True)
+    info = rep.wait(10, timeout=60)
+    assert files_of(info["path"]) == files_of(path)
+    from foresight.checkpoint import ForesightStorageReader
+
+    target = {"w": torch.zeros(64, 64), "b": torch.zeros(10, dtype=torch.int64)}
+    dcp.load(target, storage_reader=ForesightStorageReader(info["path"]), no_dist=True)
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
+
+
+def test_a_cut_transfer_leaves_no_replica_and_resumes(sites):
+    tr, ev, etcd = sites["train"], sites["eval"], sites["etcd"]
+    tr.call("replicate.pause")
+    before = len(tr.call("replicate.log")["sent"])
+    rep = Replication(every=1, site="eval-b", node=tr.url, job="job3")
+    phases = write_checkpoint_phases(os.path.join(tr.root, "job3"), 5, 600_000)
+    tmp = next(phases)
+    rep.data_written(5, tmp, nbytes=600_000)
+    final = next(phases)
+    rep.committed(5, final)
+    tr.call("replicate.resume", {"units": 4})
+    wait_until(lambda: len(tr.call("replicate.log")["sent"]) == before + 4, "4 units sent")
+    ev.kill()  # the evaluation site dies mid-transfer
+    tr.call("replicate.resume")
+    with pytest.raises(CheckpointError, match="replication failed"):
+        rep.wait(5, timeout=60)
+    assert store.committed_steps(os.path.join(ev.root, "job3")) == []  # only the hidden temp dir
+    assert os.path.isdir(os.path.join(ev.root, "job3", ".replica-step-00000005"))
+    # the site comes back on the same port; replicating again sends only the missing units
+    ev2 = Site("eval-b", ev.root, etcd=etcd.url, unit_bytes=UNIT, port=ev.port)
+    sites["later"].append(ev2)
+    sites["eval"] = ev2
+    rep._started.pop(5)
+    rep._paths.pop(5)
+    rep.data_written(5, final, nbytes=600_000)
+    rep.committed(5, final)
+    info = rep.wait(5, timeout=60)
+    assert info["bytes_sent"] == 600_000 - 4 * UNIT
+    assert files_of(info["path"]) == files_of(final)
