@@ -31,6 +31,7 @@ import numpy as np
 
 from foresight._native import load
 from foresight.errors import PlanError
+from foresight.plan.locations import describe_sources
 from foresight.plan.plan import Plan
 from foresight.plan.shuffle import epoch_order, index_dtype
 
@@ -181,7 +182,9 @@ def build_plan(
         "piece_offset": p_offset,
         "piece_length": p_length,
     }
-    return Plan(inputs=inputs, summary=summary, arrays=arrays)
+    plan = Plan(inputs=inputs, summary=summary, arrays=arrays)
+    plan.source_locations = describe_sources([ds for ds, _ in checked])  # saved beside the plan, not digested
+    return plan
 
 
 def _check_int(name: str, value: Any, *, minimum: int, maximum: int | None = None, hint: str = "") -> int:

@@ -18,6 +18,7 @@ Example::
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import numbers
@@ -31,6 +32,7 @@ import numpy as np
 
 from foresight.errors import FormatError, PlanError
 from foresight.io.durable import fsync_dir
+from foresight.plan.locations import write_sources
 from foresight.plan.plan import ARRAY_DTYPES, FORMAT_NAME, FORMAT_VERSION, Plan
 
 PLAN_JSON = "plan.json"
@@ -64,20 +66,26 @@ def save_plan(plan: Plan, path: str, *, overwrite: bool = False) -> str:
         raise PlanError("plan directory already exists (pass overwrite=True to replace it)", path=path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    current = tmp
     try:
         for name, dtype in ARRAY_DTYPES.items():
-            with open(os.path.join(tmp, name + ".npy"), "wb") as f:
+            current = os.path.join(tmp, name + ".npy")
+            with open(current, "wb") as f:
                 np.save(f, np.asarray(plan.arrays[name]).astype(dtype, copy=False), allow_pickle=False)
                 f.flush()
                 os.fsync(f.fileno())
         doc = dict(plan.header(), digest=plan.digest)
-        with open(os.path.join(tmp, PLAN_JSON), "w") as f:
+        current = os.path.join(tmp, PLAN_JSON)
+        with open(current, "w") as f:
             json.dump(doc, f, indent=1, sort_keys=True, allow_nan=False)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+        current = tmp
+        write_sources(tmp, getattr(plan, "source_locations", None))  # outside the digest: machine-specific
         fsync_dir(tmp)
         os.chmod(tmp, 0o755)
+        current = path
         if os.path.lexists(path):
             trash = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
             os.rename(path, os.path.join(trash, "plan"))
@@ -86,6 +94,19 @@ def save_plan(plan: Plan, path: str, *, overwrite: bool = False) -> str:
         else:
             os.rename(tmp, path)
         fsync_dir(parent)
+    except OSError as e:
+        # np.save reports a short write ("N requested and M written") with no errno and no file name: tell a full
+        # disk apart (no free blocks left), name the file, and say that nothing was left behind
+        code = e.errno
+        if code is None:
+            try:
+                code = errno.ENOSPC if os.statvfs(parent).f_bavail == 0 else errno.EIO
+            except OSError:
+                code = errno.EIO
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = os.strerror(code) + ("" if e.errno is not None else f" ({e})")
+        raise OSError(code, f"{reason}; the plan {path} was not written (its partial files were removed)",
+                      current) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
