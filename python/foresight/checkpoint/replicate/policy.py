@@ -22,6 +22,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass, field
@@ -133,6 +134,7 @@ class Replication:
                 self._client = None
 
 
+@functools.cache
 def _dcp_writer_class() -> type:
     from foresight.checkpoint.dcp import ForesightStorageWriter
 

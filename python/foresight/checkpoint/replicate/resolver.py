@@ -143,6 +143,42 @@ class Resolver:
             finally:
                 src.close()
 
+    def pull(self, name: str, root: str, *, token: str = "", ttl: int | None = None) -> str:
+        """A local directory holding ``name``: this site's copy, or the nearest copy fetched into ``root`` (as a
+        verified replica, registered under ``ttl``). ``foresight.checkpoint.load`` and the DCP reader read it::
+
+            path = res.pull("job/step-00001000", "/eval/replicas")
+            foresight.checkpoint.load(1000, root=os.path.dirname(path))
+        """
+        from foresight.checkpoint.replicate.source import RemoteSource
+        from foresight.checkpoint.replicate.units import ReplicaBuilder, plan_units
+        from foresight.checksum import xxh3_many
+        import numpy as np
+
+        loc = self.resolve(name)
+        if loc.local:
+            return loc.path
+        src = RemoteSource(loc.endpoint, name, token=token)
+        try:
+            meta = {}
+            for f in (store.INDEX, store.COMMIT, DCP_METADATA):
+                try:
+                    meta[f] = src.read_file(f)
+                except CheckpointError:
+                    pass
+            rb = ReplicaBuilder(root, name)
+            for f, body in meta.items():
+                store.write_small_file(os.path.join(rb.tmp, f), body)
+            units = plan_units(src.list_files(), 64 << 20)
+            for u in units:
+                region, _ = src.read_extents([u.file], np.zeros(1, np.int32), np.array([u.offset]), np.array([u.length]))
+                rb.write_unit(u.header(int(xxh3_many(region, np.array([0]), np.array([u.length]))[0])), [region])
+            path = rb.finalize(meta, len(units))
+        finally:
+            src.close()
+        self.register(name, path, "", ttl=ttl)
+        return path
+
     def readers(self, name: str) -> int:
         return len(self._etcd.get_prefix(f"{PREFIX}{check_name(name)}/readers/{self.site}/"))
 

@@ -363,6 +363,9 @@ class ReplicationService:
         return self._under_root(path)
 
     def do_get(self, ticket: dict[str, Any]) -> flight.FlightDataStream:
+        if ticket.get("op") == "ckpt.list":  # the data files and their sizes (a remote copy is pulled whole)
+            body = json.dumps(data_files(self._checkpoint_dir(ticket["name"]))).encode()
+            return flight.RecordBatchStream(pa.Table.from_batches([binary_batch(memoryview(body))]))
         path = os.path.join(self._checkpoint_dir(ticket["name"]), check_file_name(ticket["file"]))
         if ticket.get("op") == "ckpt.file":
             with open(path, "rb") as f:

@@ -101,6 +101,11 @@ class RemoteSource:
         table = self._get({"op": "ckpt.file", "name": self.name, "file": check_file_name(fname)}).read_all()
         return b"".join(c.as_py() for c in table.column(0))
 
+    def list_files(self) -> list[tuple[str, int]]:
+        """``(name, size)`` of the remote checkpoint's data files."""
+        table = self._get({"op": "ckpt.list", "name": self.name}).read_all()
+        return [(check_file_name(n), int(sz)) for n, sz in json.loads(b"".join(c.as_py() for c in table.column(0)))]
+
     def read_extents(self, files: list[str], file_ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, *,
                      per_extent: bool = False) -> tuple[np.ndarray, Transfers]:
         tr = plan_reads(file_ids, offsets, lengths, per_extent=per_extent)
