@@ -63,6 +63,15 @@ class CheckpointError(ForesightError):
     """A checkpoint could not be written, committed, found or verified."""
 
 
+class StaleBatchError(ForesightError, RuntimeError):
+    """A loader batch was used after its arena slot went back to the loader (the next batch was asked for,
+    or ``release()`` was called): its host views may already hold another step's bytes."""
+
+
+class DecodeTimeoutError(ForesightError, TimeoutError):
+    """A decode pool gave no result in time, or its worker threads are gone (e.g. it crossed a ``fork``)."""
+
+
 class NodeError(ForesightError, RuntimeError):
     """A storage node or the cluster could not serve a request (unreachable, refused, shutting down)."""
 
@@ -91,6 +100,8 @@ __all__ = [
     "IOEngineError",
     "DecodeError",
     "CheckpointError",
+    "StaleBatchError",
+    "DecodeTimeoutError",
     "NodeError",
     "ProtocolError",
     "check",

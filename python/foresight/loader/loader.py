@@ -85,6 +85,14 @@ def _round_up(n: int, a: int) -> int:
 class Loader(Closing):
     """Yields this rank's batches in plan order; see the module docstring.
 
+    Batch lifetime, one rule on every device: a batch is valid until the consumer asks for the next one (with
+    ``auto_release=False``: until ``batch.release()``). Its slot is then read into again, so host tensors that
+    view it (``tokens``, ``data``) would show another step's bytes; instead every accessor of the old batch
+    raises :class:`~foresight.errors.StaleBatchError`. Keep a batch longer with ``batch.clone()`` (or clone the
+    tensors taken out of it: nothing can check those). CUDA batches follow the same rule, so code that runs on
+    CPU runs unchanged on GPU. Do not start your own ``non_blocking`` copies out of a CPU batch's pinned views
+    across steps: the slot may be refilled before they finish (``device="cuda"`` does this safely).
+
     Args:
         datasets: one dataset or the list the plan was built over (same order).
         plan: a :class:`foresight.plan.Plan` or a plan directory.
@@ -107,7 +115,8 @@ class Loader(Closing):
             are refused with ``verify=True``.
         decode: optional stage ``(fields, *, stats, first_item) -> fields`` run on the loader thread once a
             step's reads complete, e.g. :class:`foresight.loader.MediaDecodeStage` (frame-selective decode).
-        auto_release: recycle a batch's slot when the consumer asks for the next one.
+        auto_release: recycle a batch's slot when the consumer asks for the next one; ``False`` leaves it to
+            ``batch.release()`` (the pipeline waits for a free slot once ``prefetch + 2`` are held).
         start_step, end_step, step_stride: the global steps to yield, ``range(start_step, end_step, step_stride)``
             (a stride deals steps to DataLoader workers).
     """
@@ -211,6 +220,7 @@ class Loader(Closing):
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._current: Batch | None = None
+        self._held = 0  # host slots held by batches handed to the consumer and not yet released
         self._closed = False
 
     # -- set-up -------------------------------------------------------------------------------------------
@@ -293,9 +303,11 @@ class Loader(Closing):
 
     # -- the pipeline thread -----------------------------------------------------------------------------
 
-    def _acquire_slot(self, busy: _Job | None = None) -> int:
+    def _acquire_slot(self, busy: _Job | None = None) -> int | None:
         """A free slot. While waiting, keep the engine fed with ``busy``'s reads (io_uring only moves new
-        requests into the ring when the engine is called, so a pipeline blocked here would let it drain)."""
+        requests into the ring when the engine is called, so a pipeline blocked here would let it drain).
+        None once ``busy``'s reads are done: that step goes to the consumer first, since the consumer may be
+        the one holding the slots (``auto_release=False``) and would otherwise wait for it forever."""
         while not self._stop.is_set():
             while self._pending_events and self._pending_events[0][0].query():
                 _, slot = self._pending_events.popleft()
@@ -304,39 +316,47 @@ class Loader(Closing):
             if slot is not None:
                 return slot
             if busy is not None and self._engine.poll(busy.ticket):
-                busy = None  # its reads are done: nothing left to feed, wait calmly
+                return None
         raise _Stopped()
 
-    def _submit(self, step: int, busy: _Job | None = None) -> _Job:
-        """Prepare ``step`` (extents, slot, coalesced transfers) and start its reads."""
-        return self._start_reads(self._prepare(step, busy))
+    def _submit(self, step: int, busy: _Job | None = None) -> _Job | None:
+        """Prepare ``step`` (slot, extents, coalesced transfers) and start its reads; None as ``_prepare``."""
+        job = self._prepare(step, busy)
+        return None if job is None else self._start_reads(job)
 
-    def _prepare(self, step: int, busy: _Job | None = None) -> _Job:
+    def _prepare(self, step: int, busy: _Job | None = None) -> _Job | None:
         """Everything before the engine call: done while earlier steps' reads run, so that when one of them
-        completes the next step's reads go in at once instead of after a Python gap with a draining ring."""
+        completes the next step's reads go in at once instead of after a Python gap with a draining ring.
+        None when no slot came free before ``busy``'s reads completed."""
         t0 = time.perf_counter()
-        start, stop = self.plan.rank_items(step, self.rank, self.world_size)
-        ext = step_extents(self.plan, self.datasets, self._files, start, stop,
-                           whole_samples=self.verify and self._tokens)
-        t1 = time.perf_counter()
         slot = self._acquire_slot(busy)
+        if slot is None:
+            return None
         t_slot = time.perf_counter()
-        region = self._arena.slot(slot)[: self._transfer_bytes]
-        tr = self._coalesce(ext, self.max_gap)
-        overflow = None
-        if tr.total_bytes > self._transfer_bytes and self.max_gap > 0:
-            tr = self._coalesce(ext, 0)
-        if tr.total_bytes > self._transfer_bytes:  # rare: a step larger than the plan-derived bound
-            overflow = self._arena_like(tr.total_bytes)
-            region = overflow
-            self.stats.add(slot_overflows=1)
+        try:
+            start, stop = self.plan.rank_items(step, self.rank, self.world_size)
+            ext = step_extents(self.plan, self.datasets, self._files, start, stop,
+                               whole_samples=self.verify and self._tokens)
+            t1 = time.perf_counter()
+            region = self._arena.slot(slot)[: self._transfer_bytes]
+            tr = self._coalesce(ext, self.max_gap)
+            overflow = None
+            if tr.total_bytes > self._transfer_bytes and self.max_gap > 0:
+                tr = self._coalesce(ext, 0)
+            if tr.total_bytes > self._transfer_bytes:  # rare: a step larger than the plan-derived bound
+                overflow = self._arena_like(tr.total_bytes)
+                region = overflow
+                self.stats.add(slot_overflows=1)
+        except BaseException:
+            self._arena.release(slot)
+            raise
         base = region.ctypes.data
         job = _Job(step, start, stop, slot, ext, tr.x_dest, region, None, overflow)
         job.reads = (self._files.fds[tr.t_file], tr.t_offset, tr.t_length, (base + tr.t_dest).astype(np.uint64),
                      tr.t_needed)
         t2 = time.perf_counter()
         self.stats.add(
-            plan_s=t1 - t0, slot_wait_s=t_slot - t1, coalesce_s=t2 - t_slot, extents=len(ext.offset),
+            slot_wait_s=t_slot - t0, plan_s=t1 - t_slot, coalesce_s=t2 - t1, extents=len(ext.offset),
             ios=len(tr.t_offset), bytes_requested=int(ext.length.sum()), bytes_read=int(tr.t_length.sum()),
         )
         return job
@@ -417,13 +437,17 @@ class Loader(Closing):
             step = first
             while True:
                 while step < end and len(inflight) < self.prefetch and not self._stop.is_set():
-                    inflight.append(self._submit(step, inflight[0] if inflight else None))
+                    job = self._submit(step, inflight[0] if inflight else None)
+                    if job is None:  # the oldest step is read: deliver it before waiting on for a slot
+                        break
+                    inflight.append(job)
                     step += self.step_stride
                 if not inflight or self._stop.is_set():
                     break
                 if step < end:
                     ready = self._prepare(step, inflight[0])
-                    step += self.step_stride
+                    if ready is not None:
+                        step += self.step_stride
                 job = inflight[0]
                 with self.stats.timed("io_wait"):
                     self._engine.wait(job.ticket)
@@ -477,6 +501,10 @@ class Loader(Closing):
             try:
                 return self._queue.get(timeout=0.5)
             except queue.Empty:
+                if self._held >= self._arena.slots:  # nothing can free a slot but the consumer: never wait
+                    return _Failure(ForesightError(
+                        f"the consumer holds all {self._arena.slots} arena slots (auto_release=False and no "
+                        f"batch released): release() a batch before asking for the next one"))
                 if self._thread is None or not self._thread.is_alive():
                     try:
                         return self._queue.get_nowait()
@@ -506,7 +534,9 @@ class Loader(Closing):
             event = torch.cuda.Event()
             event.record()
             self._pending_events.append((event, release.slot))
-            release = None
+            release = _slot_freed_by_event  # the batch still goes stale at the next step: one rule everywhere
+        elif release is not None:
+            release = _ConsumerLease(self, release)
         self.stats.add(h2d_s=time.perf_counter() - t0)
         return Batch(batch.step, fields, release=release)
 
@@ -608,8 +638,25 @@ def _widen_tokens(tokens):
     return tokens.to(torch.int64)
 
 
+def _slot_freed_by_event() -> None:
+    """A CUDA batch's lease: its slot goes back once the copies' event completes (``_acquire_slot``)."""
+
+
 class _Stopped(Exception):
     pass
+
+
+class _ConsumerLease:
+    """A slot held by a batch the consumer has: counted, so that a consumer holding every slot gets an error
+    instead of a pipeline waiting forever for one."""
+
+    def __init__(self, loader: Loader, release: Callable[[], None]) -> None:
+        self.loader, self.release = loader, release
+        loader._held += 1
+
+    def __call__(self) -> None:
+        self.loader._held -= 1
+        self.release()
 
 
 class _SlotLease:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from foresight.loader.loader import Loader, _resolve_rank
@@ -38,7 +37,7 @@ class ForesightIterableDataset(IterableDataset):
                     start_step=self.start_step + worker, step_stride=workers, **self.loader_options) as loader:
             for batch in loader:
                 # Leave the arena: the tensors cross the worker boundary and outlive the slot.
-                yield {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+                yield dict(batch.clone())
 
 
 __all__ = ["ForesightIterableDataset"]
