@@ -1,4 +1,5 @@
-"""Crash safety: SIGKILL a saving process at random moments; the last commit must restore bit-exactly."""
+"""Crash safety: SIGKILL a saving process at random moments; the last commit must restore bit-exactly, and
+every local commit must reach the durable tier once a restart has resumed the drains a kill cut short."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -24,8 +25,9 @@ def make_state(step: int) -> dict:
     return state
 
 
-def _saver(root: str, start: int, log_path: str) -> None:
-    ck = fc.Checkpointer(root, keep=3)  # startup also cleans what the killed predecessor left behind
+def _saver(root: str, durable: str, start: int, log_path: str) -> None:
+    # startup also cleans what the killed predecessor left behind and resumes its drains
+    ck = fc.Checkpointer([root, durable], keep=[3, None])
     with open(log_path, "a") as log:
         log.write("ready\n")
         log.flush()
@@ -50,13 +52,13 @@ def _wait_ready(log_path: str, proc, timeout: float = 60.0) -> None:
 def test_sigkill_at_random_moments_leaves_last_commit_intact(tmp_path):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "foresight.checkpoint"])
-    root = str(tmp_path / "ckpt")
+    root, durable = str(tmp_path / "ckpt"), str(tmp_path / "durable")
     rng = random.Random(1234)
     reported_max = -1
     for trial in range(TRIALS):
         start = (fc.latest_step(root=root) or 0) + 1 if os.path.isdir(root) else 1
         log_path = str(tmp_path / f"log{trial}")
-        proc = ctx.Process(target=_saver, args=(root, start, log_path), daemon=True)
+        proc = ctx.Process(target=_saver, args=(root, durable, start, log_path), daemon=True)
         proc.start()
         _wait_ready(log_path, proc)
         time.sleep(rng.uniform(0.0, 0.25))
@@ -70,6 +72,7 @@ def test_sigkill_at_random_moments_leaves_last_commit_intact(tmp_path):
             continue
         # everything acknowledged as committed survived; at most the in-flight one more
         assert latest is not None and reported_max <= latest <= max(reported_max, start - 1) + 1
+        assert reported_max <= (fc.latest_step(root=durable) or -1)  # wait() acknowledges the durable copy
         # a step dir without its COMMIT marker (retention killed mid-delete) never reads as complete
         for name in os.listdir(root):
             path = os.path.join(root, name)
@@ -88,3 +91,8 @@ def test_sigkill_at_random_moments_leaves_last_commit_intact(tmp_path):
             for a, b in zip(got.state_dict["big"], expected["big"]):
                 assert torch.equal(a, b)
     assert reported_max > 0, "no save ever completed: the kill window is too short to test anything"
+    fc.Checkpointer([root, durable]).close()  # a restart finishes the drain the last kill cut short
+    local, kept = store.committed_steps(root), store.committed_steps(durable)
+    assert set(local) <= set(kept), (local, kept)
+    got = fc.load("latest", root=durable)
+    assert got.step == local[-1] and torch.equal(got.state_dict["half"], make_state(got.step)["half"])

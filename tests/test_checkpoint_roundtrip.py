@@ -153,6 +153,32 @@ def test_bad_arguments(tmp_path):
             ck.load("latest")
 
 
+def test_extra_state_round_trips_exactly(tmp_path):
+    extra = {"loader": {"next_step": 7, "epochs": {0: 3, 1: 4}, "shape": (2, 3), "mixed": {1: "a", "1": "b"}},
+             "flags": {True: None, 2.5: [1, (2, 3)]}, "nan": float("nan"), "inf": -float("inf"), "plain": [1, "x"]}
+    with fc.Checkpointer(tmp_path) as ck:
+        ck.save({"w": torch.zeros(2)}, 1, extra_state=extra).wait()
+        ck.save({"w": torch.zeros(2)}, 2, extra_state={"plain": [1, {"a": None}]}).wait()
+        got = ck.load(1).extra_state
+        assert ck.load(2).extra_state == {"plain": [1, {"a": None}]}
+    assert_same(extra, got)
+    assert type(got["loader"]["shape"]) is tuple and list(got["loader"]["epochs"]) == [0, 1]
+    import json
+    index = json.load(open(tmp_path / "step-00000002" / "index.json"))
+    assert "extra_state_exact" not in index  # plain JSON stays plain
+
+
+@pytest.mark.parametrize(("extra", "where"), [({"a": {"b": [1, {2}]}}, "at=a.b.1"),
+                                              ({"a": {(1, 2): 3}}, "at=a"),
+                                              ({"pos": [torch.ones(1)]}, "at=pos.0")])
+def test_extra_state_that_cannot_round_trip_names_the_key_path(tmp_path, extra, where):
+    with fc.Checkpointer(tmp_path) as ck:
+        with pytest.raises(CheckpointError, match="extra_state") as ei:
+            ck.save({"w": torch.zeros(2)}, 1, extra_state=extra)
+        assert where in str(ei.value)
+        assert ck.steps() == []
+
+
 _dtypes = st.sampled_from([torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.int64, torch.bool,
                            torch.uint8, torch.float64])
 _shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3)

@@ -82,13 +82,14 @@ def test_uncommitted_dir_is_ignored_then_cleaned(tmp_path):
     with fc.Checkpointer(root) as ck:
         ck.save(state(1), 1).wait()
         ck.save(state(2), 2).wait()
-    os.remove(os.path.join(store.step_dir(root, 2), store.COMMIT))  # as if retention died right there
+    os.remove(os.path.join(store.step_dir(root, 2), store.COMMIT))  # COMMIT lost
     assert fc.latest_step(root=root) == 1
     assert fc.load("latest", root=root).step == 1
     foreign = os.path.join(root, "step-7")  # another tool's directory that happens to match the pattern
     os.makedirs(foreign)
     open(os.path.join(foreign, ".metadata"), "w").close()
-    fc.Checkpointer(root).close()
+    with pytest.warns(RuntimeWarning, match="no COMMIT marker"):
+        fc.Checkpointer(root).close()  # moved aside (test_checkpoint_recovery covers the details)
     assert not os.path.exists(store.step_dir(root, 2)) and store.committed_steps(root) == [1]
     assert os.path.exists(os.path.join(foreign, ".metadata"))  # left alone
 
@@ -137,6 +138,54 @@ def test_corrupt_index_and_truncated_data(tmp_path):
     os.truncate(data, 4096)
     with pytest.raises(CheckpointError, match="truncated"):
         fc.load(2, root=root)
+
+
+def _rewrite_commit(path: str, edit) -> str:
+    marker_path = os.path.join(path, store.COMMIT)
+    raw = open(marker_path, "rb").read()
+    open(marker_path, "wb").write(edit(raw))
+    return marker_path
+
+
+def test_corrupt_commit_marker_is_named_not_the_index(tmp_path):
+    root = str(tmp_path)
+    with fc.Checkpointer(root) as ck:
+        for step in (1, 2, 3):
+            ck.save(state(step), step).wait()
+
+    def flip_digest(raw: bytes) -> bytes:  # still valid JSON: one hex digit of the index checksum changed
+        marker = json.loads(raw)
+        d = marker["index_xxh3"]
+        marker["index_xxh3"] = ("1" if d[0] != "1" else "2") + d[1:]
+        return json.dumps(marker).encode()
+
+    for step, edit in ((1, flip_digest), (2, lambda raw: raw[: len(raw) // 2])):
+        marker_path = _rewrite_commit(store.step_dir(root, step), edit)
+        with pytest.raises(CheckpointError, match="COMMIT marker is corrupt") as ei:
+            fc.load(step, root=root)
+        assert marker_path in str(ei.value) and store.INDEX not in str(ei.value)
+    # the index itself damaged, under an intact marker: the index is named
+    idx = os.path.join(store.step_dir(root, 3), store.INDEX)
+    open(idx, "ab").write(b" ")
+    with pytest.raises(CheckpointError, match="index is corrupt") as ei:
+        fc.load(3, root=root)
+    assert idx in str(ei.value)
+    # retention never deletes a commit whose marker it cannot read (its age is unknown)
+    assert store.apply_retention(root, 1) == []
+
+
+def test_latest_passes_over_a_corrupt_marker_with_a_warning(tmp_path):
+    fast, slow = str(tmp_path / "fast"), str(tmp_path / "slow")
+    with fc.Checkpointer([fast, slow]) as ck:
+        ck.save(state(1), 1).wait()
+        ck.save(state(2), 2).wait()
+    _rewrite_commit(store.step_dir(fast, 2), lambda raw: b"{")
+    with pytest.warns(RuntimeWarning, match="ignoring .*fast/step-00000002"):
+        got = fc.load("latest", tiers=[fast, slow])  # the durable copy of the same commit
+    assert got.step == 2 and got.tier == 1 and torch.equal(got.state_dict["w"], state(2)["w"])
+    _rewrite_commit(store.step_dir(slow, 2), lambda raw: b"{")
+    with pytest.warns(RuntimeWarning, match="COMMIT marker is corrupt"):
+        assert fc.latest_step(tiers=[fast, slow]) == 1
 
 
 def test_corrupt_fast_tier_falls_back_to_durable(tmp_path):

@@ -8,6 +8,15 @@ committed directory to a drain thread that copies it to each slower tier. Each t
 ``keep`` checkpoints. A background failure is re-raised by ``handle.wait()`` or by the next ``save()``
 (or ``close()``), whichever comes first; it is never dropped.
 
+Which checkpoints survive: "latest" and retention follow commit order, not step numbers (see
+:mod:`.store`). Saving steps 10, 20 and then 5 (a rollback) with ``keep=2`` keeps 20 and 5, and
+``load("latest")`` restores 5: the save a ``wait()`` acknowledged last is never the one retention deletes.
+
+Recovery at start-up: a Checkpointer takes each tier root's lock (a second writer on the same root, in
+any process, gets a CheckpointError), removes what dead writers left, moves a ``step-N`` directory that
+lost its COMMIT marker aside to ``quarantined-step-N.*`` with a warning (``quarantined``), and drains
+committed local steps that a killed predecessor never finished copying to the slower tiers (``resumed``).
+
 Example::
 
     ckpt = Checkpointer(["/local_nvme/ckpt", "/shared/ckpt"], keep=[2, None], staging_bytes=8 << 30)
@@ -29,6 +38,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +48,7 @@ import torch
 from foresight.checkpoint import store
 from foresight.checksum import xxh3_many
 from foresight.checkpoint._fileio import FileIO
+from foresight.checkpoint._recovery import holds_commit, lock_roots, recover_roots, release, undrained
 from foresight.checkpoint._tree import flatten, match_targets, restore_into, unflatten
 from foresight.checkpoint._workers import Workers
 from foresight.checkpoint.layout import Layout, dtype_from_name, plan_layout
@@ -75,6 +86,7 @@ class SaveHandle:
         self._durable = threading.Event()
         self._error: BaseException | None = None
         self._reported = False
+        self._drain_tiers: set[int] | None = None  # slower tiers to copy to (None: all)
 
     def done(self, *, durable: bool = True) -> bool:
         """True once written and committed (to every tier when ``durable``), or failed."""
@@ -123,7 +135,8 @@ class Checkpointer:
         tiers: checkpoint roots, fastest first (node-local disk, then durable storage). A single path is
             one tier.
         keep: how many committed checkpoints each tier keeps: one int for all tiers, or one per tier
-            (``None`` = unbounded). The newest committed checkpoint is never deleted.
+            (``None`` = unbounded): the most recent commits, by commit order and not by step number, so
+            the checkpoint a ``wait()`` acknowledged last is never deleted.
         staging_bytes: bytes per staging slot, allocated once; a state dict larger than a slot raises
             CheckpointError. ``None`` sizes the pool automatically: at the first save to that state dict plus
             1/8, re-allocated (after in-flight writes finish) when a later state dict does not fit.
@@ -131,6 +144,9 @@ class Checkpointer:
         on_busy: when every slot is still being written, ``"block"`` until one drains or ``"raise"``.
         verify: check per-tensor checksums on load.
         direct: use O_DIRECT for data files where the file system supports it.
+
+    Attributes set at start-up: ``quarantined`` (paths moved aside), ``resumed`` (handles of the drains
+    resumed for a predecessor; their failures are reported like any save's).
     """
 
     def __init__(self, tiers: str | os.PathLike | Sequence[str | os.PathLike], *,
@@ -156,19 +172,30 @@ class Checkpointer:
         self.on_busy = on_busy
         self._staging_bytes = staging_bytes
         self._pool: StagingPool | None = None
-        if staging_bytes is not None:
-            self._pool = StagingPool(staging_bytes, slots=slots, on_busy=on_busy)
-        # one I/O context per thread of use: engine rings are not shared across threads
-        self._fio = FileIO(chunk_bytes=chunk_bytes, threads=io_threads)
-        self._drain_fio = FileIO(chunk_bytes=chunk_bytes, threads=io_threads) if len(roots) > 1 else None
-        self._load_fio = FileIO(chunk_bytes=chunk_bytes, threads=io_threads)
+        self._fios: list[FileIO] = []
+        self._locks = lock_roots(roots)  # before touching anything in the roots
+        try:
+            self.quarantined = recover_roots(roots)
+            self._next_seq = store.max_seq(roots) + 1  # commit order continues across restarts and tiers
+            to_resume = undrained(roots)
+            if staging_bytes is not None:
+                self._pool = StagingPool(staging_bytes, slots=slots, on_busy=on_busy)
+            # one I/O context per thread of use: engine rings are not shared across threads
+            for _ in range(3 if len(roots) > 1 else 2):
+                self._fios.append(FileIO(chunk_bytes=chunk_bytes, threads=io_threads))
+        except BaseException:
+            for fio in self._fios:
+                fio.close()
+            if self._pool is not None:
+                self._pool.close()
+            release(self._locks)
+            raise
+        self._fio, self._load_fio = self._fios[:2]
+        self._drain_fio = self._fios[2] if len(roots) > 1 else None
         self._hash_pool = Workers(1, "hash")
-        for root in roots:
-            os.makedirs(root, exist_ok=True)
-            store.cleanup_stale(root)
         self._lock = threading.Lock()
         self._unreported: list[SaveHandle] = []
-        self._pending_drain: set[int] = set()
+        self._pending_drain: Counter[int] = Counter()  # steps (on tier 0) still to be copied to slower tiers
         self._write_q: queue.Queue = queue.Queue()
         self._drain_q: queue.Queue = queue.Queue()
         self._closed = False
@@ -179,9 +206,12 @@ class Checkpointer:
         ref = weakref.ref(self)
         atexit.register(lambda: (c := ref()) is not None and c._close_at_exit())
         self._drainer = None
+        self.resumed: list[SaveHandle] = []
         if len(roots) > 1:
             self._drainer = threading.Thread(target=self._drain_loop, name="foresight-ckpt-drain", daemon=True)
             self._drainer.start()
+        for commit, behind in to_resume:
+            self._resume_drain(commit, behind)
 
     # -- public ------------------------------------------------------------------------------------
     @property
@@ -205,8 +235,10 @@ class Checkpointer:
     def save(self, state_dict: Any, step: int, *, extra_state: Any = None) -> SaveHandle:
         """Snapshot ``state_dict`` and return; the write, commit and drain continue in the background.
 
-        ``extra_state`` (JSON-serialisable, e.g. the data loader's state dict) is committed with it.
-        Raises :class:`CheckpointError` for an earlier save's unreported background failure.
+        ``extra_state`` (e.g. the data loader's state dict: dicts, lists, tuples, str/int/float/bool/None,
+        with keys of those scalar types) is committed with it and loads back exactly, int keys and tuples
+        included; anything else raises :class:`CheckpointError` naming its key path at once. Raises
+        :class:`CheckpointError` for an earlier save's unreported background failure.
         """
         if self._closed:
             raise CheckpointError("checkpointer is closed")
@@ -223,10 +255,7 @@ class Checkpointer:
 
     def _snapshot(self, state_dict: Any, step: int, extra_state: Any) -> SaveHandle:
         t0 = time.perf_counter()
-        try:
-            extra = json.loads(json.dumps(extra_state))  # a deep copy, and proof that it serialises
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"extra_state is not JSON-serialisable: {e}", step=step) from e
+        extra = _encode_extra_state(extra_state, step)
         tensors, names, skeleton = flatten(state_dict)
         dtypes = [str(t.dtype) for t in tensors]
         shapes = [tuple(t.shape) for t in tensors]
@@ -311,9 +340,9 @@ class Checkpointer:
             if self._pool is not None:
                 self._pool.close()
             self._hash_pool.shutdown()
-            for fio in (self._fio, self._drain_fio, self._load_fio):
-                if fio is not None:
-                    fio.close()
+            for fio in self._fios:
+                fio.close()
+            release(self._locks)  # last: nothing of ours touches the roots any more
 
     def _close_at_exit(self) -> None:
         try:
@@ -385,17 +414,19 @@ class Checkpointer:
                     "xxh3": [f"{d:016x}" for d in digests.tolist()],
                 },
                 "skeleton": job.skeleton,
-                "extra_state": job.extra_state,
+                **job.extra_state,
             }
-            store.write_index_and_commit(tmp, index)
+            seq = self._next_seq  # only this thread commits, so the sequence stays monotonic
+            self._next_seq += 1
+            store.write_index_and_commit(tmp, index, seq=seq)
             with self._lock:
                 if len(self.tiers) > 1:
-                    self._pending_drain.add(h.step)
+                    self._pending_drain[h.step] += 1
             try:
                 h.path = store.publish(tmp, root, h.step)
             except OSError as e:
                 with self._lock:
-                    self._pending_drain.discard(h.step)
+                    self._pending_drain[h.step] -= 1
                 raise CheckpointError(f"cannot commit checkpoint: {e.strerror}", path=tmp) from e
             tmp = None
             h.timings["commit"] = time.perf_counter() - t1
@@ -405,9 +436,7 @@ class Checkpointer:
             else:
                 h._durable.set()
                 self._forget_if_ok(h)
-            with self._lock:
-                protect = set(self._pending_drain)
-            _retain(root, self.keep[0], protect)  # housekeeping, after the handle is done
+            _retain(root, self.keep[0], self._protected())  # housekeeping, after the handle is done
         except BaseException as e:  # noqa: BLE001 - surfaced through the handle, never lost
             if not released:
                 self._pool.release(job.slot)
@@ -420,27 +449,78 @@ class Checkpointer:
         if h._error is None:
             self._forget(h)
 
+    def _protected(self) -> set[int]:
+        with self._lock:
+            return {step for step, n in self._pending_drain.items() if n > 0}
+
     def _drain_loop(self) -> None:
         while True:
             h = self._drain_q.get()
             try:
                 if h is None:
                     return
+                root = self.tiers[0]
                 try:
+                    marker = store.read_marker(h.path)
                     for tier, (root, keep) in enumerate(zip(self.tiers[1:], self.keep[1:]), start=1):
-                        copy_checkpoint(h.path, root, h.step, fio=self._drain_fio)
+                        if h._drain_tiers is not None and tier not in h._drain_tiers:
+                            continue
+                        if not holds_commit(root, h.step, marker):  # a resumed drain may find it there
+                            copy_checkpoint(h.path, root, h.step, fio=self._drain_fio)
                         _retain(root, keep, ())
                 except BaseException as e:  # noqa: BLE001
                     h._fail(e if isinstance(e, CheckpointError) else
                             CheckpointError(f"drain failed: {e}", step=h.step, tier=root))
                 finally:
                     with self._lock:
-                        self._pending_drain.discard(h.step)
-                    _retain(self.tiers[0], self.keep[0], set(self._pending_drain))
+                        self._pending_drain[h.step] -= 1
+                    _retain(self.tiers[0], self.keep[0], self._protected())
                 h._durable.set()
                 self._forget_if_ok(h)
             finally:
                 self._drain_q.task_done()
+
+    def _resume_drain(self, commit: store.Commit, tiers: set[int]) -> None:
+        """Queue the drain of a local commit that a killed predecessor never finished copying to ``tiers``."""
+        h = SaveHandle(commit.step, self)
+        h.path = commit.path
+        h._drain_tiers = tiers
+        h._local.set()
+        with self._lock:
+            self._unreported.append(h)
+            self._pending_drain[commit.step] += 1
+        self.resumed.append(h)
+        self._drain_q.put(h)
+
+
+def _encode_extra_state(extra_state: Any, step: int) -> dict[str, Any]:
+    """Index fields for ``extra_state``: plain JSON as ``extra_state`` (what other tools read) and, when
+    JSON alone would change it (int keys, tuples, nan), an exact encoding as ``extra_state_exact``."""
+    try:
+        tensors, names, tree = flatten(extra_state)
+    except CheckpointError as e:
+        if "key" in e.context:
+            what = f"the key {e.context['key']}"
+        elif "type" in e.context:
+            what = f"a value of type {e.context['type']}"
+        else:
+            raise CheckpointError(f"extra_state is not JSON-serialisable: {e}", step=step) from None
+        raise CheckpointError(f"extra_state is not JSON-serialisable: it holds {what} (dicts, lists, tuples and "
+                              "str/int/float/bool/None can be saved exactly)", step=step,
+                              at=e.context.get("at")) from None
+    if tensors:
+        raise CheckpointError("extra_state holds a tensor; put tensors in the state dict", step=step,
+                              at=names[0] or "<root>")
+    try:
+        plain = json.loads(json.dumps(extra_state))  # a deep copy, and what JSON makes of it
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra_state is not JSON-serialisable: {e}", step=step) from e
+    return {"extra_state": plain} if plain == extra_state else {"extra_state": plain, "extra_state_exact": tree}
+
+
+def _decode_extra_state(index: dict[str, Any]) -> Any:
+    tree = index.get("extra_state_exact")
+    return index.get("extra_state") if tree is None else unflatten(tree, [])
 
 
 def _retain(root: str, keep: int | None, protect: Any) -> None:
@@ -527,7 +607,8 @@ def save(state_dict: Any, step: int, *, root: str | os.PathLike | None = None,
     """Asynchronously checkpoint ``state_dict`` as ``step`` under ``root`` (or ``tiers``, fastest first).
 
     A :class:`Checkpointer` per tier list is created on first use with ``config`` (``keep``,
-    ``staging_bytes``, ``slots``, ``on_busy``, ...) and reused afterwards.
+    ``staging_bytes``, ``slots``, ``on_busy``, ...) and reused afterwards; it holds the roots' writer locks
+    until the interpreter exits, so do not open another Checkpointer on those roots in the same job.
 
     Example::
 
@@ -546,9 +627,10 @@ def load(step: int | str = "latest", *, root: str | os.PathLike | None = None,
          fio: FileIO | None = None, direct: bool = True, _buffer: Any = None) -> LoadedCheckpoint:
     """Restore a committed checkpoint, preferring the fastest tier that holds a complete copy.
 
-    ``step`` is an int or ``"latest"``. With ``into`` (a state dict of existing tensors), tensors whose
-    shape and dtype match are filled in place and the rest replaced; ``state_dict`` of the result is
-    ``into`` itself then. Without it, the tensors are fresh CPU tensors (views of one read buffer).
+    ``step`` is an int (its newest commit first) or ``"latest"``: the most recent commit (commit order,
+    not the largest step; see :mod:`.store`), and only copies of that commit. With ``into`` (a state dict
+    of existing tensors), tensors whose shape and dtype match are filled in place and the rest replaced;
+    ``state_dict`` of the result is ``into`` itself then. Without it, the tensors are fresh CPU tensors (views of one read buffer).
     A corrupt copy on one tier falls back to the next tier holding the step; if none is readable the
     first :class:`CheckpointError` (naming file and tensor) is raised.
 
@@ -558,19 +640,30 @@ def load(step: int | str = "latest", *, root: str | os.PathLike | None = None,
         loader.load_state_dict(ck.extra_state)
     """
     roots = _tiers_of(root, tiers)
-    per_tier = [store.committed_steps(r) for r in roots]
+    per_tier = [store.commits(r) for r in roots]
     if step == "latest":
-        found = [s for steps in per_tier for s in steps]
-        if not found:
+        newest = _newest_commit(per_tier)
+        if newest is None:
+            unreadable = [c.error for cs in per_tier for c in cs if c.error is not None]
+            if unreadable:
+                raise unreadable[0]
             raise CheckpointError("no committed checkpoint found", tiers=roots)
-        step = max(found)
-    elif not isinstance(step, int):
+        step = newest.step
+        # copies of that very commit only: an older save that reused the step number is not "latest"
+        candidates = [(tier, c) for tier, cs in enumerate(per_tier) for c in cs
+                      if c.step == step and c.error is None and c.seq == newest.seq]
+    elif isinstance(step, int) and not isinstance(step, bool):
+        # the newest commit of that step first (a rollback may have re-saved it), then the faster tier
+        candidates = sorted(((tier, c) for tier, cs in enumerate(per_tier) for c in cs if c.step == step),
+                            key=lambda tc: (tc[1].error is not None, tuple(-x for x in tc[1].order), tc[0]))
+    else:
         raise ValueError(f"step must be an int or 'latest', got {step!r}")
     errors: list[CheckpointError] = []
-    for tier, (r, steps) in enumerate(zip(roots, per_tier)):
-        if step not in steps:
+    for tier, commit in candidates:
+        path = commit.path
+        if commit.error is not None:
+            errors.append(commit.error)
             continue
-        path = store.step_dir(r, step)
         try:
             targets: dict[int, torch.Tensor] = {}
 
@@ -589,7 +682,7 @@ def load(step: int | str = "latest", *, root: str | os.PathLike | None = None,
             state = restore_into(into, index["skeleton"], tensors, clone_new=_buffer is not None, copied=targets)
         else:
             state = unflatten(index["skeleton"], tensors)
-        return LoadedCheckpoint(step=step, state_dict=state, extra_state=index.get("extra_state"), path=path,
+        return LoadedCheckpoint(step=step, state_dict=state, extra_state=_decode_extra_state(index), path=path,
                                 tier=tier)
     if errors:
         raise errors[0]
@@ -598,6 +691,16 @@ def load(step: int | str = "latest", *, root: str | os.PathLike | None = None,
 
 def latest_step(*, root: str | os.PathLike | None = None,
                 tiers: Sequence[str | os.PathLike] | None = None) -> int | None:
-    """Newest committed step on any tier, or ``None``."""
-    steps = [s for r in _tiers_of(root, tiers) for s in store.committed_steps(r)]
-    return max(steps) if steps else None
+    """The step of the most recent commit on any tier (what ``load("latest")`` restores), or ``None``."""
+    roots = _tiers_of(root, tiers)
+    newest = _newest_commit([store.commits(r) for r in roots])
+    return None if newest is None else newest.step
+
+
+def _newest_commit(per_tier: list[list[store.Commit]]) -> store.Commit | None:
+    """The most recent readable commit over all tiers; warns about unreadable markers it had to pass over."""
+    good = [c for cs in per_tier for c in cs if c.error is None]
+    for c in (c for cs in per_tier for c in cs if c.error is not None):
+        warnings.warn(f"foresight.checkpoint: ignoring {c.path} when looking for the latest checkpoint: "
+                      f"{c.error}", RuntimeWarning, stacklevel=3)
+    return max(good, key=lambda c: c.order, default=None)

@@ -8,6 +8,7 @@ in place (see :func:`foresight.checkpoint._tree.restore_into`).
 Example::
 
     tensors, index = read_checkpoint("/ckpt/step-00000100")
+    problem = verify_uncommitted("/ckpt/step-00000200")  # None: index and data agree (COMMIT lost)
 """
 from __future__ import annotations
 
@@ -146,3 +147,36 @@ def _consume(ids: np.ndarray, mv: memoryview, offsets: np.ndarray, nbytes: np.nd
         if pairs:
             with torch.no_grad():
                 torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+
+def verify_uncommitted(path: str) -> str | None:
+    """Check a step directory whose COMMIT marker is missing: its index parses and every tensor's bytes
+    match their checksum in it. Return ``None`` when everything verifies, else what did not."""
+    index_path = os.path.join(path, store.INDEX)
+    try:
+        with open(index_path, "rb") as f:
+            index = store.parse_index(f.read(), index_path)
+        cols = index["tensors"]
+        offsets = np.asarray(cols["offset"], dtype=np.int64)
+        nbytes = np.asarray(cols["nbytes"], dtype=np.int64)
+        file_ids = np.asarray(cols["file"], dtype=np.int64)
+        expected = np.array([int(h, 16) for h in cols["xxh3"]], dtype=np.uint64)
+        for fi, f in enumerate(index["files"]):
+            fpath = os.path.join(path, f["name"])
+            sel = np.flatnonzero(file_ids == fi)
+            with open(fpath, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                needed = max(int(f["bytes"]), int((offsets[sel] + nbytes[sel]).max(initial=0)))
+                if size < needed:
+                    return f"{fpath} is truncated ({size} of {needed} bytes)"
+                if not len(sel) or not size:
+                    continue
+                with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                    bad = sel[xxh3_many(memoryview(mm), offsets[sel], nbytes[sel]) != expected[sel]]
+            if len(bad):
+                return f"tensor {cols['name'][int(bad[0])]!r} in {fpath} does not match its checksum"
+    except CheckpointError as e:
+        return str(e)
+    except (OSError, KeyError, ValueError, TypeError, IndexError) as e:
+        return f"{index_path}: {e}"
+    return None

@@ -1,27 +1,44 @@
-"""On-disk checkpoint directories: naming, the atomic commit, listing, retention, stale-file cleanup.
+"""On-disk checkpoint directories: naming, the atomic commit, commit order, retention, recovery, the lock.
 
 A checkpoint is ``<root>/step-00000100/`` holding ``data-00000.bin``, ``index.json`` and ``COMMIT``. It
 is built in ``<root>/.tmp-step-00000100.<host>.<pid>.<nonce>/``; the data file, the index and the COMMIT
-marker (which carries the xxh3 of the index) are fsynced, then the directory, then one ``rename`` makes it
-visible and the root is fsynced. A directory counts as committed only if its name is ``step-<digits>``
-and it holds a COMMIT marker, so a crash at any moment leaves either the old set of checkpoints or the old
-set plus the complete new one. Re-saving an existing step moves the old copy to ``.trash-...`` first; a
-crash between the two renames is undone by :func:`cleanup_stale`.
+marker (which carries the xxh3 of the index, a commit sequence number and an xxh3 of itself) are fsynced,
+then the directory, then one ``rename`` makes it visible and the root is fsynced. A directory counts as
+committed only if its name is ``step-<digits>`` and it holds a COMMIT marker, so a crash at any moment
+leaves either the old set of checkpoints or the old set plus the complete new one. Re-saving an existing
+step moves the old copy to ``.trash-...`` first; a crash between the two renames is undone by
+:func:`cleanup_stale`.
+
+Commit order: each COMMIT carries ``seq``, one more than the highest ``seq`` on any tier when it was
+written (a drained copy keeps its ``seq``). "Latest" and retention follow ``seq``, not the step number, so
+a rollback (saving step 5 after step 20) makes step 5 the newest checkpoint, and retention deletes the
+oldest *commits*: the checkpoint a ``wait()`` just acknowledged is never the one deleted. Markers written
+before ``seq`` existed count as older than every sequenced commit, ordered by step among themselves.
+
+Retention renames a checkpoint to ``.retired-...`` in one step before deleting it, so a ``step-N``
+directory without COMMIT is never ours to delete: :func:`quarantine` moves it aside to
+``quarantined-step-N.<nonce>`` and reports it. One writer per root: :class:`RootLock` (``flock`` on
+``<root>/.foresight.lock``) is held for a Checkpointer's lifetime.
 
 Example::
 
     steps = committed_steps(root)            # [100, 200]
+    newest = commits(root)[-1]               # Commit(step=200, seq=7, ...), in commit order
     index = read_index(step_dir(root, 200))  # verified against COMMIT
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import re
 import shutil
 import socket
 import uuid
+import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
@@ -31,11 +48,14 @@ from foresight.io.durable import fsync_dir
 
 INDEX = "index.json"
 COMMIT = "COMMIT"
+LOCK = ".foresight.lock"
 FORMAT = "foresight-checkpoint"
 VERSION = 1
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^\.tmp-step-(\d+)\.(.+)\.(\d+)\.[0-9a-f]+$")
 _TRASH_RE = re.compile(r"^\.trash-step-(\d+)\.[0-9a-f]+$")
+_RETIRED_RE = re.compile(r"^\.retired-step-(\d+)\.[0-9a-f]+$")
+QUARANTINE_PREFIX = "quarantined-"
 
 
 def step_name(step: int) -> str:
@@ -67,14 +87,51 @@ def write_small_file(path: str, data: bytes) -> None:
         os.close(fd)
 
 
-def write_index_and_commit(tmp: str, index: dict[str, Any]) -> None:
-    """Write ``index.json`` then the ``COMMIT`` marker (xxh3 of the index), both fsynced, then the dir."""
+def _marker_digest(marker: dict[str, Any]) -> str:
+    """xxh3 of a marker's fields other than its own digest (canonical JSON), so a damaged COMMIT is told
+    apart from a damaged index."""
+    fields = {k: v for k, v in marker.items() if k != "marker_xxh3"}
+    return f"{xxhash.xxh3_64_intdigest(json.dumps(fields, sort_keys=True, separators=(',', ':')).encode()):016x}"
+
+
+def write_index_and_commit(tmp: str, index: dict[str, Any], *, seq: int | None = None) -> None:
+    """Write ``index.json`` then the ``COMMIT`` marker (xxh3 of the index, commit ``seq``), both fsynced,
+    then the dir."""
     body = json.dumps(index, separators=(",", ":")).encode()
     write_small_file(os.path.join(tmp, INDEX), body)
-    marker = {"format": FORMAT, "version": VERSION, "step": index["step"],
-              "index_bytes": len(body), "index_xxh3": f"{xxhash.xxh3_64_intdigest(body):016x}"}
+    marker: dict[str, Any] = {"format": FORMAT, "version": VERSION, "step": index["step"],
+                              "index_bytes": len(body), "index_xxh3": f"{xxhash.xxh3_64_intdigest(body):016x}"}
+    if seq is not None:
+        marker["seq"] = seq
+    marker["marker_xxh3"] = _marker_digest(marker)
     write_small_file(os.path.join(tmp, COMMIT), json.dumps(marker).encode())
     fsync_dir(tmp)
+
+
+def read_marker(path: str) -> dict[str, Any]:
+    """The verified COMMIT marker of the step directory ``path``; errors name the COMMIT file."""
+    marker_path = os.path.join(path, COMMIT)
+    try:
+        with open(marker_path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError as e:
+        raise CheckpointError("checkpoint is not committed (no COMMIT marker)", path=path) from e
+    except OSError as e:
+        raise CheckpointError(f"cannot read COMMIT marker: {e.strerror}", path=marker_path) from e
+    try:
+        marker = json.loads(raw)
+        if not isinstance(marker, dict):
+            raise TypeError("not an object")
+        str(marker["index_xxh3"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"COMMIT marker is corrupt (unreadable: {e})", path=marker_path) from e
+    if "marker_xxh3" in marker and marker["marker_xxh3"] != _marker_digest(marker):
+        raise CheckpointError("COMMIT marker is corrupt (its own checksum does not match)", path=marker_path,
+                              expected=marker["marker_xxh3"], got=_marker_digest(marker))
+    seq = marker.get("seq")
+    if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or seq < 0):
+        raise CheckpointError("COMMIT marker is corrupt (bad commit sequence)", path=marker_path, seq=seq)
+    return marker
 
 
 def publish(tmp: str, root: str, step: int) -> str:
@@ -100,18 +157,51 @@ def is_committed(path: str) -> bool:
     return os.path.isfile(os.path.join(path, COMMIT))
 
 
-def committed_steps(root: str) -> list[int]:
-    """Sorted steps of the complete checkpoints under ``root`` (missing root: none)."""
+def _step_dirs(root: str) -> list[tuple[int, str]]:
     try:
         names = os.listdir(root)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    steps = []
-    for name in names:
-        m = _STEP_RE.match(name)
-        if m and is_committed(os.path.join(root, name)):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
+    return [(int(m.group(1)), os.path.join(root, name)) for name in names if (m := _STEP_RE.match(name))]
+
+
+def committed_steps(root: str) -> list[int]:
+    """Sorted steps of the complete checkpoints under ``root`` (missing root: none)."""
+    return sorted(step for step, path in _step_dirs(root) if is_committed(path))
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One committed checkpoint directory as listed by :func:`commits`."""
+
+    step: int
+    seq: int | None  # None: a marker from before commit sequences
+    path: str
+    error: CheckpointError | None = None  # the marker could not be read: order unknown
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Sort key of commit order: ``seq``, unsequenced markers first (by step)."""
+        return (-1 if self.seq is None else self.seq, self.step)
+
+
+def commits(root: str) -> list[Commit]:
+    """The committed checkpoints under ``root``, oldest commit first; unreadable markers come last,
+    with ``error`` set (their place in the order is unknown)."""
+    good, bad = [], []
+    for step, path in _step_dirs(root):
+        if not is_committed(path):
+            continue
+        try:
+            good.append(Commit(step, read_marker(path).get("seq"), path))
+        except CheckpointError as e:
+            bad.append(Commit(step, None, path, e))
+    return sorted(good, key=lambda c: c.order) + sorted(bad, key=lambda c: c.step)
+
+
+def max_seq(roots: Iterable[str]) -> int:
+    """The highest commit sequence on any of ``roots`` (-1 if none)."""
+    return max((c.seq for r in roots for c in commits(r) if c.seq is not None), default=-1)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -125,9 +215,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 def cleanup_stale(root: str) -> list[str]:
-    """Remove temp dirs of dead local writers and half-deleted checkpoints; undo an interrupted replace.
+    """Remove temp dirs of dead local writers and retired checkpoints; undo an interrupted replace.
 
-    Returns the paths removed.
+    Returns the paths removed. Uncommitted ``step-N`` directories are left alone (see
+    :func:`uncommitted_step_dirs` and :func:`quarantine`).
     """
     removed = []
     try:
@@ -137,14 +228,12 @@ def cleanup_stale(root: str) -> list[str]:
     host = socket.gethostname()
     for name in names:
         path = os.path.join(root, name)
-        if _STEP_RE.match(name) and _is_half_deleted(path):
-            # publish() only renames complete dirs into place, so this is retention interrupted after it
-            # removed the marker: finish deleting it
+        m = _TMP_RE.match(name)
+        if m and m.group(2) == host and not _pid_alive(int(m.group(3))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
             continue
-        m = _TMP_RE.match(name)
-        if m and m.group(2) == host and not _pid_alive(int(m.group(3))):
+        if _RETIRED_RE.match(name):  # retention renamed it away, then died before deleting it
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
             continue
@@ -159,7 +248,12 @@ def cleanup_stale(root: str) -> list[str]:
     return removed
 
 
-def _is_half_deleted(path: str) -> bool:
+def uncommitted_step_dirs(root: str) -> list[str]:
+    """``step-N`` directories that look like ours (an index and data files) but have no COMMIT marker."""
+    return sorted(path for _, path in _step_dirs(root) if _is_ours_uncommitted(path))
+
+
+def _is_ours_uncommitted(path: str) -> bool:
     """Ours (only an index and data files) and uncommitted; never touches other tools' ``step-*`` dirs."""
     try:
         names = os.listdir(path)
@@ -169,39 +263,58 @@ def _is_half_deleted(path: str) -> bool:
             and all(n == INDEX or (n.startswith("data-") and n.endswith(".bin")) for n in names))
 
 
+def quarantine(path: str) -> str:
+    """Move the step directory ``path`` aside to ``quarantined-step-N.<nonce>`` (same root); return it."""
+    dst = os.path.join(os.path.dirname(path), f"{QUARANTINE_PREFIX}{os.path.basename(path)}.{uuid.uuid4().hex[:8]}")
+    os.rename(path, dst)
+    fsync_dir(os.path.dirname(path))
+    return dst
+
+
 def apply_retention(root: str, keep: int | None, *, protect: Iterable[int] = ()) -> list[int]:
-    """Delete the oldest committed checkpoints beyond the newest ``keep`` (never the newest one)."""
+    """Delete the oldest commits beyond the newest ``keep`` (commit order, see the module docstring).
+
+    The newest commit is never deleted, nor a step in ``protect``, nor one whose marker is unreadable
+    (its age is unknown). Returns the steps deleted.
+    """
     if keep is None:
         return []
     keep = max(1, keep)
-    steps = committed_steps(root)
+    ordered = [c for c in commits(root) if c.error is None]
     protected = set(protect)
-    doomed = [s for s in steps[:-keep] if s not in protected]
+    doomed = [c.step for c in ordered[:-keep] if c.step not in protected]
     for s in doomed:
-        # rename first so a half-deleted directory never looks committed
-        path = step_dir(root, s)
-        trash = os.path.join(root, f".trash-{step_name(s)}.{uuid.uuid4().hex[:8]}")
+        # one rename takes it out of the committed set, so a crash mid-delete leaves nothing that looks
+        # like a checkpoint (or like a lost COMMIT); cleanup_stale finishes the deletion
+        retired = os.path.join(root, f".retired-{step_name(s)}.{uuid.uuid4().hex[:8]}")
         try:
-            os.remove(os.path.join(path, COMMIT))
-            os.rename(path, trash)
+            os.rename(step_dir(root, s), retired)
         except FileNotFoundError:
             continue
-        shutil.rmtree(trash, ignore_errors=True)
+        shutil.rmtree(retired, ignore_errors=True)
     return doomed
 
 
+def parse_index(body: bytes, index_path: str) -> dict[str, Any]:
+    """Parse an index file's bytes and check its format; raise CheckpointError naming ``index_path``."""
+    try:
+        index = json.loads(body)
+    except ValueError as e:
+        raise CheckpointError("index is not valid JSON", path=index_path) from e
+    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
+        get = index.get if isinstance(index, dict) else (lambda _k: None)
+        raise CheckpointError("unknown checkpoint format", path=index_path,
+                              format=get("format"), version=get("version"))
+    return index
+
+
 def read_index(path: str) -> dict[str, Any]:
-    """Read and verify ``path/index.json`` against ``path/COMMIT``; raise CheckpointError naming the file."""
+    """Read and verify ``path/index.json`` against ``path/COMMIT``; raise CheckpointError naming the file
+    at fault (COMMIT when the marker is damaged, the index when it does not match an intact marker)."""
+    marker = read_marker(path)
     marker_path = os.path.join(path, COMMIT)
     index_path = os.path.join(path, INDEX)
-    try:
-        with open(marker_path, "rb") as f:
-            marker = json.loads(f.read())
-        expected = marker["index_xxh3"]
-    except FileNotFoundError as e:
-        raise CheckpointError("checkpoint is not committed (no COMMIT marker)", path=path) from e
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError("COMMIT marker is corrupt", path=marker_path) from e
+    expected = marker["index_xxh3"]
     try:
         with open(index_path, "rb") as f:
             body = f.read()
@@ -209,13 +322,81 @@ def read_index(path: str) -> dict[str, Any]:
         raise CheckpointError(f"cannot read index: {e.strerror}", path=index_path) from e
     got = f"{xxhash.xxh3_64_intdigest(body):016x}"
     if got != expected or len(body) != marker.get("index_bytes", len(body)):
-        raise CheckpointError("index checksum mismatch: index is corrupt", path=index_path,
+        if "marker_xxh3" in marker:  # the marker proved itself intact: the index is at fault
+            raise CheckpointError("index checksum mismatch: index is corrupt", path=index_path,
+                                  expected=expected, got=got)
+        raise CheckpointError("index checksum mismatch: the index or its COMMIT marker (an older marker "
+                              "without its own checksum) is corrupt", path=index_path, marker=marker_path,
                               expected=expected, got=got)
-    try:
-        index = json.loads(body)
-    except ValueError as e:
-        raise CheckpointError("index is not valid JSON", path=index_path) from e
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
-        raise CheckpointError("unknown checkpoint format", path=index_path,
-                              format=index.get("format"), version=index.get("version"))
-    return index
+    return parse_index(body, index_path)
+
+
+class RootLock:
+    """An exclusive ``flock`` on ``<root>/.foresight.lock``: one writing Checkpointer per root.
+
+    Held until :meth:`release` (or the process dies: the kernel drops it, so a SIGKILLed writer never
+    leaves a stale lock). A second holder, in this process or any other sharing the file system, gets a
+    :class:`CheckpointError` naming the root and the holder. ``held`` is False where the file system does
+    not support locks (a warning is the caller's to give).
+
+    Example::
+
+        lock = RootLock("/ckpt")
+        ...
+        lock.release()
+    """
+
+    def __init__(self, root: str) -> None:
+        self.path = os.path.join(root, LOCK)
+        self.held = False
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise CheckpointError(f"cannot open the root's lock file: {e.strerror}", path=self.path) from e
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                holder = self._holder()
+                os.close(self._fd)
+                raise CheckpointError(
+                    "checkpoint root is in use by another Checkpointer (one writer per root: give each rank "
+                    "its own tier directories, or close the other one first)",
+                    path=root, lock=self.path, holder=holder) from None
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                os.close(self._fd)
+                raise CheckpointError(f"cannot lock checkpoint root: {e.strerror}", path=self.path) from e
+            return  # no locks on this file system: held stays False
+        self.held = True
+        _held_locks.add(self)
+        info = json.dumps({"host": socket.gethostname(), "pid": os.getpid()}).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, info, 0)
+
+    def _holder(self) -> str:
+        try:
+            info = json.loads(os.pread(self._fd, 4096, 0))
+            return f"pid {info['pid']} on {info['host']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "unknown"
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            if self.held:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)  # also for copies of the descriptor a fork made
+            os.close(self._fd)
+            self._fd = -1
+            self.held = False
+        _held_locks.discard(self)
+
+    def _drop_in_child(self) -> None:
+        # a forked child (e.g. a DataLoader worker) must not keep the parent's lock alive after the parent
+        # dies; closing its copy does not unlock the parent's
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+            self.held = False
+
+
+_held_locks: weakref.WeakSet[RootLock] = weakref.WeakSet()
+os.register_at_fork(after_in_child=lambda: [lock._drop_in_child() for lock in list(_held_locks)])
