@@ -102,6 +102,7 @@ class NodeSource:
             self.cluster = Cluster(etcd, prefix=prefix or DEFAULT_PREFIX)
         self._nodes: dict[str, _Node] = {}
         self._refreshed = 0.0
+        self._degraded = False  # some part was decoded here last step: look for nodes on every step until not
         self._step = 0
         self._lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="foresight-node-fetch")
@@ -226,7 +227,7 @@ class NodeSource:
             shard[mask] = ds.lookup(samples[mask]).shard
         wanted = np.flatnonzero(np.isin(codes, list(self._codes.values())))
         with self._lock:
-            self._refresh(force=any(x.registered is None for x in self._nodes.values()))
+            self._refresh(force=self._degraded or any(x.registered is None for x in self._nodes.values()))
             nodes = self._usable()
             owner = self._assign(wanted, dataset, shard, nodes)
             futures = {}
@@ -257,6 +258,7 @@ class NodeSource:
         self.stats["samples_remote"] += len(rows)
         self.stats["samples_raw"] += len(raw_rows)
         local = wanted[~covered[wanted]]
+        self._degraded = bool(len(local))
         self.stats["samples_local"] += len(local)
         if len(local):
             rows.extend(self._decode_here(fields, local, first_item, stats))

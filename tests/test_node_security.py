@@ -1,0 +1,190 @@
+"""Every refusal of the node's security and limits: tokens, data-root escapes, specs, caps, TLS and mutual TLS.
+
+Each bad request gets a clear Flight error, and a job registered before it keeps being served."""
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+
+import pyarrow.flight as flight
+import pytest
+
+from foresight.loader import MediaDecodeStage
+from foresight.node.auth import call_options, connect
+from foresight.node.client import NodeSource
+from foresight.node.jobs import spec_digest
+from foresight.node.protocol import MAX_MESSAGE_BYTES, decode_tensors, encode_ticket
+from node_helpers import SPECS, TOKEN, NodeProc, host_reference, make_root, run_source
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    r = make_root(str(tmp_path_factory.mktemp("secroot")))
+    os.makedirs(os.path.join(r["root"], "..", "outside"), exist_ok=True)
+    return r
+
+
+@pytest.fixture(scope="module")
+def node(root, tmp_path_factory):
+    n = NodeProc(root["root"], str(tmp_path_factory.mktemp("secnode")), "--cpu-threshold", "101",
+                 "--max-jobs", "2", "--max-queue-bytes", "1000000", "--max-lead", "3", name="sec")
+    yield n
+    n.terminate()
+
+
+def _request(root, job="good", **over):
+    req = {"job": job, "datasets": ["media"], "plan": "plans/p1", "plan_digest": root["plan"].digest, "rank": 0,
+           "world_size": 1, "specs": {k: v.to_dict() for k, v in SPECS.items()}, "seed": 9, "step": 0,
+           "spec_digest": spec_digest(SPECS)}
+    req.update(over)
+    return req
+
+
+def _act(client, name, body, job=None, token=None):
+    if not isinstance(body, bytes):
+        body = json.dumps(body).encode()
+    res = list(client.do_action(flight.Action(name, body), call_options(job, token, timeout=60)))
+    return json.loads(res[0].body.to_pybytes())
+
+
+def _step(client, job, token, step):
+    table = client.do_get(flight.Ticket(encode_ticket(job, rank=0, step=step)),
+                          call_options(job, token, timeout=60)).read_all()
+    return decode_tensors(table.to_batches())
+
+
+REFUSALS = [
+    ("dataset escaping the root", dict(datasets=["../outside"]), "without '\\.\\.'"),
+    ("absolute dataset path", dict(datasets=["/etc"]), "relative to the data root"),
+    ("plan escaping the root", dict(plan="plans/../../outside"), "relative to the data root"),
+    ("symlink out of the root", dict(datasets=["link-out"]), "escapes the node's data root"),
+    ("unknown spec field", dict(specs={"image": dict(SPECS["image"].to_dict(), code="import os")}),
+     "unknown transform spec fields"),
+    ("pickle in a spec", dict(specs={"image": "gASVBQAAAAAAAACMAXiULg=="}), "must be a JSON object"),
+    ("unknown modality", dict(specs={"hologram": {}}), "unknown modality"),
+    ("bad spec value", dict(specs={"image": dict(SPECS["image"].to_dict(), crop="melt")}), "bad transform spec"),
+    ("spec/library digest mismatch", dict(spec_digest="0123456789abcdef"), "tensors would not match"),
+    ("plan digest mismatch", dict(plan_digest="sha256:" + "0" * 64), "another digest"),
+    ("rank outside world", dict(rank=3, world_size=2), "rank must be"),
+    ("unknown request field", dict(callback="os.system"), "unknown fields"),
+]
+
+
+def test_every_refusal_is_clear_and_disturbs_no_other_job(root, node):
+    os.symlink("/tmp", os.path.join(root["root"], "link-out"))
+    client = connect(node.location)
+    good = _act(client, "register_job", _request(root), job="good", token=TOKEN)
+    assert good["queue_bytes"] == 1000000 and good["lead"] == 2  # node caps: min(asked, node's)
+    before = _step(client, "good", TOKEN, 0)
+    for what, over, message in REFUSALS:
+        with pytest.raises(flight.FlightError, match=message):
+            _act(client, "register_job", _request(root, job="bad", **over), job="bad", token="token-of-bad")
+    # oversized message, malformed JSON, unknown action
+    with pytest.raises(flight.FlightError, match="larger than the node accepts"):
+        _act(client, "progress", b'{"job": "good", "step": 1, "pad": "' + b"x" * MAX_MESSAGE_BYTES + b'"}',
+             job="good", token=TOKEN)
+    with pytest.raises(flight.FlightError, match="not valid JSON"):
+        _act(client, "progress", b"{job", job="good", token=TOKEN)
+    with pytest.raises(flight.FlightError, match="unknown action"):
+        _act(client, "exec", {}, job="good", token=TOKEN)
+    # tokens: missing, wrong, too short, another job's; re-registration under another token
+    with pytest.raises(flight.FlightUnauthenticatedError):
+        _act(client, "progress", {"job": "good", "step": 1}, job="good", token=None)
+    with pytest.raises(flight.FlightUnauthenticatedError):
+        _act(client, "progress", {"job": "good", "step": 1}, job="good", token="wrong-token-123")
+    with pytest.raises(flight.FlightUnauthenticatedError, match="at least 8"):
+        _act(client, "register_job", _request(root, job="short"), job="short", token="abc")
+    with pytest.raises(flight.FlightUnauthenticatedError, match="another token"):
+        _act(client, "register_job", _request(root), job="good", token="stolen-token-1")
+    with pytest.raises(flight.FlightUnauthenticatedError):
+        _step(client, "good", "wrong-token-123", 1)
+    with pytest.raises(flight.FlightError, match="another rank or a step outside"):
+        client.do_get(flight.Ticket(json.dumps({"job": "good", "rank": 0, "step": 999}).encode()),
+                      call_options("good", TOKEN, timeout=60)).read_all()
+    # jobs per node: the second job fits, the third is refused
+    _act(client, "register_job", _request(root, job="second"), job="second", token="token-second")
+    with pytest.raises(flight.FlightError, match="as many jobs as it accepts"):
+        _act(client, "register_job", _request(root, job="third"), job="third", token="token-third")
+    # the good job is served as before, untouched by all of the above
+    assert [(p, m) for p, m, _ in _step(client, "good", TOKEN, 0)] == [(p, m) for p, m, _ in before]
+    assert _act(client, "progress", {"job": "good", "step": 1}, job="good", token=TOKEN)["progress"] == 1
+    status = _act(client, "status", {})
+    assert set(status["jobs"]) >= {"good", "second"} and "bad" not in status["jobs"]
+    for job, token in (("good", TOKEN), ("second", "token-second")):
+        _act(client, "unregister_job", {"job": job}, job=job, token=token)
+    client.close()
+
+
+# -- TLS ---------------------------------------------------------------------------------------------------
+
+
+def _cert(subject: str, issuer_key=None, issuer_name=None, *, ca: bool = False):
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer_name or name)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if not ca:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+    return key, builder.sign(issuer_key or key, hashes.SHA256())
+
+
+def _write(path, key, cert):
+    from cryptography.hazmat.primitives import serialization
+
+    with open(path + ".pem", "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(path + ".key", "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    return path + ".pem", path + ".key"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("pki"))
+    ca_key, ca = _cert("foresight test CA", ca=True)
+    ca_pem, _ = _write(os.path.join(d, "ca"), ca_key, ca)
+    server = _write(os.path.join(d, "server"), *_cert("127.0.0.1", ca_key, ca.subject))
+    client = _write(os.path.join(d, "client"), *_cert("trainer", ca_key, ca.subject))
+    rogue_key, rogue_ca = _cert("rogue CA", ca=True)
+    rogue = _write(os.path.join(d, "rogue"), *_cert("trainer", rogue_key, rogue_ca.subject))
+    return {"ca": ca_pem, "server": server, "client": client, "rogue": rogue}
+
+
+def test_mutual_tls_serves_the_job_and_refuses_clients_without_a_good_certificate(root, pki, tmp_path):
+    n = NodeProc(root["root"], str(tmp_path), "--cpu-threshold", "101", "--tls-cert", pki["server"][0],
+                 "--tls-key", pki["server"][1], "--client-ca", pki["ca"], name="mtls")
+    try:
+        assert n.location.startswith("grpc+tls://")
+        for kwargs in ({}, {"cert": pki["rogue"]}):  # no client certificate; one from another CA
+            client = connect(n.location, tls_root=pki["ca"], **kwargs)
+            with pytest.raises(flight.FlightError):
+                _act(client, "health", {})
+            client.close()
+        plain = connect(n.location.replace("grpc+tls", "grpc"))
+        with pytest.raises(flight.FlightError):
+            _act(plain, "health", {})
+        plain.close()
+        stage = MediaDecodeStage([root["dataset"]], SPECS, seed=9, threads=2)
+        source = NodeSource(stage, root["plan"], nodes=[n.location], token=TOKEN, job="tls",
+                            tls_root=pki["ca"], cert=pki["client"])
+        try:
+            got = run_source(root["dataset"], root["plan"], source)
+        finally:
+            source.close()
+            stage.close()
+        assert got == host_reference(root["dataset"], root["plan"])
+        assert source.stats["samples_local"] == 0
+    finally:
+        n.terminate()
