@@ -73,7 +73,7 @@ def test_sigkill_at_random_moments_leaves_last_commit_intact(tmp_path):
         # everything acknowledged as committed survived; at most the in-flight one more
         assert latest is not None and reported_max <= latest <= max(reported_max, start - 1) + 1
         assert reported_max <= (fc.latest_step(root=durable) or -1)  # wait() acknowledges the durable copy
-        # a step dir without its COMMIT marker (retention killed mid-delete) never reads as complete
+        # a step dir without its COMMIT marker never reads as complete (retention no longer leaves one)
         for name in os.listdir(root):
             path = os.path.join(root, name)
             if name.startswith("step-") and not store.is_committed(path):
