@@ -17,7 +17,7 @@ import xxhash
 from foresight.errors import FormatError
 from foresight.format import DatasetWriter, open_dataset, write_megatron_dataset
 from foresight.format.shard_map import read_map
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 # FORESIGHT_FUZZ_EXAMPLES=5000 for a long local campaign; CI keeps it small.
@@ -57,21 +57,44 @@ def _copy(src, dst):
     return dst
 
 
-def _check_opened(ds):
-    """A dataset that opened must only point inside its shard files."""
+_REFERENCE: dict[str, list[bytes]] = {}  # the unmutated dataset's samples, by fixture path
+
+
+def _reference(path) -> list[bytes]:
+    key = str(path)
+    if key not in _REFERENCE:
+        ds = open_dataset(path)
+        _REFERENCE[key] = [ds.read(i) for i in range(ds.num_samples)]
+    return _REFERENCE[key]
+
+
+def _check_opened(ds, reference: list[bytes] | None = None):
+    """A dataset that opened must only point inside its shard files, and never hand out a wrong byte: each sample
+    reads back as the original or fails with an error naming the file."""
     ext = ds.lookup(np.arange(ds.num_samples))
     sizes = np.array([os.path.getsize(p) for p in ds.shard_paths] or [0], np.int64)
     assert (ext.offset >= 0).all() and (ext.length >= 0).all()
     assert (ext.offset + ext.length <= sizes[ext.shard]).all()
+    if reference is None:
+        return
+    assert ds.num_samples == len(reference), "a mutated file changed the sample count without an error"
+    for i in range(ds.num_samples):
+        try:
+            got = ds.read(i, verify=True)
+        except FormatError as e:  # ChecksumError included
+            assert any(p in str(e) for p in ds.shard_paths) or "path=" in str(e), e
+            continue
+        assert got == reference[i], f"sample {i} read back different bytes without an error"
 
 
-def _expect_format_error_or_ok(fn, *names):
+def _expect_format_error_or_ok(fn, *names, reference: list[bytes] | None = None):
+    """Either a FormatError naming one of ``names``, or a dataset that reads back exactly (see _check_opened)."""
     try:
         ds = fn()
     except FormatError as e:
         assert any(n in str(e) for n in names), f"error does not name the file: {e}"
         return None
-    _check_opened(ds)
+    _check_opened(ds, reference)
     return ds
 
 
@@ -117,16 +140,16 @@ def test_fuzz_manifest_fields(good_dataset, tmp_path_factory, path, value, delet
         try:
             node = node[key]
         except (KeyError, IndexError, TypeError):
-            return
+            assume(False)  # no such field: not an example (hypothesis draws another) rather than a silent pass
     try:
         if delete:
             del node[path[-1]]
         else:
             node[path[-1]] = value
     except (KeyError, IndexError, TypeError):
-        return
+        assume(False)
     (ds_dir / "manifest.json").write_text(json.dumps(doc))
-    _expect_format_error_or_ok(lambda: open_dataset(ds_dir), f"path={ds_dir}/")
+    _expect_format_error_or_ok(lambda: open_dataset(ds_dir), f"path={ds_dir}/", reference=_reference(good_dataset))
 
 
 @FUZZ
@@ -135,7 +158,7 @@ def test_fuzz_manifest_bytes(good_dataset, tmp_path_factory, m):
     ds_dir = _copy(good_dataset, tmp_path_factory.getbasetemp() / "fuzz_manifest_bytes")
     p = ds_dir / "manifest.json"
     p.write_bytes(_mutate(p.read_bytes(), *m))
-    _expect_format_error_or_ok(lambda: open_dataset(ds_dir), f"path={ds_dir}/")
+    _expect_format_error_or_ok(lambda: open_dataset(ds_dir), f"path={ds_dir}/", reference=_reference(good_dataset))
 
 
 # --- shard maps ----------------------------------------------------------------------------------------------------
@@ -227,7 +250,7 @@ def test_fuzz_idx_bytes(good_megatron, tmp_path_factory, m):
     prefix = _idx_copy(good_megatron, tmp_path_factory.getbasetemp() / "fuzz_idx")
     idx = prefix.with_suffix(".idx")
     idx.write_bytes(_mutate(idx.read_bytes(), *m))
-    _expect_format_error_or_ok(lambda: open_dataset(prefix), "m.idx", "m.bin")
+    _expect_format_error_or_ok(lambda: open_dataset(prefix), "m.idx", "m.bin", reference=_reference(good_megatron))
 
 
 @FUZZ
@@ -248,7 +271,7 @@ def test_fuzz_idx_fields(good_megatron, tmp_path_factory, field, value, index):
         value -= 1 << bits
     struct.pack_into(fmt, data, where[0], value)
     idx.write_bytes(bytes(data))
-    _expect_format_error_or_ok(lambda: open_dataset(prefix), "m.idx")
+    _expect_format_error_or_ok(lambda: open_dataset(prefix), "m.idx", "m.bin", reference=_reference(good_megatron))
 
 
 @pytest.mark.parametrize("patch,message", [
