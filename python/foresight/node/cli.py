@@ -38,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 picks one)")
     s.add_argument("--ready-file", default=None, help="write {node, location, metrics_port, pid} here when serving")
     s.add_argument("--log-level", default="INFO")
+    s.add_argument("--service-limit", default=None,
+                   help="checkpoint reads this node serves per second, BYTES[K|M|G][:REQUESTS] (e.g. 64M:500)")
+    s.add_argument("--replica-quota", default="64G:4096",
+                   help="per job: extra bytes and copies its replication hints may place, BYTES[K|M|G]:COPIES")
+    s.add_argument("--safe-readers", type=int, default=None, help="concurrent readers one replica serves well")
     st = sub.add_parser("status", help="per node and job: queue depth, lead, bytes, fallbacks; CPU")
     st.add_argument("--etcd", default=None)
     st.add_argument("--node", action="append", default=None, help="node location (repeatable) instead of etcd")
@@ -88,6 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
                              "jobs": len(server._jobs)}}
 
         registration = cluster.register_node(server.node_id, record, ttl=args.ttl)
+    replicas = _mount_replicas(server, cluster, args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -102,8 +108,23 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("signal received, shutting down", extra={"node": server.node_id})
     if registration is not None:
         registration.close()  # leave the cluster first: clients stop choosing this node
+    if replicas is not None:
+        replicas.close()
     server.stop()
     return 0
+
+
+def _mount_replicas(server, cluster, args: argparse.Namespace):
+    """The replica manager (replication hints, checkpoint reads under the service limit); needs etcd."""
+    if cluster is None:
+        return None
+    from foresight.node.replicas import ReplicaManager
+    from foresight.node.throttle import ServiceLimit, parse_amounts
+
+    quota_bytes, quota_copies = parse_amounts(args.replica_quota, "--replica-quota")
+    kw = {"safe_readers": args.safe_readers} if args.safe_readers else {}
+    return ReplicaManager(server, cluster, limit=ServiceLimit.parse(args.service_limit), lease_ttl=args.ttl,
+                          quota_bytes=int(quota_bytes), quota_replicas=int(quota_copies), **kw)
 
 
 def _node_statuses(args: argparse.Namespace) -> list[dict]:

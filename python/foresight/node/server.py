@@ -126,6 +126,7 @@ class NodeServer(flight.FlightServerBase):
         self._stopped = threading.Event()
         self._actions: dict[str, tuple[Callable, Callable, bool]] = {}
         self._puts: dict[str, Callable] = {}
+        self._gets: dict[str, Callable] = {}
         for name, handler, scoped in (("health", self._health, False), ("status", self._status, False),
                                       ("register_job", self._register_job, False),
                                       ("progress", self._progress, True), ("unregister_job", self._unregister, True)):
@@ -149,6 +150,11 @@ class NodeServer(flight.FlightServerBase):
         """Add a ``DoPut`` for descriptors whose path starts with ``kind``: ``handler(context, descriptor,
         reader, writer)``; the caller's job token is checked with :meth:`authorize` by the handler."""
         self._puts[kind] = handler
+
+    def register_get(self, kind: str, handler: Callable[[Any, dict], Any]) -> None:
+        """Add a ``DoGet`` for JSON tickets whose ``kind`` field is ``kind``: ``handler(context, ticket_object)``
+        returns a Flight data stream and checks the caller's credentials itself."""
+        self._gets[kind] = handler
 
     def authorize(self, context, job_id: str) -> NodeJob:
         """The registered job named by the request, after checking the call's job header and token."""
@@ -190,6 +196,13 @@ class NodeServer(flight.FlightServerBase):
     def do_get(self, context, ticket):
         if self._draining.is_set():
             raise flight.FlightUnavailableError("foresight: node is shutting down")
+        handler = self._gets.get(_ticket_kind(ticket.ticket)) if self._gets else None
+        if handler is not None:
+            try:
+                return handler(context, json.loads(ticket.ticket))
+            except ForesightError as e:
+                self.metrics.refusals.labels(type(e).__name__).inc()
+                raise flight.FlightServerError(f"foresight: {e}") from None
         try:
             t = decode_ticket(ticket.ticket)
             job = self.authorize(context, t["job"])
@@ -374,6 +387,17 @@ class NodeServer(flight.FlightServerBase):
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _ticket_kind(body: bytes) -> str | None:
+    """The ``kind`` of a JSON ticket registered with :meth:`NodeServer.register_get` (None for step tickets)."""
+    if not body.startswith(b'{"kind"'):  # step tickets start with "job": skip parsing them twice
+        return None
+    try:
+        kind = json.loads(body).get("kind")
+    except ValueError:
+        return None
+    return kind if isinstance(kind, str) else None
 
 
 def _table(part) -> Any:

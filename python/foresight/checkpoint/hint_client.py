@@ -1,0 +1,252 @@
+"""The client side of replication hints: declare a restart's hot files, watch the copies, read them spread out.
+
+* :func:`set_replication_hints` derives the hints from a DCP checkpoint and the world size that will load it
+  (:func:`~foresight.checkpoint.hints.derive_dcp_hints`), or takes them ready-made, and sends them with the job's
+  token to a storage node of the cluster, which plans and starts the extra copies (:mod:`foresight.node.replicas`).
+* :func:`replication_progress` / :func:`wait_for_replicas` report the copies (made, pending, failed, bytes, time).
+* :class:`ReplicaReader` reads a checkpoint file from the least loaded live copy (its own in-flight reads per node
+  plus the load nodes advertise in etcd), verifies the bytes against the file's xxh3, and on any failure or
+  mismatch tries the next copy, the base copies last. A wrong hint can cost time, never a wrong byte.
+
+Example::
+
+    hints = set_replication_hints("job-7/step-100", etcd=ep, job="job-7", token=tok, ttl_s=600,
+                                  checkpoint_dir="/ckpt/job-7/step-100", world_size=2048)
+    wait_for_replicas("job-7/step-100", etcd=ep, job="job-7", token=tok, timeout=60)
+    with ReplicaReader(ep, job="job-7", token=tok) as reader:
+        meta = reader.read("job-7/step-100", ".metadata")
+"""
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from foresight.checkpoint.hints import FileHint, derive_dcp_hints
+from foresight.errors import NodeError
+
+DEFAULT_TIMEOUT = 60.0
+
+
+def _action(location: str, action: str, body: dict, *, job: str, token: str, timeout: float = DEFAULT_TIMEOUT,
+            client: Any = None) -> dict:
+    import pyarrow.flight as flight
+
+    from foresight.node.auth import call_options, connect
+
+    own = client is None
+    client = client or connect(location)
+    try:
+        out = list(client.do_action(flight.Action(action, json.dumps(body).encode()),
+                                    call_options(job, token, timeout=timeout)))
+    finally:
+        if own:
+            client.close()
+    return json.loads(out[0].body.to_pybytes())
+
+
+def _any_node(etcd: str | None, node: str | None, prefix: str | None) -> str:
+    if node is not None:
+        return node
+    if etcd is None:
+        raise ValueError("give etcd=<endpoint> or node=<location>")
+    from foresight.node.cluster import DEFAULT_PREFIX, Cluster
+
+    nodes = Cluster(etcd, prefix=prefix or DEFAULT_PREFIX).nodes()
+    if not nodes:
+        raise NodeError("no live storage node in the cluster", etcd=etcd)
+    return random.choice([r["location"] for r in nodes.values()])
+
+
+def publish_checkpoint(node: str, checkpoint: str, *, job: str, token: str) -> dict:
+    """Tell the node at ``node`` to register its files of ``checkpoint`` (its base copies)."""
+    return _action(node, "replicas.publish", {"job": job, "checkpoint": checkpoint}, job=job, token=token)
+
+
+def set_replication_hints(checkpoint: str, *, job: str, token: str, ttl_s: float, etcd: str | None = None,
+                          node: str | None = None, checkpoint_dir: str | None = None, world_size: int | None = None,
+                          replicated_readers: int | None = None, hints: Sequence[FileHint] | None = None,
+                          allow_partial: bool = False, prefix: str | None = None) -> dict:
+    """Declare the files a restart of ``world_size`` ranks will read from ``checkpoint`` (named ``<job>/...``).
+
+    Hints come from ``checkpoint_dir`` (a local copy of the DCP checkpoint) and ``world_size``, or from ``hints``.
+    Returns the node's plan: per file the readers, replicas wanted and placed, new nodes, the cap that bit and
+    the bytes the file granularity copies in vain; ``copy_bytes`` and ``new_replicas`` in total.
+    Refused (``pyarrow.flight.FlightServerError`` naming the reason) for unknown files, sizes that differ,
+    absurd reader counts, a TTL out of bounds, or a plan over the job's quota (unless ``allow_partial``).
+    """
+    if hints is None:
+        if checkpoint_dir is None or world_size is None:
+            raise ValueError("give hints=, or checkpoint_dir= and world_size= to derive them")
+        hints = derive_dcp_hints(checkpoint_dir, world_size, replicated_readers=replicated_readers)
+    body = {"job": job, "checkpoint": checkpoint, "ttl_s": ttl_s, "files": [h.to_dict() for h in hints],
+            "allow_partial": allow_partial}
+    return _action(_any_node(etcd, node, prefix), "set_replication_hints", body, job=job, token=token)
+
+
+def replication_progress(checkpoint: str, *, job: str, token: str, etcd: str | None = None, node: str | None = None,
+                         prefix: str | None = None) -> dict:
+    """Copies made, pending and failed for the checkpoint's live hint; ``complete`` once none is pending."""
+    return _action(_any_node(etcd, node, prefix), "replicas.progress", {"job": job, "checkpoint": checkpoint},
+                   job=job, token=token)
+
+
+def release_replication_hints(checkpoint: str, *, job: str, token: str, etcd: str | None = None,
+                              node: str | None = None, prefix: str | None = None) -> dict:
+    """End the hint now (the restart is over): its copies are reclaimed once no read holds them."""
+    return _action(_any_node(etcd, node, prefix), "replicas.release", {"job": job, "checkpoint": checkpoint},
+                   job=job, token=token)
+
+
+def wait_for_replicas(checkpoint: str, *, job: str, token: str, etcd: str | None = None, node: str | None = None,
+                      timeout: float = 300.0, poll_s: float = 0.1, prefix: str | None = None) -> dict:
+    """Poll :func:`replication_progress` until every copy task is done or failed; NodeError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        p = replication_progress(checkpoint, job=job, token=token, etcd=etcd, node=node, prefix=prefix)
+        if p["complete"]:
+            return p
+        if time.monotonic() > deadline:
+            raise NodeError("replicas not placed in time", checkpoint=checkpoint, pending=p["pending"],
+                            copying=p["copying"], timeout=timeout)
+        time.sleep(poll_s)
+
+
+class ReplicaReader:
+    """Reads checkpoint files from the least loaded live copy, verified; thread-safe (share one per process).
+
+    Args:
+        etcd: cluster endpoint(s); job, token: the job's credentials (the checkpoint is named ``<job>/...``).
+        refresh_s: how long a checkpoint's copy list is reused before etcd is asked again.
+        retry_s: how long a node that failed a read is avoided.
+    """
+
+    def __init__(self, etcd: str, *, job: str, token: str, prefix: str | None = None, refresh_s: float = 2.0,
+                 retry_s: float = 5.0, timeout: float = DEFAULT_TIMEOUT) -> None:
+        from foresight.node.cluster import DEFAULT_PREFIX, Cluster
+
+        self.cluster = Cluster(etcd, prefix=prefix or DEFAULT_PREFIX)
+        self.job, self.token = job, token
+        self.refresh_s, self.retry_s, self.timeout = refresh_s, retry_s, timeout
+        self._lock = threading.Lock()
+        self._copies: dict[str, tuple[float, dict[str, dict[str, dict]]]] = {}
+        self._advertised: dict[str, float] = {}
+        self._inflight: dict[str, int] = {}
+        self._down: dict[str, float] = {}
+        self._clients: dict[str, Any] = {}
+        self._rng = random.Random()
+        self.stats: dict[str, Any] = {"reads": 0, "bytes": 0, "retries": 0, "verify_failures": 0, "by_node": {}}
+
+    # -- copies ------------------------------------------------------------------------------------------
+    def copies(self, checkpoint: str, *, force: bool = False) -> dict[str, dict[str, dict]]:
+        """``{file: {node: record}}`` of live copies (cached for ``refresh_s``)."""
+        from foresight.node.replicas import ckpt_key
+
+        now = time.monotonic()
+        with self._lock:
+            hit = self._copies.get(checkpoint)
+        if hit is not None and not force and now - hit[0] < self.refresh_s:
+            return hit[1]
+        live = self.cluster.nodes()
+        base = self.cluster.key("replicas", ckpt_key(checkpoint)) + "/"
+        out: dict[str, dict[str, dict]] = {}
+        for key, rec in self.cluster._get_prefix(base):
+            file, _, node = key[len(base):].partition("/")
+            if node in live:
+                out.setdefault(file, {})[node] = rec
+        lb = self.cluster.key("replicas", ".load") + "/"
+        advertised = {k[len(lb):]: float(v.get("inflight", 0)) for k, v in self.cluster._get_prefix(lb)}
+        with self._lock:
+            self._copies[checkpoint] = (now, out)
+            self._advertised = advertised
+        return out
+
+    def _order(self, recs: dict[str, dict]) -> list[dict]:
+        """Copies by load (ours in flight + advertised), ties at random; nodes that failed lately last."""
+        now = time.monotonic()
+        with self._lock:
+            keyed = [((self._down.get(n, 0) > now), self._inflight.get(n, 0) + self._advertised.get(n, 0),
+                      self._rng.random(), r) for n, r in recs.items()]
+        keyed.sort(key=lambda k: k[:3])
+        return [k[3] for k in keyed]
+
+    def _client(self, location: str) -> Any:
+        from foresight.node.auth import connect
+
+        with self._lock:
+            c = self._clients.get(location)
+            if c is None:
+                c = self._clients[location] = connect(location)
+            return c
+
+    # -- reads -------------------------------------------------------------------------------------------
+    def read(self, checkpoint: str, file: str) -> bytes:
+        """The whole file's bytes, verified against its xxh3; NodeError naming the file when no copy serves it."""
+        errors = []
+        for attempt in range(2):  # second round: a fresh copy list (copies placed or lost since)
+            recs = self.copies(checkpoint, force=attempt > 0).get(file, {})
+            for rec in self._order(recs):
+                try:
+                    data = self._read_from(rec, checkpoint, file)
+                except Exception as e:  # dead node, reclaimed copy, refusal: try the next copy
+                    errors.append(f"{rec['node']}: {str(e)[:200]}")
+                    with self._lock:
+                        self._down[rec["node"]] = time.monotonic() + self.retry_s
+                        self.stats["retries"] += 1
+                    continue
+                return data
+        raise NodeError("no live copy served the file", checkpoint=checkpoint, file=file,
+                        errors=" | ".join(errors[-4:]) or "no copy registered")
+
+    def _read_from(self, rec: dict, checkpoint: str, file: str) -> bytes:
+        import numpy as np
+        import pyarrow.flight as flight
+
+        from foresight.checksum import xxh3_many
+        from foresight.node.auth import call_options
+
+        node = rec["node"]
+        ticket = json.dumps({"kind": "ckpt.get", "job": self.job, "checkpoint": checkpoint, "file": file}).encode()
+        with self._lock:
+            self._inflight[node] = self._inflight.get(node, 0) + 1
+        try:
+            reader = self._client(rec["location"]).do_get(flight.Ticket(ticket),
+                                                           call_options(self.job, self.token, timeout=self.timeout))
+            parts = []
+            for chunk in reader:
+                col = chunk.data.column(0)
+                parts.extend(col[i].as_py() for i in range(len(col)))
+            data = b"".join(parts)
+        finally:
+            with self._lock:
+                self._inflight[node] -= 1
+        n = len(data)
+        if n != rec["size"] or int(xxh3_many(np.frombuffer(data, np.uint8), np.zeros(1), np.array([n]))[0]) != int(
+                rec["xxh3"], 16):
+            with self._lock:
+                self.stats["verify_failures"] += 1
+            raise NodeError("copy failed verification (size or xxh3)", node=node, file=file, size=len(data))
+        with self._lock:
+            self.stats["reads"] += 1
+            self.stats["bytes"] += len(data)
+            self.stats["by_node"][node] = self.stats["by_node"].get(node, 0) + 1
+        return data
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()
+
+    def __enter__(self) -> "ReplicaReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["ReplicaReader", "publish_checkpoint", "release_replication_hints", "replication_progress",
+           "set_replication_hints", "wait_for_replicas"]

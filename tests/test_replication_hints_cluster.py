@@ -1,0 +1,217 @@
+"""Replication hints on a real cluster: etcd and storage-node processes on loopback, a real DCP checkpoint.
+
+Covers issue 12: replica counts follow the formula and the caps, reads spread over the copies, copies are reclaimed
+when the hint's TTL ends (never under a read), quotas and bad hints are refused with clear errors, and a node that
+dies during a read storm leaves its readers on the other copies.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import math
+import os
+import shutil
+
+import pyarrow.flight as flight
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from foresight.checkpoint.dcp import ForesightStorageWriter
+from foresight.checkpoint.hint_client import (
+    ReplicaReader,
+    publish_checkpoint,
+    release_replication_hints,
+    replication_progress,
+    set_replication_hints,
+    wait_for_replicas,
+)
+from foresight.checkpoint.hints import FileHint, derive_dcp_hints
+from foresight.node.etcd_process import EtcdProcess
+from node_helpers import NodeProc, wait_for
+
+SAFE = 64
+TOKEN = "replica-token-1"
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    with EtcdProcess(str(tmp_path_factory.mktemp("etcd"))) as e:
+        yield e.endpoint
+
+
+def _node(tmp_path_factory, etcd, name, *extra):
+    root = str(tmp_path_factory.mktemp(f"root-{name}"))
+    n = NodeProc(root, str(tmp_path_factory.mktemp(f"work-{name}")), "--etcd", etcd, "--ttl", "3",
+                 "--cpu-threshold", "101", "--safe-readers", str(SAFE), "--replica-quota", "1M:64", *extra,
+                 "--node-id", name, name=name)
+    n.root = root
+    return n
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory, etcd):
+    started = []
+    try:
+        for i in range(4):
+            started.append(_node(tmp_path_factory, etcd, f"n{i}"))
+        yield started
+    finally:
+        for n in started:
+            n.terminate()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "step"
+    state = {"emb": torch.randn(256, 256), "bias": torch.zeros(4)}  # whole tensors: read by the DP group
+    dcp.save(state, storage_writer=ForesightStorageWriter(path))
+    return str(path)
+
+
+def _place(ckpt_dir, name, holders, job):
+    """The checkpoint layer's base copies: the files on ``holders``, published there."""
+    for n in holders:
+        dst = os.path.join(n.root, *name.split("/"))
+        shutil.copytree(ckpt_dir, dst)
+        publish_checkpoint(n.location, name, job=job, token=TOKEN)
+
+
+def _files(ckpt_dir):
+    return {f: open(os.path.join(ckpt_dir, f), "rb").read() for f in os.listdir(ckpt_dir)}
+
+
+def _hinted_on(nodes, name):
+    return {n.node_id: sorted(os.listdir(os.path.join(n.root, ".replicas", *name.split("/"))))
+            for n in nodes if os.path.isdir(os.path.join(n.root, ".replicas", *name.split("/")))
+            and os.listdir(os.path.join(n.root, ".replicas", *name.split("/")))}
+
+
+def test_replica_counts_follow_the_formula_and_the_node_cap(etcd, nodes, ckpt):
+    name, job = "jobA/step-1", "jobA"
+    _place(ckpt, name, nodes[:2], job)
+    world, replicated = 1024, 128
+    plan = set_replication_hints(name, etcd=etcd, job=job, token=TOKEN, ttl_s=600, checkpoint_dir=ckpt,
+                                 world_size=world, replicated_readers=replicated)
+    by_path = {f["path"]: f for f in plan["files"]}
+    meta, data = by_path[".metadata"], next(f for p, f in by_path.items() if p != ".metadata")
+    assert meta["wanted"] == math.ceil(world / SAFE) and meta["replicas"] == 4 and meta["capped_by"] == "nodes"
+    assert data["wanted"] == max(3, math.ceil(replicated / SAFE)) == data["replicas"] and data["capped_by"] is None
+    for f in (meta, data):  # new copies only on nodes that did not hold the file, each node once
+        assert set(f["holders"]) == {"n0", "n1"} and not set(f["new_nodes"]) & set(f["holders"])
+        assert len(set(f["new_nodes"])) == len(f["new_nodes"]) == f["replicas"] - 2
+    assert plan["copy_bytes"] == meta["size"] * 2 + data["size"]
+    done = wait_for_replicas(name, etcd=etcd, job=job, token=TOKEN, timeout=120)
+    assert done["done"] == 3 and done["failed"] == 0 and done["copied_bytes"] == plan["copy_bytes"]
+    assert sorted(done["files"][".metadata"]["copies"]) == ["n0", "n1", "n2", "n3"]
+    assert len(done["files"][data["path"]]["copies"]) == 3
+    # the copies on disk are byte-identical to the checkpoint
+    want = _files(ckpt)
+    for node_id, files in _hinted_on(nodes, name).items():
+        n = next(x for x in nodes if x.node_id == node_id)
+        for f in files:
+            assert open(os.path.join(n.root, ".replicas", "jobA", "step-1", f), "rb").read() == want[f]
+
+
+def test_reads_spread_over_every_copy_and_return_the_checkpoint_bytes(etcd, nodes, ckpt):
+    name, job = "jobA/step-1", "jobA"
+    wait_for_replicas(name, etcd=etcd, job=job, token=TOKEN, timeout=120)
+    want = _files(ckpt)
+    with ReplicaReader(etcd, job=job, token=TOKEN) as reader, cf.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: reader.read(name, ".metadata"), range(64)))
+        assert all(g == want[".metadata"] for g in got)
+        assert set(reader.stats["by_node"]) == {"n0", "n1", "n2", "n3"}  # the hinted copies took readers too
+        assert reader.stats["verify_failures"] == 0
+
+
+def test_bad_hints_and_bad_callers_are_refused_with_the_reason(etcd, nodes, ckpt):
+    name, job = "jobA/step-1", "jobA"
+    files = {h.path: h for h in derive_dcp_hints(ckpt, 64)}
+    data = next(h for p, h in files.items() if p != ".metadata")
+
+    def refused(match, name="jobB/step-1", **kw):
+        args = {"etcd": etcd, "job": "jobB", "token": TOKEN, "ttl_s": 60, **kw}
+        with pytest.raises(flight.FlightError, match=match):
+            set_replication_hints(name, **args)
+
+    _place(ckpt, "jobB/step-1", nodes[2:], "jobB")
+    refused("does not have", hints=[FileHint("nope.bin", 10, 64, 10)])
+    refused("file has", hints=[FileHint(data.path, data.size + 1, 64, 1)])
+    refused("reader count", hints=[FileHint(data.path, data.size, 0, 1)])
+    refused("reader count", hints=[FileHint(data.path, data.size, 10**9, 1)])
+    refused("TTL", hints=[files[".metadata"]], ttl_s=0)
+    refused("TTL", hints=[files[".metadata"]], ttl_s=10**9)
+    refused("outside the checkpoint|bad file name", hints=[FileHint("../x", 1, 1, 1)])
+    refused("own checkpoints", name=name, hints=[files[".metadata"]])  # jobA's checkpoint
+    refused("bad token", hints=[files[".metadata"]], token="another-token")  # jobB's token is bound
+    refused("no live node has published", name="jobB/step-9", hints=[files[".metadata"]])
+    set_replication_hints("jobB/step-1", etcd=etcd, job="jobB", token=TOKEN, ttl_s=60, hints=[files[".metadata"]])
+    refused("hint for this checkpoint is live", hints=[files[".metadata"]])
+    with ReplicaReader(etcd, job="jobB", token="another-token") as reader, pytest.raises(Exception, match="bad token"):
+        reader.read("jobB/step-1", ".metadata")
+
+
+def test_quota_refuses_a_hint_or_places_what_fits(etcd, nodes, tmp_path):
+    name, job = "jobQ/step-1", "jobQ"
+    src = tmp_path / "q"
+    dcp.save({"big": torch.randn(512, 1024)}, storage_writer=ForesightStorageWriter(src))  # 2 MiB > 1 MiB quota
+    _place(str(src), name, nodes[:2], job)
+    with pytest.raises(flight.FlightError, match="quota has"):
+        set_replication_hints(name, etcd=etcd, job=job, token=TOKEN, ttl_s=60, checkpoint_dir=str(src),
+                              world_size=1024)
+    plan = set_replication_hints(name, etcd=etcd, job=job, token=TOKEN, ttl_s=60, checkpoint_dir=str(src),
+                                 world_size=1024, allow_partial=True)
+    by_path = {f["path"]: f for f in plan["files"]}
+    big = next(f for p, f in by_path.items() if p != ".metadata")
+    assert by_path[".metadata"]["new_nodes"] and big["new_nodes"] == [] and big["capped_by"] == "quota_bytes"
+    assert plan["copy_bytes"] <= 1 << 20
+    done = wait_for_replicas(name, etcd=etcd, job=job, token=TOKEN, timeout=120)
+    assert done["failed"] == 0 and len(done["files"][big["path"]]["copies"]) == 2
+
+
+def test_copies_are_reclaimed_when_the_ttl_ends_and_reads_fall_back(etcd, nodes, ckpt):
+    name, job = "jobT/step-1", "jobT"
+    _place(ckpt, name, nodes[:2], job)
+    set_replication_hints(name, etcd=etcd, job=job, token=TOKEN, ttl_s=3, checkpoint_dir=ckpt, world_size=1024)
+    placed = wait_for_replicas(name, etcd=etcd, job=job, token=TOKEN, timeout=120)
+    assert placed["done"] == 4  # both files on n2 and n3
+    wait_for(lambda: not _hinted_on(nodes, name), timeout=60, what="hinted copies deleted after their TTL")
+    p = replication_progress(name, etcd=etcd, job=job, token=TOKEN)
+    assert not p["hint_live"] and all(set(f["copies"]) == {"n0", "n1"} for f in p["files"].values())
+    with ReplicaReader(etcd, job=job, token=TOKEN) as reader:
+        assert reader.read(name, ".metadata") == _files(ckpt)[".metadata"]
+        assert set(reader.stats["by_node"]) <= {"n0", "n1"}
+
+
+def test_a_node_dying_mid_storm_leaves_its_readers_on_the_other_copies(etcd, nodes, ckpt, tmp_path_factory):
+    name, job = "jobS/step-1", "jobS"
+    doomed = _node(tmp_path_factory, etcd, "n4")
+    try:
+        _place(ckpt, name, nodes[:3], job)
+        set_replication_hints(name, etcd=etcd, job=job, token=TOKEN, ttl_s=600, checkpoint_dir=ckpt,
+                              world_size=2048)
+        done = wait_for_replicas(name, etcd=etcd, job=job, token=TOKEN, timeout=120)
+        assert all("n4" in f["copies"] for f in done["files"].values())
+        want = _files(ckpt)
+        files = sorted(want)
+        with ReplicaReader(etcd, job=job, token=TOKEN, refresh_s=60) as reader, cf.ThreadPoolExecutor(8) as pool:
+            def rank(i):
+                if i == 64:
+                    doomed.kill()  # mid-storm: later reads routed to n4 must move to other copies
+                return [reader.read(name, f) == want[f] for f in files]
+
+            results = list(pool.map(rank, range(256)))
+            assert all(all(r) for r in results)
+            assert reader.stats["by_node"].get("n4", 0) > 0  # it served before it died
+            assert reader.stats["retries"] >= 1 and reader.stats["verify_failures"] == 0
+    finally:
+        doomed.kill()
+
+
+def test_release_ends_a_hint_at_once(etcd, nodes, ckpt):
+    name, job = "jobA/step-1", "jobA"
+    assert release_replication_hints(name, etcd=etcd, job=job, token=TOKEN)["released"]
+    wait_for(lambda: not _hinted_on(nodes, name), timeout=60, what="released copies deleted")
+    stats = [json.loads(list(flight.FlightClient(n.location).do_action(flight.Action("replicas.stats", b"{}")))[0]
+                        .body.to_pybytes()) for n in nodes]
+    assert sum(s["reclaimed"] for s in stats) >= 3 and all(s["inflight"] == 0 for s in stats)
