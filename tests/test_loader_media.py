@@ -86,3 +86,26 @@ def test_unknown_modality_spec_is_refused(media):
     ds, _ = media
     with pytest.raises(ValueError, match="allowed"):
         MediaDecodeStage([ds], {"hologram": SPECS["image"]}, seed=1)
+
+
+def test_stage_used_before_a_fork_decodes_in_dataloader_workers(media):
+    # A stage used once in the parent, then handed to forked DataLoader workers: their pools must be their own.
+    from foresight.loader.torch_dataset import ForesightIterableDataset
+
+    ds, _ = media
+    plan = build_plan([(ds, 1.0)], seed=5, global_batch_size=2, num_steps=6)
+    stage = MediaDecodeStage([ds], SPECS, seed=9, threads=2)
+    try:
+        with Loader(ds, plan, decode=stage) as loader:
+            reference = [batch.clone() for batch in loader]
+        adapter = ForesightIterableDataset([ds], plan, rank=0, world_size=1, decode=stage)
+        workers = torch.utils.data.DataLoader(adapter, batch_size=None, num_workers=2,
+                                              multiprocessing_context="fork", timeout=120)
+        got = list(workers)
+    finally:
+        stage.close()
+    assert [b["step"] for b in got] == [b.step for b in reference]
+    for mine, want in zip(got, reference):
+        for name in SPECS:
+            if name in want:
+                assert torch.equal(mine[name], want[name]) and torch.equal(mine[f"{name}_index"], want[f"{name}_index"])

@@ -83,3 +83,97 @@ def test_views_into_buffers_and_quiet_logging(batch):
             pool.decode(SPEC, datas, metas, [0, 1, 2, 3], seed=0, epoch=0)
     finally:
         av.logging.set_level(None)
+
+
+def _decode_in_forked_child(pool, datas, metas) -> list[str]:
+    """Decode with ``pool`` in a forked child; its output hashes come back through a pipe (None if it hung)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    parent_end, child_end = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            out = pool.decode(SPEC, datas, metas, [1, 2, 3, 4], seed=5, epoch=0)
+            child_end.send([output_hash(x) for x in out])
+        except BaseException as e:  # noqa: BLE001 (reported to the parent)
+            child_end.send(repr(e))
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    got = parent_end.recv() if parent_end.poll(120) else None
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    return got
+
+
+def test_pool_used_before_a_fork_decodes_in_the_child(batch):
+    datas, metas = batch
+    serial = [output_hash(SPEC.apply(d, m, seed=5, epoch=0, sample_id=i))
+              for d, m, i in zip(datas, metas, [1, 2, 3, 4])]
+    with DecodePool(threads=2) as pool:
+        assert [output_hash(x) for x in pool.decode(SPEC, datas, metas, [1, 2, 3, 4], seed=5, epoch=0)] == serial
+        assert _decode_in_forked_child(pool, datas, metas) == serial  # the parent's threads are not in the child
+        assert [output_hash(x) for x in pool.decode(SPEC, datas, metas, [1, 2, 3, 4], seed=5, epoch=0)] == serial
+
+
+def test_wait_for_a_stuck_pool_raises_naming_the_sample(batch):
+    import threading
+
+    from foresight.errors import DecodeTimeoutError
+
+    datas, metas = batch
+    gate = threading.Event()
+    with DecodePool(threads=1, timeout_s=0.2) as pool:
+        blocker = pool._pool.submit(gate.wait)  # the only worker is busy until the gate opens
+        handle = pool.submit(SPEC, datas[:2], metas[:2], [21, 22], seed=0, epoch=0)
+        with pytest.raises(DecodeTimeoutError, match=r"sample=2[12]"):
+            handle.result()
+        with pytest.raises(DecodeTimeoutError):
+            handle.result(timeout=0.05)
+        gate.set()
+        blocker.result()
+        assert len(handle.result(timeout=None)) == 2  # no limit: the work finishes once the worker is free
+
+
+def test_pool_pickles_without_its_threads(batch):
+    import pickle
+
+    datas, metas = batch
+    with DecodePool(threads=2, codec_threads=1, timeout_s=30) as pool:
+        pool.decode(SPEC, datas[:1], metas[:1], [0], seed=0, epoch=0)
+        copy = pickle.loads(pickle.dumps(pool))
+    with copy:
+        assert (copy.threads, copy.codec_threads, copy.timeout_s) == (2, 1, 30)
+        assert len(copy.decode(SPEC, datas[:1], metas[:1], [0], seed=0, epoch=0)) == 1
+
+
+def test_batch_submitted_before_a_fork_raises_in_the_child(batch):
+    import multiprocessing as mp
+    import threading
+
+    datas, metas = batch
+    gate = threading.Event()
+    ctx = mp.get_context("fork")
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    with DecodePool(threads=1) as pool:
+        blocker = pool._pool.submit(gate.wait)
+        handle = pool.submit(SPEC, datas[:1], metas[:1], [31], seed=0, epoch=0)  # pending when the fork comes
+
+        def child() -> None:
+            try:
+                handle.result()
+                child_end.send("no error")
+            except BaseException as e:  # noqa: BLE001 (reported to the parent)
+                child_end.send(f"{type(e).__name__}: {e}")
+
+        proc = ctx.Process(target=child)
+        proc.start()
+        got = parent_end.recv() if parent_end.poll(120) else "hung"
+        proc.join(10)
+        gate.set()
+        blocker.result()
+        assert len(handle.result()) == 1  # in the parent the batch completes as ever
+    assert got.startswith("DecodeTimeoutError: decode batch was submitted in another process") and "sample=31" in got

@@ -5,6 +5,9 @@ the ring; the stage fans the samples out over a :class:`foresight.media.DecodePo
 GIL), most expensive first, and stacks each modality's outputs into one (pinned, when CUDA is present) tensor.
 Every random choice is keyed by ``(seed, epoch, sample id)``, where ``epoch`` counts how many times the plan has
 cycled through that sample's dataset, so the storage node and the host produce the same tensors.
+A stage may be used in the parent and then handed to forked ``DataLoader`` workers: each process decodes on
+threads of its own (see :class:`foresight.media.DecodePool`), and a decode that gives no result within
+``timeout_s`` raises :class:`~foresight.errors.DecodeTimeoutError` instead of stalling the step forever.
 
 Example::
 
@@ -25,10 +28,13 @@ import numpy as np
 
 
 class MediaDecodeStage:
-    """Decodes the samples of each step whose modality has a spec; other samples pass through as bytes."""
+    """Decodes the samples of each step whose modality has a spec; other samples pass through as bytes.
+
+    ``threads``/``codec_threads``/``timeout_s`` configure its :class:`foresight.media.DecodePool`.
+    """
 
     def __init__(self, datasets: Any, specs: Mapping[str, Any], *, seed: int, threads: int | None = None,
-                 codec_threads: int = 1) -> None:
+                 codec_threads: int = 1, timeout_s: float | None = 300.0) -> None:
         from foresight.format import Modality
         from foresight.media import DecodePool
 
@@ -40,7 +46,7 @@ class MediaDecodeStage:
         self.specs = dict(specs)
         self.seed = int(seed)
         self._codes = {name: int(Modality.parse(name)) for name in self.specs}
-        self._pool = DecodePool(threads, codec_threads=codec_threads)
+        self._pool = DecodePool(threads, codec_threads=codec_threads, timeout_s=timeout_s)
 
     def __call__(self, fields: dict, *, stats=None, first_item: int = 0) -> dict:
         import torch
