@@ -126,7 +126,8 @@ def measure(ds, plan, runs: int, cuda_steps: int) -> dict:
 
     out: dict = {}
     with Loader(ds, plan, device="cpu", prefetch=2, end_step=min(plan.num_steps, 2)) as loader:
-        batch = next(iter(loader))
+        steps = iter(loader)  # kept alive: the batch is valid until the next one is asked for
+        batch = next(steps)
         tokens = batch["tokens"]
         out["containment"] = arena_containment(loader, tokens)
         slot = out["containment"]["slot"]
