@@ -108,11 +108,19 @@ def summary(batch) -> dict:
     return out
 
 
-def run_source(ds, plan, source, *, rank: int = 0, world_size: int = 1, on_step=None) -> list[dict]:
+def run_source(ds, plan, source, *, rank: int = 0, world_size: int = 1, on_step=None, before_decode=None) -> list[dict]:
+    """Batch summaries of a loader decoding through ``source``; ``before_decode(step)`` runs on the loader thread
+    right before the source sees the step (so a fault lands on a known step whatever the loader prefetched)."""
     from foresight.loader import Loader
 
+    decode = source
+    if before_decode is not None:
+        def decode(fields, **kw):
+            before_decode(int(fields["step"]))
+            return source(fields, **kw)
+
     out = []
-    with Loader(ds, plan, decode=source, rank=rank, world_size=world_size) as loader:
+    with Loader(ds, plan, decode=decode, rank=rank, world_size=world_size) as loader:
         for batch in loader:
             out.append(summary(batch))
             if on_step is not None:

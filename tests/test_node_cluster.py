@@ -90,17 +90,17 @@ def test_node_killed_mid_epoch_then_restarted_client_finishes_identically(root, 
         _place(root, etcd, ["ka", "kb"])
         stage, source = _source(root, etcd, "kill")
 
-        def on_step(step):
-            if step == 1:
+        def before_decode(step):
+            if step == 2:
                 b.proc.kill()  # SIGKILL: no goodbye, its lease must expire
                 b.proc.wait()
                 wait_for(lambda: "kb" not in cluster.nodes(), timeout=60, what="the dead node to leave etcd")
-            if step == 3:
+            if step == 5:
                 restarted.append(_node(root, etcd, tmp_path, "kb"))
                 wait_for(lambda: "kb" in cluster.nodes(), timeout=60, what="the restarted node in etcd")
 
         try:
-            got = run_source(root["dataset"], root["plan"], source, on_step=on_step)
+            got = run_source(root["dataset"], root["plan"], source, before_decode=before_decode)
         finally:
             source.close()
             stage.close()

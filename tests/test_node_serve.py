@@ -161,3 +161,104 @@ def test_sigterm_stops_cleanly_with_json_logs(root, tmp_path):
     msgs = [line["msg"] for line in lines]
     assert "node serving" in msgs and "node draining" in msgs and "node stopped" in msgs
     assert all({"ts", "level", "logger", "msg"} <= set(line) for line in lines)
+
+
+def test_slow_node_is_bypassed_then_used_again(root, tmp_path):
+    import os
+    import signal
+
+    n = NodeProc(root["root"], str(tmp_path), "--cpu-threshold", "101", name="slow")
+    stage, source = _source(root, n, job="slow", timeout=5, retry_s=0)  # retry on every step
+    remote_at = {}
+
+    def before_decode(step):
+        remote_at[step] = source.stats["samples_remote"]
+        if step == 1:
+            os.kill(n.proc.pid, signal.SIGSTOP)  # frozen: every call to it runs into its deadline
+        if step == 3:
+            os.kill(n.proc.pid, signal.SIGCONT)
+
+    try:
+        got = run_source(root["dataset"], root["plan"], source, before_decode=before_decode)
+    finally:
+        os.kill(n.proc.pid, signal.SIGCONT)
+        source.close()
+        stage.close()
+        n.terminate()
+    assert got == root["reference"]
+    assert remote_at[3] == remote_at[1]  # steps 1-2: nothing from the frozen node, decoded here
+    assert source.stats["samples_local"] > 0
+    assert source.stats["samples_remote"] > remote_at[3]  # back to the node once it answers again
+
+
+def test_node_restarted_on_its_address_is_registered_again(root, tmp_path):
+    from foresight.node.etcd_process import free_port
+
+    port = str(free_port())
+    nodes = [NodeProc(root["root"], str(tmp_path), "--cpu-threshold", "101", "--port", port, name="r0")]
+    stage, source = _source(root, nodes[0], job="restart", retry_s=0.2)
+
+    def before_decode(step):
+        if step == 2:  # a clean restart between two calls: the new process does not know the job
+            assert nodes[-1].terminate() == 0
+            nodes.append(NodeProc(root["root"], str(tmp_path), "--cpu-threshold", "101", "--port", port, name="r1"))
+
+    try:
+        got = run_source(root["dataset"], root["plan"], source, before_decode=before_decode)
+    finally:
+        source.close()
+        stage.close()
+        nodes[-1].terminate()
+    assert got == root["reference"]
+    assert source.stats["samples_local"] == 0  # every part came from a node, before and after the restart
+    assert source.stats["reregistered"] + source.stats["parts_failed"] >= 1
+
+
+def test_stop_lets_in_flight_streams_finish_and_refuses_new_ones_clearly(root):
+    """Streams running when the node stops end complete; calls arriving while it drains get 'shutting down'."""
+    import threading
+
+    import pyarrow.flight as flight
+
+    from foresight.node.auth import call_options, connect
+    from foresight.node.protocol import decode_tensors, encode_ticket
+    from foresight.node.server import NodeServer
+
+    server = NodeServer(root["root"], cpu_threshold=101, decode_threads=2)
+    stage, source = None, None
+    try:
+        stage = MediaDecodeStage([root["dataset"]], SPECS, seed=9, threads=2)
+        source = NodeSource(stage, root["plan"], nodes=[server.location], token=TOKEN, job="drain")
+        source._refresh(force=True)
+        assert source._usable()  # registered
+        results = {}
+
+        def fetch(step):
+            client = connect(server.location)
+            try:
+                table = client.do_get(flight.Ticket(encode_ticket("drain.0", rank=0, step=step)),
+                                      call_options("drain.0", TOKEN, timeout=60)).read_all()
+                results[step] = ("ok", len(decode_tensors(table.to_batches())))
+            except flight.FlightError as e:
+                results[step] = ("refused", str(e))
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=fetch, args=(s,)) for s in range(root["plan"].num_steps)]
+        for t in threads:
+            t.start()
+        server.stop()
+        for t in threads:
+            t.join(timeout=120)
+        assert len(results) == root["plan"].num_steps
+        for step, (status, detail) in results.items():
+            if status == "ok":  # finished: every sample of its part is there
+                assert detail == sum(len(root["reference"][step][n][0]) for n in SPECS if n in root["reference"][step])
+            else:  # refused or cut off by the shutdown, saying so
+                assert "shutting down" in detail or "unavailable" in detail.lower() or "Socket closed" in detail
+    finally:
+        if source is not None:
+            source.close()
+        if stage is not None:
+            stage.close()
+        server.stop()

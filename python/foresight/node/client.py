@@ -65,8 +65,9 @@ class NodeSource:
         token: the job's token (at least 8 characters), sent on every call.
         job: job id (default: a random one); rank ``r`` registers on the nodes as ``<job>.<r>``.
         lead: steps each node prepares ahead; queue_bytes: cap of each node's queue for this job.
-        timeout: deadline of one node call in seconds (a slower node is treated as down for this step).
-        retry_s: first backoff before a failed node is tried again (doubles per failure, at most 30 s).
+        timeout: deadline of one step's call in seconds (a slower node is treated as down for this step).
+        register_timeout: deadline of a registration (the node opens the datasets and plan, starts a pool).
+        retry_s: first backoff before a failed node is tried again (doubles per failure, at most 30 s; 0: next step).
         tls_root, cert: CA PEM path for ``grpc+tls`` nodes; (chain, key) PEM paths for mutual TLS.
     """
 
@@ -74,7 +75,7 @@ class NodeSource:
                  job: str | None = None, rank: int = 0, world_size: int = 1, lead: int = 2,
                  queue_bytes: int = 256 << 20, timeout: float = 30.0, retry_s: float = 1.0,
                  tls_root: str | None = None, cert: tuple[str, str] | None = None,
-                 prefix: str | None = None, refresh_s: float = 2.0) -> None:
+                 prefix: str | None = None, refresh_s: float = 2.0, register_timeout: float = 60.0) -> None:
         if (etcd is None) == (nodes is None):
             raise ValueError("give etcd=<endpoint> or nodes=[locations], not both and not neither")
         if not isinstance(token, str) or len(token) < 8:
@@ -85,6 +86,7 @@ class NodeSource:
         self.node_job = f"{self.job}.{self.rank}"
         self.lead, self.queue_bytes = int(lead), int(queue_bytes)
         self.timeout, self.retry_s, self.refresh_s = float(timeout), float(retry_s), float(refresh_s)
+        self.register_timeout = max(float(register_timeout), self.timeout)
         self.tls_root, self.cert = tls_root, cert
         self.datasets = stage.datasets
         self._fingerprints = [str(ds.fingerprint) for ds in self.datasets]
@@ -174,12 +176,13 @@ class NodeSource:
                "plan_digest": self.plan.digest, "rank": self.rank, "world_size": self.world_size,
                "specs": self._spec_dicts, "seed": self.stage.seed, "step": self._step, "lead": self.lead,
                "queue_bytes": self.queue_bytes, "spec_digest": self._spec_digest}
-        out = list(n.client.do_action(flight.Action("register_job", json.dumps(req).encode()), self._options()))
+        out = list(n.client.do_action(flight.Action("register_job", json.dumps(req).encode()),
+                                      self._options(self.register_timeout)))
         n.registered = json.loads(out[0].body.to_pybytes())
         n.served = [None if s is None else set(s) for s in n.registered["served_shards"]]
 
-    def _options(self) -> flight.FlightCallOptions:
-        return call_options(self.node_job, self.token, timeout=self.timeout)
+    def _options(self, timeout: float | None = None) -> flight.FlightCallOptions:
+        return call_options(self.node_job, self.token, timeout=timeout or self.timeout)
 
     def _mark_down(self, n: _Node, error: BaseException) -> None:
         n.failures += 1

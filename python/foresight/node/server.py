@@ -131,6 +131,7 @@ class NodeServer(flight.FlightServerBase):
                                       ("register_job", self._register_job, False),
                                       ("progress", self._progress, True), ("unregister_job", self._unregister, True)):
             self.register_action(name, ACTION_DECODERS[name], handler, job_scoped=scoped)
+        _warm_up()
         self.scheduler = Scheduler(self._produce, workers=workers, engine_factory=self._new_engine,
                                    on_change=self._queue_metrics)
         self._janitor = threading.Thread(target=self._janitor_loop, name="foresight-node-janitor", daemon=True)
@@ -398,6 +399,14 @@ def _ticket_kind(body: bytes) -> str | None:
     except ValueError:
         return None
     return kind if isinstance(kind, str) else None
+
+
+def _warm_up() -> None:
+    """Import the decode stack now, so that a job's first registration does not pay for it (and time out)."""
+    import foresight.format  # noqa: F401
+    import foresight.loader  # noqa: F401
+    import foresight.media  # noqa: F401
+    import foresight.plan  # noqa: F401
 
 
 def _table(part) -> Any:
