@@ -10,7 +10,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 BASE_PY=${PYTHON:-python3}
 VENV=${FORESIGHT_VENV:-$PWD/.venv}
-APT_PKGS=(liburing-dev libxxhash-dev fio etcd-server)
+APT_PKGS=(liburing-dev libxxhash-dev fio etcd-server
+  ffmpeg opencv-doc)  # media tests: the ffmpeg CLI (libxvid etc.) and real sample videos (opencv-doc)
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -18,6 +18,7 @@ from foresight.media import (
     video_pts,
 )
 from foresight.media.synth import make_video, remux
+from foresight.media.video import NONREF_SKIP_CODECS, DecodeReport
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +28,8 @@ CLIPS = {
     "h264_no_bframes": {"codec": "libx264", "gop": 30, "seconds": 2, "options": {"x264-params": "bframes=0"}},
     "h264_bpyramid_strict": {"codec": "libx264", "gop": 45, "seconds": 3,
                                  "options": {"x264-params": "bframes=5:b-pyramid=strict:b-adapt=2"}},
+    "h264_open_gop": {"codec": "libx264", "gop": 30, "seconds": 3, "options": {"x264-params": "open-gop=1:bframes=3"}},
+    "hevc": {"codec": "libx265", "gop": 30, "seconds": 2, "options": {"x265-params": "log-level=none:bframes=3"}},
     "vp9": {"codec": "libvpx-vp9", "gop": 30, "seconds": 2},
     "mpeg4_bframes": {"codec": "mpeg4", "gop": 15, "bframes": 2, "seconds": 2},
     "av1": {"codec": "libsvtav1", "gop": 24, "seconds": 2, "width": 128, "height": 96},
@@ -90,6 +93,20 @@ def test_pts_eq_dts_clip_really_has_nonmonotone_frame_pts(clips):
     with av.open(io.BytesIO(clips["h264_mkv_pts_eq_dts"])) as c:
         pts = [f.pts for f in c.decode(video=0)]
     assert any(b <= a for a, b in itertools.pairwise(pts)), "remux did not produce the messy case"
+
+
+@pytest.mark.parametrize("name", list(CLIPS) + ["h264_mkv_pts_eq_dts", "h264_mpegts"])
+def test_fast_path_needs_no_fallback(clips, references, name):
+    """On sound files every group starts on its index keyframe (confirmed), NONREF skipping stays on where
+    the codec allows it, and nothing is decoded again from the start."""
+    data = clips[name]
+    meta = probe_media(data, "video")
+    n = meta["num_frames"]
+    for idx in ([1], [n // 2, n // 2 + 1], [3, n // 3, 2 * n // 3, n - 1]):
+        report = DecodeReport()
+        _check_selection(data, meta, references[name], idx, report=report)
+        assert not report.refused_keys and not report.from_start and not report.substituted, idx
+        assert report.nonref_skip == (meta["codec"] in NONREF_SKIP_CODECS)
 
 
 def test_skip_nonref_is_exact_and_skips(clips, references):

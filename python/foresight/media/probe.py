@@ -6,6 +6,13 @@ constant-frame-rate clip costs a few bytes) and the positions of the keyframes i
 order. Packet order is never trusted: timestamps are sorted, which also handles muxers that
 write B-frames with pts == dts or with non-increasing pts.
 
+The index lists only frames a player shows: packets an edit list hides (``is_discard``) and packets the
+demuxer flags corrupt (the cut-off last packet of a truncated download) are left out. Keyframe flags are a
+demuxer's word: an AVI without its index (cut short) flags every packet as a keyframe, so when every packet
+of a codec that is not intra-only says "keyframe", the probe decodes the clip once to find the true ones.
+Decode (``video.decode_video``) checks the flags again either way. MPEG-4 part 2 clips record whether their
+B-frames are packed DivX-style (``packed_bframes``), which turns off NONREF skipping for them.
+
 Example::
 
     meta = probe_media(open("clip.mp4", "rb").read(), "video")
@@ -15,9 +22,11 @@ Example::
 from __future__ import annotations
 
 import io
+import re
 from fractions import Fraction
 from typing import Any
 
+import av
 import numpy as np
 from PIL import Image
 
@@ -26,6 +35,18 @@ from ._av import MEDIA_ERRORS, open_media
 
 MODALITIES = ("video", "image", "audio")
 INDEX_VERSION = 1
+#: User data by which DivX 5 / Xvid mark a packed bitstream; FFmpeg's decoder switches to packed mode on it.
+_DIVX_PACKED = re.compile(rb"DivX\d+(?:Build|b)\d+p")
+_VOP_START = b"\x00\x00\x01\xb6"
+
+
+def mpeg4_packed(buf: bytes | None) -> bool:
+    """True if MPEG-4 part 2 bytes (extradata or a packet) show packed B-frames: the "DivX...p" user data,
+    or two VOPs in one packet (a P-frame with the next B-frame riding along)."""
+    if not buf:
+        return False
+    first = buf.find(_VOP_START)
+    return bool(_DIVX_PACKED.search(buf)) or (first >= 0 and buf.find(_VOP_START, first + 4) >= 0)
 
 
 def _rle(values: np.ndarray) -> list[list[int]]:
@@ -56,10 +77,15 @@ def _probe_video(data: bytes, ctx: dict) -> dict[str, Any]:
         s = c.streams.video[0]
         pts_list: list[int] = []
         key_list: list[int] = []
-        untimed = 0
+        untimed = corrupt = 0
+        mpeg4 = s.codec_context.name == "mpeg4"
+        packed = mpeg4 and mpeg4_packed(s.codec_context.extradata)
         try:
             for p in c.demux(s):
-                if p.size == 0:  # the flush packet demux() yields at the end
+                if p.size == 0 or p.is_discard:  # flush packet at the end / hidden by an edit list
+                    continue
+                if p.is_corrupt:  # e.g. the cut-off last packet: its picture is not the stream's
+                    corrupt += 1
                     continue
                 t = p.pts if p.pts is not None else p.dts
                 if t is None:
@@ -68,18 +94,23 @@ def _probe_video(data: bytes, ctx: dict) -> dict[str, Any]:
                 pts_list.append(t)
                 if p.is_keyframe:
                     key_list.append(t)
+                if mpeg4 and not packed:
+                    packed = mpeg4_packed(bytes(p))
         except MEDIA_ERRORS as e:
             raise DecodeError(f"cannot demux video: {e}", **ctx) from e
         if untimed:
             raise DecodeError(f"{untimed} video packets have neither pts nor dts", **ctx)
         if not pts_list:
             raise DecodeError("video stream has no frames", **ctx)
+        if len(key_list) == len(pts_list) > 1 and not _intra_only(s.codec_context.name):
+            key_list = _decoded_key_pts(data, ctx)
         cc = s.codec_context
         tb = s.time_base
         rate = s.average_rate or s.guessed_rate
         pts = np.sort(np.asarray(pts_list, dtype=np.int64))
         # keyframes as positions in presentation order (duplicates pick the first one)
-        keys = np.unique(np.searchsorted(pts, np.asarray(key_list, dtype=np.int64), side="left"))
+        key_pts = np.asarray(key_list, dtype=np.int64)
+        keys = np.unique(np.searchsorted(pts, key_pts[np.isin(key_pts, pts)], side="left"))
         if keys.size == 0 or keys[0] != 0:
             # no keyframe flagged at the start: decoding must begin at the first packet
             keys = np.unique(np.concatenate(([0], keys)))
@@ -101,7 +132,27 @@ def _probe_video(data: bytes, ctx: dict) -> dict[str, Any]:
             "pts_start": int(pts[0]),
             "pts_deltas": _rle(deltas),
             "key_frames": [int(k) for k in keys],
+            "packed_bframes": bool(packed),
+            "corrupt_packets": corrupt,
         }
+
+
+def _intra_only(codec: str) -> bool:
+    try:
+        return bool(av.codec.Codec(codec, "r").intra_only)
+    except (av.FFmpegError, ValueError):
+        return False
+
+
+def _decoded_key_pts(data: bytes, ctx: dict) -> list[int]:
+    """Pts of the frames the decoder itself calls keyframes (one full decode, for untrustworthy flags)."""
+    with open_media(data, **ctx) as c:
+        s = c.streams.video[0]
+        try:
+            frames = (f for p in c.demux(s) if not p.is_corrupt for f in s.codec_context.decode(p))
+            return [f.pts for f in frames if f.key_frame and f.pts is not None]
+        except MEDIA_ERRORS as e:
+            raise DecodeError(f"cannot decode video to find its keyframes: {e}", **ctx) from e
 
 
 def _probe_audio(data: bytes, ctx: dict) -> dict[str, Any]:
@@ -183,4 +234,4 @@ def time_base(meta: dict[str, Any]) -> Fraction:
     return Fraction(num, den)
 
 
-__all__ = ["MODALITIES", "probe_media", "time_base", "video_pts"]
+__all__ = ["MODALITIES", "mpeg4_packed", "probe_media", "time_base", "video_pts"]

@@ -4,15 +4,26 @@ Video frames come from FFmpeg's ``testsrc2`` (moving pattern with a frame counte
 frame is distinct). Source frames are stripped of their picture type, else libx264 would obey
 it and make every frame a keyframe.
 
+Files as real-world tools write them come from the ``ffmpeg`` command-line tool (``ffmpeg_cli``: Debian's
+build has encoders PyAV's wheel lacks, e.g. libxvid, whose AVI output packs B-frames DivX-style), and a few
+byte-level edits reproduce what downloads and old muxers do to files (``drop_avi_index``,
+``with_not_coded_vop``).
+
 Example::
 
     mp4 = make_video(codec="libx264", width=160, height=120, seconds=2, gop=12)   # bytes
     make_video("clip.mp4", seconds=60, width=1280, height=720, gop=60)            # to a file
+    avi = ffmpeg_cli(["-f", "lavfi", "-i", "testsrc2=size=96x64:rate=25:duration=2", "-c:v", "libxvid",
+                      "-bf", "2"], out_format="avi")                              # packed B-frames
 """
 from __future__ import annotations
 
 import io
 import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import av
@@ -78,6 +89,83 @@ def remux(data: bytes, *, container: str = "matroska", pts_from_dts: bool = Fals
     return buf.getvalue()
 
 
+def ffmpeg_cli(args: Sequence[str], *, out_format: str, data: bytes | None = None, timeout: float = 120) -> bytes:
+    """Run the ffmpeg command-line tool and return what it wrote. ``data`` (if given) is the input file,
+    named ``{in}`` in ``args``; the output file (format ``out_format``) is appended to ``args``."""
+    exe = shutil.which("ffmpeg")
+    if exe is None:
+        raise FileNotFoundError("the ffmpeg command-line tool is not installed (apt-get install ffmpeg)")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = os.path.join(tmp, "in"), os.path.join(tmp, "out")
+        if data is not None:
+            with open(src, "wb") as f:
+                f.write(data)
+        cmd = [exe, "-hide_banner", "-loglevel", "error", "-nostdin", "-y",
+               *(a.replace("{in}", src) for a in args), "-f", out_format, out]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"ffmpeg failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+        with open(out, "rb") as f:
+            return f.read()
+
+
+def drop_avi_index(data: bytes) -> bytes:
+    """The AVI with its ``idx1`` index renamed to a JUNK chunk: as if it were never written."""
+    at = data.rfind(b"idx1")
+    if at < 0:
+        raise ValueError("no idx1 chunk in these bytes")
+    return data[:at] + b"JUNK" + data[at + 4:]
+
+
+_VOP_START = b"\x00\x00\x01\xb6"
+
+
+def not_coded_vop(vop: bytes, time_increment_bits: int) -> bytes:
+    """An MPEG-4 part 2 VOP cut down to its header with ``vop_coded = 0`` (same type and time): a legal
+    "not coded" VOP, which Xvid writes for dropped frames and after which the previous picture is shown."""
+    at = vop.find(_VOP_START)
+    if at < 0:
+        raise ValueError("no VOP start code")
+    bits = "".join(f"{b:08b}" for b in vop[at + 4:at + 12])
+    pos = 2                      # vop_coding_type
+    while bits[pos] == "1":      # modulo_time_base: ones, then a zero
+        pos += 1
+    pos += 1 + 1 + time_increment_bits + 1  # the zero, marker, vop_time_increment, marker
+    head = bits[:pos] + "0"      # vop_coded = 0
+    head += "0" + "1" * (-(len(head) + 1) % 8)  # stuffing to the byte boundary
+    return vop[:at + 4] + int(head, 2).to_bytes(len(head) // 8, "big")
+
+
+def with_not_coded_vop(data: bytes, *, nth_b: int, fps: int) -> tuple[bytes, int]:
+    """Copy of an MPEG-4 part 2 clip (``make_video(codec="mpeg4", bframes=...)``, ``fps`` as encoded) with its
+    ``nth_b`` B-VOP replaced by a not-coded VOP; returns (bytes, pts of that frame). The index lists that
+    pts; the decoder never outputs a picture for it."""
+    src = av.open(io.BytesIO(data))
+    ins = src.streams.video[0]
+    buf = io.BytesIO()
+    out = av.open(buf, "w", format="mp4")
+    os_ = out.add_stream_from_template(ins)
+    seen, hit = 0, None
+    for p in src.demux(ins):
+        if p.dts is None:
+            continue
+        raw = bytes(p)
+        at = raw.find(_VOP_START)
+        if hit is None and at >= 0 and raw[at + 4] >> 6 == 2:  # vop_coding_type 2: B
+            seen += 1
+            if seen > nth_b:
+                q = av.Packet(not_coded_vop(raw, max(1, (fps - 1).bit_length())))
+                q.pts, q.dts, q.time_base, hit = p.pts, p.dts, p.time_base, p.pts
+                p = q
+        p.stream = os_
+        out.mux(p)
+    out.close()
+    src.close()
+    if hit is None:
+        raise ValueError(f"the clip has no B-VOP number {nth_b}")
+    return buf.getvalue(), int(hit)
+
+
 def make_image(fmt: str = "JPEG", *, width: int = 320, height: int = 240, seed: int = 0, **save: Any) -> bytes:
     """A smooth colour image (plus mild noise) encoded as JPEG/PNG/WEBP."""
     y, x = np.mgrid[0:height, 0:width].astype(np.float32)
@@ -117,4 +205,5 @@ def make_audio(*, seconds: float = 2.0, rate: int = 48000, freq: float = 440.0, 
     return buf.getvalue()
 
 
-__all__ = ["make_audio", "make_image", "make_video", "remux"]
+__all__ = ["drop_avi_index", "ffmpeg_cli", "make_audio", "make_image", "make_video", "not_coded_vop", "remux",
+           "with_not_coded_vop"]
