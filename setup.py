@@ -7,6 +7,10 @@
 
 ``FORESIGHT_ONLY=_core,_engine_plan python setup.py build_ext --inplace`` rebuilds a subset
 (handy while working on one layer); by default everything is built.
+
+``_core`` is checked right after its link (csrc/bindings/_core_build_check.py): it must keep any C++ runtime
+linked into it private and pass C++ errors to Python whole, whatever the compiler wrapper or LDFLAGS did;
+otherwise the build fails with the reason.
 """
 from __future__ import annotations
 
@@ -16,8 +20,12 @@ import sys
 import pybind11
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "io"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "csrc", "io"))
+sys.path.insert(0, os.path.join(HERE, "csrc", "bindings"))
+from _core_build_check import BuildCheckError, MissingRuntimeError, check_core  # noqa: E402
 from _uring_build import HAVE_LIBURING  # noqa: E402  (reports the liburing check once)
 
 ONLY = {name for name in os.environ.get("FORESIGHT_ONLY", "").split(",") if name}
@@ -43,6 +51,9 @@ if wanted("_core"):
             include_dirs=[pybind11.get_include(), "csrc/core"],
             language="c++",
             extra_compile_args=CXX_FLAGS,
+            # Export PyInit__core alone, so a C++ runtime linked in stays private (see the map file).
+            extra_link_args=["-Wl,--version-script=csrc/bindings/_core.map"],
+            depends=["csrc/bindings/_core.map"] + [os.path.join("csrc", "core", f) for f in os.listdir("csrc/core")],
         )
     )
 
@@ -65,7 +76,31 @@ if cython_exts:
         quiet=True,
     )
 
+
+class CheckedBuildExt(build_ext):
+    """build_ext that checks the built ``_core`` (see the module docstring) before the build may succeed."""
+
+    def build_extension(self, ext: Extension) -> None:
+        super().build_extension(ext)
+        if ext.name != "foresight._core":
+            return
+        path = self.get_ext_fullpath(ext.name)
+        try:
+            try:
+                summary = check_core(path)
+            except MissingRuntimeError as e:  # a C linker driver: name the runtime ourselves, once
+                print(f"foresight: relinking _core with -lstdc++: {e}", file=sys.stderr)
+                ext.extra_link_args = [*ext.extra_link_args, "-lstdc++"]
+                self.force = True
+                super().build_extension(ext)
+                summary = check_core(path)
+        except BuildCheckError as e:
+            sys.exit(f"foresight: the native build is not usable: {e}")
+        print(summary, file=sys.stderr)
+
+
 setup(
+    cmdclass={"build_ext": CheckedBuildExt},
     ext_modules=ext_modules,
     cffi_modules=["csrc/io/_uring_build.py:ffi"] if wanted("_uring") else [],
     zip_safe=False,

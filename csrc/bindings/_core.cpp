@@ -4,7 +4,11 @@
 #include <pybind11/pybind11.h>
 
 #include <cstring>
+#include <exception>
 #include <memory>
+#include <new>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -155,25 +159,78 @@ py::array_t<uint8_t> arena_view(Arena& arena, uint8_t* data, size_t nbytes) {
     return py::array_t<uint8_t>({static_cast<py::ssize_t>(nbytes)}, {static_cast<py::ssize_t>(1)}, data, base);
 }
 
+// foresight.errors.FormatError, or ValueError (its base) where the package cannot be imported (the build's
+// check loads the module on its own).
+PyObject* format_error_class() {
+    PyObject* mod = PyImport_ImportModule("foresight.errors");
+    PyObject* cls = mod ? PyObject_GetAttrString(mod, "FormatError") : nullptr;
+    Py_XDECREF(mod);
+    if (!cls) {
+        PyErr_Clear();
+        Py_INCREF(PyExc_ValueError);
+        return PyExc_ValueError;
+    }
+    return cls;
+}
+
+// Sets the Python error for the C++ exception in p through the C API alone; handles every exception.
+void translate_exception(std::exception_ptr p) {
+    if (!p) return;
+    try {
+        std::rethrow_exception(p);
+    } catch (py::error_already_set& e) {
+        e.restore();
+    } catch (const py::builtin_exception& e) {  // py::type_error and friends
+        e.set_error();
+    } catch (const foresight::FormatError& e) {
+        PyObject* cls = format_error_class();
+        PyErr_SetString(cls, e.what());
+        Py_DECREF(cls);
+    } catch (const foresight::SystemError& e) {
+        PyErr_SetObject(PyExc_OSError, py::make_tuple(e.err, e.what()).ptr());
+    } catch (const ClosedError& e) {
+        PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const std::bad_alloc&) {
+        PyErr_SetString(PyExc_MemoryError, "foresight._core: out of memory");
+    } catch (const std::out_of_range& e) {
+        PyErr_SetString(PyExc_IndexError, e.what());
+    } catch (const std::overflow_error& e) {
+        PyErr_SetString(PyExc_OverflowError, e.what());
+    } catch (const std::invalid_argument& e) {  // InputError
+        PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const std::length_error& e) {
+        PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const std::exception& e) {
+        PyErr_SetString(PyExc_RuntimeError, e.what());
+    } catch (...) {
+        PyErr_SetString(PyExc_RuntimeError, "foresight._core: unknown C++ exception");
+    }
+}
+
+[[noreturn]] void raise_for_check(const std::string& kind, int64_t number) {
+    const std::string what = cat("check: ", kind, " error ", number, " (", -number, ") reached Python whole");
+    if (kind == "input") throw InputError(what);
+    if (kind == "format") throw foresight::FormatError(what);
+    if (kind == "closed") throw ClosedError(what);
+    if (kind == "system") throw foresight::SystemError(what, static_cast<int>(number));
+    if (kind == "std") throw std::runtime_error(what);
+    if (kind == "bad_alloc") throw std::bad_alloc();
+    throw py::type_error(cat("_raise_for_check: unknown kind '", kind, "'"));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
     m.doc() = "foresight C++ core: extent coalescer, page-aligned arena, checksums. Use foresight.io instead.";
 
-    py::register_exception_translator([](std::exception_ptr p) {
-        try {
-            if (p) std::rethrow_exception(p);
-        } catch (const foresight::FormatError& e) {
-            py::object cls = py::module_::import("foresight.errors").attr("FormatError");
-            PyErr_SetString(cls.ptr(), e.what());
-        } catch (const ClosedError& e) {
-            PyErr_SetString(PyExc_ValueError, e.what());
-        } catch (const foresight::SystemError& e) {
-            py::object err = py::module_::import("builtins").attr("OSError")(e.err, e.what());
-            PyErr_SetObject(PyExc_OSError, err.ptr());
-        }
-    });
+    // Module-local and catch-all: every exception thrown here is turned into a Python error here, by this
+    // module's own C++ runtime, and never reaches another module's translators (pybind11 shares its global
+    // list with every extension of the same ABI tag, which may run on another libstdc++ and crash on ours).
+    py::register_local_exception_translator(translate_exception);
 
+    m.def("_raise_for_check", &raise_for_check, py::arg("kind"), py::arg("number"),
+          "Throws one C++ exception of `kind` (input, format, closed, system, std, bad_alloc) whose message\n"
+          "holds `number`: lets the build and the tests check that errors cross the binding whole.");
     m.def("coalesce", &coalesce_py, py::arg("file"), py::arg("offset"), py::arg("length"), py::kw_only(),
           py::arg("max_gap"), py::arg("max_transfer"), py::arg("align"), py::arg("file_sizes") = py::none(),
           "Merge extents into aligned transfers; returns a dict of arrays (see foresight.io.coalesce).");

@@ -1,8 +1,8 @@
 // Exception types of foresight's C++ core; csrc/bindings/_core.cpp maps each to a Python class.
 #pragma once
-#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace foresight {
 
@@ -28,12 +28,25 @@ struct SystemError : std::runtime_error {
     SystemError(const std::string& what, int err_) : std::runtime_error(what), err(err_) {}
 };
 
+namespace detail {
+inline void append(std::string& out, const std::string& s) { out += s; }
+inline void append(std::string& out, const char* s) { out += s; }
+inline void append(std::string& out, char c) { out += c; }
+template <class T, class = std::enable_if_t<std::is_integral_v<T>>>
+void append(std::string& out, T v) {
+    out += std::to_string(v);
+}
+}  // namespace detail
+
 // cat("coalesce: extent ", i, " has negative length ", n) -> one message string.
+// Built from std::string and std::to_string only, never iostreams: a stream formats numbers through the
+// locale's facets, which break when this module carries its own libstdc++ (-static-libstdc++) and another
+// copy is loaded too (torch's): the message then stops at the first number, or the process crashes.
 template <class... Parts>
 std::string cat(const Parts&... parts) {
-    std::ostringstream out;
-    (out << ... << parts);
-    return out.str();
+    std::string out;
+    (detail::append(out, parts), ...);
+    return out;
 }
 
 }  // namespace foresight
