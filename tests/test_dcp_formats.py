@@ -30,7 +30,8 @@ def test_foresight_reader_on_a_pytorch_checkpoint_names_pytorch_reader(tmp_path)
 def test_pytorch_reader_on_a_foresight_checkpoint_names_foresight_reader(tmp_path, how):
     dcp.save(STATE, storage_writer=ForesightStorageWriter(tmp_path), no_dist=True)
     # DCP's storage detection offers FileSystemReader for any directory and no way to register another
-    kwargs = {"storage_reader": FileSystemReader(tmp_path)} if how == "FileSystemReader" else {"checkpoint_id": tmp_path}
+    kwargs = ({"storage_reader": FileSystemReader(tmp_path)} if how == "FileSystemReader"
+              else {"checkpoint_id": tmp_path})
     with pytest.raises((CheckpointError, CheckpointException),
                        match=r"written by foresight.checkpoint.ForesightStorageWriter; PyTorch's FileSystemReader "
                              r"cannot read it: load it with storage_reader=foresight.checkpoint."
