@@ -219,3 +219,13 @@ def test_cut_off_last_packet_leaves_the_index(clips, name):
     meta = probe_media(data, "video")
     assert meta["corrupt_packets"] == 1
     assert np.isin(video_pts(meta), video_pts(probe_media(truth, "video"))).all()
+
+
+@needs_ffmpeg
+@pytest.mark.parametrize("name", ["xvid_packed_avi", "msmpeg4_avi_cut", "h264_mp4_cut", "mpeg4_mp4_not_coded_vop"])
+def test_frame_threads_name_the_same_frames(clips, references, name):
+    """FFmpeg frame threads delay output; the frames matched by pts stay the same."""
+    data, _ = clips[name]
+    meta = probe_media(data, "video")
+    for idx in selections(meta["num_frames"], seed=1)[meta["num_frames"]:]:
+        check_rows(data, meta, references[name], idx, threads=3)

@@ -69,9 +69,9 @@ class DecodeReport:
     """What one ``decode_video`` call did besides the fast path (pass one as ``report=``; it is filled in).
 
     ``nonref_skip``: NONREF skipping was on. ``packed_bframes``: the clip packs B-frames DivX-style.
-    ``refused_keys``: index keyframes (pts) whose decode did not start on a keyframe. ``from_start``: a plain
-    decode from the start of the stream ran. ``substituted``: wanted pts -> pts of the earlier frame
-    returned for it, because the wanted pts never decodes.
+    ``refused_keys``: index keyframes (pts; None: the stream start) whose decode did not start on a
+    keyframe, or failed. ``from_start``: a plain decode from the start of the stream ran.
+    ``substituted``: wanted pts -> pts of the earlier frame returned for it (the wanted pts never decodes).
     """
 
     nonref_skip: bool = False
@@ -245,6 +245,29 @@ class _Run:
                 self._take(frame)
 
 
+def _seek_groups(container, stream, keep, meta: dict[str, Any], groups, report: DecodeReport,
+                 early_drain: bool) -> dict[int, np.ndarray]:
+    """Steps 2-4 of the module doc for every group: pts -> frame for what decoded as named."""
+    pts_all = video_pts(meta)
+    keys = np.asarray(meta["key_frames"], dtype=np.int64)
+    got: dict[int, np.ndarray] = {}
+    for i, (key_idx, wanted_idx) in enumerate(groups):
+        # the first group at index key 0 starts at the stream start: no seek, nothing to confirm
+        key_pts = None if i == 0 and key_idx == 0 else int(pts_all[key_idx])
+        before = keys[keys < key_idx]
+        run = _Run(container, stream, keep, pts_all[wanted_idx])
+        try:
+            started_on_key = run.run(key_pts, run.wanted, skip=report.nonref_skip, early_drain=early_drain,
+                                     earlier=int(pts_all[before[-1]]) if before.size else None)
+        except MEDIA_ERRORS:  # the plain decode from the start will say whether the data is bad
+            started_on_key = False
+        if started_on_key:
+            got.update(run.got)
+        else:
+            report.refused_keys.append(key_pts)
+    return got
+
+
 def _from_start(data, ctx: dict, configure, keep, missing: np.ndarray, pts_all: np.ndarray,
                 early_drain: bool) -> tuple[dict[int, np.ndarray], dict[int, int]]:
     """Plain decode from the start of the stream (fresh container, no seek, no skipping) of the ``missing``
@@ -324,7 +347,6 @@ def decode_video(
     else:
         indices = np.asarray(frames, dtype=np.int64).reshape(-1)
     pts_all = video_pts(meta)
-    keys = np.asarray(meta["key_frames"], dtype=np.int64)
     groups = plan_segments(meta, indices)
     want_pts = pts_all[indices]
     keep = _Converter(size, interpolation, crop)
@@ -334,7 +356,6 @@ def decode_video(
         cc.thread_count = threads
         cc.thread_type = "AUTO" if threads > 1 else "SLICE"
 
-    got: dict[int, np.ndarray] = {}
     with open_media(data, **ctx) as container:
         if not container.streams.video:
             raise DecodeError("no video stream", **ctx)
@@ -345,19 +366,7 @@ def decode_video(
                                                             or mpeg4_packed(cc.extradata))
         report.nonref_skip = skip_nonref and cc.name in NONREF_SKIP_CODECS and not report.packed_bframes
         early_drain = cc.name in EARLY_DRAIN_CODECS
-        try:
-            for i, (key_idx, wanted_idx) in enumerate(groups):
-                # the first group at index key 0 starts at the stream start: no seek, nothing to confirm
-                key_pts = None if i == 0 and key_idx == 0 else int(pts_all[key_idx])
-                before = keys[keys < key_idx]
-                earlier = int(pts_all[before[-1]]) if before.size else None
-                run = _Run(container, stream, keep, pts_all[wanted_idx])
-                if run.run(key_pts, run.wanted, skip=report.nonref_skip, early_drain=early_drain, earlier=earlier):
-                    got.update(run.got)
-                else:
-                    report.refused_keys.append(key_pts)
-        except MEDIA_ERRORS as e:
-            raise DecodeError(f"video decode failed: {type(e).__name__}: {e}", **ctx) from e
+        got = _seek_groups(container, stream, keep, meta, groups, report, early_drain)
     missing = np.unique(want_pts[~np.isin(want_pts, list(got))])
     if missing.size:
         report.from_start = True
