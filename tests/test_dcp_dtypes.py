@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from foresight.checkpoint import ForesightStorageReader, ForesightStorageWriter
-from foresight.checkpoint.layout import DTYPES, RAW, REFUSED, TORCH_SAVE, dtype_info
+from foresight.checkpoint.layout import DTYPES, RAW, REFUSED, TORCH_SAVE, dtype_from_name, dtype_info
 from foresight.errors import CheckpointError
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -76,6 +76,11 @@ def test_dcp_stores_quantized_tensors_as_pytorch_does(tmp_path):
     ref, got = loaded
     assert torch.equal(got.int_repr(), q.int_repr()) and torch.equal(got.int_repr(), ref.int_repr())
     assert (got.q_scale(), got.q_zero_point()) == (ref.q_scale(), ref.q_zero_point())
+    # the item is a torch.save blob: code that views items as raw bytes of their dtype must not misread it
+    (info,) = ForesightStorageReader(tmp_path / "foresight").read_metadata().storage_data.values()
+    assert info.dtype == "torch.save:torch.qint8"
+    with pytest.raises(KeyError, match="unknown dtype"):
+        dtype_from_name(info.dtype)
 
 
 def test_dcp_refuses_sub_byte_dtypes_before_writing(tmp_path):

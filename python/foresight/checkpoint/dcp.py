@@ -65,6 +65,9 @@ from foresight.io.durable import fsync_dir
 
 METADATA = ".metadata"
 _BYTES = "bytes"
+# prefix of the recorded dtype of an item stored whole by torch.save ("torch.save:torch.qint8"), so that
+# code that views items as raw bytes of their dtype finds an unknown dtype instead of misreading them
+_SERIALIZED = f"{TORCH_SAVE}:"
 _THIS_WRITER = "foresight.checkpoint.ForesightStorageWriter"
 _THIS_READER = "storage_reader=foresight.checkpoint.ForesightStorageReader(path)"
 # the storage info other writers record per item -> (that writer, the reader that loads its checkpoints)
@@ -87,7 +90,7 @@ class ForesightStorageInfo:
     relative_path: str
     offset: int
     length: int
-    dtype: str
+    dtype: str  # "torch.bfloat16" (raw bytes of that dtype), "bytes", or "torch.save:torch.qint8"
     shape: tuple[int, ...]
     xxh3: int
 
@@ -149,6 +152,7 @@ class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageW
         drain_to: a slower, durable tier: after each checkpoint is finished, the coordinator copies the
             whole directory to ``drain_to/<name>`` in the background (temp dir + atomic rename, like the
             fast tier). A drain failure is raised by :meth:`wait_drain` or by the next ``finish``.
+            Needs ``use_collectives=True`` (the default): only then does one rank know all are done.
     """
 
     def __init__(self, path: str | os.PathLike, *, direct: bool = True, cache_staged_state_dict: bool = True,
@@ -231,11 +235,13 @@ class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageW
                 t = data.detach()
                 if t.device.type != "cpu":
                     t = t.cpu()
-                dtypes.append(str(t.dtype))
                 if dtype_info(t.dtype).stored == TORCH_SAVE:
+                    dtypes.append(f"{_SERIALIZED}{t.dtype}")
                     blob = io.BytesIO()
                     torch.save(t, blob)
                     t = _bytes_tensor(blob.getvalue())
+                else:
+                    dtypes.append(str(t.dtype))
             srcs.append(t)
             shapes.append(tuple(t.shape))
         nbytes = [t.numel() * t.element_size() for t in srcs]
@@ -443,14 +449,13 @@ class ForesightStorageReader(_DirectoryCheckpoint, StorageReader):
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(raw.numpy().tobytes()))
                 continue
-            kind = DTYPES.get(info.dtype)
-            if kind is None:
+            if info.dtype.startswith(_SERIALIZED):
+                tensor = torch.load(io.BytesIO(raw.numpy().tobytes()), map_location="cpu", weights_only=True)
+            elif info.dtype in DTYPES:
+                tensor = raw.view(DTYPES[info.dtype].dtype).view(info.shape)
+            else:
                 raise CheckpointError(f"DCP item has dtype {info.dtype!r}, unknown to torch {torch.__version__}",
                                       path=path, item=req.storage_index.fqn)
-            if kind.stored == TORCH_SAVE:
-                tensor = torch.load(io.BytesIO(raw.numpy().tobytes()), map_location="cpu", weights_only=True)
-            else:
-                tensor = raw.view(kind.dtype).view(info.shape)
             for dim, (off, ln) in enumerate(zip(req.storage_offsets, req.lengths)):
                 tensor = tensor.narrow(dim, off, ln)
             target = planner.resolve_tensor(req).detach()
