@@ -190,6 +190,15 @@ class ReplicaManager:
         body = json.dumps(value, default=str)
         self.cluster._call(lambda c: c.put(key, body, lease=lease))
 
+    def _put_many(self, items: dict[str, str], lease: Any) -> None:
+        """Many puts under one lease, 100 per etcd transaction (etcd's default limit is 128 operations)."""
+        from etcd3gw.utils import _encode
+
+        ops = [{"request_put": {"key": _encode(k), "value": _encode(v), "lease": lease.id}} for k, v in items.items()]
+        for i in range(0, len(ops), 100):
+            txn = {"compare": [], "success": ops[i:i + 100], "failure": []}
+            self.cluster._call(lambda c: c.transaction(txn))
+
     def _get1(self, key: str) -> dict | None:
         vals = self.cluster._call(lambda c: c.get(key))
         return json.loads(vals[0]) if vals else None
@@ -197,12 +206,13 @@ class ReplicaManager:
     def _live_nodes(self) -> dict[str, dict]:
         return self.cluster.nodes()
 
-    def copies(self, name: str, live: dict[str, dict] | None = None) -> dict[str, dict[str, dict]]:
-        """``{file: {node: record}}`` of a checkpoint's copies on live nodes."""
+    def copies(self, name: str, live: dict[str, dict] | None = None, *,
+               file: str | None = None) -> dict[str, dict[str, dict]]:
+        """``{file: {node: record}}`` of a checkpoint's copies (of one ``file`` if given) on live nodes."""
         live = self._live_nodes() if live is None else live
         base = self._k("replicas", ckpt_key(name)) + "/"
         out: dict[str, dict[str, dict]] = {}
-        for key, rec in self.cluster._get_prefix(base):
+        for key, rec in self.cluster._get_prefix(base + (f"{file}/" if file else "")):
             file, _, node = key[len(base):].partition("/")
             if node in live:
                 out.setdefault(file, {})[node] = rec
@@ -247,7 +257,7 @@ class ReplicaManager:
         d = os.path.join(self.root, *name.split("/"))
         if not os.path.isdir(d):
             raise NodeError("this node holds no such checkpoint", checkpoint=name, node=self.node_id)
-        files = {}
+        files, records = {}, {}
         for f in sorted(os.listdir(d)):
             p = os.path.join(d, f)
             if not os.path.isfile(p) or f.startswith(".tmp"):
@@ -255,12 +265,13 @@ class ReplicaManager:
             check_file(f)
             rec = {"node": self.node_id, "location": self.server.location, "size": os.path.getsize(p),
                    "xxh3": file_xxh3(p), "base": True}
-            key = self._k("replicas", ckpt_key(name), f, self.node_id)
+            records[self._k("replicas", ckpt_key(name), f, self.node_id)] = json.dumps(rec)
             with self._lock:
                 self._copies[(name, f)] = _Local(p, hinted=False)
-                self._base_records[key] = json.dumps(rec)
-            self._put(key, rec, lease=self._lease)
             files[f] = rec["size"]
+        with self._lock:
+            self._base_records.update(records)
+        self._put_many(records, self._lease)
         return {"checkpoint": name, "node": self.node_id, "files": files}
 
     def _set_hints(self, context: Any, req: dict) -> dict:
@@ -431,8 +442,9 @@ class ReplicaManager:
             alive = False
         if not alive:  # expired while etcd was away: our base copies dropped out; put them back
             self._lease = self._new_lease()
-            for key, body in list(self._base_records.items()):
-                self.cluster._call(lambda c: c.put(key, body, lease=self._lease))
+            with self._lock:
+                records = dict(self._base_records)
+            self._put_many(records, self._lease)
 
     def _take_tasks(self) -> None:
         for key, task in self._tasks(self.node_id):
@@ -447,7 +459,7 @@ class ReplicaManager:
             self._put(key, dict(task, state="copying"), lease=lease)
             errors = []
             live = self._live_nodes()
-            holders = [r for n, r in self.copies(name, live).get(f, {}).items() if n != self.node_id]
+            holders = [r for n, r in self.copies(name, live, file=f).get(f, {}).items() if n != self.node_id]
             loads = self._loads(live)
             holders.sort(key=lambda r: (loads.get(r["node"], 0), r["node"]))
             for src in holders:
