@@ -111,3 +111,11 @@ def test_checkpointer_refuses_what_it_cannot_store_at_save_time(tmp_path, make, 
         with pytest.raises(CheckpointError, match=match + r".*tensor=model.t"):
             ck.save({"model": {"t": make()}}, 1)
     assert not any(n.startswith("step-") for n in os.listdir(tmp_path))
+
+
+def test_safetensors_export_names_a_tensor_whose_dtype_it_cannot_store(tmp_path):
+    with fc.Checkpointer(tmp_path / "ck") as ck:
+        ck.save({"ok": torch.ones(2), "model": {"z": torch.ones(2, dtype=torch.complex128)}}, 1).wait()
+    with pytest.raises(CheckpointError, match=r"safetensors cannot store torch.complex128 .*tensor=model.z"):
+        fc.export_safetensors(tmp_path / "ck" / "step-00000001", tmp_path / "m.safetensors")
+    assert not os.path.exists(tmp_path / "m.safetensors")

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import os
 
-from safetensors.torch import save_file
+import torch
+from safetensors.torch import save, save_file
 
 from foresight.checkpoint.checkpointer import LoadedCheckpoint
 from foresight.checkpoint.reader import read_checkpoint
@@ -29,6 +30,7 @@ def export_safetensors(checkpoint: str | os.PathLike | LoadedCheckpoint, path: s
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})[:3]
         raise CheckpointError("tensor names collide; cannot export to safetensors", path=src, names=dup)
+    _require_safetensors_dtypes(names, tensors, src)
     # safetensors refuses tensors that share storage: give each its own (they are views of one buffer)
     out = {name: t.clone() for name, t in zip(names, tensors)}
     metadata = {
@@ -40,3 +42,16 @@ def export_safetensors(checkpoint: str | os.PathLike | LoadedCheckpoint, path: s
     dst = os.fspath(path)
     save_file(out, dst, metadata=metadata)
     return dst
+
+
+def _require_safetensors_dtypes(names: list[str], tensors: list[torch.Tensor], path: str) -> None:
+    """Refuse, naming a tensor, dtypes safetensors has no code for (it would raise a bare KeyError)."""
+    first_of = {}
+    for name, t in zip(names, tensors):
+        first_of.setdefault(t.dtype, name)
+    for dtype, name in first_of.items():
+        try:
+            save({"probe": torch.empty(0, dtype=dtype)})
+        except (KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(f"safetensors cannot store {dtype} tensors; convert them before exporting "
+                                  f"(e.g. torch.view_as_real for complex)", path=path, tensor=name) from e
