@@ -137,9 +137,9 @@ def not_coded_vop(vop: bytes, time_increment_bits: int) -> bytes:
 
 
 def with_not_coded_vop(data: bytes, *, nth_b: int, fps: int) -> tuple[bytes, int]:
-    """Copy of an MPEG-4 part 2 clip (``make_video(codec="mpeg4", bframes=...)``, ``fps`` as encoded) with its
-    ``nth_b``-th B-VOP (0-based) replaced by a not-coded VOP; returns (bytes, pts of that frame). The index lists that
-    pts; the decoder never outputs a picture for it."""
+    """Copy of an MPEG-4 part 2 clip (``make_video(codec="mpeg4", bframes=...)``, ``fps`` as encoded) with
+    its ``nth_b``-th B-VOP (0-based) replaced by a not-coded VOP; returns (bytes, pts of that frame). The
+    index lists that pts; the decoder never outputs a picture for it."""
     src = av.open(io.BytesIO(data))
     ins = src.streams.video[0]
     buf = io.BytesIO()
