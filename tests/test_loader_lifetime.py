@@ -71,6 +71,36 @@ def test_without_auto_release_a_batch_lives_until_release(tokens):
         next(it)
 
 
+def test_a_batch_outlives_its_abandoned_iterator_until_the_next_iteration(tokens):
+    import gc
+
+    ds, plan = tokens
+    want = [_expected_rows([ds], plan, *plan.rank_items(s, 0, 1)).astype(np.int64) for s in range(2)]
+    with Loader(ds, plan, prefetch=1) as loader:
+        batch = next(iter(loader))  # the iterator is dropped at once: no next batch was asked for
+        gc.collect()
+        assert torch.equal(batch["input_ids"], torch.from_numpy(want[0][:, :-1]))
+        second = next(iter(loader))  # a new iteration asks for the next batch
+        assert second.step == 1 and torch.equal(second["input_ids"], torch.from_numpy(want[1][:, :-1]))
+        with pytest.raises(StaleBatchError):
+            batch["input_ids"]
+    # Closing reads nothing more into the slot: the last batch stays as it was.
+    assert torch.equal(second["input_ids"], torch.from_numpy(want[1][:, :-1]))
+
+
+def test_unreleased_batches_stay_valid_after_iteration_and_close(tokens):
+    ds, plan = tokens
+    loader = Loader(ds, plan, prefetch=1, auto_release=False, end_step=2)
+    held = list(loader)
+    want = _expected_rows([ds], plan, *plan.rank_items(1, 0, 1)).astype(np.int64)
+    assert torch.equal(held[1]["input_ids"], torch.from_numpy(want[:, :-1]))
+    held[0].release()
+    loader.close()
+    assert torch.equal(held[1]["input_ids"], torch.from_numpy(want[:, :-1]))
+    held[1].release()  # after close: no error, and the batch is stale
+    assert held[1].released
+
+
 def test_holding_every_slot_raises_instead_of_waiting(tokens):
     ds, plan = tokens
     with Loader(ds, plan, prefetch=1, auto_release=False) as loader:

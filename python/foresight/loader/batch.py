@@ -1,11 +1,11 @@
 """A step's batch: tensors that view an arena slot, and the slot's lifetime.
 
-One rule, on every device: a batch is valid until the consumer asks the loader for the next one (or, with
-``Loader(auto_release=False)``, until ``batch.release()``). Then its slot goes back to the loader and is read
-into again, so host tensors that view it (``tokens``, ``data``) would silently show another step's bytes: every
-accessor of a released batch raises :class:`~foresight.errors.StaleBatchError` instead. ``batch.clone()`` is a
-copy that owns its memory and never goes stale. A tensor taken out of a batch follows the batch's rule too
-(nothing can check it once it is taken: clone it, or the batch, to keep it).
+One rule, on every device: a batch is valid until the consumer asks the loader for the next one (a new
+``iter(loader)`` counts; with ``Loader(auto_release=False)``: until ``batch.release()``). Then its slot goes
+back to the loader and is read into again, so host tensors that view it (``tokens``, ``data``) would silently
+show another step's bytes: every accessor of a released batch raises :class:`~foresight.errors.StaleBatchError`
+instead. ``batch.clone()`` is a copy that owns its memory and never goes stale. A tensor taken out of a batch
+follows the batch's rule too (nothing can check it once it is taken: clone it, or the batch, to keep it).
 
 Example::
 

@@ -85,13 +85,15 @@ def _round_up(n: int, a: int) -> int:
 class Loader(Closing):
     """Yields this rank's batches in plan order; see the module docstring.
 
-    Batch lifetime, one rule on every device: a batch is valid until the consumer asks for the next one (with
-    ``auto_release=False``: until ``batch.release()``). Its slot is then read into again, so host tensors that
-    view it (``tokens``, ``data``) would show another step's bytes; instead every accessor of the old batch
-    raises :class:`~foresight.errors.StaleBatchError`. Keep a batch longer with ``batch.clone()`` (or clone the
-    tensors taken out of it: nothing can check those). CUDA batches follow the same rule, so code that runs on
-    CPU runs unchanged on GPU. Do not start your own ``non_blocking`` copies out of a CPU batch's pinned views
-    across steps: the slot may be refilled before they finish (``device="cuda"`` does this safely).
+    Batch lifetime, one rule on every device: a batch is valid until the consumer asks for the next one (a new
+    ``iter(loader)`` counts; with ``auto_release=False``: until ``batch.release()``; ``close()`` ends nothing).
+    Its slot is then read into again, so host tensors that view it (``tokens``, ``data``) would show another
+    step's bytes; instead every accessor of the old batch raises :class:`~foresight.errors.StaleBatchError`.
+    Keep a batch longer with ``batch.clone()`` (or clone the tensors taken out of it: nothing can check those).
+    CUDA batches follow the same rule, so code that runs on CPU runs unchanged on GPU. Do not start your own
+    ``non_blocking`` copies out of a CPU batch's pinned views across steps: the slot may be refilled before
+    they finish (``device="cuda"`` does this safely). A consumer that holds every slot (``auto_release=False``)
+    gets an error from ``next()`` instead of waiting forever.
 
     Args:
         datasets: one dataset or the list the plan was built over (same order).
@@ -542,6 +544,8 @@ class Loader(Closing):
 
     def _start(self) -> None:
         self._stop_thread()
+        if self.auto_release:  # a new iteration asks for the next batch: the last one goes stale only now
+            self._release_current()
         self._stop.clear()
         self._queue = queue.Queue()
         self._thread = threading.Thread(
@@ -558,9 +562,11 @@ class Loader(Closing):
             self._drain_queue()
             thread.join(timeout=0.05)
         self._drain_queue()
-        if self._current is not None:
-            self._current.release()
-            self._current = None
+
+    def _release_current(self) -> None:
+        current, self._current = self._current, None
+        if current is not None:
+            current.release()
 
     def _drain_queue(self) -> None:
         while True:
@@ -590,7 +596,7 @@ class Loader(Closing):
     def close(self) -> None:
         if self._closed:
             return
-        self._stop_thread()
+        self._stop_thread()  # the batch the consumer holds stays valid: nothing reads into its slot any more
         for event, slot in self._pending_events:
             event.synchronize()
         self._pending_events.clear()
@@ -656,7 +662,8 @@ class _ConsumerLease:
 
     def __call__(self) -> None:
         self.loader._held -= 1
-        self.release()
+        if not self.loader._closed:  # a closed loader's arena is gone; its memory lives while views do
+            self.release()
 
 
 class _SlotLease:
