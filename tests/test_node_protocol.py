@@ -131,3 +131,23 @@ def test_stage_decodes_a_subset_with_each_samples_plan_item(tmp_path):
         for row, i in enumerate(part[f"{name}_index"].tolist()):
             whole_row = whole[f"{name}_index"].tolist().index(int(keep[i]))
             assert torch.equal(part[name][row], whole[name][whole_row])
+
+
+def test_raw_samples_gathered_out_of_a_read_region_and_back(monkeypatch):
+    import foresight.node.protocol as protocol
+
+    rng = np.random.default_rng(0)
+    region = rng.integers(0, 255, 20000, dtype=np.uint8)
+    x_dest = np.array([4096, 0, 12288, 9000], dtype=np.int64)
+    lengths = np.array([700, 300, 5000, 0], dtype=np.int64)
+    positions = np.array([3, 0, 2, 7])
+    for limit in (protocol.MAX_BATCH_BYTES, 1000):  # one batch, then one per ~1000 bytes (concatenated back)
+        monkeypatch.setattr(protocol, "MAX_BATCH_BYTES", limit)
+        schema, batches, copied = protocol.encode_raw(region, x_dest, lengths, positions,
+                                                      ["image", "video", "image", "audio"], step=1, node="n")
+        assert copied == lengths.sum() and (len(batches) == 1) == (limit > 10000)
+        assert schema.metadata[b"kind"] == b"raw"
+        pos, data, offs, lens = protocol.raw_samples(batches)
+        assert pos.tolist() == positions.tolist() and lens.tolist() == lengths.tolist()
+        for p, o, n, x in zip(pos, offs, lens, x_dest):
+            assert np.array_equal(data[o: o + n], region[x: x + n])

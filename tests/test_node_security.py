@@ -29,7 +29,8 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def node(root, tmp_path_factory):
     n = NodeProc(root["root"], str(tmp_path_factory.mktemp("secnode")), "--cpu-threshold", "101",
-                 "--max-jobs", "2", "--max-queue-bytes", "1000000", "--max-lead", "3", name="sec")
+                 "--max-jobs", "2", "--max-queue-bytes", "1000000", "--max-lead", "3",
+                 "--max-plan-bytes", "200000", name="sec")
     yield n
     n.terminate()
 
@@ -188,3 +189,38 @@ def test_mutual_tls_serves_the_job_and_refuses_clients_without_a_good_certificat
         assert source.stats["samples_local"] == 0
     finally:
         n.terminate()
+
+
+def test_plan_uploads_that_do_not_verify_are_refused(root, node):
+    import pyarrow as pa
+
+    from foresight.node.plans import _schema
+
+    client = connect(node.location)
+
+    def put(digest, files, token=TOKEN):
+        writer, reader = client.do_put(flight.FlightDescriptor.for_path("plan", digest), _schema(),
+                                       call_options("uploader", token, timeout=60))
+        for name, data in files:
+            writer.write_batch(pa.record_batch([pa.array([name]), pa.array([data], pa.large_binary())],
+                                               schema=_schema()))
+        writer.done_writing()
+        reader.read()
+        writer.close()
+
+    plan_dir = os.path.join(root["root"], "plans", "p1")
+    files = [(n, open(os.path.join(plan_dir, n), "rb").read()) for n in sorted(os.listdir(plan_dir))
+             if n == "plan.json" or n.endswith(".npy")]
+    with pytest.raises(flight.FlightError, match="digest differs"):
+        put("sha256:" + "1" * 64, files)
+    with pytest.raises(flight.FlightError, match="a plan does not have"):
+        put(root["plan"].digest, [("../evil.py", b"import os")])
+    with pytest.raises(flight.FlightError, match="larger than the node accepts"):
+        put(root["plan"].digest, [("item_ptr.npy", b"\0" * 300_000)])
+    with pytest.raises(flight.FlightError, match="does not load"):
+        put(root["plan"].digest, [("plan.json", b"{}")])
+    with pytest.raises(flight.FlightUnauthenticatedError):
+        put(root["plan"].digest, files, token="short")
+    assert not os.path.exists(os.path.join(root["root"], ".uploads", "plans", root["plan"].digest.split(":")[1]))
+    assert [n for n in os.listdir(os.path.join(root["root"], ".uploads", "plans"))] == []  # no debris
+    client.close()

@@ -262,3 +262,52 @@ def test_stop_lets_in_flight_streams_finish_and_refuses_new_ones_clearly(root):
         if stage is not None:
             stage.close()
         server.stop()
+
+
+def test_plan_not_on_the_node_is_uploaded_once_and_kept_by_digest(root, node, tmp_path):
+    from foresight.plan import build_plan, load_plan
+
+    plan = build_plan([(root["dataset"], 1.0)], seed=6, global_batch_size=4, num_steps=3)
+    plan.save(str(tmp_path / "client-plan"))
+    plan = load_plan(str(tmp_path / "client-plan"))
+    reference = host_reference(root["dataset"], plan)
+    for job in ("upload-1", "upload-2"):
+        stage = MediaDecodeStage([root["dataset"]], SPECS, seed=9, threads=2)
+        source = NodeSource(stage, plan, nodes=[node.location], token=TOKEN, job=job)
+        try:
+            got = run_source(root["dataset"], plan, source)
+        finally:
+            source.close()
+            stage.close()
+        assert got == reference and source.stats["samples_local"] == 0
+        assert source.stats["plans_uploaded"] == (1 if job == "upload-1" else 0)  # kept: not sent again
+
+
+def test_raw_bytes_that_fail_their_checksum_are_decoded_from_the_hosts_read(root, tmp_path):
+    """A node whose copy of a shard is corrupt: its raw bytes fail the pack-time xxh3, the client decodes that part
+    from its own read instead, and the batch is still the host's."""
+    import shutil
+
+    import numpy as np
+
+    bad_root = str(tmp_path / "bad-root")
+    shutil.copytree(root["root"], bad_root)
+    ds = root["dataset"]
+    ext = ds.lookup(np.arange(ds.num_samples))
+    shard0 = np.flatnonzero(ext.shard == 0)
+    with open(f"{bad_root}/media/shard-00000.bin", "r+b") as f:  # one byte inside every sample of shard 0
+        for i in shard0:
+            f.seek(int(ext.offset[i]) + int(ext.length[i]) // 2)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+    n = NodeProc(bad_root, str(tmp_path), "--cpu-threshold", "0", name="corrupt")
+    stage, source = _source(root, n, job="corrupt", retry_s=0)
+    try:
+        got = run_source(root["dataset"], root["plan"], source)
+    finally:
+        source.close()
+        stage.close()
+        n.terminate()
+    assert got == root["reference"]
+    assert source.stats["parts_failed"] > 0 and source.stats["samples_local"] > 0

@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--decode-threads", type=int, default=None)
     s.add_argument("--workers", type=int, default=1, help="threads preparing steps ahead")
     s.add_argument("--job-idle-s", type=float, default=600.0)
+    s.add_argument("--max-plan-bytes", type=int, default=256 << 20, help="largest plan a client may upload")
     s.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 picks one)")
     s.add_argument("--ready-file", default=None, help="write {node, location, metrics_port, pid} here when serving")
     s.add_argument("--log-level", default="INFO")
@@ -80,7 +81,7 @@ def _serve(args: argparse.Namespace) -> int:
         tls=(args.tls_cert, args.tls_key) if args.tls_cert else None, client_ca=args.client_ca,
         node_id=args.node_id, max_jobs=args.max_jobs, max_queue_bytes=args.max_queue_bytes, max_lead=args.max_lead,
         cpu_threshold=args.cpu_threshold, decode_threads=args.decode_threads, workers=args.workers,
-        job_idle_s=args.job_idle_s,
+        job_idle_s=args.job_idle_s, max_plan_bytes=args.max_plan_bytes,
         served_shards=(lambda fp: cluster.served_shards(node_id_box[0], fp)) if cluster else None)
     node_id_box.append(server.node_id)
     metrics_port = server.metrics.serve_http(args.metrics_port) if args.metrics_port is not None else None

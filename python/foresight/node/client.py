@@ -38,7 +38,7 @@ import pyarrow.flight as flight
 from foresight.errors import NodeError
 from foresight.node.auth import call_options, connect
 from foresight.node.jobs import spec_digest
-from foresight.node.protocol import KIND_RAW, decode_tensors, encode_ticket
+from foresight.node.protocol import KIND_RAW, decode_tensors, encode_ticket, raw_samples
 
 log = logging.getLogger("foresight.node.client")
 
@@ -110,7 +110,7 @@ class NodeSource:
         self._pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="foresight-node-fetch")
         self.stats: dict[str, Any] = {"steps": 0, "parts_remote": 0, "parts_raw": 0, "parts_failed": 0,
                                       "samples_remote": 0, "samples_raw": 0, "samples_local": 0,
-                                      "bytes_received": 0, "copied_bytes": 0, "reregistered": 0}
+                                      "bytes_received": 0, "copied_bytes": 0, "reregistered": 0, "plans_uploaded": 0}
         if self.cluster is not None:
             self._job_reg = self.cluster.register_job(self.job, self.rank, self._job_record)
 
@@ -167,11 +167,18 @@ class NodeSource:
             names.setdefault(info.get("fingerprint"), ds_name)
         plan_name = n.record.get("plans", {}).get(self.plan.digest)
         missing = [fp for fp in self._fingerprints if fp not in names]
-        if missing or plan_name is None:
-            raise NodeError("node does not hold this job's datasets or plan", node=n.node_id,
-                            datasets_missing=len(missing), plan=plan_name is not None)
+        if missing:
+            raise NodeError("node does not hold this job's datasets", node=n.node_id, datasets_missing=len(missing))
         if n.client is None:
             n.client = connect(n.location, tls_root=self.tls_root, cert=self.cert)
+        if plan_name is None:  # upload it once; the node keeps it by digest
+            if not getattr(self.plan, "path", None):
+                raise NodeError("node lacks the plan and the plan has no directory to upload", node=n.node_id)
+            from foresight.node.plans import upload_plan
+
+            upload_plan(n.client, self.plan.path, self.plan.digest, self._options(self.register_timeout))
+            self.stats["plans_uploaded"] += 1
+            plan_name = self._health(n.location)["plans"][self.plan.digest]
         req = {"job": self.node_job, "datasets": [names[fp] for fp in self._fingerprints], "plan": plan_name,
                "plan_digest": self.plan.digest, "rank": self.rank, "world_size": self.world_size,
                "specs": self._spec_dicts, "seed": self.stage.seed, "step": self._step, "lead": self.lead,
@@ -239,34 +246,54 @@ class NodeSource:
                 if len(positions):
                     futures[node.node_id] = (node, positions, self._pool.submit(self._fetch, node, step))
             rows: list[tuple[int, str, Any]] = []
-            raw_rows: list[tuple[int, str, Any]] = []
+            raw_parts: list[tuple] = []
             covered = np.zeros(n, dtype=bool)
             for node_id, (node, positions, fut) in futures.items():
                 try:
-                    kind, got = fut.result()
+                    kind, table = fut.result()
+                    if kind == KIND_RAW:
+                        pos, data, offs, lens = raw_samples(table.to_batches())
+                    else:
+                        got = decode_tensors(table.to_batches())
                 except flight.FlightUnauthenticatedError:
                     raise
                 except Exception as e:
                     self.stats["parts_failed"] += 1
                     self._mark_down(node, e)
                     continue
-                expected = set(positions.tolist())
-                part = [r for r in got if r[0] in expected and not covered[r[0]]]
-                for r in part:
-                    covered[r[0]] = True
-                (raw_rows if kind == KIND_RAW else rows).extend(part)
+                # only the positions this node was asked for, each once: a confused node cannot add or repeat one
+                if kind == KIND_RAW:
+                    keep = np.zeros(len(pos), dtype=bool)
+                    _, first = np.unique(pos, return_index=True)
+                    keep[first] = True
+                    keep &= np.isin(pos, positions)
+                    keep[keep] = ~covered[pos[keep]]
+                    try:
+                        self._verify_raw(fields, pos[keep], data, offs[keep], lens[keep])
+                    except (ValueError, NodeError) as e:  # corrupt or wrong bytes: decode that part from our read
+                        self.stats["parts_failed"] += 1
+                        self._mark_down(node, e)
+                        continue
+                    covered[pos[keep]] = True
+                    raw_parts.append((pos[keep], data, offs[keep], lens[keep]))
+                    self.stats["samples_raw"] += int(keep.sum())
+                else:
+                    expected = set(positions.tolist())
+                    part = [r for r in got if r[0] in expected and not covered[r[0]]]
+                    for r in part:
+                        covered[r[0]] = True
+                    rows.extend(part)
+                    self.stats["samples_remote"] += len(part)
                 node.failures = 0
                 self.stats["parts_raw" if kind == KIND_RAW else "parts_remote"] += 1
         self.stats["steps"] += 1
-        self.stats["samples_remote"] += len(rows)
-        self.stats["samples_raw"] += len(raw_rows)
         local = wanted[~covered[wanted]]
         self._degraded = bool(len(local))
         self.stats["samples_local"] += len(local)
         if len(local):
             rows.extend(self._decode_here(fields, local, first_item, stats))
-        if raw_rows:
-            rows.extend(self._decode_raw(fields, raw_rows, first_item, stats))
+        if raw_parts:
+            rows.extend(self._decode_raw(fields, raw_parts, first_item, stats))
         return self._assemble(fields, rows)
 
     def _assign(self, wanted: np.ndarray, dataset: np.ndarray, shard: np.ndarray, nodes: list[_Node]) -> np.ndarray:
@@ -285,7 +312,7 @@ class NodeSource:
                 owner[inverse.reshape(-1) == u] = holders[int(s) % len(holders)]
         return owner
 
-    def _fetch(self, node: _Node, step: int) -> tuple[str, list]:
+    def _fetch(self, node: _Node, step: int) -> tuple[str, Any]:
         ticket = flight.Ticket(encode_ticket(self.node_job, rank=self.rank, step=step))
         try:
             reader = node.client.do_get(ticket, self._options())
@@ -298,7 +325,7 @@ class NodeSource:
             table = node.client.do_get(ticket, self._options()).read_all()
         kind = (table.schema.metadata or {}).get(b"kind", b"").decode()
         self.stats["bytes_received"] += table.nbytes
-        return kind, decode_tensors(table.to_batches())
+        return kind, table
 
     def _decode_here(self, fields: dict, positions: np.ndarray, first_item: int, stats) -> list:
         sub = {"step": fields["step"], "data": fields["data"], "offsets": np.asarray(fields["offsets"])[positions],
@@ -306,17 +333,32 @@ class NodeSource:
                "sample_ids": np.asarray(fields["sample_ids"])[positions], "items": first_item + positions}
         return self._rows_of(self.stage(sub, stats=stats, first_item=first_item), positions)
 
-    def _decode_raw(self, fields: dict, raw_rows: list, first_item: int, stats) -> list:
-        raw_rows.sort(key=lambda r: r[0])
-        positions = np.array([p for p, _, _ in raw_rows], dtype=np.int64)
-        arrays = [np.asarray(b).reshape(-1).view(np.uint8) for _, _, b in raw_rows]
-        lengths = np.array([a.nbytes for a in arrays], dtype=np.int64)
-        offsets = np.zeros(len(arrays), dtype=np.int64)
-        np.cumsum(lengths[:-1], out=offsets[1:])
-        data = np.concatenate(arrays) if arrays else np.zeros(0, np.uint8)
-        self.stats["copied_bytes"] += data.nbytes
+    def _verify_raw(self, fields: dict, positions: np.ndarray, data: np.ndarray, offsets: np.ndarray,
+                    lengths: np.ndarray) -> None:
+        """A node's raw bytes must be the packed ones: lengths and xxh3 checked against the shard maps."""
+        dataset = np.asarray(fields["dataset"])[positions]
+        samples = np.asarray(fields["sample_ids"])[positions]
+        for d in np.unique(dataset):
+            mask = dataset == d
+            if not np.array_equal(lengths[mask], self.datasets[int(d)].sample_bytes()[samples[mask]]):
+                raise NodeError("raw bytes from a node have the wrong lengths", step=fields["step"])
+            self.datasets[int(d)].verify_packed(samples[mask], data, offsets[mask])
+
+    def _decode_raw(self, fields: dict, raw_parts: list, first_item: int, stats) -> list:
+        """Decode raw sample bytes from the nodes with the stage; one node's part is used in place."""
+        if len(raw_parts) == 1:
+            positions, data, offsets, lengths = raw_parts[0]
+        else:
+            shift = np.cumsum([0] + [p[1].nbytes for p in raw_parts[:-1]])
+            positions = np.concatenate([p[0] for p in raw_parts])
+            data = np.concatenate([p[1] for p in raw_parts])
+            offsets = np.concatenate([p[2] + k for p, k in zip(raw_parts, shift)])
+            lengths = np.concatenate([p[3] for p in raw_parts])
+            self.stats["copied_bytes"] += data.nbytes
+        dataset = np.asarray(fields["dataset"])[positions]
+        samples = np.asarray(fields["sample_ids"])[positions]
         sub = {"step": fields["step"], "data": data, "offsets": offsets, "lengths": lengths,
-               "dataset": np.asarray(fields["dataset"])[positions],
+               "dataset": dataset,
                "sample_ids": np.asarray(fields["sample_ids"])[positions], "items": first_item + positions}
         return self._rows_of(self.stage(sub, stats=stats, first_item=first_item), positions)
 

@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 
 from foresight.errors import ProtocolError
-from foresight.node.protocol import KIND_DECODED, KIND_RAW, encode_tensors
+from foresight.node.protocol import KIND_DECODED, KIND_RAW, encode_raw, encode_tensors
 
 ALIGN = 4096
 
@@ -173,9 +173,12 @@ class NodeJob:
         lengths = ext.length[sel]
         names = {int(c): n for n, c in zip(self.specs, (_code(k) for k in self.specs))}
         if raw:
-            rows = [(int(p), names[int(codes[p])], region[int(x): int(x) + int(n)])
-                    for p, x, n in zip(sel, tr.x_dest, lengths)]
-            schema, batches, copied = encode_tensors(kind, rows, step=step, node=self.node)
+            by_code = np.empty(int(codes.max()) + 1, dtype=object)
+            for c, name in names.items():
+                if c < len(by_code):
+                    by_code[c] = name
+            modalities = by_code[codes[sel]].tolist()
+            schema, batches, copied = encode_raw(region, tr.x_dest, lengths, sel, modalities, step=step, node=self.node)
         else:
             fields = {"step": step, "data": region, "offsets": tr.x_dest, "lengths": lengths,
                       "dataset": ext.dataset[sel], "sample_ids": ext.sample[sel], "items": start + sel}

@@ -33,6 +33,8 @@ class NodeMetrics:
         self.cpu = Gauge("foresight_node_cpu_percent", "node CPU, mean over the guard's window", registry=r)
         self.guard = Gauge("foresight_node_cpu_guard_engaged", "1 while the node serves raw bytes", registry=r)
         self.jobs = Gauge("foresight_node_jobs", "registered jobs", registry=r)
+        self.copied = Counter("foresight_node_copied_bytes", "bytes copied to build record batches (0 for stacked "
+                              "decoded tensors, which are sent from their own memory)", registry=r)
         self.refusals = Counter("foresight_node_refusals", "requests refused", ["reason"], registry=r)
         self._lock = threading.Lock()
         self._per_job: dict[str, dict[str, float]] = {}

@@ -272,6 +272,57 @@ def encode_tensors(kind: str, rows: Iterable[tuple[int, str, Any]], *, step: int
     return schema, batches, copied
 
 
+def encode_raw(region: np.ndarray, x_dest: np.ndarray, lengths: np.ndarray, positions: np.ndarray,
+               modalities: list[str], *, step: int, node: str):
+    """Raw sample bytes (CPU guard) as record batches: the samples are gathered out of the read region (holes and
+    alignment padding dropped) by one native call per batch. Returns ``(schema, batches, copied_bytes)``."""
+    import pyarrow as pa
+
+    from foresight._native import load
+
+    core = load("_core")
+    schema = _schema(KIND_RAW, step, node)
+    lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    batches, lo = [], 0
+    while lo < len(lengths):
+        base = int(ends[lo - 1]) if lo else 0
+        hi = max(lo + 1, int(np.searchsorted(ends, base + MAX_BATCH_BYTES, side="right")))
+        offsets = np.zeros(hi - lo + 1, dtype=np.int64)
+        offsets[1:] = ends[lo:hi] - base
+        values = np.empty(int(offsets[-1]), dtype=np.uint8)
+        core.gather(region, np.ascontiguousarray(x_dest[lo:hi], dtype=np.int64), lengths[lo:hi], values, offsets[:-1])
+        data = pa.Array.from_buffers(pa.large_binary(), hi - lo, [None, pa.py_buffer(offsets), pa.py_buffer(values)])
+        batches.append(pa.record_batch([
+            pa.array(np.asarray(positions[lo:hi], dtype=np.int64)), pa.array(modalities[lo:hi], type=pa.string()),
+            pa.array(["uint8"] * (hi - lo)), pa.array(lengths[lo:hi, None].tolist(), type=pa.list_(pa.int64())),
+            data], schema=schema))
+        lo = hi
+    return schema, batches, int(lengths.sum())
+
+
+def raw_samples(batches: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(positions, data, offsets, lengths)`` of raw record batches: sample i is ``data[offsets[i]:][:lengths[i]]``.
+    One batch is used in place (``data`` views its Arrow buffer); several are concatenated once."""
+    parts = []
+    for b in batches:
+        col = b.column(4)
+        offs = np.frombuffer(col.buffers()[1], dtype=np.int64)[col.offset: col.offset + len(col) + 1]
+        values = col.buffers()[2]
+        data = np.frombuffer(values, dtype=np.uint8) if values is not None else np.zeros(0, np.uint8)
+        if offs[-1] > data.nbytes or np.any(np.diff(offs) < 0):
+            _fail("raw record batch has offsets outside its data")
+        parts.append((b.column(0).to_numpy(), data, offs[:-1].copy(), np.diff(offs)))
+    if not parts:
+        z = np.zeros(0, np.int64)
+        return z, np.zeros(0, np.uint8), z, z
+    if len(parts) == 1:
+        return parts[0]
+    shift = np.cumsum([0] + [p[1].nbytes for p in parts[:-1]])
+    return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+            np.concatenate([p[2] + k for p, k in zip(parts, shift)]), np.concatenate([p[3] for p in parts]))
+
+
 def _rows_batch(rows: list, schema):
     import pyarrow as pa
 
@@ -332,5 +383,5 @@ def _to_torch(arr: np.ndarray, dtype: str):
 __all__ = [
     "ACTION_DECODERS", "HEADER_JOB", "HEADER_TOKEN", "KIND_DECODED", "KIND_RAW", "MAX_BATCH_BYTES",
     "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode_action", "decode_ticket", "decode_tensors",
-    "encode_tensors", "encode_ticket",
+    "encode_raw", "encode_tensors", "encode_ticket", "raw_samples",
 ]

@@ -86,13 +86,15 @@ class NodeServer(flight.FlightServerBase):
         decode_threads: threads of each job's decode pool (default: CPU count); workers: step-preparing threads.
         served_shards: ``fingerprint -> shard list or None (all)``; the cluster's placement when in a cluster.
         job_idle_s: a job not heard from for this long is dropped (frees its slot and memory).
+        max_plan_bytes: largest plan accepted by upload (``DoPut ["plan", digest]``, kept under ``root/.uploads``).
     """
 
     def __init__(self, root: str, *, location: str = "grpc://127.0.0.1:0", tls: tuple[str, str] | None = None,
                  client_ca: str | None = None, node_id: str | None = None, max_jobs: int = 8,
                  max_queue_bytes: int = 1 << 30, max_lead: int = 8, cpu_threshold: float = 80.0,
                  guard_interval: float = 0.5, decode_threads: int | None = None, workers: int = 1,
-                 served_shards: Callable[[str], Any] | None = None, job_idle_s: float = 600.0) -> None:
+                 served_shards: Callable[[str], Any] | None = None, job_idle_s: float = 600.0,
+                 max_plan_bytes: int = 256 << 20) -> None:
         from foresight.node.auth import read_pem
 
         if not os.path.isdir(root):
@@ -112,6 +114,7 @@ class NodeServer(flight.FlightServerBase):
         self.max_jobs, self.max_queue_bytes, self.max_lead = int(max_jobs), int(max_queue_bytes), int(max_lead)
         self.decode_threads = decode_threads
         self.job_idle_s = float(job_idle_s)
+        self.max_plan_bytes = int(max_plan_bytes)
         self.served_shards = served_shards or (lambda fingerprint: None)
         self.metrics = NodeMetrics()
         self.guard = CpuGuard(cpu_threshold, interval=guard_interval).start()
@@ -131,6 +134,7 @@ class NodeServer(flight.FlightServerBase):
                                       ("register_job", self._register_job, False),
                                       ("progress", self._progress, True), ("unregister_job", self._unregister, True)):
             self.register_action(name, ACTION_DECODERS[name], handler, job_scoped=scoped)
+        self.register_put("plan", self._put_plan)
         _warm_up()
         self.scheduler = Scheduler(self._produce, workers=workers, engine_factory=self._new_engine,
                                    on_change=self._queue_metrics)
@@ -221,6 +225,7 @@ class NodeServer(flight.FlightServerBase):
             log.info("stream refused", extra={"error": str(e)})
             raise flight.FlightServerError(f"foresight: {e}") from None
         self.metrics.served(job.job, part.kind, nbytes=part.nbytes, samples=part.samples)
+        self.metrics.copied.inc(part.copied_bytes)
         return flight.RecordBatchStream(_table(part))
 
     def do_put(self, context, descriptor, reader, writer):
@@ -293,6 +298,25 @@ class NodeServer(flight.FlightServerBase):
     def _unregister(self, context, req: dict) -> dict:
         self._drop_job(req["job"])
         return {"job": req["job"], "unregistered": True}
+
+    def _put_plan(self, context, descriptor, reader, writer) -> None:
+        """A plan uploaded by a client that is about to register a job (any caller with a job header and a token
+        of 8+ characters; the upload is capped in bytes and kept only if it verifies against its digest)."""
+        from foresight.node.plans import receive_plan
+
+        mw = context.get_middleware("auth")
+        if mw is None or not mw.job or not mw.token or len(mw.token) < 8:
+            raise flight.FlightUnauthenticatedError("foresight: a plan upload needs the job header and a token")
+        if len(descriptor.path) != 2:
+            raise flight.FlightServerError("foresight: plan upload descriptor is ['plan', digest]")
+        digest = descriptor.path[1].decode("utf-8", "replace")
+        try:
+            rel = receive_plan(self.root, digest, reader, max_bytes=self.max_plan_bytes)
+        except ForesightError as e:
+            self.metrics.refusals.labels("plan_upload").inc()
+            raise flight.FlightServerError(f"foresight: {e}") from None
+        self.plans[digest] = rel
+        log.info("plan uploaded", extra={"digest": digest, "path": rel, "job": mw.job})
 
     # -- internals ----------------------------------------------------------------------------------------
     def _drop_job(self, job_id: str) -> None:
