@@ -3,93 +3,25 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from foresight.checkpoint.replicate.testbed import EtcdServer, SiteProcess
 
 
-class Etcd:
+class Etcd(EtcdServer):
     def __init__(self, data_dir: str) -> None:
-        exe = shutil.which("etcd")
-        if exe is None:
+        if shutil.which("etcd") is None:
             pytest.skip("etcd is not installed (scripts/setup.sh installs etcd-server)")
-        self.port, peer = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(os.path.join(os.path.dirname(data_dir), "etcd.log"), "w")
-        self.proc = subprocess.Popen(
-            [exe, "--data-dir", data_dir, "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
-             f"http://127.0.0.1:{peer}", "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        for _ in range(200):
-            try:
-                urllib.request.urlopen(f"{self.url}/health", timeout=1).read()
-                return
-            except OSError:
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("etcd did not start")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-        self.log.close()
+        super().__init__(data_dir)
 
 
-class Site:
-    """``python -m foresight.checkpoint.replicate.service`` as a real process."""
-
-    def __init__(self, site: str, root: str, *, etcd: str | None = None, routes: dict[str, str] | None = None,
-                 unit_bytes: int = 64 << 10, streams: int = 1, replica_ttl: int = 3600, port: int = 0) -> None:
-        self.site, self.root = site, root
-        args = [sys.executable, "-m", "foresight.checkpoint.replicate.service", "--site", site, "--root", root,
-                "--unit-bytes", str(unit_bytes), "--streams", str(streams), "--replica-ttl", str(replica_ttl),
-                "--port", str(port)]
-        if etcd:
-            args += ["--etcd", etcd]
-        for s, url in (routes or {}).items():
-            args += ["--route", f"{s}={url}"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        if not line.startswith("READY "):
-            self.proc.kill()
-            raise RuntimeError(f"site {site} did not start: {line!r}")
-        self.port = int(line.split()[1])
-        self.url = f"grpc://127.0.0.1:{self.port}"
-
-    def call(self, action: str, body: dict | None = None) -> dict:
-        from foresight.checkpoint.replicate.service import call
-
-        return call(self.url, action, body)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self.proc.stdout.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdout.close()
+class Site(SiteProcess):
+    def __init__(self, site: str, root: str, **kw) -> None:
+        kw.setdefault("unit_bytes", 64 << 10)
+        kw.setdefault("streams", 1)
+        super().__init__(site, root, **kw)
 
 
 def wait_until(pred, what: str, timeout: float = 60.0):

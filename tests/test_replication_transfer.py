@@ -50,7 +50,7 @@ def test_replica_is_bit_identical_and_invisible_before_the_source_commit(sites):
     tmp = next(phases)
     rep.data_written(200, tmp, nbytes=700_000)
     # every unit crosses the link before the source commits ...
-    wait_until(lambda: sum(n == "job1/step-00000200" for n, _ in tr.call("replicate.log")["sent"]) == 11,
+    wait_until(lambda: sum(n == "job1/step-00000200" for n, *_ in tr.call("replicate.log")["sent"]) == 11,
                "all units sent")
     # ... but nothing is visible at the evaluation site, and etcd knows no copy
     assert store.committed_steps(os.path.join(ev.root, "job1")) == []
@@ -106,7 +106,7 @@ def test_urgent_replication_overtakes_bulk_in_progress(sites):
     tr.call("replicate.resume")
     urgent.wait(7, timeout=60)
     bulk.wait(1, timeout=60)
-    order = [name.split("/")[0] for name, _ in tr.call("replicate.log")["sent"][before:]]
+    order = [name.split("/")[0] for name, *_ in tr.call("replicate.log")["sent"][before:]]
     assert order == ["bulk"] * 3 + ["urgent"] * 3 + ["bulk"] * 9
 
 

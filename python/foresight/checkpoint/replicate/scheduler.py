@@ -52,12 +52,14 @@ class _Entry:
 
 
 class PriorityLane:
-    """Thread-safe lane of transfers; ``pop`` blocks until a unit may go (or the lane is closed)."""
+    """Thread-safe lane of transfers; ``pop`` blocks until a unit may go (or the lane is closed).
+    ``fifo=True`` ignores priorities (transfers go in arrival order): the baseline a plain network queue gives."""
 
-    def __init__(self, aging: float = DEFAULT_AGING) -> None:
+    def __init__(self, aging: float = DEFAULT_AGING, *, fifo: bool = False) -> None:
         if aging <= 0:
             raise ValueError("aging must be > 0 (bulk would starve)")
         self.aging = aging
+        self.fifo = fifo
         self._entries: dict[Hashable, _Entry] = {}
         self._seq = 0
         self._cv = threading.Condition()
@@ -105,7 +107,8 @@ class PriorityLane:
                     break
                 if not self._cv.wait(timeout):
                     return None
-            best = max(ready, key=lambda e: (e.priority + e.credit, -e.seq))
+            best = min(ready, key=lambda e: e.seq) if self.fifo else \
+                max(ready, key=lambda e: (e.priority + e.credit, -e.seq))
             for e in ready:
                 e.credit = 0.0 if e is best else e.credit + self.aging
             unit = best.units.popleft()

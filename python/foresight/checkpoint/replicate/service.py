@@ -99,7 +99,7 @@ class ReplicationService:
 
     def __init__(self, site: str, root: str, *, etcd: str | None = None, routes: dict[str, str] | None = None,
                  endpoint: str = "", token: str = "", unit_bytes: int = UNIT_BYTES, streams: int = 2,
-                 replica_ttl: int = 3600) -> None:
+                 replica_ttl: int = 3600, fifo: bool = False) -> None:
         self.site, self.root, self.token = site, os.path.realpath(root), token
         self.endpoint, self.routes, self.unit_bytes, self.replica_ttl = endpoint, dict(routes or {}), unit_bytes, replica_ttl
         os.makedirs(self.root, exist_ok=True)
@@ -108,7 +108,7 @@ class ReplicationService:
             from foresight.checkpoint.replicate.resolver import Resolver
 
             self.resolver = Resolver(etcd, site=site)
-        self.lane = PriorityLane()
+        self.lane = PriorityLane(fifo=fifo)
         self.transfers: dict[str, Transfer] = {}
         self.sent_log: list[tuple[str, int]] = []
         self._lock = threading.Condition()
@@ -204,6 +204,7 @@ class ReplicationService:
         if t.error:
             raise CheckpointError(f"replication failed: {t.error}", name=t.name, site=t.site)
         return {"path": t.path, "units": len(t.units), "bytes_sent": t.bytes_sent, "started": t.started,
+                "status_at": getattr(t, "status_at", None),
                 "committed_at": t.committed_at, "ready_at": t.ready_at}
 
     def pause(self, b: dict[str, Any]) -> dict[str, Any]:
@@ -250,7 +251,8 @@ class ReplicationService:
             client = self._client(site)
             try:
                 return fn(client)
-            except flight.FlightUnavailableError:
+            except flight.FlightUnavailableError as e:
+                log.warning("site unreachable, retrying", extra={"site": site, "attempt": attempt, "error": str(e)})
                 with self._lock:
                     for k, c in list(self._clients.items()):
                         if c is client:
@@ -282,11 +284,12 @@ class ReplicationService:
             try:
                 if t.skip is None:
                     t.skip = set(self._call(t.site, "replica.status", {"name": name})["units"])
+                    t.status_at = time.time()  # type: ignore[attr-defined]
                 if unit.id not in t.skip:
                     self._send_unit(t, unit)
                 with self._lock:
                     t.acked.add(unit.id)
-                    self.sent_log.append((name, unit.id))
+                    self.sent_log.append((name, unit.id, time.time()))
                 self._maybe_publish(t)
             except Exception as e:  # noqa: BLE001 - recorded on the transfer, raised by replicate.wait
                 if t.done.is_set():
@@ -460,10 +463,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unit-bytes", type=int, default=UNIT_BYTES)
     p.add_argument("--streams", type=int, default=2)
     p.add_argument("--replica-ttl", type=int, default=3600)
+    p.add_argument("--fifo", action="store_true", help="send transfers in arrival order (no priority lane)")
     a = p.parse_args(argv)
+    # verifying a DCP replica unpickles its .metadata, which imports torch.distributed.checkpoint (seconds on a
+    # busy host): pay that once at start-up, not inside the first replica's commit-to-ready time
+    import torch.distributed.checkpoint.metadata  # noqa: F401
     routes = dict(r.split("=", 1) for r in a.route)
     svc = ReplicationService(a.site, a.root, etcd=a.etcd, routes=routes, token=a.token, unit_bytes=a.unit_bytes,
-                             streams=a.streams, replica_ttl=a.replica_ttl)
+                             streams=a.streams, replica_ttl=a.replica_ttl, fifo=a.fifo)
     server = ReplicationServer(svc, port=a.port)
     if svc.resolver is not None:
         svc.resolver._etcd.put(f"/foresight/sites/{a.site}/replication", server.url)

@@ -84,6 +84,7 @@ class RemoteSource:
         self.endpoint, self.name, self.token = endpoint, check_name(name), token
         self._client = flight.connect(endpoint)
         self.requests = 0  # round trips
+        self.bytes = 0  # payload bytes received
 
     def close(self) -> None:
         self._client.close()
@@ -99,7 +100,9 @@ class RemoteSource:
 
     def read_file(self, fname: str) -> bytes:
         table = self._get({"op": "ckpt.file", "name": self.name, "file": check_file_name(fname)}).read_all()
-        return b"".join(c.as_py() for c in table.column(0))
+        body = b"".join(c.as_py() for c in table.column(0))
+        self.bytes += len(body)
+        return body
 
     def list_files(self) -> list[tuple[str, int]]:
         """``(name, size)`` of the remote checkpoint's data files."""
@@ -130,6 +133,7 @@ class RemoteSource:
                     raise CheckpointError("remote read returned too many bytes", name=self.name, file=files[f])
                 region[pos:pos + len(body)] = np.frombuffer(body, np.uint8)
                 pos += len(body)
+                self.bytes += len(body)
             if pos != end:
                 raise CheckpointError("remote read returned too few bytes", name=self.name, file=files[f],
                                       got=pos, expected=end)

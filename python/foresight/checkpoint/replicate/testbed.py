@@ -1,0 +1,119 @@
+"""Two sites on one machine, as real processes: an etcd server and replication nodes (tests and the bench).
+
+Example::
+
+    with EtcdServer("/tmp/etcd") as etcd, SiteProcess("eval-b", "/tmp/eval", etcd=etcd.url) as ev:
+        with WanLink(("127.0.0.1", ev.port), rtt_ms=100) as link, \\
+             SiteProcess("train-a", "/tmp/train", etcd=etcd.url, routes={"eval-b": link.url}) as tr:
+            ...
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdServer:
+    """A single-member etcd (Debian ``etcd-server``) on loopback, its data in ``data_dir``."""
+
+    def __init__(self, data_dir: str) -> None:
+        exe = shutil.which("etcd")
+        if exe is None:
+            raise FileNotFoundError("etcd is not installed (scripts/setup.sh installs etcd-server)")
+        self.port, peer = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        os.makedirs(os.path.dirname(os.path.abspath(data_dir)), exist_ok=True)
+        self._log = open(f"{data_dir}.log", "w")
+        self.proc = subprocess.Popen(
+            [exe, "--data-dir", data_dir, "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
+             f"http://127.0.0.1:{peer}", "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        for _ in range(400):
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=1).read()
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"etcd did not start (see {data_dir}.log)")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self._log.close()
+
+    def __enter__(self) -> EtcdServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class SiteProcess:
+    """``python -m foresight.checkpoint.replicate.service`` for one site; ``url`` is its Flight endpoint."""
+
+    def __init__(self, site: str, root: str, *, etcd: str | None = None, routes: dict[str, str] | None = None,
+                 unit_bytes: int = 32 << 20, streams: int = 2, replica_ttl: int = 3600, port: int = 0,
+                 fifo: bool = False) -> None:
+        self.site, self.root = site, root
+        args = [sys.executable, "-m", "foresight.checkpoint.replicate.service", "--site", site, "--root", root,
+                "--unit-bytes", str(unit_bytes), "--streams", str(streams), "--replica-ttl", str(replica_ttl),
+                "--port", str(port)]
+        if etcd:
+            args += ["--etcd", etcd]
+        if fifo:
+            args.append("--fifo")
+        for s, url in (routes or {}).items():
+            args += ["--route", f"{s}={url}"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line.startswith("READY "):
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"site {site} did not start: {line!r}")
+        self.port = int(line.split()[1])
+        self.url = f"grpc://127.0.0.1:{self.port}"
+
+    def call(self, action: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        from foresight.checkpoint.replicate.service import call
+
+        return call(self.url, action, body)
+
+    def kill(self) -> None:
+        """SIGKILL: the site dies mid-whatever (tests of cut transfers)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc.stdout.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+
+    def __enter__(self) -> SiteProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
