@@ -48,9 +48,9 @@ from common import RESULTS, machine, print_table, write_results  # noqa: E402
 JOB, TOKEN = "storm", "storm-token-0001"
 NAME = f"{JOB}/step-00000100"
 PRESETS = {
-    "smoke": dict(nodes=4, ranks=256, replicated_kib=64, shard_kib=8, limit="4M:400", threads=64),
-    "quick": dict(nodes=8, ranks=2048, replicated_kib=128, shard_kib=16, limit="8M:400", threads=256),
-    "full": dict(nodes=12, ranks=2048, replicated_kib=256, shard_kib=32, limit="8M:400", threads=256),
+    "smoke": dict(nodes=4, ranks=256, replicated_kib=64, shard_kib=8, limit="2M:200", threads=64),
+    "quick": dict(nodes=8, ranks=2048, replicated_kib=128, shard_kib=16, limit="4M:200", threads=256),
+    "full": dict(nodes=12, ranks=2048, replicated_kib=256, shard_kib=32, limit="4M:200", threads=256),
 }
 
 

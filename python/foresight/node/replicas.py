@@ -336,8 +336,11 @@ class ReplicaManager:
         job, name = req["job"], req["checkpoint"]
         self._authorize(context, job)
         hint = self._get1(self._k("hints", job, "ckpt", ckpt_key(name)))
-        tasks = [t for _, t in self._tasks() if t.get("checkpoint") == name]
         live = self._live_nodes()
+        tasks = [t for _, t in self._tasks() if t.get("checkpoint") == name]
+        for t in tasks:  # a target that died will never finish its copy: do not wait for it
+            if t["state"] in ("pending", "copying") and t["node"] not in live:
+                t["state"], t["error"] = "failed", "target node left the cluster"
         copies = self.copies(name, live)
         counts = {s: sum(t["state"] == s for t in tasks) for s in ("pending", "copying", "done", "failed")}
         done_at = [t["done_at"] for t in tasks if t["state"] == "done"]

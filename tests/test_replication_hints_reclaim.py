@@ -1,0 +1,127 @@
+"""Replica lifetime on two in-process nodes and a real etcd: reclaim waits for in-flight reads, corrupt copies are
+never served to a reader, and the per-node service limit's token buckets."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow.flight as flight
+import pytest
+
+from foresight.checkpoint.hint_client import (
+    ReplicaReader,
+    publish_checkpoint,
+    release_replication_hints,
+    set_replication_hints,
+    wait_for_replicas,
+)
+from foresight.checkpoint.hints import FileHint
+from foresight.errors import ProtocolError
+from foresight.node.auth import call_options
+from foresight.node.cluster import Cluster
+from foresight.node.etcd_process import EtcdProcess
+from foresight.node.replicas import ReplicaManager
+from foresight.node.server import NodeServer
+from foresight.node.throttle import ServiceLimit, TokenBucket, parse_amounts
+from node_helpers import wait_for
+
+JOB, TOKEN, NAME, FILE = "jobD", "reclaim-token-1", "jobD/step-1", "blob.bin"
+PREFIX = "/t12-reclaim"
+
+
+class _Node:
+    """A NodeServer with its replica manager, registered in the cluster as `foresight node serve --etcd` does."""
+
+    def __init__(self, root: str, etcd: str, node_id: str, limit: ServiceLimit) -> None:
+        self.server = NodeServer(root, node_id=node_id, cpu_threshold=101)
+        self.cluster = Cluster(etcd, prefix=PREFIX)
+        self.reg = self.cluster.register_node(node_id, lambda: {"node": node_id, "location": self.server.location,
+                                                                  "instance": self.server.instance}, ttl=5)
+        self.manager = ReplicaManager(self.server, self.cluster, limit=limit, lease_ttl=5)
+        self.location, self.root = self.server.location, root
+
+    def close(self) -> None:
+        self.manager.close()
+        self.reg.close()
+        self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with EtcdProcess(str(tmp_path_factory.mktemp("etcd"))) as etcd:
+        a = _Node(str(tmp_path_factory.mktemp("a")), etcd.endpoint, "a", ServiceLimit())
+        b = _Node(str(tmp_path_factory.mktemp("b")), etcd.endpoint, "b", ServiceLimit.parse("1M"))  # slow reads
+        data = np.random.default_rng(3).integers(0, 255, 6 << 20, dtype=np.uint8).tobytes()
+        os.makedirs(os.path.join(a.root, JOB, "step-1"))
+        with open(os.path.join(a.root, JOB, "step-1", FILE), "wb") as f:
+            f.write(data)
+        publish_checkpoint(a.location, NAME, job=JOB, token=TOKEN)
+        try:
+            yield {"etcd": etcd.endpoint, "a": a, "b": b, "data": data,
+                   "copy": os.path.join(b.root, ".replicas", JOB, "step-1", FILE)}
+        finally:
+            b.close()
+            a.close()
+
+
+def _hint(c):
+    set_replication_hints(NAME, node=c["a"].location, job=JOB, token=TOKEN, ttl_s=600,
+                          hints=[FileHint(FILE, len(c["data"]), 1024, len(c["data"]))])
+    done = wait_for_replicas(NAME, node=c["a"].location, job=JOB, token=TOKEN, timeout=120)
+    assert done["files"][FILE]["copies"] == ["a", "b"] and os.path.exists(c["copy"])
+
+
+def _ticket():
+    return flight.Ticket(json.dumps({"kind": "ckpt.get", "job": JOB, "checkpoint": NAME, "file": FILE}).encode())
+
+
+def test_reclaim_waits_for_a_read_in_progress(cluster):
+    c, b = cluster, cluster["b"]
+    _hint(c)
+    client = flight.FlightClient(b.location)
+    try:
+        stream = client.do_get(_ticket(), call_options(JOB, TOKEN, timeout=120))
+        first = stream.read_chunk().data  # the read is under way: 6 MiB at 1 MiB/s
+        release_replication_hints(NAME, node=c["a"].location, job=JOB, token=TOKEN)
+        wait_for(lambda: b.manager.stats["reclaimed"] >= 1, timeout=60, what="the copy's key to expire")
+        assert os.path.exists(c["copy"])  # deferred: the read still holds it
+        with pytest.raises(flight.FlightError, match="serves no copy"):  # but no new read starts on it
+            client.do_get(_ticket(), call_options(JOB, TOKEN, timeout=60)).read_all()
+        rest = [chunk.data for chunk in stream]
+        got = b"".join(bytes(batch.column(0)[i].as_buffer()) for batch in [first, *rest]
+                       for i in range(len(batch.column(0))))
+        assert got == c["data"]
+        wait_for(lambda: not os.path.exists(c["copy"]), timeout=30, what="the copy deleted after its read")
+    finally:
+        client.close()
+    assert b.manager.inflight == 0
+
+
+def test_a_corrupt_copy_is_never_served_to_a_reader(cluster):
+    c = cluster
+    _hint(c)
+    with open(c["copy"], "r+b") as f:  # same size, other bytes: only the checksum can tell
+        f.write(b"\xff" * 4096)
+    with ReplicaReader(c["etcd"], job=JOB, token=TOKEN, prefix=PREFIX, retry_s=0) as reader:
+        for _ in range(64):
+            assert reader.read(NAME, FILE) == c["data"]
+            if reader.stats["verify_failures"]:
+                break
+        assert reader.stats["verify_failures"] >= 1 and reader.stats["by_node"].get("a", 0) >= 1
+    release_replication_hints(NAME, node=c["a"].location, job=JOB, token=TOKEN)
+    wait_for(lambda: not os.path.exists(c["copy"]), timeout=60, what="the corrupt copy reclaimed")
+
+
+def test_service_limit_syntax_and_token_bucket_arithmetic():
+    assert parse_amounts("64M:500") == (64 << 20, 500)
+    assert parse_amounts("1GiB") == (1 << 30, 0) and parse_amounts(":20") == (0, 20) and parse_amounts(None) == (0, 0)
+    with pytest.raises(ProtocolError, match="must look like"):
+        parse_amounts("fast")
+    with pytest.raises(ProtocolError, match="negative"):
+        parse_amounts("-1M")
+    assert not ServiceLimit.parse("0").limited and ServiceLimit.parse("8M:100").limited
+    bucket = TokenBucket(100.0, burst_s=0.0)
+    first, second = bucket.reserve(100), bucket.reserve(100)  # one second of tokens each, handed out in order
+    assert 0.9 < first <= 1.0 and 0.9 < second - first <= 1.0
+    assert bucket.waited_s == pytest.approx(first + second)
