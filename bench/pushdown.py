@@ -1,0 +1,327 @@
+"""Pushdown bench: the paper's transformation-offload experiment on this machine.
+
+The training process is pinned to one core (``taskset``) and runs a fixed simulated compute step (the GPU's time:
+the host sleeps) and then asks for the next batch; the storage node is pinned to the other core. The dataset is
+video + images (full run: 720p H.264 clips of 30-60 s and JPEGs of 1-4 MP; ``--smoke``: tiny ones). Side by side:
+
+* ``torch``     a torch DataLoader (1 worker, on the training core) decoding with PyAV from the clip's start and Pillow
+* ``host``      foresight's host-side decode: Loader + MediaDecodeStage (frame-selective) on the training core
+* ``pushdown``  foresight pushdown: Loader + NodeSource; the node decodes ahead on its core
+* ``guard``     pushdown with the node's CPU guard engaged (threshold 0): raw bytes, decoded on the training core
+
+Per mode: per-step stall (time the training loop waited for its batch), P50/P99 of the data-loading latency (the
+same wait, per step), the training process's CPU seconds from its first step to its last, imports and start-up
+excluded (all of it is data loading: compute is a sleep), the node's
+CPU seconds, bytes on the wire; then the reductions of pushdown against host-side decode and the guard's ratio.
+
+Usage::
+
+    python bench/pushdown.py            # full run (several minutes on 2 cores; encodes the dataset once)
+    python bench/pushdown.py --smoke    # under a minute: tiny clips and images, a few steps
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import RESULTS, machine, print_table, write_results  # noqa: E402
+
+MODES = ("torch", "host", "pushdown", "guard")
+TOKEN = "bench-token-123"
+
+
+def _specs():
+    from foresight.media import FrameSampling, TransformSpec
+
+    return {"video": TransformSpec(modality="video", frames=FrameSampling(num_frames=8, window_s=4.0), size=(224, 224),
+                                   crop="random_resized"),
+            "image": TransformSpec(modality="image", size=(224, 224), crop="random_resized", flip=0.5)}
+
+
+# -- data ----------------------------------------------------------------------------------------------------
+
+
+def make_data(root: Path, *, smoke: bool, videos: int, images: int, steps: int, batch: int) -> None:
+    """Pack the dataset and build the plan once (cached by its parameters)."""
+    from foresight.format import DatasetWriter, open_dataset
+    from foresight.media import probe_media
+    from foresight.media.synth import make_image, make_video
+    from foresight.plan import build_plan
+
+    stamp = root / f".made-{int(smoke)}-{videos}-{images}-{steps}-{batch}"
+    if stamp.exists():
+        return
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    with DatasetWriter(str(root / "media"), shard_bytes=(4 << 20) if smoke else (256 << 20)) as w:
+        for i in range(max(videos, images)):
+            if i < videos:
+                if smoke:
+                    data = make_video(width=160, height=120, seconds=5.0, fps=25, gop=25)
+                else:
+                    data = make_video(width=1280, height=720, seconds=float(rng.integers(30, 61)), fps=30, gop=60)
+                w.add(data, modality="video", meta=probe_media(data, "video"))
+            if i < images:
+                if smoke:
+                    data = make_image(width=320, height=240, seed=i)
+                else:
+                    mp = float(rng.uniform(1, 4))
+                    wd = int((mp * 1e6 * 4 / 3) ** 0.5)
+                    data = make_image(width=wd, height=wd * 3 // 4, seed=i, quality=90)
+                w.add(data, modality="image", meta=probe_media(data, "image"))
+    ds = open_dataset(str(root / "media"))
+    build_plan([(ds, 1.0)], seed=1, global_batch_size=batch, num_steps=steps).save(str(root / "plans" / "p"))
+    stamp.touch()
+
+
+# -- the training process (run pinned, in a subprocess) ---------------------------------------------------
+
+
+class _TorchDecode:
+    """The plain DataLoader baseline: PyAV decoding from the clip's start, Pillow for images, numpy crops."""
+
+    def __init__(self, ds, plan, rank_items):
+        self.ds, self.plan, self.items = ds, plan, rank_items
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        import io
+
+        import av
+        import torch
+        from PIL import Image
+
+        start, stop = self.items[i]
+        p = self.plan.pieces(start, stop)
+        rng = np.random.default_rng(i)
+        out = []
+        from foresight.format import Modality
+
+        for sid in np.asarray(p.sample).tolist():
+            data = self.ds.read(int(sid))
+            kind = Modality(int(self.ds.modality_codes()[sid])).label
+            if kind == "video":
+                with av.open(io.BytesIO(bytes(data))) as c:
+                    s = c.streams.video[0]
+                    dur = float(s.duration * s.time_base) if s.duration else 5.0
+                    t0 = rng.uniform(0, max(0.0, dur - 4.0))
+                    want = list(np.linspace(t0, t0 + 4.0, 8, endpoint=False))
+                    frames = []
+                    for f in c.decode(s):
+                        if f.time is not None and want and f.time >= want[0]:
+                            frames.append(f.to_ndarray(format="rgb24", width=224, height=224))
+                            want.pop(0)
+                        if not want:
+                            break
+                    while len(frames) < 8:
+                        frames.append(frames[-1] if frames else np.zeros((224, 224, 3), np.uint8))
+                out.append(torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2))
+            else:
+                img = Image.open(io.BytesIO(bytes(data))).convert("RGB")
+                w, h = img.size
+                cw, ch = int(w * rng.uniform(0.5, 1)), int(h * rng.uniform(0.5, 1))
+                x, y = int(rng.uniform(0, w - cw)), int(rng.uniform(0, h - ch))
+                out.append(torch.from_numpy(np.asarray(img.resize((224, 224), box=(x, y, x + cw, y + ch))))
+                           .permute(2, 0, 1))
+        return out
+
+
+def trainer(args: argparse.Namespace) -> None:
+    from foresight.format import open_dataset
+    from foresight.plan import load_plan
+
+    root = Path(args.root)
+    ds = open_dataset(str(root / "media"))
+    plan = load_plan(str(root / "plans" / "p"))
+    stalls: list[float] = []
+    extra: dict = {}
+    import torch  # noqa: F401  imports are start-up, not data loading: measured CPU starts after them
+
+    import foresight.loader  # noqa: F401
+    import foresight.media  # noqa: F401
+    import foresight.node.client  # noqa: F401
+
+    cpu0 = _cpu()
+    t_start = time.perf_counter()
+    if args.mode == "torch":
+        import torch
+
+        items = [plan.rank_items(s, 0, 1) for s in range(plan.num_steps)]
+        loader = torch.utils.data.DataLoader(_TorchDecode(ds, plan, items), batch_size=None, num_workers=1,
+                                             prefetch_factor=2, collate_fn=lambda x: x)
+        it = iter(loader)
+        for _ in range(plan.num_steps):
+            t0 = time.perf_counter()
+            next(it)
+            stalls.append(time.perf_counter() - t0)
+            time.sleep(args.compute_s)
+        del it, loader  # the worker exits and is reaped: its CPU counts as the children's
+    else:
+        from foresight.loader import Loader, MediaDecodeStage
+
+        stage = MediaDecodeStage([ds], _specs(), seed=1, threads=1)
+        decode = stage
+        if args.mode in ("pushdown", "guard"):
+            from foresight.node.client import NodeSource
+
+            decode = NodeSource(stage, plan, nodes=[args.node], token=TOKEN, job=f"bench-{args.mode}",
+                                lead=args.lead, timeout=120)
+        with Loader(ds, plan, decode=decode, prefetch=2) as loader:
+            it = iter(loader)
+            for _ in range(plan.num_steps):
+                t0 = time.perf_counter()
+                next(it)
+                stalls.append(time.perf_counter() - t0)
+                time.sleep(args.compute_s)
+            del it
+        if decode is not stage:
+            extra = dict(decode.stats)
+            decode.close()
+        stage.close()
+    wall = time.perf_counter() - t_start
+    print(json.dumps({"stalls": stalls, "cpu_s": _cpu() - cpu0, "wall_s": wall, "client": extra}))
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its reaped children (the DataLoader's worker)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+# -- the driver ------------------------------------------------------------------------------------------------
+
+
+def _pin(core: int) -> list[str]:
+    return ["taskset", "-c", str(core)] if shutil.which("taskset") and (os.cpu_count() or 1) >= 2 else []
+
+
+def run_mode(mode: str, args: argparse.Namespace, root: Path, workdir: Path) -> dict:
+    import psutil
+
+    node_proc, node_loc, node_cpu0 = None, None, 0.0
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "python"), os.environ.get("PYTHONPATH", "")]))
+    if mode in ("pushdown", "guard"):
+        ready = workdir / f"node-{mode}.json"
+        ready.unlink(missing_ok=True)
+        log = open(workdir / f"node-{mode}.log", "wb")
+        node_proc = subprocess.Popen(
+            _pin(1) + [sys.executable, "-m", "foresight", "node", "serve", "--root", str(root), "--ready-file",
+                       str(ready), "--cpu-threshold", "0" if mode == "guard" else "101", "--decode-threads", "1",
+                       "--max-lead", str(args.lead)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 180
+        while not ready.exists():
+            if node_proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"node did not start; see {workdir / f'node-{mode}.log'}")
+            time.sleep(0.1)
+        node_loc = json.loads(ready.read_text())["location"]
+        node_cpu0 = sum(psutil.Process(node_proc.pid).cpu_times()[:2])
+    try:
+        cmd = _pin(0) + [sys.executable, str(Path(__file__).resolve()), "--role", "trainer", "--mode", mode,
+                         "--root", str(root), "--compute-s", str(args.compute_s), "--lead", str(args.lead)]
+        if node_loc:
+            cmd += ["--node", node_loc]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+        if out.returncode != 0:
+            raise SystemExit(f"trainer {mode} failed:\n{out.stderr[-3000:]}")
+        res = json.loads(out.stdout.strip().splitlines()[-1])
+        node_cpu = sum(psutil.Process(node_proc.pid).cpu_times()[:2]) - node_cpu0 if node_proc else 0.0
+    finally:
+        if node_proc is not None:
+            node_proc.terminate()
+            node_proc.wait(timeout=60)
+    st = np.asarray(res["stalls"][1:] or res["stalls"])  # step 0 includes start-up (registration, first reads)
+    client = res["client"]
+    return {"mode": mode, "steps": len(res["stalls"]), "stall_total_s": float(st.sum()),
+            "stall_mean_ms": float(st.mean() * 1e3), "p50_ms": float(np.percentile(st, 50) * 1e3),
+            "p99_ms": float(np.percentile(st, 99) * 1e3), "host_cpu_s": res["cpu_s"], "node_cpu_s": node_cpu,
+            "wire_mb": client.get("bytes_received", 0) / 1e6, "raw_samples": client.get("samples_raw", 0),
+            "remote_samples": client.get("samples_remote", 0), "local_samples": client.get("samples_local", 0),
+            "wall_s": res["wall_s"]}
+
+
+def _reduction(base: float, new: float) -> float | None:
+    return None if not base else round(100.0 * (1 - new / base), 1)
+
+
+def plot(rows: list[dict], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    names = [r["mode"] for r in rows]
+    for ax, key, label in zip(axes, ("stall_total_s", "p99_ms", "host_cpu_s"),
+                              ("total stall (s)", "P99 data-loading latency (ms)", "training-process CPU (s)")):
+        ax.bar(names, [r[key] for r in rows], color=["#999", "#48c", "#2a7", "#c84"][: len(rows)])
+        ax.set_title(label, fontsize=10)
+    fig.suptitle("Transformation pushdown (lower is better)")
+    fig.tight_layout()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny clips and images, a few steps (under a minute)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None, help="samples per step")
+    ap.add_argument("--compute-s", type=float, default=None, help="simulated compute per step (host idle)")
+    ap.add_argument("--lead", type=int, default=3, help="steps the node prepares ahead")
+    ap.add_argument("--data-dir", default="/tmp/foresight_bench_pushdown")
+    ap.add_argument("--role", default="driver", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--root", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--node", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role == "trainer":
+        return trainer(args)
+    steps = args.steps or (4 if args.smoke else 40)
+    batch = args.batch or (4 if args.smoke else 8)
+    args.compute_s = args.compute_s if args.compute_s is not None else (0.05 if args.smoke else 1.0)
+    data = Path(args.data_dir) / ("smoke" if args.smoke else "full")
+    make_data(data, smoke=args.smoke, videos=8 if args.smoke else 24, images=8 if args.smoke else 24,
+              steps=steps, batch=batch)
+    rows = [run_mode(m, args, data, data.parent) for m in args.modes.split(",") if m]
+    print_table(rows, ["mode", "steps", "stall_total_s", "p50_ms", "p99_ms", "host_cpu_s", "node_cpu_s", "wire_mb",
+                       "remote_samples", "raw_samples"], title="pushdown bench")
+    by = {r["mode"]: r for r in rows}
+    summary = {}
+    if "host" in by and "pushdown" in by:
+        h, p = by["host"], by["pushdown"]
+        summary.update(stall_reduction_pct=_reduction(h["stall_total_s"], p["stall_total_s"]),
+                       p99_reduction_pct=_reduction(h["p99_ms"], p["p99_ms"]),
+                       host_cpu_reduction_pct=_reduction(h["host_cpu_s"], p["host_cpu_s"]),
+                       paper_targets_pct={"stall": 63.2, "p99": 85.7, "host_cpu": 94.0})
+    if "host" in by and "guard" in by:
+        summary["guard_stall_vs_host"] = (by["guard"]["stall_total_s"] / by["host"]["stall_total_s"]
+                                          if by["host"]["stall_total_s"] else None)
+    print(json.dumps(summary, indent=1))
+    name = "pushdown_smoke" if args.smoke else "pushdown"
+    path = write_results(name, {"machine": machine(), "smoke": args.smoke, "steps": steps, "batch": batch,
+                                "compute_s": args.compute_s, "rows": rows, "summary": summary})
+    png = plot(rows, RESULTS / f"{name}.png")
+    print(f"wrote {path}" + (f" and {png}" if png else ""))
+
+
+if __name__ == "__main__":
+    main()

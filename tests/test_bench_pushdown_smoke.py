@@ -1,0 +1,24 @@
+"""The pushdown bench runs end to end in --smoke mode (so it never rots), and its modes do what they claim."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_pushdown_smoke(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "pushdown.py"), "--smoke", "--data-dir", str(tmp_path)],
+                          check=False, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "pushdown bench" in proc.stdout
+    result = json.loads((ROOT / "bench" / "results" / "pushdown_smoke.json").read_text())
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert set(rows) == {"torch", "host", "pushdown", "guard"} and result["smoke"] is True
+    assert all(r["steps"] == result["steps"] for r in rows.values())
+    assert rows["pushdown"]["remote_samples"] > 0 and rows["pushdown"]["raw_samples"] == 0
+    assert rows["guard"]["raw_samples"] > 0 and rows["guard"]["remote_samples"] == 0
+    assert rows["host"]["wire_mb"] == 0 and rows["pushdown"]["wire_mb"] > 0
+    assert {"stall_reduction_pct", "p99_reduction_pct", "host_cpu_reduction_pct"} <= set(result["summary"])
