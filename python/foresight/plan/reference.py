@@ -3,6 +3,10 @@ of ``bench/plan_build.py``. Same randomness, same output arrays as :func:`build_
 numpy's whole-array temporaries (argsort, cumsum, searchsorted, repeat) instead of Cython loops,
 and a Python loop for multi-dataset blending (fine for tests, too slow for large mixtures).
 
+It imports nothing from the code it checks: the seeding, the index dtype and the bucket count of the global
+shuffle are written out again here from the documented rules, so a bug in ``foresight.plan.shuffle`` cannot
+hide in both (a change to those rules has to be made twice, on purpose).
+
 Example::
 
     arrays = reference_arrays([counts], weights=[1.0], kind="tokens", seed=0, num_items=64,
@@ -14,14 +18,30 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from foresight.plan.shuffle import generator, index_dtype, num_buckets
+#: The global shuffle's buckets: about 64 Ki samples each, at most 65535 of them (uint16 keys).
+_BUCKET_TARGET = 1 << 16
+_MAX_BUCKETS = 65535
+
+
+def _generator(seed: int, dataset_index: int, epoch: int) -> np.random.Generator:
+    """One PCG64 stream per (seed, dataset, epoch), seeded through SeedSequence of that tuple."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence((seed, dataset_index, epoch))))
+
+
+def _index_dtype(n: int) -> np.dtype:
+    """Sample ids as int32 while they fit, else int64."""
+    return np.dtype(np.int32) if n <= 2**31 - 1 else np.dtype(np.int64)
+
+
+def _num_buckets(n: int) -> int:
+    return min(_MAX_BUCKETS, max(1, -(-n // _BUCKET_TARGET)))
 
 
 def reference_epoch_order(n: int, *, seed: int, dataset_index: int, epoch: int, shuffle: str,
                           block_size: int | None, dtype: np.dtype) -> np.ndarray:
-    rng = generator(seed, dataset_index, epoch)
+    rng = _generator(seed, dataset_index, epoch)
     if shuffle == "global":
-        k = num_buckets(n)
+        k = _num_buckets(n)
         if k == 1:
             out = np.arange(n, dtype=dtype)
             rng.shuffle(out)
@@ -92,7 +112,7 @@ def reference_arrays(sizes: Sequence[np.ndarray], *, weights: Sequence[float], k
                      block_size: int | None = None) -> dict[str, np.ndarray]:
     """The five plan arrays for ``num_items`` items (``sizes[d]``: tokens or bytes per sample)."""
     choice, counts = reference_blend(weights, num_items)
-    dtype = index_dtype(max(len(s) for s in sizes))
+    dtype = _index_dtype(max(len(s) for s in sizes))
     local = []
     for d, sz in enumerate(sizes):
         n, count = len(sz), int(counts[d])
