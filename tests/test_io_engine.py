@@ -459,13 +459,48 @@ def test_no_leaked_fds_or_threads(backend, data_file):
     assert user_threads() == threads_before
 
 
+def io_uring_fds() -> set[int]:
+    """This process's open io_uring instances (their fds)."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[io_uring]":
+                fds.add(int(name))
+        except OSError:  # closed meanwhile (the listing's own fd)
+            pass
+    return fds
+
+
+def sq_thread(ring_fd: int) -> int:
+    """The kernel's SqThread of a ring (fdinfo): the tid of its SQPOLL thread, -1 without one."""
+    with open(f"/proc/self/fdinfo/{ring_fd}") as f:
+        for line in f:
+            if line.startswith("SqThread:"):
+                return int(line.split()[1])
+    pytest.skip("this kernel's io_uring fdinfo has no SqThread line")
+
+
 @pytest.mark.skipif(URING_SKIP is not None, reason=str(URING_SKIP))
 def test_sqpoll(data_file):
+    """SQPOLL claimed is SQPOLL in use: the ring has a kernel submission thread (iou-sqp) of this process,
+    and a ring without it has none. Refused (old kernel without CAP_SYS_NICE, restricted io_uring): skip."""
     _, fd, data = data_file
+    before = io_uring_fds()
     with IOEngine(backend="uring", sqpoll=True, nowait=False) as eng:
+        if not eng.sqpoll:
+            pytest.skip("the kernel refused IORING_SETUP_SQPOLL here; the engine runs without it")
+        (ring,) = io_uring_fds() - before
         buf = np.zeros(1000, np.uint8)
-        eng.read_batch(fd, [123], [1000], [buf.ctypes.data])
+        for _ in range(3):
+            eng.read_batch(fd, [123], [1000], [buf.ctypes.data])
         assert np.array_equal(buf, data[123:1123])
+        tid = sq_thread(ring)
+        assert tid != -1, "engine says SQPOLL, the kernel's ring has no SQ thread"
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            assert f.read().startswith("iou-sqp"), f"SqThread {tid} is not this process's iou-sqp thread"
+    with IOEngine(backend="uring", sqpoll=False, nowait=False) as eng:
+        (ring,) = io_uring_fds() - before
+        assert not eng.sqpoll and sq_thread(ring) == -1
 
 
 @pytest.mark.skipif(URING_SKIP is not None, reason=str(URING_SKIP))
