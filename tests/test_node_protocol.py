@@ -151,3 +151,17 @@ def test_raw_samples_gathered_out_of_a_read_region_and_back(monkeypatch):
         assert pos.tolist() == positions.tolist() and lens.tolist() == lengths.tolist()
         for p, o, n, x in zip(pos, offs, lens, x_dest):
             assert np.array_equal(data[o: o + n], region[x: x + n])
+
+
+def test_blocks_view_stacked_batches_and_group_odd_ones():
+    from foresight.node.protocol import decode_blocks
+
+    video = torch.arange(3 * 2 * 4, dtype=torch.float32).reshape(3, 2, 4)
+    odd = [torch.ones(2, 2, dtype=torch.uint8), torch.zeros(3, 2, dtype=torch.uint8)]
+    _, batches, _ = encode_tensors("decoded", [(4, "image", odd[0]), (6, "image", odd[1])], step=0, node="n",
+                                   stacked={"video": (np.array([0, 1, 5]), video)})
+    blocks = decode_blocks(batches)
+    (m0, p0, t0), (m1, p1, t1) = blocks
+    assert m0 == "video" and p0.tolist() == [0, 1, 5] and torch.equal(t0, video)
+    assert t0.data_ptr() == batches[0].column(4).buffers()[2].address  # a view, not a copy
+    assert m1 == "image" and p1.tolist() == [4, 6] and all(torch.equal(a, b) for a, b in zip(t1, odd))

@@ -38,7 +38,7 @@ import pyarrow.flight as flight
 from foresight.errors import NodeError
 from foresight.node.auth import call_options, connect
 from foresight.node.jobs import spec_digest
-from foresight.node.protocol import KIND_RAW, decode_tensors, encode_ticket, raw_samples
+from foresight.node.protocol import KIND_RAW, decode_blocks, encode_ticket, raw_samples
 
 log = logging.getLogger("foresight.node.client")
 
@@ -245,7 +245,7 @@ class NodeSource:
                 positions = wanted[owner == i]
                 if len(positions):
                     futures[node.node_id] = (node, positions, self._pool.submit(self._fetch, node, step))
-            rows: list[tuple[int, str, Any]] = []
+            blocks: list[tuple[str, np.ndarray, Any]] = []
             raw_parts: list[tuple] = []
             covered = np.zeros(n, dtype=bool)
             for node_id, (node, positions, fut) in futures.items():
@@ -254,7 +254,7 @@ class NodeSource:
                     if kind == KIND_RAW:
                         pos, data, offs, lens = raw_samples(table.to_batches())
                     else:
-                        got = decode_tensors(table.to_batches())
+                        got = decode_blocks(table.to_batches())
                 except flight.FlightUnauthenticatedError:
                     raise
                 except Exception as e:
@@ -263,10 +263,7 @@ class NodeSource:
                     continue
                 # only the positions this node was asked for, each once: a confused node cannot add or repeat one
                 if kind == KIND_RAW:
-                    keep = np.zeros(len(pos), dtype=bool)
-                    _, first = np.unique(pos, return_index=True)
-                    keep[first] = True
-                    keep &= np.isin(pos, positions)
+                    keep = _first_of_each(pos) & np.isin(pos, positions)
                     keep[keep] = ~covered[pos[keep]]
                     try:
                         self._verify_raw(fields, pos[keep], data, offs[keep], lens[keep])
@@ -278,12 +275,15 @@ class NodeSource:
                     raw_parts.append((pos[keep], data, offs[keep], lens[keep]))
                     self.stats["samples_raw"] += int(keep.sum())
                 else:
-                    expected = set(positions.tolist())
-                    part = [r for r in got if r[0] in expected and not covered[r[0]]]
-                    for r in part:
-                        covered[r[0]] = True
-                    rows.extend(part)
-                    self.stats["samples_remote"] += len(part)
+                    for name, pos, tensors in got:
+                        keep = _first_of_each(pos) & np.isin(pos, positions) & (name in self._codes)
+                        keep[keep] = ~covered[pos[keep]]
+                        covered[pos[keep]] = True
+                        if not keep.all():  # rare: the node sent something it was not asked for
+                            tensors = ([t for t, k in zip(tensors, keep) if k] if isinstance(tensors, list)
+                                       else tensors[torch_index(keep)])
+                        blocks.append((name, pos[keep], tensors))
+                        self.stats["samples_remote"] += int(keep.sum())
                 node.failures = 0
                 self.stats["parts_raw" if kind == KIND_RAW else "parts_remote"] += 1
         self.stats["steps"] += 1
@@ -291,10 +291,10 @@ class NodeSource:
         self._degraded = bool(len(local))
         self.stats["samples_local"] += len(local)
         if len(local):
-            rows.extend(self._decode_here(fields, local, first_item, stats))
+            blocks.extend(self._decode_here(fields, local, first_item, stats))
         if raw_parts:
-            rows.extend(self._decode_raw(fields, raw_parts, first_item, stats))
-        return self._assemble(fields, rows)
+            blocks.extend(self._decode_raw(fields, raw_parts, first_item, stats))
+        return self._assemble(fields, blocks)
 
     def _assign(self, wanted: np.ndarray, dataset: np.ndarray, shard: np.ndarray, nodes: list[_Node]) -> np.ndarray:
         """For each wanted position, the index of the node that serves it (-1: none; decoded here).
@@ -331,7 +331,7 @@ class NodeSource:
         sub = {"step": fields["step"], "data": fields["data"], "offsets": np.asarray(fields["offsets"])[positions],
                "lengths": np.asarray(fields["lengths"])[positions], "dataset": np.asarray(fields["dataset"])[positions],
                "sample_ids": np.asarray(fields["sample_ids"])[positions], "items": first_item + positions}
-        return self._rows_of(self.stage(sub, stats=stats, first_item=first_item), positions)
+        return self._blocks_of(self.stage(sub, stats=stats, first_item=first_item), positions)
 
     def _verify_raw(self, fields: dict, positions: np.ndarray, data: np.ndarray, offsets: np.ndarray,
                     lengths: np.ndarray) -> None:
@@ -360,34 +360,40 @@ class NodeSource:
         sub = {"step": fields["step"], "data": data, "offsets": offsets, "lengths": lengths,
                "dataset": dataset,
                "sample_ids": np.asarray(fields["sample_ids"])[positions], "items": first_item + positions}
-        return self._rows_of(self.stage(sub, stats=stats, first_item=first_item), positions)
+        return self._blocks_of(self.stage(sub, stats=stats, first_item=first_item), positions)
 
-    def _rows_of(self, out: dict, positions: np.ndarray) -> list:
-        rows = []
-        for name in self.stage.specs:
-            if name in out:
-                idx = np.asarray(out[f"{name}_index"], dtype=np.int64)
-                rows.extend((int(positions[i]), name, t) for i, t in zip(idx, out[name]))
-        return rows
+    def _blocks_of(self, out: dict, positions: np.ndarray) -> list:
+        """The stage's output for a subset of the step as ``(modality, step positions, tensor or list)`` blocks."""
+        return [(name, positions[np.asarray(out[f"{name}_index"], dtype=np.int64)], out[name])
+                for name in self.stage.specs if name in out]
 
-    def _assemble(self, fields: dict, rows: list) -> dict:
+    def _assemble(self, fields: dict, blocks: list) -> dict:
+        """Each modality's blocks into one (pinned) tensor in plan order, as the stage alone would give: one
+        ``index_copy_`` per block (the one copy on this side); a list when shapes differ within the step."""
         import torch
 
-        from foresight.loader.media_stage import _stack
-
         out = dict(fields)
-        by_name: dict[str, list] = {}
-        for r in rows:
-            by_name.setdefault(r[1], []).append(r)
         for name in self.stage.specs:
-            pairs = sorted(by_name.get(name, []), key=lambda r: r[0])
-            if not pairs:
+            mine = [(pos, t) for m, pos, t in blocks if m == name and len(pos)]
+            if not mine:
                 continue
-            tensors = [t for _, _, t in pairs]
-            out[name] = _stack(tensors, pin=torch.cuda.is_available())
-            if not isinstance(out[name], list):
-                self.stats["copied_bytes"] += out[name].numel() * out[name].element_size()
-            out[f"{name}_index"] = np.array([p for p, _, _ in pairs], dtype=np.int64)
+            order = np.sort(np.concatenate([pos for pos, _ in mine]))
+            tensors = [t for _, t in mine]
+            stackable = all(isinstance(t, torch.Tensor) for t in tensors) and len(
+                {(tuple(t.shape[1:]), t.dtype) for t in tensors}) == 1
+            if stackable:
+                batch = torch.empty((len(order), *tensors[0].shape[1:]), dtype=tensors[0].dtype,
+                                    pin_memory=torch.cuda.is_available())
+                for pos, t in mine:
+                    batch.index_copy_(0, torch.from_numpy(np.searchsorted(order, pos)), t)
+                self.stats["copied_bytes"] += batch.numel() * batch.element_size()
+            else:  # shapes differ: the stage itself returns a list here
+                from foresight.loader.media_stage import _stack
+
+                rows = sorted(((int(p), t) for pos, ts in mine for p, t in zip(pos, ts)), key=lambda r: r[0])
+                batch = _stack([t for _, t in rows], pin=torch.cuda.is_available())
+            out[name] = batch
+            out[f"{name}_index"] = order.astype(np.int64)
         return out
 
     # -- lifetime ------------------------------------------------------------------------------------------
@@ -413,6 +419,19 @@ class NodeSource:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _first_of_each(pos: np.ndarray) -> np.ndarray:
+    """True at the first occurrence of each value of ``pos``."""
+    keep = np.zeros(len(pos), dtype=bool)
+    keep[np.unique(pos, return_index=True)[1]] = True
+    return keep
+
+
+def torch_index(mask: np.ndarray):
+    import torch
+
+    return torch.from_numpy(np.flatnonzero(mask))
 
 
 __all__ = ["NodeSource"]

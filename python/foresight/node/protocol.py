@@ -370,6 +370,51 @@ def decode_tensors(table_batches: Iterable, *, as_torch: bool = True) -> list[tu
     return out
 
 
+def decode_blocks(batches: Iterable) -> list[tuple[str, np.ndarray, Any]]:
+    """``(modality, positions, tensor)`` blocks of received record batches: a batch whose rows share modality,
+    dtype and shape (every stacked one) is one ``(n, *shape)`` tensor viewing the Arrow buffer (no copy, no loop
+    per row); other batches come as ``(modality, positions, [tensors])`` per modality."""
+    import pyarrow.compute as pc
+
+    out = []
+    for batch in batches:
+        if len(batch) == 0:
+            continue
+        names = batch.schema.names
+        if names != ["position", "modality", "dtype", "shape", "data"]:
+            _fail("record batch has unexpected columns", columns=",".join(names))
+        shape_col, data = batch.column(3), batch.column(4)
+        n = len(batch)
+        uniform = (pc.count_distinct(batch.column(1)).as_py() == 1 and pc.count_distinct(batch.column(2)).as_py() == 1)
+        if uniform:
+            lens = np.diff(np.frombuffer(shape_col.buffers()[1], dtype=np.int32)[shape_col.offset: shape_col.offset + n + 1])
+            uniform = bool(len(lens) and (lens == lens[0]).all())
+        if uniform:
+            dims = shape_col.flatten().to_numpy().reshape(n, int(lens[0]))
+            uniform = bool((dims == dims[0]).all())
+        if not uniform:  # rare: shapes differ within the step
+            rows = decode_tensors([batch])
+            for m in dict.fromkeys(m for _, m, _ in rows):
+                mine = [(p, t) for p, mm, t in rows if mm == m]
+                out.append((m, np.array([p for p, _ in mine], dtype=np.int64), [t for _, t in mine]))
+            continue
+        dtype, shape = batch.column(2)[0].as_py(), tuple(int(d) for d in dims[0])
+        if dtype not in _DTYPES or any(d < 0 for d in shape):
+            _fail("tensor block has a bad dtype or shape", dtype=dtype)
+        np_dtype = np.dtype("int16" if dtype == "bfloat16" else dtype)
+        per = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+        offsets = np.frombuffer(data.buffers()[1], dtype=np.int64)[data.offset: data.offset + n + 1]
+        if not np.array_equal(offsets - offsets[0], np.arange(n + 1, dtype=np.int64) * per):
+            _fail("tensor block's bytes do not match its shape", shape=shape)
+        values = data.buffers()[2]
+        raw = np.frombuffer(values, dtype=np.uint8) if values is not None else np.zeros(0, np.uint8)
+        if int(offsets[-1]) > raw.nbytes:
+            _fail("tensor block runs past its data")
+        arr = raw[int(offsets[0]): int(offsets[-1])].view(np_dtype).reshape((n, *shape))
+        out.append((batch.column(1)[0].as_py(), batch.column(0).to_numpy(), _to_torch(arr, dtype)))
+    return out
+
+
 def _to_torch(arr: np.ndarray, dtype: str):
     import torch
     import warnings
@@ -382,6 +427,7 @@ def _to_torch(arr: np.ndarray, dtype: str):
 
 __all__ = [
     "ACTION_DECODERS", "HEADER_JOB", "HEADER_TOKEN", "KIND_DECODED", "KIND_RAW", "MAX_BATCH_BYTES",
-    "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode_action", "decode_ticket", "decode_tensors",
+    "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode_action", "decode_blocks", "decode_ticket",
+    "decode_tensors",
     "encode_raw", "encode_tensors", "encode_ticket", "raw_samples",
 ]
