@@ -108,11 +108,11 @@ def flight_rtt(url: str, n: int = 5) -> float:
     from foresight.checkpoint.replicate.service import call
 
     c = flight.connect(url)
-    call(url, "ping", client=c)  # connection set-up apart
+    call(url, "replication.ping", client=c)  # connection set-up apart
     samples = []
     for _ in range(n):
         t0 = time.perf_counter()
-        call(url, "ping", client=c)
+        call(url, "replication.ping", client=c)
         samples.append((time.perf_counter() - t0) * 1e3)
     c.close()
     return statistics.median(samples)

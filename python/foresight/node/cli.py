@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--replica-quota", default="64G:4096",
                    help="per job: extra bytes and copies its replication hints may place, BYTES[K|M|G]:COPIES")
     s.add_argument("--safe-readers", type=int, default=None, help="concurrent readers one replica serves well")
+    from foresight.checkpoint.replicate.node_options import add_arguments as add_replication_arguments
+
+    add_replication_arguments(s)  # --site, --route, ...: predictive checkpoint replication to another site
     st = sub.add_parser("status", help="per node and job: queue depth, lead, bytes, fallbacks; CPU")
     st.add_argument("--etcd", default=None)
     st.add_argument("--node", action="append", default=None, help="node location (repeatable) instead of etcd")
@@ -95,6 +98,9 @@ def _serve(args: argparse.Namespace) -> int:
 
         registration = cluster.register_node(server.node_id, record, ttl=args.ttl)
     replicas = _mount_replicas(server, cluster, args)
+    from foresight.checkpoint.replicate.node_options import mount_from_args
+
+    replication = mount_from_args(server, args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -111,6 +117,8 @@ def _serve(args: argparse.Namespace) -> int:
         registration.close()  # leave the cluster first: clients stop choosing this node
     if replicas is not None:
         replicas.close()
+    if replication is not None:
+        replication.close()
     server.stop()
     return 0
 

@@ -13,24 +13,20 @@ The same handlers run on every site's node; which role they play depends on the 
 - any site: ``DoGet`` of ``ckpt.file`` / ``ckpt.read`` (a small file, or many byte ranges of one data file in
   one stream: a remote reader's round trip per file), ``ping``.
 
-``handlers()`` returns the actions as a ``{name: callable(dict) -> dict}`` registry with ``do_put``/``do_get``
-beside it, so a storage-node daemon can mount them; :class:`ReplicationServer` is a minimal Flight server
-around them, also startable as a process (``python -m foresight.checkpoint.replicate.service``).
+They are mounted into the storage-node daemon's handler registry (:meth:`ReplicationService.mount` on a
+:class:`foresight.node.server.NodeServer`; ``foresight node serve --site eval-b --route train-a=URL`` does it).
 
 Example::
 
     svc = ReplicationService("train-a", "/data/ckpt", etcd="http://127.0.0.1:2379",
                              routes={"eval-b": "grpc://wan-gateway:9000"})
-    server = ReplicationServer(svc, port=0)     # grpc://127.0.0.1:<server.port>
+    svc.mount(node_server)
 """
 from __future__ import annotations
 
-import argparse
-import base64
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,7 +49,7 @@ from foresight.checkpoint.replicate.units import (
     plan_units,
     read_unit,
 )
-from foresight.errors import CheckpointError
+from foresight.errors import CheckpointError, ProtocolError
 
 log = logging.getLogger("foresight.replicate")
 SCHEMA = pa.schema([("data", pa.binary())])
@@ -136,16 +132,31 @@ class ReplicationService:
     # -- registry for a node daemon --------------------------------------------------------------
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         return {
-            "ping": lambda b: {"site": self.site},
+            "replication.ping": lambda b: {"site": self.site},
             "replicate.start": self.start, "replicate.commit": self.commit, "replicate.abort": self.abort,
             "replicate.urgent": self.urgent, "replicate.wait": self.wait, "replicate.pause": self.pause,
             "replicate.resume": self.resume, "replicate.log": lambda b: {"sent": self.sent_log},
-            "replica.status": self.replica_status, "replica.commit": self.replica_commit,
+            "replica.status": self.replica_status,
         }
 
     def check_token(self, body: dict[str, Any]) -> None:
+        """Sites of one deployment share a replication token (node-to-node calls carry no job)."""
         if self.token and body.get("token") != self.token:
-            raise flight.FlightUnauthorizedError("bad or missing token")
+            raise ProtocolError("bad or missing replication token")
+
+    def mount(self, server: Any) -> None:
+        """Register the actions, DoPut and DoGet kinds on a node server's handler registry."""
+        for name, fn in self.handlers().items():
+            server.register_action(name, _decoder(name),
+                                   lambda context, req, fn=fn: fn(req), job_scoped=False)
+        server.register_put("replica.unit", self._put_unit)
+        server.register_put("replica.commit", self._put_commit)
+        for kind in ("ckpt.read", "ckpt.file", "ckpt.list"):
+            server.register_get(kind, lambda context, ticket: self.do_get(ticket))
+        if not self.endpoint:
+            self.endpoint = server.location
+        if self.resolver is not None:
+            self.resolver._etcd.put(f"/foresight/sites/{self.site}/replication", self.endpoint)
 
     def _under_root(self, path: str) -> str:
         real = os.path.realpath(path)
@@ -304,7 +315,7 @@ class ReplicationService:
         body, digest = read_unit(t.fds[unit.file], unit)
         cmd = {"op": "replica.unit", "name": t.name, "header": unit.header(digest), "token": self.token}
         def put(client: flight.FlightClient) -> None:
-            writer, reader = client.do_put(flight.FlightDescriptor.for_command(json.dumps(cmd).encode()), SCHEMA)
+            writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.unit", json.dumps(cmd)), SCHEMA)
             mv = memoryview(body)
             for pos in range(0, len(mv), WIRE_CHUNK):
                 writer.write_batch(binary_batch(mv[pos:pos + WIRE_CHUNK]))
@@ -321,9 +332,23 @@ class ReplicationService:
                 return
             t._publishing = True  # type: ignore[attr-defined]
         try:
-            res = self._call(t.site, "replica.commit", {
-                "name": t.name, "units": len(t.units), "source_site": self.site,
-                "meta": {k: base64.b64encode(v).decode() for k, v in t.meta.items()}})
+            names = sorted(t.meta)
+            cmd = {"op": "replica.commit", "name": t.name, "units": len(t.units), "source_site": self.site,
+                   "files": [[n, len(t.meta[n])] for n in names], "token": self.token}
+            body = b"".join(t.meta[n] for n in names)  # index + COMMIT, or DCP .metadata: any size
+
+            def put(client: flight.FlightClient) -> dict[str, Any]:
+                writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.commit", json.dumps(cmd)),
+                                               SCHEMA)
+                mv = memoryview(body)
+                for pos in range(0, max(len(mv), 1), WIRE_CHUNK):
+                    writer.write_batch(binary_batch(mv[pos:pos + WIRE_CHUNK]))
+                writer.done_writing()
+                answer = reader.read()
+                writer.close()
+                return json.loads(answer.to_pybytes())
+
+            res = self._retrying(t.site, put)
             t.path, t.ready_at = res["path"], time.time()
         except Exception as e:  # noqa: BLE001
             t.error = f"publishing the replica failed: {e}"
@@ -334,27 +359,28 @@ class ReplicationService:
     def replica_status(self, b: dict[str, Any]) -> dict[str, Any]:
         return {"units": sorted(ReplicaBuilder(self.root, check_name(b["name"])).done_units())}
 
-    def replica_commit(self, b: dict[str, Any]) -> dict[str, Any]:
-        rb = ReplicaBuilder(self.root, check_name(b["name"]))
-        meta = {check_file_name(k): base64.b64decode(v) for k, v in b["meta"].items()}
-        path = rb.finalize(meta, int(b["units"]))
+    def _put_unit(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        cmd = _command(descriptor)
+        self.check_token(cmd)
+        ReplicaBuilder(self.root, check_name(cmd["name"])).write_unit(cmd["header"], _chunks(reader))
+        writer.write(pa.py_buffer(b"{}"))
+
+    def _put_commit(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        """The source committed and every unit arrived: verify, publish by rename, register under the TTL."""
+        cmd = _command(descriptor)
+        self.check_token(cmd)
+        rb = ReplicaBuilder(self.root, check_name(cmd["name"]))
+        body = b"".join(bytes(c) for c in _chunks(reader))
+        meta, pos = {}, 0
+        for fname, n in cmd["files"]:
+            meta[check_file_name(str(fname))] = body[pos:pos + int(n)]
+            pos += int(n)
+        if pos != len(body):
+            raise CheckpointError("commit body does not match its file list", name=rb.name)
+        path = rb.finalize(meta, int(cmd["units"]))
         if self.resolver is not None:
             self.resolver.register(rb.name, path, self.endpoint, ttl=self.replica_ttl)
-        return {"path": path}
-
-    def do_put(self, cmd: dict[str, Any], reader: Any) -> None:
-        if cmd.get("op") != "replica.unit":
-            raise CheckpointError("unknown DoPut command", op=cmd.get("op"))
-        rb = ReplicaBuilder(self.root, check_name(cmd["name"]))
-
-        def chunks():
-            for chunk in reader:
-                col = chunk.data.column(0)
-                offs = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + len(col) + 1]
-                if len(col):
-                    yield memoryview(col.buffers()[2])[int(offs[0]):int(offs[-1])]
-
-        rb.write_unit(cmd["header"], chunks())
+        writer.write(pa.py_buffer(json.dumps({"path": path}).encode()))
 
     # -- reads -----------------------------------------------------------------------------------
     def _checkpoint_dir(self, name: str) -> str:
@@ -366,15 +392,16 @@ class ReplicationService:
         return self._under_root(path)
 
     def do_get(self, ticket: dict[str, Any]) -> flight.FlightDataStream:
-        if ticket.get("op") == "ckpt.list":  # the data files and their sizes (a remote copy is pulled whole)
+        self.check_token(ticket)
+        if ticket.get("kind") == "ckpt.list":  # the data files and their sizes (a remote copy is pulled whole)
             body = json.dumps(data_files(self._checkpoint_dir(ticket["name"]))).encode()
             return flight.RecordBatchStream(pa.Table.from_batches([binary_batch(memoryview(body))]))
         path = os.path.join(self._checkpoint_dir(ticket["name"]), check_file_name(ticket["file"]))
-        if ticket.get("op") == "ckpt.file":
+        if ticket.get("kind") == "ckpt.file":
             with open(path, "rb") as f:
                 return flight.RecordBatchStream(pa.Table.from_batches([binary_batch(memoryview(f.read()))]))
-        if ticket.get("op") != "ckpt.read":
-            raise CheckpointError("unknown DoGet ticket", op=ticket.get("op"))
+        if ticket.get("kind") != "ckpt.read":
+            raise CheckpointError("unknown DoGet ticket", kind=ticket.get("kind"))
         ranges = [(int(o), int(n)) for o, n in ticket["ranges"]]
         if any(o < 0 or n < 0 for o, n in ranges):
             raise CheckpointError("negative range", path=path)
@@ -401,46 +428,6 @@ def _site_endpoint(resolver: Any, site: str) -> str | None:
     return v[0].decode() if v else None
 
 
-class ReplicationServer(flight.FlightServerBase):
-    """A Flight server exposing one :class:`ReplicationService` (until a node daemon mounts its handlers)."""
-
-    def __init__(self, service: ReplicationService, *, host: str = "127.0.0.1", port: int = 0) -> None:
-        super().__init__(f"grpc://{host}:{port}")
-        self.service = service
-        self.url = f"grpc://{host}:{self.port}"
-        if not service.endpoint:
-            service.endpoint = self.url
-        self._actions = service.handlers()
-
-    def do_action(self, context: Any, action: flight.Action) -> Any:
-        fn = self._actions.get(action.type)
-        if fn is None:
-            raise flight.FlightServerError(f"unknown action {action.type!r}")
-        body = json.loads(action.body.to_pybytes() or b"{}")
-        self.service.check_token(body)
-        try:
-            return [json.dumps(fn(body)).encode()]
-        except (CheckpointError, KeyError, ValueError, OSError) as e:
-            raise flight.FlightServerError(f"{action.type}: {e}") from e
-
-    def do_put(self, context: Any, descriptor: flight.FlightDescriptor, reader: Any, writer: Any) -> None:
-        cmd = json.loads(descriptor.command)
-        self.service.check_token(cmd)
-        try:
-            self.service.do_put(cmd, reader)
-        except (CheckpointError, KeyError, ValueError, OSError) as e:
-            raise flight.FlightServerError(f"DoPut: {e}") from e
-        writer.write(pa.py_buffer(b"ok"))
-
-    def do_get(self, context: Any, ticket: flight.Ticket) -> Any:
-        t = json.loads(ticket.ticket)
-        self.service.check_token(t)
-        try:
-            return self.service.do_get(t)
-        except (CheckpointError, KeyError, ValueError, OSError) as e:
-            raise flight.FlightServerError(f"DoGet: {e}") from e
-
-
 def call(endpoint: str, action: str, body: dict[str, Any] | None = None, *, client: Any = None) -> dict[str, Any]:
     """One ``DoAction`` with a JSON body; returns the JSON answer."""
     c = client or flight.connect(endpoint)
@@ -452,36 +439,44 @@ def call(endpoint: str, action: str, body: dict[str, Any] | None = None, *, clie
     return json.loads(res[0].body.to_pybytes()) if res else {}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="serve one site's checkpoint replication over Flight")
-    p.add_argument("--site", required=True)
-    p.add_argument("--root", required=True)
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--etcd", default=None)
-    p.add_argument("--route", action="append", default=[], metavar="SITE=URL")
-    p.add_argument("--token", default="")
-    p.add_argument("--unit-bytes", type=int, default=UNIT_BYTES)
-    p.add_argument("--streams", type=int, default=2)
-    p.add_argument("--replica-ttl", type=int, default=3600)
-    p.add_argument("--fifo", action="store_true", help="send transfers in arrival order (no priority lane)")
-    a = p.parse_args(argv)
-    # verifying a DCP replica unpickles its .metadata, which imports torch.distributed.checkpoint (seconds on a
-    # busy host): pay that once at start-up, not inside the first replica's commit-to-ready time
-    import torch.distributed.checkpoint.metadata  # noqa: F401
-    routes = dict(r.split("=", 1) for r in a.route)
-    svc = ReplicationService(a.site, a.root, etcd=a.etcd, routes=routes, token=a.token, unit_bytes=a.unit_bytes,
-                             streams=a.streams, replica_ttl=a.replica_ttl, fifo=a.fifo)
-    server = ReplicationServer(svc, port=a.port)
-    if svc.resolver is not None:
-        svc.resolver._etcd.put(f"/foresight/sites/{a.site}/replication", server.url)
-    import signal
-
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
-    print(f"READY {server.port}", flush=True)
-    server.serve()
-    svc.close()
-    return 0
+_REQUIRED = {
+    "replication.ping": (), "replicate.start": ("name", "src", "site"), "replicate.commit": ("name", "path"),
+    "replicate.abort": ("name",), "replicate.urgent": ("name", "priority"), "replicate.wait": ("name",),
+    "replicate.pause": (), "replicate.resume": (), "replicate.log": (), "replica.status": ("name",),
+}
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _decoder(action: str) -> Callable[[Any], dict[str, Any]]:
+    """The node's request check for one action: a JSON object with the fields the handler needs."""
+
+    def decode(o: Any) -> dict[str, Any]:
+        if not isinstance(o, dict):
+            raise ProtocolError("request must be a JSON object", action=action)
+        missing = [k for k in _REQUIRED[action] if k not in o]
+        if missing:
+            raise ProtocolError("request lacks fields", action=action, missing=missing)
+        if "name" in o and not isinstance(o["name"], str):
+            raise ProtocolError("name must be a string", action=action)
+        return o
+
+    return decode
+
+
+def _command(descriptor: Any) -> dict[str, Any]:
+    if len(descriptor.path) != 2:
+        raise ProtocolError("replication DoPut wants the path [kind, JSON command]")
+    try:
+        cmd = json.loads(descriptor.path[1])
+    except ValueError as e:
+        raise ProtocolError(f"replication DoPut command is not JSON: {e}") from None
+    if not isinstance(cmd, dict) or not isinstance(cmd.get("name"), str):
+        raise ProtocolError("replication DoPut command must be an object naming the checkpoint")
+    return cmd
+
+
+def _chunks(reader: Any) -> Any:
+    for chunk in reader:
+        col = chunk.data.column(0)
+        offs = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + len(col) + 1]
+        if len(col):
+            yield memoryview(col.buffers()[2])[int(offs[0]):int(offs[-1])]

@@ -94,19 +94,20 @@ class RemoteSource:
 
         self.requests += 1
         try:
+            # the node routes JSON tickets by a leading "kind" field
             return self._client.do_get(flight.Ticket(json.dumps({**ticket, "token": self.token}).encode()))
         except flight.FlightError as e:
             raise CheckpointError(f"remote read failed: {e}", endpoint=self.endpoint, name=self.name) from e
 
     def read_file(self, fname: str) -> bytes:
-        table = self._get({"op": "ckpt.file", "name": self.name, "file": check_file_name(fname)}).read_all()
+        table = self._get({"kind": "ckpt.file", "name": self.name, "file": check_file_name(fname)}).read_all()
         body = b"".join(c.as_py() for c in table.column(0))
         self.bytes += len(body)
         return body
 
     def list_files(self) -> list[tuple[str, int]]:
         """``(name, size)`` of the remote checkpoint's data files."""
-        table = self._get({"op": "ckpt.list", "name": self.name}).read_all()
+        table = self._get({"kind": "ckpt.list", "name": self.name}).read_all()
         return [(check_file_name(n), int(sz)) for n, sz in json.loads(b"".join(c.as_py() for c in table.column(0)))]
 
     def read_extents(self, files: list[str], file_ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, *,
@@ -122,7 +123,7 @@ class RemoteSource:
             groups[-1][1].append(k)
         for f, ks in groups:
             ranges = [[int(tr.t_offset[k]), int(tr.t_length[k])] for k in ks]
-            reader = self._get({"op": "ckpt.read", "name": self.name, "file": check_file_name(files[f]),
+            reader = self._get({"kind": "ckpt.read", "name": self.name, "file": check_file_name(files[f]),
                                 "ranges": ranges})
             pos, end = int(tr.t_dest[ks[0]]), int(tr.t_dest[ks[-1]] + tr.t_length[ks[-1]])
             for chunk in reader:

@@ -9,6 +9,7 @@ Example::
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -66,29 +67,42 @@ class EtcdServer:
 
 
 class SiteProcess:
-    """``python -m foresight.checkpoint.replicate.service`` for one site; ``url`` is its Flight endpoint."""
+    """A storage node of one site (``foresight node serve --site``) as a process; ``url`` is its Flight endpoint.
+    Its JSON log goes to ``<root>.<site>.log``."""
 
     def __init__(self, site: str, root: str, *, etcd: str | None = None, routes: dict[str, str] | None = None,
                  unit_bytes: int = 32 << 20, streams: int = 2, replica_ttl: int = 3600, port: int = 0,
-                 fifo: bool = False) -> None:
+                 fifo: bool = False, timeout: float = 120.0) -> None:
         self.site, self.root = site, root
-        args = [sys.executable, "-m", "foresight.checkpoint.replicate.service", "--site", site, "--root", root,
-                "--unit-bytes", str(unit_bytes), "--streams", str(streams), "--replica-ttl", str(replica_ttl),
-                "--port", str(port)]
+        os.makedirs(root, exist_ok=True)
+        self.ready_file = f"{os.path.abspath(root)}.{site}.ready.json"
+        if os.path.exists(self.ready_file):
+            os.unlink(self.ready_file)
+        args = [sys.executable, "-m", "foresight", "node", "serve", "--root", root, "--port", str(port),
+                "--ready-file", self.ready_file, "--site", site, "--replication-unit-bytes", str(unit_bytes),
+                "--replication-streams", str(streams), "--replication-ttl", str(replica_ttl)]
         if etcd:
             args += ["--etcd", etcd]
         if fifo:
-            args.append("--fifo")
+            args.append("--replication-fifo")
         for s, url in (routes or {}).items():
             args += ["--route", f"{s}={url}"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        if not line.startswith("READY "):
-            self.proc.kill()
-            self.proc.wait()
-            raise RuntimeError(f"site {site} did not start: {line!r}")
-        self.port = int(line.split()[1])
-        self.url = f"grpc://127.0.0.1:{self.port}"
+        self.log_path = f"{os.path.abspath(root)}.{site}.log"
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(self.ready_file):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"site {site} did not start: {self.log()[-2000:]}")
+            time.sleep(0.05)
+        with open(self.ready_file) as f:
+            self.url = json.load(f)["location"]
+        self.port = int(self.url.rsplit(":", 1)[1])
+
+    def log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
 
     def call(self, action: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         from foresight.checkpoint.replicate.service import call
@@ -100,17 +114,17 @@ class SiteProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-        self.proc.stdout.close()
+        self._log.close()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(10)
+                self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.proc.stdout.close()
+        self._log.close()
 
     def __enter__(self) -> SiteProcess:
         return self
