@@ -109,13 +109,45 @@ def test_fast_path_needs_no_fallback(clips, references, name):
         assert report.nonref_skip == (meta["codec"] in NONREF_SKIP_CODECS)
 
 
-def test_skip_nonref_is_exact_and_skips(clips, references):
+def _frames_out_of_decoder(monkeypatch, *args, **kw) -> tuple[np.ndarray, list[int]]:
+    """decode_video(*args, **kw) and the pts of every frame the codec handed back (skipped frames never come out)."""
+    from foresight.media import video
+
+    seen: list[int] = []
+    take = video._Run._take
+
+    def counting_take(run, frame):
+        seen.append(frame.pts)
+        return take(run, frame)
+
+    with monkeypatch.context() as m:
+        m.setattr(video._Run, "_take", counting_take)
+        out = decode_video(*args, **kw)
+    return out, seen
+
+
+def test_skip_nonref_is_exact_and_skips(clips, references, monkeypatch):
+    import io
+
+    import av
+    from av.video.frame import PictureType
+
     data = clips["h264_long_gop"]
     meta = probe_media(data, "video")
     idx = [3, 40, 41, 77]
-    a = decode_video(data, meta, idx, skip_nonref=True)
-    b = decode_video(data, meta, idx, skip_nonref=False)
+    report = DecodeReport()
+    a, skipping = _frames_out_of_decoder(monkeypatch, data, meta, idx, skip_nonref=True, report=report)
+    b, plain = _frames_out_of_decoder(monkeypatch, data, meta, idx, skip_nonref=False)
+    assert report.nonref_skip and not report.from_start
     assert np.array_equal(a, b)
+    _check_selection(data, meta, references["h264_long_gop"], idx)
+    # frames were really skipped, and only B-frames that were not asked for (a plain decode tells their type)
+    with av.open(io.BytesIO(data)) as c:
+        b_frames = {f.pts for f in c.decode(video=0) if f.pict_type == PictureType.B}
+    skipped = set(plain) - set(skipping)
+    assert len(skipping) < len(plain) and len(skipped) >= 10, (len(skipping), len(plain))
+    assert set(skipping) <= set(plain)
+    assert skipped <= b_frames and not skipped & set(video_pts(meta)[idx].tolist())
 
 
 def test_resize_crop_layout_threads(clips, references):
