@@ -125,3 +125,16 @@ def test_service_limit_syntax_and_token_bucket_arithmetic():
     first, second = bucket.reserve(100), bucket.reserve(100)  # one second of tokens each, handed out in order
     assert 0.9 < first <= 1.0 and 0.9 < second - first <= 1.0
     assert bucket.waited_s == pytest.approx(first + second)
+
+
+def test_a_restarted_node_deletes_copies_no_hint_holds(cluster, tmp_path):
+    stale = tmp_path / ".replicas" / JOB / "step-9"
+    stale.mkdir(parents=True)
+    (stale / "old.bin").write_bytes(b"x" * 4096)  # left by a crash: its hint's key is gone from etcd
+    (stale / ".tmp-half.bin-1234").write_bytes(b"y")  # a copy cut short
+    node = _Node(str(tmp_path), cluster["etcd"], "c", ServiceLimit())
+    try:
+        assert not (stale / "old.bin").exists() and not list(stale.iterdir())
+        assert node.manager.describe()["hinted_copies"] == 0
+    finally:
+        node.close()

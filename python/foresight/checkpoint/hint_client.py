@@ -48,17 +48,27 @@ def _action(location: str, action: str, body: dict, *, job: str, token: str, tim
     return json.loads(out[0].body.to_pybytes())
 
 
-def _any_node(etcd: str | None, node: str | None, prefix: str | None) -> str:
+def _cluster_action(action: str, body: dict, *, job: str, token: str, etcd: str | None, node: str | None,
+                    prefix: str | None) -> dict:
+    """Send ``action`` to ``node``, or to the live nodes in random order until one answers (a refusal is final;
+    a node that died but still has a lease is skipped)."""
+    import pyarrow.flight as flight
+
     if node is not None:
-        return node
+        return _action(node, action, body, job=job, token=token)
     if etcd is None:
         raise ValueError("give etcd=<endpoint> or node=<location>")
     from foresight.node.cluster import DEFAULT_PREFIX, Cluster
 
-    nodes = Cluster(etcd, prefix=prefix or DEFAULT_PREFIX).nodes()
-    if not nodes:
-        raise NodeError("no live storage node in the cluster", etcd=etcd)
-    return random.choice([r["location"] for r in nodes.values()])
+    locations = [r["location"] for r in Cluster(etcd, prefix=prefix or DEFAULT_PREFIX).nodes().values()]
+    random.shuffle(locations)
+    errors = []
+    for loc in locations:
+        try:
+            return _action(loc, action, body, job=job, token=token)
+        except (flight.FlightUnavailableError, flight.FlightTimedOutError) as e:
+            errors.append(f"{loc}: {str(e)[:120]}")
+    raise NodeError("no live storage node answered", etcd=etcd, action=action, errors=" | ".join(errors) or None)
 
 
 def publish_checkpoint(node: str, checkpoint: str, *, job: str, token: str) -> dict:
@@ -84,21 +94,21 @@ def set_replication_hints(checkpoint: str, *, job: str, token: str, ttl_s: float
         hints = derive_dcp_hints(checkpoint_dir, world_size, replicated_readers=replicated_readers)
     body = {"job": job, "checkpoint": checkpoint, "ttl_s": ttl_s, "files": [h.to_dict() for h in hints],
             "allow_partial": allow_partial}
-    return _action(_any_node(etcd, node, prefix), "set_replication_hints", body, job=job, token=token)
+    return _cluster_action("set_replication_hints", body, job=job, token=token, etcd=etcd, node=node, prefix=prefix)
 
 
 def replication_progress(checkpoint: str, *, job: str, token: str, etcd: str | None = None, node: str | None = None,
                          prefix: str | None = None) -> dict:
     """Copies made, pending and failed for the checkpoint's live hint; ``complete`` once none is pending."""
-    return _action(_any_node(etcd, node, prefix), "replicas.progress", {"job": job, "checkpoint": checkpoint},
-                   job=job, token=token)
+    return _cluster_action("replicas.progress", {"job": job, "checkpoint": checkpoint}, job=job, token=token,
+                           etcd=etcd, node=node, prefix=prefix)
 
 
 def release_replication_hints(checkpoint: str, *, job: str, token: str, etcd: str | None = None,
                               node: str | None = None, prefix: str | None = None) -> dict:
     """End the hint now (the restart is over): its copies are reclaimed once no read holds them."""
-    return _action(_any_node(etcd, node, prefix), "replicas.release", {"job": job, "checkpoint": checkpoint},
-                   job=job, token=token)
+    return _cluster_action("replicas.release", {"job": job, "checkpoint": checkpoint}, job=job, token=token,
+                           etcd=etcd, node=node, prefix=prefix)
 
 
 def wait_for_replicas(checkpoint: str, *, job: str, token: str, etcd: str | None = None, node: str | None = None,

@@ -281,7 +281,7 @@ class ReplicaManager:
             raise HintError(f"hint TTL {req['ttl_s']} s is above this cluster's limit of {self.max_ttl_s} s",
                             checkpoint=name)
         hint_key = self._k("hints", job, "ckpt", ckpt_key(name))
-        if self._get1(hint_key) is not None:
+        if self._get1(hint_key) is not None:  # checked again atomically when the hint is written
             raise HintError("a hint for this checkpoint is live; release it first (replicas.release) or let it "
                             "expire", checkpoint=name)
         live = self._live_nodes()
@@ -311,7 +311,10 @@ class ReplicaManager:
         record = {"job": job, "checkpoint": name, "ttl_s": req["ttl_s"], "lease": lease.id, "created": now,
                   "copy_bytes": plan.copy_bytes, "new_replicas": plan.new_replicas, "files": files,
                   "coordinator": self.node_id}
-        self._put(hint_key, record, lease=lease)
+        if not self.cluster._call(lambda c: c.create(hint_key, json.dumps(record), lease=lease)):
+            lease.revoke()  # another node accepted a hint for it a moment ago
+            raise HintError("a hint for this checkpoint is live; release it first (replicas.release) or let it "
+                            "expire", checkpoint=name)
         for f in plan.files:
             src = next(iter(copies[f.path].values()))
             for node in f.new_nodes:
