@@ -148,7 +148,7 @@ def place_default(cluster: Cluster, src: Path, replicas: int = 3, seed: int = 1)
         for i in rng.sample(range(len(cluster.roots)), replicas):
             d = cluster.roots[i] / JOB / "step-00000100"
             d.mkdir(parents=True, exist_ok=True)
-            os.link(src / f, d / f) if os.stat(src).st_dev == os.stat(d).st_dev else shutil.copy(src / f, d / f)
+            shutil.copy(src / f, d / f)  # each node its own file, as on separate disks
             where.setdefault(f, []).append(cluster.nodes[i]["node"])
     for n, root in zip(cluster.nodes, cluster.roots):
         if (root / JOB).exists():
@@ -260,7 +260,8 @@ def report(res: dict) -> list[dict]:
                                                               "capped by"],
          "rows": [[f["path"], f["size"], f["readers"], f["wanted"], f["replicas"], f["capped_by"] or "-"]
                   for f in c["files"]]
-                 + [["total", c["copy_bytes"], "", "", f"+{c['new_replicas']} copies", f"placed in {c['place_s']:.2f} s"]]},
+                 + [["total", c["copy_bytes"], "", "", f"+{c['new_replicas']} copies",
+                     f"placed in {c['place_s']:.2f} s"]]},
     ]
 
 
