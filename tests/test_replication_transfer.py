@@ -154,3 +154,24 @@ def test_a_cut_transfer_leaves_no_replica_and_resumes(sites):
     info = rep.wait(5, timeout=60)
     assert info["bytes_sent"] == 600_000 - 4 * UNIT
     assert files_of(info["path"]) == files_of(final)
+
+
+def test_checkpointer_replicates_scheduled_steps_and_the_eval_site_loads_them(sites):
+    from foresight.checkpoint import Checkpointer, load
+
+    tr = sites["train"]
+    rep = Replication(every=2, site="eval-b", node=tr.url, job="ckptjob")
+    state = {"w": torch.randn(300, 300), "layers": [{"b": torch.arange(7)} for _ in range(30)]}
+    with Checkpointer(os.path.join(tr.root, "ckptjob"), replicate=rep) as ck:
+        ck.save(state, 2).wait()
+        ck.save(state, 3).wait()  # not on the schedule
+        src = ck.save(state, 4).wait().path
+    info = rep.wait(4, timeout=60)
+    assert files_of(info["path"]) == files_of(src)
+    with pytest.raises(CheckpointError, match="not being replicated"):
+        rep.wait(3)
+    assert rep.wait(2, timeout=60)["path"].endswith("step-00000002")
+    got = load(4, root=os.path.dirname(info["path"]))  # the evaluation site loads its replica
+    assert torch.equal(got.state_dict["w"], state["w"])
+    assert torch.equal(got.state_dict["layers"][29]["b"], state["layers"][29]["b"])
+    rep.close()

@@ -147,3 +147,14 @@ def test_wan_link_delays_every_round_trip():
     rtt = measure_rtt(rtt_ms=40, pings=3)
     # the proxy never delivers a byte before its due time, so this lower bound holds on any machine
     assert rtt["min_ms"] >= 40 - 2
+
+
+def test_lane_budget_pauses_and_lets_exactly_n_units_go():
+    lane = PriorityLane()
+    lane.set_budget(0)
+    lane.add("a", range(5), 1.0)
+    assert lane.pop(timeout=0) is None  # paused
+    lane.set_budget(2)
+    assert [lane.pop(timeout=0) for _ in range(3)] == [("a", 0), ("a", 1), None]
+    lane.set_budget(None)
+    assert lane.pop(timeout=0) == ("a", 2)

@@ -144,6 +144,8 @@ class Checkpointer:
         on_busy: when every slot is still being written, ``"block"`` until one drains or ``"raise"``.
         verify: check per-tensor checksums on load.
         direct: use O_DIRECT for data files where the file system supports it.
+        replicate: a :class:`foresight.checkpoint.replicate.Replication`: its ``data_written``, ``committed``
+            and ``aborted`` hooks run on the writer thread (a failing hook warns; the save itself stands).
 
     Attributes set at start-up: ``quarantined`` (paths moved aside), ``resumed`` (handles of the drains
     resumed for a predecessor; their failures are reported like any save's).
@@ -152,7 +154,7 @@ class Checkpointer:
     def __init__(self, tiers: str | os.PathLike | Sequence[str | os.PathLike], *,
                  keep: int | None | Sequence[int | None] = None, staging_bytes: int | None = None,
                  slots: int = 1, on_busy: str = "block", verify: bool = True, direct: bool = True,
-                 io_threads: int = 4, chunk_bytes: int = 8 << 20) -> None:
+                 io_threads: int = 4, chunk_bytes: int = 8 << 20, replicate: Any = None) -> None:
         roots = [os.fspath(tiers)] if isinstance(tiers, (str, os.PathLike)) else [os.fspath(t) for t in tiers]
         if not roots:
             raise ValueError("tiers must name at least one directory")
@@ -168,6 +170,7 @@ class Checkpointer:
         self.keep = keeps
         self.verify = verify
         self.direct = direct
+        self.replicate = replicate
         self.slots = slots
         self.on_busy = on_busy
         self._staging_bytes = staging_bytes
@@ -404,6 +407,7 @@ class Checkpointer:
             h.timings["write"] = t1 - t0
             self._pool.release(job.slot)
             released = True
+            self._replication_hook("data_written", h.step, tmp, nbytes=total)  # sends while we commit
             index = {
                 "format": store.FORMAT, "version": store.VERSION, "step": h.step, "created": time.time(),
                 "torch": torch.__version__,
@@ -430,6 +434,7 @@ class Checkpointer:
                 raise CheckpointError(f"cannot commit checkpoint: {e.strerror}", path=tmp) from e
             tmp = None
             h.timings["commit"] = time.perf_counter() - t1
+            self._replication_hook("committed", h.step, h.path)  # only now may a replica be published
             h._local.set()
             if len(self.tiers) > 1:
                 self._drain_q.put(h)
@@ -442,8 +447,17 @@ class Checkpointer:
                 self._pool.release(job.slot)
             if tmp is not None:
                 _rmtree_quiet(tmp)
+            self._replication_hook("aborted", h.step)
             h._fail(e if isinstance(e, CheckpointError) else
                     CheckpointError(f"checkpoint write failed: {e}", step=h.step, tier=root))
+
+    def _replication_hook(self, name: str, *args: Any, **kwargs: Any) -> None:
+        if self.replicate is None:
+            return
+        try:
+            getattr(self.replicate, name)(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a replica is an extra: its failure never fails the save
+            warnings.warn(f"foresight.checkpoint: replication {name} failed: {e}", RuntimeWarning, stacklevel=1)
 
     def _forget_if_ok(self, h: SaveHandle) -> None:
         if h._error is None:

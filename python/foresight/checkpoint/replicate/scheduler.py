@@ -64,6 +64,13 @@ class PriorityLane:
         self._seq = 0
         self._cv = threading.Condition()
         self._closed = False
+        self._budget: int | None = None  # units that may still go (None: no limit; 0: paused)
+
+    def set_budget(self, units: int | None) -> None:
+        """Let exactly ``units`` more units go, then hold the rest (0 pauses; None lifts the limit)."""
+        with self._cv:
+            self._budget = units
+            self._cv.notify_all()
 
     def add(self, key: Hashable, units: Iterable[Any], priority: float) -> None:
         """Queue ``units`` of transfer ``key`` (appended if the transfer is already queued)."""
@@ -102,7 +109,7 @@ class PriorityLane:
             while True:
                 if self._closed:
                     return None
-                ready = [e for e in self._entries.values() if e.units]
+                ready = [e for e in self._entries.values() if e.units] if self._budget != 0 else []
                 if ready:
                     break
                 if not self._cv.wait(timeout):
@@ -111,6 +118,8 @@ class PriorityLane:
                 max(ready, key=lambda e: (e.priority + e.credit, -e.seq))
             for e in ready:
                 e.credit = 0.0 if e is best else e.credit + self.aging
+            if self._budget is not None:
+                self._budget -= 1
             unit = best.units.popleft()
             if not best.units:
                 del self._entries[best.key]

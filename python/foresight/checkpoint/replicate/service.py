@@ -108,7 +108,6 @@ class ReplicationService:
         self.transfers: dict[str, Transfer] = {}
         self.sent_log: list[tuple[str, int]] = []
         self._lock = threading.Condition()
-        self._budget: int | None = None  # None: unlimited; n: units that may still go before pausing
         self._clients: dict[str, flight.FlightClient] = {}
         self._workers = [threading.Thread(target=self._send_loop, name=f"foresight-repl-send-{i}", daemon=True)
                          for i in range(streams)]
@@ -117,9 +116,6 @@ class ReplicationService:
 
     def close(self) -> None:
         self.lane.close()
-        with self._lock:
-            self._budget = None
-            self._lock.notify_all()
         for w in self._workers:
             w.join(10)
         for t in self.transfers.values():
@@ -219,14 +215,11 @@ class ReplicationService:
                 "committed_at": t.committed_at, "ready_at": t.ready_at}
 
     def pause(self, b: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            self._budget = 0
+        self.lane.set_budget(0)
         return {}
 
     def resume(self, b: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            self._budget = None if b.get("units") is None else int(b["units"])
-            self._lock.notify_all()
+        self.lane.set_budget(None if b.get("units") is None else int(b["units"]))
         return {}
 
     def _transfer(self, name: str) -> Transfer:
@@ -279,11 +272,6 @@ class ReplicationService:
 
     def _send_loop(self) -> None:
         while True:
-            with self._lock:
-                while self._budget == 0:
-                    self._lock.wait()
-                if self._budget is not None:
-                    self._budget -= 1
             item = self.lane.pop()
             if item is None:
                 return
