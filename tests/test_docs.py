@@ -306,6 +306,24 @@ def test_checkpoint_keys_and_files_are_documented(written):
         assert f'{{"{tag}":' in FORMATS, f"skeleton tag {tag!r} undocumented"
 
 
+def test_loader_state_keys_are_documented(written):
+    from foresight.format import open_dataset
+    from foresight.loader import Loader
+    from foresight.loader.torch_dataset import ForesightIterableDataset
+    from foresight.plan import load_plan
+
+    ds = open_dataset(written["root"] / "data")
+    plan = load_plan(str(written["root"] / "plan"))
+    with Loader(ds, plan, prefetch=1) as loader:
+        next(iter(loader))
+        keys = set(loader.state_dict())
+    ds.close()
+    adapter = ForesightIterableDataset([], plan)
+    if hasattr(adapter, "state_dict"):
+        keys |= set(adapter.state_dict())
+    assert _undocumented(keys) == []
+
+
 def test_dcp_fields_and_files_are_documented(written):
     from foresight.checkpoint.dcp import ForesightStorageInfo
 
