@@ -37,7 +37,7 @@ PIP_PKGS=(
   "torch==2.13.0" "numpy>=1.26" "pyarrow>=15" "av>=12" "pillow>=10" "xxhash>=3.4" "tqdm>=4.66"
   "psutil>=5.9" "safetensors>=0.4" "cffi>=1.16" "Cython>=3.0,<4" "pybind11>=2.12" "setuptools>=70" "wheel"
   "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3" "matplotlib>=3.8"
-  "etcd3gw==2.4.2" "prometheus-client>=0.20" "cryptography>=42"
+  "etcd3gw==2.4.2" "prometheus-client>=0.20" "cryptography>=42" "tokenizers>=0.20"
 )
 stamp=$VENV/.deps-$(echo "${PIP_PKGS[*]}" | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
@@ -47,8 +47,9 @@ if [ ! -f "$stamp" ]; then
     || { cat build/pip.log >&2; echo "foresight setup: pip install failed" >&2; exit 1; }
   # Anchors for tests and benches only, each optional (what uses them skips without them). --no-deps so
   # none of them can replace the pinned torch: megatron-core (compatibility tests, plan bench), decord and
-  # torchcodec (decode bench; torchcodec 0.13 pairs with torch 2.13).
-  for anchor in "megatron-core==0.16.1" "decord==0.6.0" "torchcodec==0.13.0"; do
+  # torchcodec (decode bench; torchcodec 0.13 pairs with torch 2.13), torchdata (StatefulDataLoader resume
+  # tests of the DataLoader adapter; 0.11 runs on torch 2.13).
+  for anchor in "megatron-core==0.16.1" "decord==0.6.0" "torchcodec==0.13.0" "torchdata==0.11.0"; do
     $PY -m pip install -q --disable-pip-version-check --no-deps "$anchor" >/dev/null 2>&1 \
       || echo "foresight setup: $anchor unavailable (what uses it skips)"
   done

@@ -177,3 +177,23 @@ def test_cli_subprocess_media(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "packed 5 samples" in proc.stdout
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["align"] == 4096
+
+
+def test_no_exported_function_shadows_a_module():
+    # `import foresight.format.pack_media` used to give the function that foresight.format re-exported under the
+    # module's name: every submodule must stay reachable as a module, every packer as a function.
+    import importlib
+    import pkgutil
+    import types
+
+    import foresight.format as fmt
+
+    for pkg_name in ("foresight.format", "foresight.format.packers"):
+        pkg = importlib.import_module(pkg_name)
+        for info in pkgutil.iter_modules(pkg.__path__):
+            full = f"{pkg.__name__}.{info.name}"
+            module = importlib.import_module(full)
+            assert getattr(pkg, info.name) is module, f"{full} is shadowed by {getattr(pkg, info.name)!r}"
+    for name in ("pack_jsonl", "pack_media", "pack_megatron", "pack_parquet", "pack_records"):
+        assert isinstance(getattr(fmt, name), types.FunctionType), name
+    assert isinstance(importlib.import_module("foresight.format.packers.media").media_files, types.FunctionType)

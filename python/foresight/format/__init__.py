@@ -10,12 +10,13 @@ Example::
         w.add_many(tokens, lengths, modality="tokens")
     ds = open_dataset("out/")
     ext = ds.lookup(np.arange(ds.num_samples))
+
+The packers live in :mod:`foresight.format.packers` (``packers.text``, ``packers.media``, ``packers.megatron``);
+their functions are exported here.
 """
 from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
 from .megatron import MegatronDataset, write_megatron_dataset
-from .pack_media import pack_media
-from .pack_megatron import pack_megatron
-from .pack_text import pack_jsonl, pack_parquet
+from .packers import pack_jsonl, pack_media, pack_megatron, pack_parquet, pack_records
 from .reader import ShardedDataset, open_dataset
 from .types import TOKEN_DTYPES, Dataset, Extents, Modality
 from .writer import DatasetWriter
@@ -36,5 +37,6 @@ __all__ = [
     "pack_media",
     "pack_megatron",
     "pack_parquet",
+    "pack_records",
     "write_megatron_dataset",
 ]

@@ -1,8 +1,13 @@
-"""``foresight pack {jsonl,parquet,media,megatron} INPUT OUT [options]``: pack data into foresight shards.
+"""``foresight pack {auto,jsonl,parquet,media,megatron} INPUT... OUT [options]``: pack data into foresight shards.
+
+jsonl/parquet/auto take several files, globs and folders as one dataset (auto: by suffix, so .jsonl, .jsonl.gz
+and .parquet mix), in sorted order within each argument.
 
 Example::
 
     foresight pack jsonl data.jsonl out/ --column text
+    foresight pack parquet hf_dataset/ out/ --split train --tokenizer tokenizer.json
+    foresight pack auto 'parts/*.jsonl.gz' extra.parquet out/ --tokenizer my_tok:encode
     foresight pack parquet tok.parquet out/ --column input_ids --token-dtype auto
     foresight pack media photos/ out/ --captions captions.csv
     foresight pack megatron data/wiki_text_document out/ --align 4096
@@ -27,12 +32,24 @@ def parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.splitlines()[0]
-    parser.add_argument("kind", choices=["jsonl", "parquet", "media", "megatron"], help="input kind")
-    parser.add_argument("input", help="input file, media folder, or Megatron prefix (path without .idx/.bin)")
+    parser.add_argument("kind", choices=["auto", "jsonl", "parquet", "media", "megatron"],
+                        help="input kind (auto: jsonl/parquet files by suffix)")
+    parser.add_argument("inputs", nargs="+", metavar="INPUT",
+                        help="jsonl/parquet/auto: files, globs (quoted) and folders, packed as one dataset; "
+                             "media: one folder; megatron: one prefix (path without .idx/.bin)")
     parser.add_argument("out", help="dataset directory to create")
     parser.add_argument("--column", default=None, help="jsonl/parquet: text or token-id column (default: auto)")
+    parser.add_argument("--split", default=None,
+                        help="jsonl/parquet: take this split's files from folders and globs (train-00000-of-..., "
+                             "train/); needed when a folder holds several")
+    parser.add_argument("--tokenizer", default=None, metavar="TOKENIZER",
+                        help="jsonl/parquet text: tokenize into token ids with a tokenizer.json (or a folder holding "
+                             "one) through the tokenizers library, or a module:function taking list[str] and "
+                             "returning list[list[int]]")
+    parser.add_argument("--batch-rows", type=int, default=65536, help="jsonl/parquet: rows per batch")
     parser.add_argument("--token-dtype", default="auto", choices=["auto", "uint16", "uint32", "int32", "int64"],
-                        help="jsonl/parquet token-id columns: stored dtype (auto: uint16 if every id < 65536)")
+                        help="jsonl/parquet token ids: stored dtype (auto: uint16 if every id < 65536, "
+                             "with --tokenizer if its vocabulary has at most 65536 entries)")
     parser.add_argument("--captions", default=None, help="media: captions JSONL or CSV (file -> caption)")
     parser.add_argument("--on-error", default="raise", choices=["raise", "skip"],
                         help="media: what to do with files the probe rejects")
@@ -45,23 +62,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import pack_jsonl, pack_media, pack_megatron, pack_parquet
+    from . import pack_media, pack_megatron, pack_records
     from .reader import open_dataset
 
     # Errors (bad input, a full disk, an existing OUT) are reported by foresight.cli as one line naming the path.
     common = dict(shard_bytes=args.shard_bytes, overwrite=args.overwrite, progress=not args.no_progress)
     align = args.align if args.align is not None else (4096 if args.kind == "media" else 0)
-    if args.kind in ("jsonl", "parquet"):
-        fn = pack_jsonl if args.kind == "jsonl" else pack_parquet
-        out = fn(args.input, args.out, column=args.column, token_dtype=args.token_dtype, align=align, **common)
+    if args.kind in ("auto", "jsonl", "parquet"):
+        out = pack_records(args.inputs, args.out, kind=args.kind, split=args.split, column=args.column,
+                           token_dtype=args.token_dtype, tokenizer=args.tokenizer, batch_rows=args.batch_rows,
+                           align=align, **common)
+    elif len(args.inputs) != 1:
+        raise ValueError(f"pack {args.kind} takes one INPUT ({'a folder' if args.kind == 'media' else 'a prefix'}), "
+                         f"got {len(args.inputs)}: {' '.join(args.inputs)}")
     elif args.kind == "media":
-        out = pack_media(args.input, args.out, captions=args.captions, probe=not args.no_probe,
+        out = pack_media(args.inputs[0], args.out, captions=args.captions, probe=not args.no_probe,
                          on_error=args.on_error, align=align, **common)
     else:
-        out = pack_megatron(args.input, args.out, align=align, **common)
+        out = pack_megatron(args.inputs[0], args.out, align=align, **common)
     ds = open_dataset(out)
     total = int(ds.sample_bytes().sum())
-    print(f"packed {ds.num_samples} samples ({total} payload bytes) into {len(ds.shard_paths)} shard(s) at {out}; "
+    sources = ds.manifest.extra.get("sources", [])
+    origin = f" from {len(sources)} files" if len(sources) > 1 else ""
+    print(f"packed {ds.num_samples} samples{origin} ({total} payload bytes) into {len(ds.shard_paths)} shard(s) "
+          f"at {out}; "
           f"modalities={','.join(ds.modalities) or '-'} token_dtype={ds.token_dtype} align={ds.align} "
           f"fingerprint={ds.fingerprint}")
     return 0

@@ -216,8 +216,11 @@ def _check_sources(sources: Any) -> list[tuple[Any, float]]:
     token = [ds.token_dtype is not None for ds, _ in checked]
     if any(token) and not all(token):
         raise PlanError(
-            "cannot mix token datasets with sample datasets in one plan",
+            "cannot mix token datasets with sample datasets in one plan: token datasets are cut into seq_len rows, "
+            "sample datasets (text bytes, media) are taken whole. To train on text, pack it as tokens "
+            "(foresight pack jsonl|parquet ... --tokenizer tokenizer.json); to use both, build one plan per kind",
             token_sources=[i for i, t in enumerate(token) if t],
+            sample_sources=[i for i, t in enumerate(token) if not t],
         )
     return checked
 

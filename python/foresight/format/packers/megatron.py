@@ -16,10 +16,11 @@ import os
 
 import numpy as np
 
-from ..errors import FormatError
-from .megatron import MegatronDataset
-from .types import TOKEN_DTYPES, Modality
-from .writer import DatasetWriter
+from ...errors import FormatError
+from ..megatron import MegatronDataset
+from ..types import TOKEN_DTYPES, Modality
+from ..writer import DatasetWriter
+from .progress import PackProgress
 
 __all__ = ["pack_megatron"]
 
@@ -42,11 +43,8 @@ def pack_megatron(prefix: str | os.PathLike, out: str | os.PathLike, *, align: i
     ends = np.cumsum(lengths)
     extra = {"source": src.path, "source_format": "megatron", "megatron_fingerprint": src.fingerprint,
              "num_documents": src.num_documents}
-    from tqdm.auto import tqdm
-
     with DatasetWriter(out, align=align, shard_bytes=shard_bytes, token_dtype=src.token_dtype, overwrite=overwrite,
-                       extra=extra) as w, tqdm(total=n, desc=f"pack {os.path.basename(src.path)}", unit="seq",
-                                               unit_scale=True, disable=not progress, dynamic_ncols=True) as bar:
+                       extra=extra) as w, PackProgress(n, f"pack {os.path.basename(src.path)}", progress, "seq") as bar:
         a = 0
         while a < n:
             # Take sequences until about batch_tokens tokens (at least one).
@@ -62,6 +60,6 @@ def pack_megatron(prefix: str | os.PathLike, out: str | os.PathLike, *, align: i
                     for m, mode in zip(meta, src.sequence_modes[a:b].tolist()):
                         m["mode"] = mode
             w.add_many(np.ascontiguousarray(raw).view(src.token_dtype), lens, modality=Modality.TOKENS, meta=meta)
-            bar.update(b - a)
+            bar.advance(b - a)
             a = b
     return os.path.abspath(os.fspath(out))

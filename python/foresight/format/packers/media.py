@@ -21,9 +21,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import DecodeError, FormatError
-from .types import Modality
-from .writer import DatasetWriter
+from ...errors import DecodeError, FormatError
+from ..types import Modality
+from ..writer import DatasetWriter
+from .progress import PackProgress
 
 __all__ = ["pack_media", "MEDIA_EXTENSIONS", "load_captions"]
 
@@ -76,7 +77,7 @@ def load_captions(path: str | os.PathLike) -> dict[str, str]:
 
 def _load_probe() -> Callable[[bytes, str], dict] | None:
     try:
-        from ..media.probe import probe_media
+        from ...media.probe import probe_media
     except Exception as e:  # the media layer is optional here: store basic meta instead
         log.warning("foresight.media.probe not importable (%s); packing with basic meta only", e)
         return None
@@ -116,15 +117,14 @@ def pack_media(folder: str | os.PathLike, out: str | os.PathLike, *, captions: s
                           f"skipped)", path=folder)
     caption_of = load_captions(captions) if captions is not None else {}
     probe_media = _load_probe() if probe else None
-    from tqdm.auto import tqdm
-
     extra: dict[str, Any] = {"source": os.path.abspath(folder), "source_format": "media",
                              "probe": probe_media is not None}
     skipped: list[str] = []
     captioned = 0
-    with DatasetWriter(out, align=align, shard_bytes=shard_bytes, overwrite=overwrite, extra=extra) as w:
-        for rel, mod in tqdm(files, desc=f"pack {os.path.basename(os.path.abspath(folder))}", unit="files",
-                             disable=not progress, dynamic_ncols=True):
+    with DatasetWriter(out, align=align, shard_bytes=shard_bytes, overwrite=overwrite, extra=extra) as w, \
+            PackProgress(len(files), f"pack {os.path.basename(os.path.abspath(folder))}", progress, "files") as bar:
+        for rel, mod in files:
+            bar.advance(1)
             full = os.path.join(folder, rel)
             try:
                 with open(full, "rb") as f:
