@@ -169,12 +169,121 @@ def test_error_in_consumer_leaves_nothing_behind(token_setup):
     assert threading.active_count() == threads_before
 
 
-def test_memory_is_bounded_and_stated(token_setup):
-    ds, plan = token_setup
-    with Loader(ds, plan, prefetch=2) as loader:
-        assert loader._arena.slots == 4
-        held = [b for b in zip(range(3), iter(loader))]
-        assert len(held) == 3
+def _status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` memory figure (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _resident_bytes(address: int, nbytes: int) -> int:
+    """Bytes of ``[address, address + nbytes)`` (page-aligned) in RAM, by mincore(2)."""
+    import ctypes
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    pages = -(-nbytes // page)
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(v & 1 for v in vec) * page
+
+
+def _file_cached_bytes(path: str) -> int:
+    """Bytes of a file in the page cache (mapping a file faults nothing in; mincore reads residency)."""
+    import mmap
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        view = np.frombuffer(mm, dtype=np.uint8)
+        try:
+            return _resident_bytes(view.ctypes.data, len(view))
+        finally:
+            del view
+
+
+def test_memory_is_bounded_and_stated(tmp_path):
+    # 48 MiB pass through the loader in 2 MiB steps; its memory is (prefetch + 2) slots of one step, in RAM from
+    # the start (pre-touched), and nothing per step grows the process beyond that.
+    size, n, batch, steps, prefetch = 128 << 10, 64, 16, 24, 2
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, size=size * n, dtype=np.uint8)
+    with DatasetWriter(str(tmp_path / "ds"), align=4096) as w:
+        w.add_many(data, np.full(n, size, np.int64), modality="bytes")
+    ds = open_dataset(str(tmp_path / "ds"))
+    plan = build_plan([(ds, 1.0)], seed=4, global_batch_size=batch, num_steps=steps)
+
+    def check_all(loader: Loader) -> None:
+        for batch_ in loader:
+            got = batch_["data"].numpy()
+            for off, sid in zip(batch_["offsets"].numpy(), batch_["sample_ids"].numpy()):
+                assert np.array_equal(got[off : off + size], data[sid * size : (sid + 1) * size])
+        assert loader.stats.as_dict()["steps"] == steps and loader.stats.as_dict()["slot_overflows"] == 0
+
+    # first-use costs (imports, code paths) paid before measuring, in steps of one sample, so the allocator does
+    # not keep step-sized blocks around that a per-step allocation could reuse unseen
+    small = build_plan([(ds, 1.0)], seed=4, global_batch_size=1, num_steps=steps)
+    with Loader(ds, small, prefetch=prefetch) as warm:
+        check_all(warm)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS, so the peak below is this loader's
+    rss_before = _status_bytes("VmRSS")
+    with Loader(ds, plan, prefetch=prefetch) as loader:
+        arena = loader._arena
+        step_bytes = batch * size
+        assert arena.slots == prefetch + 2
+        assert step_bytes <= arena.slot_bytes < step_bytes * 5 // 4, "a slot holds one step, not more"
+        assert arena.nbytes == arena.slots * arena.slot_bytes
+        assert f"{arena.nbytes / 2**20:.1f} MiB" in arena.describe()  # stated up front, as held
+        assert _resident_bytes(arena.address(0), arena.nbytes) == arena.nbytes  # pre-touched, really there
+        check_all(loader)
+        growth = _status_bytes("VmHWM") - rss_before
+    assert growth <= arena.nbytes + arena.slot_bytes // 2, (
+        f"peak RSS grew {growth / 2**20:.1f} MiB for a {arena.nbytes / 2**20:.1f} MiB arena")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["tokens", "bytes"])
+def test_direct_reads_are_exact_and_skip_the_page_cache(tmp_path, backend, kind):
+    # Loader(direct=True), the path behind every cold figure: each shard fd has O_DIRECT, the batches are the
+    # exact bytes, and the shards stay out of the page cache (a buffered read would bring them in).
+    if kind == "tokens":
+        ds, _, _ = _token_dataset(tmp_path / "d")
+        plan = build_plan([(ds, 1.0)], seed=3, global_batch_size=8, seq_len=32, num_steps=10)
+    else:
+        ds, payloads = _bytes_dataset(tmp_path / "d")
+        plan = build_plan([(ds, 1.0)], seed=3, global_batch_size=8, num_steps=10)
+    for path in ds.shard_paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written and fsynced: clean, so dropped
+        finally:
+            os.close(fd)
+        assert _file_cached_bytes(path) == 0, "could not evict the shard from the page cache"
+    got = []
+    with Loader(ds, plan, backend=backend, direct=True) as loader:
+        shard_fds = [int(fd) for fd in os.listdir("/proc/self/fd")
+                     if os.path.realpath(f"/proc/self/fd/{fd}") in {os.path.realpath(p) for p in ds.shard_paths}]
+        assert len(shard_fds) == len(ds.shard_paths)
+        for fd in shard_fds:
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+            assert flags & os.O_DIRECT, f"shard fd {fd} is open without O_DIRECT (flags {flags:o})"
+        for batch in loader:
+            got.append(batch.clone())
+    assert len(got) == plan.num_steps
+    assert sum(_file_cached_bytes(p) for p in ds.shard_paths) == 0, "O_DIRECT reads went through the page cache"
+    for batch in got:
+        if kind == "tokens":
+            start, stop = plan.rank_items(batch.step, 0, 1)
+            want = _expected_rows([ds], plan, start, stop)
+            assert np.array_equal(batch["tokens"].numpy(), want)
+        else:
+            data = batch["data"].numpy()
+            for off, length, sid in zip(batch["offsets"].numpy(), batch["lengths"].numpy(),
+                                        batch["sample_ids"].numpy()):
+                assert data[off : off + length].tobytes() == payloads[sid]
 
 
 def test_mismatched_dataset_is_refused(token_setup, tmp_path):
@@ -190,7 +299,6 @@ def test_iterable_dataset_adapter_with_workers(token_setup):
     ds, plan = token_setup
     with Loader(ds, plan) as loader:
         reference = [b["tokens"].clone() for b in loader]
-    adapter = ForesightIterableDataset(ds.path, plan.path or plan, rank=0, world_size=1) if plan.path else None
     adapter = ForesightIterableDataset([ds], plan, rank=0, world_size=1)
     got = [b["tokens"] for b in torch.utils.data.DataLoader(adapter, batch_size=None, num_workers=2)]
     assert len(got) == len(reference)
