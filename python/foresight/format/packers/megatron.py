@@ -1,8 +1,9 @@
 """Convert a Megatron-LM indexed dataset (``prefix.idx``/``prefix.bin``) into foresight shards.
 
 Foresight reads Megatron datasets in place (:class:`MegatronDataset`); converting adds per-sample checksums,
-aligned starts and sharding. An inconsistent ``.idx``/``.bin`` pair is refused on open (see :mod:`foresight.format.megatron`), so
-the sequences are known to lie back to back and each batch is copied as one slice of the memory-mapped ``.bin``.
+aligned starts and sharding. An inconsistent ``.idx``/``.bin`` pair is refused on open (see
+:mod:`foresight.format.megatron`), so the sequences are known to lie back to back and each batch is copied as one
+slice of the memory-mapped ``.bin``.
 When documents span several sequences, or the index carries modes, each sample's meta records ``document`` (and
 ``mode``) so nothing is lost.
 
