@@ -11,6 +11,8 @@ Example::
             loss = model(batch["input_ids"], labels=batch["labels"])
         ckpt = loader.state_dict()          # {"next_step": ..., "plan_digest": ...}
 
+    with Loader("plan/") as loader: ...     # the datasets the plan recorded (plan/sources.json)
+
 Per step the loader asks the plan for this rank's items, turns their pieces into file extents, coalesces them
 into large aligned transfers, reads the transfers with one batch call of the native engine into a pinned arena
 slot, and builds the batch as views of that slot (token rows need one gather pass). A background thread keeps
@@ -33,6 +35,8 @@ from foresight.errors import ForesightError, PlanError
 from foresight.loader.batch import Batch
 from foresight.loader.collate import document_boundaries, gather_tokens, position_ids
 from foresight.loader.extents import FileTable, StepExtents, step_extents
+from foresight.loader.logs import ensure_default_logging
+from foresight.loader.meta import meta_fields as pick_meta_fields, sample_metas
 from foresight.io.coalesce import DEFAULT_MAX_GAP, DEFAULT_MAX_TRANSFER
 from foresight.loader.stats import LoaderStats
 
@@ -78,6 +82,10 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return (0 if rank is None else int(rank)), (1 if world_size is None else int(world_size))
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
 def _round_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -96,8 +104,13 @@ class Loader(Closing):
     gets an error from ``next()`` instead of waiting forever.
 
     Args:
-        datasets: one dataset or the list the plan was built over (same order).
+        datasets: one dataset or the list the plan was built over (same order); or, with ``plan`` left out, the
+            plan itself (``Loader("plan/")``): its datasets are then opened where the plan recorded them
+            (:func:`foresight.plan.open_plan_datasets`; a moved dataset is looked for under ``search``, or
+            refused with a :class:`~foresight.errors.PlanError` saying where it was expected), and closed with
+            the loader.
         plan: a :class:`foresight.plan.Plan` or a plan directory.
+        search: directories to look in for datasets the plan recorded but that moved (with ``FORESIGHT_DATA_PATH``).
         rank, world_size: default to ``torch.distributed`` when initialised, else 0 and 1.
         prefetch: steps kept in flight ahead of the consumer.
         device: ``"cpu"`` or a CUDA device; CUDA batches are copied with ``non_blocking=True`` from pinned memory.
@@ -121,13 +134,27 @@ class Loader(Closing):
             ``batch.release()`` (the pipeline waits for a free slot once ``prefetch + 2`` are held).
         start_step, end_step, step_stride: the global steps to yield, ``range(start_step, end_step, step_stride)``
             (a stride deals steps to DataLoader workers).
+        meta_fields: fields of each sample's meta JSON (recorded at pack time: ``caption`` from ``foresight pack
+            media --captions``, labels, ids) to put in sample plans' batches: ``batch["caption"]`` is a list with
+            one value per sample of the step (aligned with ``sample_ids``; None where a sample has no such
+            field), and for each modality a decode stage produced, ``batch["image_caption"]`` is the values for
+            ``batch["image"]``'s rows (``batch["image_index"]``'s positions). Looked up on the loader thread in
+            one batch per shard (:mod:`foresight.loader.meta`). Token plans are refused (rows cut documents).
+        on_step: called in the consumer's thread with a snapshot of :attr:`stats` (``stats.as_dict()`` plus
+            ``"step"``, the batch's global step) each time a batch is handed out, before the consumer gets it:
+            a metrics hook (log ``stall_s`` growth, export to Prometheus or TensorBoard). It should be quick.
+
+    Logging: the loader logs one INFO line at start-up (backend, arena memory, fallbacks) and warns of runtime
+    fallbacks (a step larger than its slot); with logging unconfigured these go to stderr on their own
+    (:mod:`foresight.loader.logs`, ``FORESIGHT_LOG=off|info|debug``).
     """
 
     def __init__(
         self,
         datasets: Any,
-        plan: Any,
+        plan: Any = None,
         *,
+        search: Sequence[str] = (),
         rank: int | None = None,
         world_size: int | None = None,
         prefetch: int = 2,
@@ -143,87 +170,105 @@ class Loader(Closing):
         start_step: int = 0,
         end_step: int | None = None,
         step_stride: int = 1,
+        meta_fields: Sequence[str] = (),
+        on_step: Callable[[dict], Any] | None = None,
     ) -> None:
         from foresight.io import Arena, IOEngine, open_file
 
+        ensure_default_logging()
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
-        if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
-            from foresight.plan import load_plan
+        if plan is None:  # Loader("plan/"): the plan alone, its datasets from where it recorded them
+            datasets, plan = None, datasets
+        plan = _as_plan(plan)
+        self._owned_datasets: list = []
+        if datasets is None:
+            from foresight.plan import open_plan_datasets
 
-            plan = load_plan(plan)
+            datasets = self._owned_datasets = open_plan_datasets(plan, search=search)
         if not isinstance(datasets, (list, tuple)):
             datasets = [datasets]
         self.datasets: Sequence = list(datasets)
         self.plan = plan
-        plan.check_sources(self.datasets)
-        if verify:
-            _check_verifiable(self.datasets)
-        self.rank, self.world_size = _resolve_rank(rank, world_size)
-        if plan.global_batch_size % self.world_size:
-            raise PlanError(
-                "global batch size is not divisible by the world size",
-                global_batch_size=plan.global_batch_size,
-                world_size=self.world_size,
-            )
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
-        self.prefetch = int(prefetch)
-        self.device = str(device)
-        self.direct = bool(direct)
-        self.max_gap = int(max_gap)
-        self.verify = bool(verify)
-        self.decode = decode
-        self.auto_release = bool(auto_release)
-        self.end_step = plan.num_steps if end_step is None else min(int(end_step), plan.num_steps)
-        self._next_step = int(start_step)
-        if step_stride < 1:
-            raise ValueError(f"step_stride must be >= 1, got {step_stride}")
-        self.step_stride = int(step_stride)
-        self.stats = LoaderStats()
+        try:  # the datasets opened here are closed if set-up fails
+            plan.check_sources(self.datasets)
+            self.meta_fields = tuple(meta_fields)
+            if self.meta_fields and plan.kind == "tokens":
+                raise ValueError("meta_fields needs a sample plan: token rows are cut across documents, so they "
+                                 "have no per-sample meta (look documents up with batch['item_ptr'] instead)")
+            self.on_step = on_step
+            if verify:
+                _check_verifiable(self.datasets)
+            self.rank, self.world_size = _resolve_rank(rank, world_size)
+            if plan.global_batch_size % self.world_size:
+                raise PlanError(
+                    "global batch size is not divisible by the world size",
+                    global_batch_size=plan.global_batch_size,
+                    world_size=self.world_size,
+                )
+            if not 0 <= self.rank < self.world_size:
+                raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+            self.prefetch = int(prefetch)
+            self.device = str(device)
+            self.direct = bool(direct)
+            self.max_gap = int(max_gap)
+            self.verify = bool(verify)
+            self.decode = decode
+            self.auto_release = bool(auto_release)
+            self.end_step = plan.num_steps if end_step is None else min(int(end_step), plan.num_steps)
+            self._next_step = int(start_step)
+            if step_stride < 1:
+                raise ValueError(f"step_stride must be >= 1, got {step_stride}")
+            self.step_stride = int(step_stride)
+            self.stats = LoaderStats()
 
-        self._tokens = plan.kind == "tokens"
-        if self._tokens:
-            # A mixture may hold uint16 and uint32 datasets (the packer picks the narrowest per dataset):
-            # rows take the widest, narrower pieces are widened while they are gathered.
-            self._dataset_dtypes = [np.dtype(ds.token_dtype) for ds in self.datasets]
-            self._token_dtype = np.result_type(*self._dataset_dtypes)
-        self._per_rank = plan.global_batch_size // self.world_size
-        self._transfer_bytes, self._rows_bytes = self._slot_layout()
-        self.max_transfer = self._auto_max_transfer() if max_transfer is None else int(max_transfer)
-        slot_bytes = _round_up(self._transfer_bytes + self._rows_bytes, ALIGN)
-        nslots = self.prefetch + 2
+            self._tokens = plan.kind == "tokens"
+            if self._tokens:
+                # A mixture may hold uint16 and uint32 datasets (the packer picks the narrowest per dataset):
+                # rows take the widest, narrower pieces are widened while they are gathered.
+                self._dataset_dtypes = [np.dtype(ds.token_dtype) for ds in self.datasets]
+                self._token_dtype = np.result_type(*self._dataset_dtypes)
+            self._per_rank = plan.global_batch_size // self.world_size
+            self._transfer_bytes, self._rows_bytes = self._slot_layout()
+            self.max_transfer = self._auto_max_transfer() if max_transfer is None else int(max_transfer)
+            slot_bytes = _round_up(self._transfer_bytes + self._rows_bytes, ALIGN)
+            nslots = self.prefetch + 2
 
-        self._engine = IOEngine(backend=backend, queue_depth=queue_depth)
-        try:
-            self.stats.backend = self._engine.backend
-            self._files = FileTable(self.datasets, open_file, direct=self.direct)
+            self._engine = IOEngine(backend=backend, queue_depth=queue_depth)
             try:
-                # Huge pages: a 1 MiB transfer into 4 KiB pages needs 256 scatter-gather segments, more than a
-                # virtio disk takes (max_segments 254), so the block layer splits it; 2 MiB pages keep large
-                # transfers whole (bench/read_path.py: 1 MiB O_DIRECT 1.2 -> 2.1 GB/s). Ignored where THP is off.
-                self._arena = Arena(slot_bytes, nslots, hugepages=True)
+                self.stats.backend = self._engine.backend
+                self._files = FileTable(self.datasets, open_file, direct=self.direct)
+                try:
+                    # Huge pages: a 1 MiB transfer into 4 KiB pages needs 256 scatter-gather segments, more than a
+                    # virtio disk takes (max_segments 254), so the block layer splits it; 2 MiB pages keep large
+                    # transfers whole (bench/read_path.py: 1 MiB O_DIRECT 1.2 -> 2.1 GB/s). Ignored where THP is off.
+                    self._arena = Arena(slot_bytes, nslots, hugepages=True)
+                except BaseException:
+                    self._files.close()
+                    raise
             except BaseException:
-                self._files.close()
+                self._engine.close()
                 raise
+            self._register()
+            self._pending_events: deque = deque()
+            fallback = getattr(self._engine, "fallback_reason", None)
+            log.info(
+                "loader rank %d/%d, backend=%s%s, %d slots x %s = %s host memory (%s), prefetch %d, "
+                "transfers <= %s",
+                self.rank, self.world_size, self._engine.backend,
+                f" (io_uring unavailable: {fallback})" if fallback else "", nslots, _size(slot_bytes),
+                _size(nslots * slot_bytes), "pinned" if self._arena.pinned else "not pinned", self.prefetch,
+                _size(self.max_transfer),
+            )
+            self._thread: threading.Thread | None = None
+            self._queue: queue.Queue = queue.Queue()
+            self._stop = threading.Event()
+            self._current: Batch | None = None
+            self._held = 0  # host slots held by batches handed to the consumer and not yet released
+            self._closed = False
         except BaseException:
-            self._engine.close()
+            self._close_datasets()
             raise
-        self._register()
-        self._pending_events: deque = deque()
-        log.info(
-            "foresight loader: rank %d/%d, backend=%s, %d slots x %.1f MiB = %.1f MiB host memory%s, "
-            "transfers <= %.1f MiB",
-            self.rank, self.world_size, self._engine.backend, nslots, slot_bytes / 2**20,
-            nslots * slot_bytes / 2**20, " (pinned)" if getattr(self._arena, "pinned", False) else "",
-            self.max_transfer / 2**20,
-        )
-        self._thread: threading.Thread | None = None
-        self._queue: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._current: Batch | None = None
-        self._held = 0  # host slots held by batches handed to the consumer and not yet released
-        self._closed = False
 
     # -- set-up -------------------------------------------------------------------------------------------
 
@@ -348,6 +393,10 @@ class Loader(Closing):
             if tr.total_bytes > self._transfer_bytes:  # rare: a step larger than the plan-derived bound
                 overflow = self._arena_like(tr.total_bytes)
                 region = overflow
+                if not self.stats.slot_overflows:
+                    log.warning("step %d needs %s of reads, more than an arena slot (%s): read into a one-off "
+                                "buffer (further ones are counted in stats.slot_overflows)",
+                                step, _size(tr.total_bytes), _size(self._transfer_bytes))
                 self.stats.add(slot_overflows=1)
         except BaseException:
             self._arena.release(slot)
@@ -396,7 +445,23 @@ class Loader(Closing):
         self.stats.add(collate_s=time.perf_counter() - t0, steps=1, samples=job.stop - job.start)
         if self.decode is not None:
             fields = self.decode(fields, stats=self.stats, first_item=job.start)
+        if self.meta_fields:
+            with self.stats.timed("meta"):
+                fields = self._add_meta_fields(fields)
         return Batch(job.step, fields, release=self._releaser(job.slot))
+
+    def _add_meta_fields(self, fields: dict) -> dict:
+        """``meta_fields`` per sample of the step, and per row of each decoded modality (``<name>_index``)."""
+        metas = sample_metas(self.datasets, fields["dataset"], fields["sample_ids"])
+        values = pick_meta_fields(metas, self.meta_fields)
+        out = dict(fields)
+        out.update(values)
+        modalities = [k[: -len("_index")] for k in fields if k.endswith("_index") and k[: -len("_index")] in fields]
+        for name in modalities:
+            idx = np.asarray(fields[f"{name}_index"], dtype=np.int64)
+            for field, per_sample in values.items():
+                out[f"{name}_{field}"] = [per_sample[i] for i in idx.tolist()]
+        return out
 
     def _collate(self, job: _Job) -> dict:
         ext = job.extents
@@ -494,6 +559,8 @@ class Loader(Closing):
                 batch = self._to_device(item)
                 self._current = batch
                 self._next_step = batch.step + self.step_stride
+                if self.on_step is not None:
+                    self.on_step(dict(self.stats.as_dict(), step=batch.step))
                 yield batch
         finally:
             self._stop_thread()
@@ -604,7 +671,26 @@ class Loader(Closing):
         self._files.close()
         self._engine.close()
         self._arena.close()
+        self._close_datasets()
 
+    def _close_datasets(self) -> None:
+        """Close the datasets the loader opened itself (``Loader("plan/")``); the caller's stay open."""
+        owned, self._owned_datasets = self._owned_datasets, []
+        for ds in owned:
+            ds.close()
+
+
+
+def _as_plan(plan: Any):
+    """A Plan from a Plan or a plan directory; anything else is refused with what to pass."""
+    from foresight.plan import Plan, load_plan
+
+    if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
+        return load_plan(plan)
+    if isinstance(plan, Plan) or (hasattr(plan, "rank_items") and hasattr(plan, "digest")):
+        return plan
+    raise TypeError(f"Loader needs a plan: Loader(datasets, plan) or Loader(plan) with a Plan or a plan "
+                    f"directory, got {type(plan).__name__}")
 
 
 def _check_verifiable(datasets: Sequence) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from foresight.loader.meta import sample_metas
 
 
 class MediaDecodeStage:
@@ -64,6 +65,10 @@ class MediaDecodeStage:
             ds, mask = self.datasets[int(d)], dataset == d
             codes[mask] = np.asarray(ds.modality_codes())[samples[mask]]
             epochs[mask] = items[mask] // max(1, ds.num_samples)
+        # Every decoded sample's meta (video keyframes, probe results) in one batch per shard, not one per sample.
+        decoded = np.flatnonzero(np.isin(codes, list(self._codes.values())))
+        metas = np.empty(len(samples), dtype=object)
+        metas[decoded] = sample_metas(self.datasets, dataset[decoded], samples[decoded])
         handles = []
         for name, spec in self.specs.items():
             of_modality = np.flatnonzero(codes == self._codes[name])
@@ -71,8 +76,8 @@ class MediaDecodeStage:
             for epoch in np.unique(epochs[of_modality]):
                 idx = of_modality[epochs[of_modality] == epoch]
                 views = [data[offsets[i] : offsets[i] + lengths[i]] for i in idx]
-                metas = [self.datasets[int(dataset[i])].meta(int(samples[i])) for i in idx]
-                handle = self._pool.submit(spec, views, metas, samples[idx].tolist(), seed=self.seed, epoch=int(epoch))
+                handle = self._pool.submit(spec, views, metas[idx].tolist(), samples[idx].tolist(), seed=self.seed,
+                                           epoch=int(epoch))
                 handles.append((name, idx, handle))
         out = dict(fields)
         results: dict[str, list] = {}

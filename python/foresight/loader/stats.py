@@ -6,6 +6,7 @@ Example::
     for batch in loader: ...
     print(loader.stats)             # a table
     loader.stats.as_dict()["io_wait_s"]
+    Loader(dataset, plan, on_step=lambda s: metrics.log(s["step"], stall=s["stall_s"]))   # per step
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Iterator
 
-STAGES = ("plan", "slot_wait", "coalesce", "submit", "io_wait", "verify", "collate", "decode", "h2d", "stall")
+STAGES = ("plan", "slot_wait", "coalesce", "submit", "io_wait", "verify", "collate", "decode", "meta", "h2d",
+          "stall")
 
 
 @dataclass
@@ -23,7 +25,7 @@ class LoaderStats:
     """Counters are cumulative since the loader was created; times are seconds of wall clock summed over steps.
 
     The pipeline thread runs ``plan``, ``slot_wait``, ``coalesce``, ``submit``, ``io_wait``, ``verify``,
-    ``collate`` and ``decode`` for steps ahead of the consumer; ``h2d`` and ``stall`` are spent in the consumer's
+    ``collate``, ``decode`` and ``meta`` for steps ahead of the consumer; ``h2d`` and ``stall`` are spent in the consumer's
     ``next()``. Only ``stall_s`` is time the training loop waited; the other stages overlap with it.
 
     Fields:
@@ -44,6 +46,7 @@ class LoaderStats:
         verify_s: hashing the samples read and comparing with the checksums (``verify=True``).
         collate_s: building the batch's fields (token rows: the gather pass, positions, boundaries).
         decode_s: the decode stage (media), waiting for its pool; ``decode_by_modality_s`` splits it.
+        meta_s: looking up and parsing the samples' meta JSON for ``Loader(meta_fields=...)``.
         h2d_s: making tensors of the fields and, on CUDA, queuing their copies to the device.
         stall_s: the consumer waiting for the next batch (the loader did not keep up).
         decode_by_modality_s: ``decode_s`` per modality name (``"video"``, ``"image"``, ``"audio"``).
@@ -66,6 +69,7 @@ class LoaderStats:
     verify_s: float = 0.0
     collate_s: float = 0.0
     decode_s: float = 0.0
+    meta_s: float = 0.0
     h2d_s: float = 0.0
     stall_s: float = 0.0
     decode_by_modality_s: dict = field(default_factory=dict)
