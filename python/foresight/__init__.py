@@ -12,6 +12,9 @@ Example::
     with foresight.Loader(ds, plan, device="cuda") as loader:
         for batch in loader:
             ...
+
+    # or keep a torch DataLoader loop (exact resume with torchdata's StatefulDataLoader):
+    dl = torch.utils.data.DataLoader(foresight.ForesightIterableDataset("plan/"), batch_size=None, num_workers=2)
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ _EXPORTS = {
     "Plan": "foresight.plan",
     "Loader": "foresight.loader",
     "MediaDecodeStage": "foresight.loader",
+    "ForesightIterableDataset": "foresight.loader.torch_dataset",
     "IOEngine": "foresight.io",
     "Checkpointer": "foresight.checkpoint",
     "ForesightError": "foresight.errors",

@@ -1,4 +1,5 @@
-"""The plan-following loader: scheduler, arena slots, collate, stats, and the torch adapter.
+"""The plan-following loader: scheduler, arena slots, collate, stats, and the torch adapter
+(:class:`ForesightIterableDataset`, for an existing ``DataLoader`` loop).
 
 Example::
 
@@ -12,4 +13,14 @@ from foresight.loader.loader import DEFAULT_MAX_GAP, DEFAULT_MAX_TRANSFER, Loade
 from foresight.loader.media_stage import MediaDecodeStage
 from foresight.loader.stats import LoaderStats
 
-__all__ = ["Batch", "Loader", "LoaderStats", "MediaDecodeStage", "DEFAULT_MAX_GAP", "DEFAULT_MAX_TRANSFER"]
+__all__ = ["Batch", "ForesightIterableDataset", "Loader", "LoaderStats", "MediaDecodeStage", "DEFAULT_MAX_GAP",
+           "DEFAULT_MAX_TRANSFER"]
+
+
+def __getattr__(name: str):
+    # The DataLoader adapter imports torch.utils.data: only when asked for.
+    if name == "ForesightIterableDataset":
+        from foresight.loader.torch_dataset import ForesightIterableDataset
+
+        return ForesightIterableDataset
+    raise AttributeError(f"module 'foresight.loader' has no attribute {name!r}")
