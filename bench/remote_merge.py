@@ -143,6 +143,30 @@ def urgent_run(mode: str, work: str, etcd: str, link_url: str, bulk_dir: str, ur
             "urgent_bytes": u["bytes_sent"], "bulk_bytes": b["bytes_sent"]}
 
 
+def unit_sweep(tr: Any, work: str, sizes_mib: list[float], total_mib: int) -> list[dict[str, Any]]:
+    """Replication throughput over the link per transfer-unit size (how ``units.UNIT_BYTES`` was chosen)."""
+    import torch.distributed.checkpoint as dcp
+
+    from foresight.checkpoint import ForesightStorageWriter
+
+    src = os.path.join(tr.root, "sweep", "step-00000001")
+    big = {f"w{i}": torch.randn((4 << 20) // 4) for i in range(max(1, total_mib // 4))}
+    dcp.save(big, storage_writer=ForesightStorageWriter(src), no_dist=True)
+    del big
+    rows = []
+    for mib in sizes_mib:
+        name = f"sweep/unit-{int(mib * 1024)}k"
+        t0 = time.time()
+        tr.call("replicate.start", {"name": name, "src": src, "site": "eval-b", "priority": 1.0,
+                                    "unit_bytes": int(mib * (1 << 20))})
+        tr.call("replicate.commit", {"name": name, "path": src})
+        info = tr.call("replicate.wait", {"name": name, "timeout": 3600})
+        secs = info["ready_at"] - t0
+        rows.append({"unit_mib": mib, "units": info["units"], "seconds": secs,
+                     "MB_per_s": info["bytes_sent"] / secs / 1e6})
+    return rows
+
+
 def plot(res: dict[str, Any], path: str) -> None:
     import matplotlib
 
@@ -175,11 +199,14 @@ def main() -> int:
     ap.add_argument("--large-mib", type=float, default=8.0)
     ap.add_argument("--bulk-mib", type=int, default=1024, help="the bulk checkpoint in flight in the urgent run")
     ap.add_argument("--unit-mib", type=int, default=32)
+    ap.add_argument("--unit-sweep", default="1,4,16,32,64", help="unit sizes (MiB) to time; empty: skip")
+    ap.add_argument("--sweep-mib", type=int, default=512, help="checkpoint size for the unit sweep")
     ap.add_argument("--dir", default="/var/tmp/foresight-bench-remote-merge")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = ap.parse_args()
     if a.smoke:
         a.small, a.large, a.large_mib, a.bulk_mib, a.unit_mib, a.mbit = 60, 6, 0.5, 24, 1, 200.0
+        a.unit_sweep = ""
     import torch.distributed.checkpoint as dcp
     import torch.multiprocessing as tmp_mp
 
@@ -207,6 +234,10 @@ def main() -> int:
                           "mbit_per_direction": a.mbit, "rtt_ms_measured": echo["median_ms"],
                           "flight_ping_ms_over_link": flight_rtt(to_train.url),
                           "flight_ping_ms_direct": flight_rtt(tr.url)}
+            if a.unit_sweep:
+                res["unit_sweep"] = unit_sweep(tr, work, [float(x) for x in a.unit_sweep.split(",")], a.sweep_mib)
+                print_table(res["unit_sweep"], ["unit_mib", "units", "seconds", "MB_per_s"],
+                            "replication throughput by transfer unit size")
             state = paper_shaped(*sizes)
             nb = np.array([v.numel() * v.element_size() for v in state.values()])
             res["checkpoint"] = {"tensors": len(nb), "under_16KiB": float((nb < 16384).mean()),
