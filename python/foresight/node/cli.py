@@ -172,6 +172,9 @@ def _status(args: argparse.Namespace) -> int:
             continue
         print(f"node {s['node']}  {s['location']}  cpu {s['cpu_percent']:.0f}%  "
               f"guard {'ON (raw)' if s['guard_engaged'] else 'off'}  jobs {len(s['jobs'])}/{s['max_jobs']}")
+        t = s.get("served", {})
+        print(f"  served in all: {(t.get('bytes_decoded', 0) + t.get('bytes_raw', 0)) / 2**20:.1f} MiB, "
+              f"{t.get('samples_decoded', 0)} samples decoded, {t.get('samples_raw', 0)} raw")
         dec = ", ".join(f"{m} {v:.2f}s" for m, v in sorted(s["decode_seconds"].items())) or "-"
         print(f"  decode time by modality: {dec}")
         for job, j in sorted(s["jobs"].items()):

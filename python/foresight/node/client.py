@@ -276,8 +276,8 @@ class NodeSource:
                     self.stats["samples_raw"] += int(keep.sum())
                 else:
                     for name, pos, tensors in got:
-                        keep = _first_of_each(pos) & np.isin(pos, positions) & (name in self._codes)
-                        keep[keep] = ~covered[pos[keep]]
+                        keep = _first_of_each(pos) & np.isin(pos, positions)
+                        keep[keep] = (codes[pos[keep]] == self._codes.get(name, -2)) & ~covered[pos[keep]]
                         covered[pos[keep]] = True
                         if not keep.all():  # rare: the node sent something it was not asked for
                             tensors = ([t for t, k in zip(tensors, keep) if k] if isinstance(tensors, list)

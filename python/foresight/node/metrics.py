@@ -2,7 +2,7 @@
 
 Per job: queue depth (steps ready), lead (steps decoded ahead of the job's progress), queued bytes, bytes and
 samples served by kind (decoded or raw), raw (CPU-guard) parts; per modality: decode seconds; node: CPU percent,
-guard engaged, jobs. ``foresight node status`` prints the same numbers (the ``status`` action reads
+guard engaged, jobs, and what it served in all (jobs gone included). ``foresight node status`` prints the same numbers (the ``status`` action reads
 :meth:`NodeMetrics.snapshot`).
 
 Example::
@@ -38,6 +38,7 @@ class NodeMetrics:
         self.refusals = Counter("foresight_node_refusals", "requests refused", ["reason"], registry=r)
         self._lock = threading.Lock()
         self._per_job: dict[str, dict[str, float]] = {}
+        self._past: dict[str, float] = {}  # served counters of jobs gone (folded in by forget)
         self._decode: dict[str, float] = {}
         self._http = None
 
@@ -63,21 +64,31 @@ class NodeMetrics:
             self._per_job.setdefault(job, {}).update(queue_depth=depth, lead=lead, queue_bytes=nbytes)
 
     def forget(self, job: str) -> None:
+        """The job left: drop its gauges and per-job entry; its served counts stay in the node's totals."""
         for g in (self.queue_depth, self.lead, self.queue_bytes):
             try:
                 g.remove(job)
             except KeyError:
                 pass
+        with self._lock:
+            for k, v in self._per_job.pop(job, {}).items():
+                if k.startswith(("bytes_", "samples_", "parts_")):
+                    self._past[k] = self._past.get(k, 0) + v
 
     def snapshot(self) -> dict[str, Any]:
         """The numbers behind the Prometheus endpoint, as plain data (per job: fallback_rate = raw / all parts)."""
         with self._lock:
             jobs = {j: dict(d) for j, d in self._per_job.items()}
             decode = dict(self._decode)
+            totals = dict(self._past)
+        for d in jobs.values():
+            for k, v in d.items():
+                if k.startswith(("bytes_", "samples_", "parts_")):
+                    totals[k] = totals.get(k, 0) + v
         for d in jobs.values():
             parts = d.get("parts_decoded", 0) + d.get("parts_raw", 0)
             d["fallback_rate"] = d.get("parts_raw", 0) / parts if parts else 0.0
-        return {"jobs": jobs, "decode_seconds": decode, "cpu_percent": self.cpu._value.get(),
+        return {"jobs": jobs, "served": totals, "decode_seconds": decode, "cpu_percent": self.cpu._value.get(),
                 "guard_engaged": bool(self.guard._value.get())}
 
     def text(self) -> str:

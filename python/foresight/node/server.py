@@ -249,7 +249,13 @@ class NodeServer(flight.FlightServerBase):
         self.metrics.guard.set(1 if self.guard.engaged else 0)
         self.metrics.jobs.set(len(self._jobs))
         snap = self.metrics.snapshot()
-        snap.update(node=self.node_id, instance=self.instance, location=self.location, max_jobs=self.max_jobs)
+        jobs = {}
+        for job_id, q in list(self.scheduler.queues.items()):  # every registered job, with its queue as it is now
+            with q.cond:
+                live = {"queue_depth": len(q.ready), "lead": q.lead(), "queue_bytes": q.nbytes, "progress": q.progress}
+            jobs[job_id] = dict(snap["jobs"].get(job_id, {"fallback_rate": 0.0}), **live)
+        snap.update(jobs=jobs, node=self.node_id, instance=self.instance, location=self.location,
+                    max_jobs=self.max_jobs)
         return snap
 
     def _register_job(self, context, req: dict) -> dict:
