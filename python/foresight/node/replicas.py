@@ -161,8 +161,10 @@ class ReplicaManager:
         self.stats = {"reads": 0, "bytes": 0, "copies_made": 0, "copies_failed": 0, "reclaimed": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="foresight-replica-copy")
         self._stop = threading.Event()
-        self._lease = self._new_lease()
-        self._adopt_existing()
+        self._lease: Any = None  # the node's lease (base copies, load); made by the loop, which rides over etcd outages
+        self._adopted = False
+        self._last = {"lease": -1e9, "load": -1e9, "reclaim": -1e9}  # when each periodic duty last ran
+        self._round()  # at once when etcd answers; otherwise the loop keeps trying
         for name, dec, handler in (("replicas.publish", _decode_ckpt_request, self._publish),
                                    ("set_replication_hints", _decode_hints, self._set_hints),
                                    ("replicas.progress", _decode_ckpt_request, self._progress),
@@ -271,6 +273,8 @@ class ReplicaManager:
             files[f] = rec["size"]
         with self._lock:
             self._base_records.update(records)
+        if self._lease is None:
+            self._keep_lease()
         self._put_many(records, self._lease)
         return {"checkpoint": name, "node": self.node_id, "files": files}
 
@@ -422,31 +426,38 @@ class ReplicaManager:
 
     # -- copies (target side) ------------------------------------------------------------------------------
     def _loop(self) -> None:
-        last_lease = last_reclaim = last_load = 0.0
         while not self._stop.wait(self.poll_s):
-            now = time.monotonic()
-            try:
-                if now - last_lease > self.lease_ttl / 3:
-                    last_lease = now
-                    self._keep_lease()
-                if now - last_load > 0.5:
-                    last_load = now
-                    self._put(self._k("replicas", ".load", self.node_id),
-                              {"inflight": self.inflight, "reads": self.stats["reads"], "bytes": self.stats["bytes"]},
-                              lease=self._lease)
-                self._take_tasks()
-                if now - last_reclaim > 1.0:
-                    last_reclaim = now
-                    self.reclaim()
-            except Exception as e:  # etcd briefly away: try again next round
-                log.warning("replica manager round failed", extra={"error": str(e)[:300]})
+            self._round()
+
+    def _round(self) -> None:
+        """One round: keep the lease, advertise the load, take copy tasks, reclaim expired copies."""
+        now = time.monotonic()
+        last = self._last
+        try:
+            if now - last["lease"] > self.lease_ttl / 3:
+                self._keep_lease()
+                last["lease"] = now
+            if not self._adopted:
+                self._adopt_existing()
+                self._adopted = True
+            if now - last["load"] > 0.5:
+                self._put(self._k("replicas", ".load", self.node_id),
+                          {"inflight": self.inflight, "reads": self.stats["reads"], "bytes": self.stats["bytes"]},
+                          lease=self._lease)
+                last["load"] = now
+            self._take_tasks()
+            if now - last["reclaim"] > 1.0:
+                self.reclaim()
+                last["reclaim"] = now
+        except Exception as e:  # etcd briefly away: try again next round
+            log.warning("replica manager round failed", extra={"error": str(e)[:300]})
 
     def _keep_lease(self) -> None:
         try:
-            alive = self._lease.refresh() > 0
+            alive = self._lease is not None and self._lease.refresh() > 0
         except Exception:
             alive = False
-        if not alive:  # expired while etcd was away: our base copies dropped out; put them back
+        if not alive:  # none yet, or expired while etcd was away: our base copies dropped out; put them back
             self._lease = self._new_lease()
             with self._lock:
                 records = dict(self._base_records)
@@ -575,7 +586,8 @@ class ReplicaManager:
         self._thread.join(timeout=5)
         self._pool.shutdown(wait=True, cancel_futures=True)
         try:
-            self._lease.revoke()  # our base copies leave the cluster at once
+            if self._lease is not None:
+                self._lease.revoke()  # our base copies leave the cluster at once
         except Exception:
             pass
 
