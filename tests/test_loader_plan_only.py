@@ -2,7 +2,6 @@
 paths, and refuses a missing or changed one with a PlanError saying where it was expected."""
 from __future__ import annotations
 
-import os
 import shutil
 
 import numpy as np

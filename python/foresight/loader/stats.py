@@ -25,8 +25,8 @@ class LoaderStats:
     """Counters are cumulative since the loader was created; times are seconds of wall clock summed over steps.
 
     The pipeline thread runs ``plan``, ``slot_wait``, ``coalesce``, ``submit``, ``io_wait``, ``verify``,
-    ``collate``, ``decode`` and ``meta`` for steps ahead of the consumer; ``h2d`` and ``stall`` are spent in the consumer's
-    ``next()``. Only ``stall_s`` is time the training loop waited; the other stages overlap with it.
+    ``collate``, ``decode`` and ``meta`` for steps ahead of the consumer; ``h2d`` and ``stall`` are spent in the
+    consumer's ``next()``. Only ``stall_s`` is time the training loop waited; the other stages overlap with it.
 
     Fields:
         backend: the I/O backend in use, ``"uring"`` or ``"pread"``.

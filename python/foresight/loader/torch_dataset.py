@@ -16,7 +16,7 @@ Example::
     from torchdata.stateful_dataloader import StatefulDataLoader
     from foresight import ForesightIterableDataset
 
-    ds = ForesightIterableDataset("plan/", meta_fields=("caption",))   # datasets from the plan; rank from torch.distributed
+    ds = ForesightIterableDataset("plan/")          # datasets from the plan, rank from torch.distributed
     dl = StatefulDataLoader(ds, batch_size=None, num_workers=2)
     for batch in dl:
         ...
@@ -26,7 +26,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -94,7 +94,7 @@ class ForesightIterableDataset(IterableDataset):
         return int(self._resume["next_step"])
 
     def __iter__(self) -> Iterator[dict]:
-        worker, workers = self._worker()
+        _, workers = self._worker()
         first = self._first_step()
         self._next = first
         with Loader(self.datasets, self.plan, rank=self.rank, world_size=self.world_size, start_step=first,
