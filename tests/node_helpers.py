@@ -49,7 +49,8 @@ class NodeProc:
         if os.path.exists(self.ready_file):
             os.unlink(self.ready_file)
         self._log = open(self.log_path, "ab")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath("python"), os.environ.get("PYTHONPATH", "")]))
+        path = os.pathsep.join([os.path.abspath("python"), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, PYTHONPATH=path)
         self.proc = subprocess.Popen([PY, "-m", "foresight", "node", "serve", "--root", root, "--ready-file",
                                       self.ready_file, "--decode-threads", "2", *args],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)

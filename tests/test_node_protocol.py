@@ -67,8 +67,9 @@ def test_tensors_round_trip_zero_copy_on_both_sides():
     video = torch.arange(4 * 2 * 3 * 4 * 5, dtype=torch.uint8).reshape(4, 2, 3, 4, 5)
     odd = [torch.randn(3, 5, 7), torch.randn(3, 6, 7)]
     bf = torch.randn(2, 3).to(torch.bfloat16)
-    schema, batches, copied = encode_tensors("decoded", [(9, "image", odd[0]), (11, "image", odd[1]), (12, "audio", bf)],
-                                             step=3, node="n", stacked={"video": (np.array([0, 2, 5, 7]), video)})
+    rows = [(9, "image", odd[0]), (11, "image", odd[1]), (12, "audio", bf)]
+    schema, batches, copied = encode_tensors("decoded", rows, step=3, node="n",
+                                             stacked={"video": (np.array([0, 2, 5, 7]), video)})
     assert copied == sum(t.numel() * t.element_size() for t in odd + [bf])  # stacked video: no copy
     values = batches[0].column(4).buffers()[2]
     assert values.address == video.data_ptr()

@@ -52,7 +52,8 @@ def test_metrics_endpoint_and_status_command_report_the_job(root, node):
     stage, source = _source(root, node, job="job-metrics")
     try:
         run_source(root["dataset"], root["plan"], source)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{node.info['metrics_port']}/metrics", timeout=10).read().decode()
+        url = f"http://127.0.0.1:{node.info['metrics_port']}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
         assert 'foresight_node_samples_served_total{job="job-metrics.0",kind="decoded"}' in text
         assert "foresight_node_lead_steps" in text and "foresight_node_cpu_percent" in text
         assert 'foresight_node_decode_seconds_total{modality="video"}' in text
@@ -76,7 +77,8 @@ def test_two_jobs_on_one_node_are_isolated(root, node):
         got_a, got_b = [], []
         from node_helpers import summary
 
-        with Loader(root["dataset"], root["plan"], decode=a) as la, Loader(root["dataset"], root["plan"], decode=b) as lb:
+        ds, plan = root["dataset"], root["plan"]
+        with Loader(ds, plan, decode=a) as la, Loader(ds, plan, decode=b) as lb:
             for ba, bb in zip(la, lb):  # interleaved: both jobs live on the node at once
                 got_a.append(summary(ba))
                 got_b.append(summary(bb))
@@ -311,3 +313,15 @@ def test_raw_bytes_that_fail_their_checksum_are_decoded_from_the_hosts_read(root
         n.terminate()
     assert got == root["reference"]
     assert source.stats["parts_failed"] > 0 and source.stats["samples_local"] > 0
+
+
+def test_each_rank_of_a_job_gets_its_own_share(root, node):
+    for rank in (0, 1):
+        reference = host_reference(root["dataset"], root["plan"], rank=rank, world_size=2)
+        stage, source = _source(root, node, job="ranks", rank=rank, world_size=2)
+        try:
+            got = run_source(root["dataset"], root["plan"], source, rank=rank, world_size=2)
+        finally:
+            source.close()
+            stage.close()
+        assert got == reference and source.stats["samples_local"] == 0

@@ -307,7 +307,8 @@ class NodeSource:
         keys = np.stack([dataset[wanted].astype(np.int64), shard[wanted]], axis=1)
         uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
         for u, (d, s) in enumerate(uniq):  # a loop over the step's distinct shards, not its samples
-            holders = [i for i, node in enumerate(nodes) if node.served[int(d)] is None or int(s) in node.served[int(d)]]
+            holders = [i for i, node in enumerate(nodes)
+                       if node.served[int(d)] is None or int(s) in node.served[int(d)]]
             if holders:
                 owner[inverse.reshape(-1) == u] = holders[int(s) % len(holders)]
         return owner

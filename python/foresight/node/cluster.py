@@ -56,7 +56,8 @@ class Cluster:
     (the first that answers is used; on a connection error the next is tried)."""
 
     def __init__(self, endpoints: str | list[str], *, prefix: str = DEFAULT_PREFIX, timeout: float = 5.0) -> None:
-        self.endpoints = [e.strip() for e in (endpoints.split(",") if isinstance(endpoints, str) else endpoints) if e.strip()]
+        listed = endpoints.split(",") if isinstance(endpoints, str) else endpoints
+        self.endpoints = [e.strip() for e in listed if e.strip()]
         if not self.endpoints:
             raise NodeError("no etcd endpoint given")
         self.prefix = prefix.rstrip("/")

@@ -2,8 +2,8 @@
 
 Per job: queue depth (steps ready), lead (steps decoded ahead of the job's progress), queued bytes, bytes and
 samples served by kind (decoded or raw), raw (CPU-guard) parts; per modality: decode seconds; node: CPU percent,
-guard engaged, jobs, and what it served in all (jobs gone included). ``foresight node status`` prints the same numbers (the ``status`` action reads
-:meth:`NodeMetrics.snapshot`).
+guard engaged, jobs, and what it served in all (jobs gone included). ``foresight node status`` prints the same
+numbers (the ``status`` action reads :meth:`NodeMetrics.snapshot`).
 
 Example::
 
@@ -22,8 +22,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 class NodeMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.queue_depth = Gauge("foresight_node_queue_depth_steps", "steps ready in the job's queue", ["job"], registry=r)
-        self.lead = Gauge("foresight_node_lead_steps", "steps prepared ahead of the job's progress", ["job"], registry=r)
+        self.queue_depth = Gauge("foresight_node_queue_depth_steps", "steps ready in the job's queue", ["job"],
+                                 registry=r)
+        self.lead = Gauge("foresight_node_lead_steps", "steps prepared ahead of the job's progress", ["job"],
+                          registry=r)
         self.queue_bytes = Gauge("foresight_node_queue_bytes", "bytes held in the job's queue", ["job"], registry=r)
         self.bytes_served = Counter("foresight_node_bytes_served", "tensor bytes streamed", ["job", "kind"], registry=r)
         self.samples_served = Counter("foresight_node_samples_served", "samples streamed", ["job", "kind"], registry=r)

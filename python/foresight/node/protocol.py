@@ -335,7 +335,8 @@ def _rows_batch(rows: list, schema):
     data = pa.Array.from_buffers(pa.large_binary(), len(rows), [None, pa.py_buffer(offsets), pa.py_buffer(values)])
     return pa.record_batch([
         pa.array([p for p, _, _, _ in rows], type=pa.int64()), pa.array([m for _, m, _, _ in rows]),
-        pa.array([d for _, _, _, d in rows]), pa.array([list(a.shape) for _, _, a, _ in rows], type=pa.list_(pa.int64())),
+        pa.array([d for _, _, _, d in rows]),
+        pa.array([list(a.shape) for _, _, a, _ in rows], type=pa.list_(pa.int64())),
         data], schema=schema)
 
 
@@ -387,7 +388,8 @@ def decode_blocks(batches: Iterable) -> list[tuple[str, np.ndarray, Any]]:
         n = len(batch)
         uniform = (pc.count_distinct(batch.column(1)).as_py() == 1 and pc.count_distinct(batch.column(2)).as_py() == 1)
         if uniform:
-            lens = np.diff(np.frombuffer(shape_col.buffers()[1], dtype=np.int32)[shape_col.offset: shape_col.offset + n + 1])
+            list_offsets = np.frombuffer(shape_col.buffers()[1], dtype=np.int32)
+            lens = np.diff(list_offsets[shape_col.offset: shape_col.offset + n + 1])
             uniform = bool(len(lens) and (lens == lens[0]).all())
         if uniform:
             dims = shape_col.flatten().to_numpy().reshape(n, int(lens[0]))
