@@ -69,6 +69,8 @@ def test_meta_fields_align_with_samples(captioned):
             seen += len(ids)
         assert loader.stats.meta_s > 0
     assert seen == 48
+    with Loader(ds, plan, meta_fields="caption", end_step=1) as loader:  # one name alone, not its letters
+        assert set(next(iter(loader))) >= {"caption"}
 
 
 def test_meta_fields_align_with_decoded_rows(captioned):
@@ -127,6 +129,13 @@ def test_meta_fields_refused_for_token_plans(tmp_path):
     plan = build_plan([(ds, 1.0)], seed=1, global_batch_size=2, seq_len=16, num_steps=2)
     with pytest.raises(ValueError, match="meta_fields needs a sample plan"):
         Loader(ds, plan, meta_fields=("caption",))
+
+
+@pytest.mark.parametrize("name", ["data", "sample_ids", "image", "video_index", ""])
+def test_meta_fields_that_would_replace_batch_keys_are_refused(captioned, name):
+    plan = build_plan([(captioned, 1.0)], seed=1, global_batch_size=4, num_steps=1)
+    with pytest.raises(ValueError, match="meta field|non-empty"):
+        Loader(captioned, plan, meta_fields=(name,))
 
 
 def _with_meta_texts(path, texts: list[str]):

@@ -192,10 +192,11 @@ class Loader(Closing):
         self.plan = plan
         try:  # the datasets opened here are closed if set-up fails
             plan.check_sources(self.datasets)
-            self.meta_fields = tuple(meta_fields)
+            self.meta_fields = (meta_fields,) if isinstance(meta_fields, str) else tuple(meta_fields)
             if self.meta_fields and plan.kind == "tokens":
                 raise ValueError("meta_fields needs a sample plan: token rows are cut across documents, so they "
                                  "have no per-sample meta (look documents up with batch['item_ptr'] instead)")
+            _check_meta_fields(self.meta_fields)
             self.on_step = on_step
             if verify:
                 _check_verifiable(self.datasets)
@@ -691,6 +692,22 @@ def _as_plan(plan: Any):
         return plan
     raise TypeError(f"Loader needs a plan: Loader(datasets, plan) or Loader(plan) with a Plan or a plan "
                     f"directory, got {type(plan).__name__}")
+
+
+_BATCH_KEYS = {"step", "dataset", "sample_ids", "data", "offsets", "lengths", "items"}
+
+
+def _check_meta_fields(names: Sequence[str]) -> None:
+    """Meta fields become batch keys: refuse names the batch already uses (they would replace its data)."""
+    from foresight.format import Modality
+
+    taken = _BATCH_KEYS | {m.label for m in Modality}
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"meta_fields must be non-empty strings, got {name!r}")
+        if name in taken or name.endswith("_index"):
+            raise ValueError(f"meta field {name!r} would replace the batch's own {name!r}; the batch keeps "
+                             f"{sorted(taken)} and <modality>_index")
 
 
 def _check_verifiable(datasets: Sequence) -> None:
