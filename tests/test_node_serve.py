@@ -325,3 +325,42 @@ def test_each_rank_of_a_job_gets_its_own_share(root, node):
             source.close()
             stage.close()
         assert got == reference and source.stats["samples_local"] == 0
+
+
+def test_racing_registrations_of_one_job_leave_one_job_and_no_open_files(root):
+    import os
+    import threading
+
+    import pyarrow.flight as flight
+
+    from foresight.node.auth import call_options, connect
+    from foresight.node.jobs import spec_digest
+    from foresight.node.server import NodeServer
+
+    req = json.dumps({"job": "race", "datasets": ["media"], "plan": "plans/p1", "plan_digest": root["plan"].digest,
+                      "rank": 0, "world_size": 1, "specs": {k: v.to_dict() for k, v in SPECS.items()}, "seed": 9,
+                      "spec_digest": spec_digest(SPECS)}).encode()
+    shard_files = set(root["dataset"].shard_paths)
+
+    def open_shards() -> int:
+        return sum(os.path.realpath(f"/proc/self/fd/{fd}") in shard_files for fd in os.listdir("/proc/self/fd")
+                   if os.path.exists(f"/proc/self/fd/{fd}"))
+
+    server = NodeServer(root["root"], cpu_threshold=101, decode_threads=1)
+    try:
+        before = open_shards()
+
+        def register():
+            client = connect(server.location)
+            list(client.do_action(flight.Action("register_job", req), call_options("race", TOKEN, timeout=60)))
+            client.close()
+
+        threads = [threading.Thread(target=register) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert list(server._jobs) == ["race"] and list(server.scheduler.queues) == ["race"]
+        assert open_shards() - before == len(shard_files)  # one job's files, not six
+    finally:
+        server.stop()

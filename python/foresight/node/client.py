@@ -151,7 +151,9 @@ class NodeSource:
                 n.record, n.registered, n.client, n.down_until, n.failures = rec, None, None, 0.0, 0
         if self.cluster is not None:
             for node_id in [i for i in self._nodes if i not in records]:  # its lease expired: gone
-                del self._nodes[node_id]
+                gone = self._nodes.pop(node_id)
+                if gone.client is not None:
+                    gone.client.close()
 
     def _health(self, location: str) -> dict:
         client = connect(location, tls_root=self.tls_root, cert=self.cert)

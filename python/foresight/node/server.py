@@ -121,6 +121,7 @@ class NodeServer(flight.FlightServerBase):
         self.datasets, self.plans = scan_root(self.root)
         self._jobs: dict[str, NodeJob] = {}
         self._jobs_lock = threading.Lock()
+        self._register_lock = threading.Lock()
         self._opened: dict[tuple[str, str], Any] = {}
         self._open_lock = threading.Lock()
         self._local = threading.local()
@@ -259,6 +260,10 @@ class NodeServer(flight.FlightServerBase):
         return snap
 
     def _register_job(self, context, req: dict) -> dict:
+        with self._register_lock:  # one registration at a time: two racing for one job id must not both open it
+            return self._register_job_locked(context, req)
+
+    def _register_job_locked(self, context, req: dict) -> dict:
         mw = context.get_middleware("auth")
         token = None if mw is None else mw.token
         if mw is None or mw.job != req["job"] or not token or len(token) < 8:
