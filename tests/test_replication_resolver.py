@@ -104,3 +104,15 @@ def test_merge_cli_resolves_a_name_through_etcd(world, tmp_path):
     assert report["source"].startswith("train-a:")  # eval-d holds no copy: read from the source
     merged = load_file(str(out / "text.safetensors"))
     assert torch.equal(merged["text.layer2.w"], state()["text.layer2.w"])
+
+
+def test_reclaim_removes_stale_partial_replicas_only(world, tmp_path):
+    root = tmp_path / "site"
+    old, fresh = root / "job" / ".replica-step-00000001", root / "job" / ".replica-step-00000002"
+    for d in (old, fresh):
+        d.mkdir(parents=True)
+        (d / "data-00000.bin").write_bytes(b"partial")
+    os.utime(old, (1, 1))  # a cut transfer nobody resumed
+    with Resolver(world["etcd"].url, site="eval-e") as res:
+        assert res.reclaim(str(root), stale_after=3600) == ["job/.replica-step-00000001"]
+    assert not old.exists() and fresh.exists()

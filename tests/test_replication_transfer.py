@@ -173,5 +173,42 @@ def test_checkpointer_replicates_scheduled_steps_and_the_eval_site_loads_them(si
     assert rep.wait(2, timeout=60)["path"].endswith("step-00000002")
     got = load(4, root=os.path.dirname(info["path"]))  # the evaluation site loads its replica
     assert torch.equal(got.state_dict["w"], state["w"])
+    with Resolver(sites["etcd"].url, site="eval-b") as res:  # ... or by name, through etcd
+        got = res.load("ckptjob/step-00000004", sites["eval"].root)
+        assert got.path == info["path"] and torch.equal(got.state_dict["w"], state["w"])
     assert torch.equal(got.state_dict["layers"][29]["b"], state["layers"][29]["b"])
     rep.close()
+
+
+def test_bad_requests_get_clear_errors(sites):
+    import numpy as np
+    from pyarrow import flight
+
+    from foresight.checkpoint.replicate.source import RemoteSource
+
+    tr = sites["train"]
+    with pytest.raises(flight.FlightServerError, match="outside this node's root"):
+        tr.call("replicate.start", {"name": "x/step-1", "src": "/etc", "site": "eval-b"})
+    with pytest.raises(flight.FlightServerError, match="bad checkpoint name"):
+        tr.call("replicate.start", {"name": "../x", "src": tr.root, "site": "eval-b"})
+    with pytest.raises(flight.FlightServerError, match="lacks fields"):
+        tr.call("replicate.commit", {"name": "x/y"})
+    with pytest.raises(flight.FlightServerError, match="no replication of this checkpoint"):
+        tr.call("replicate.wait", {"name": "nobody/step-00000001"})
+    phases = write_checkpoint_phases(os.path.join(tr.root, "badreq"), 1, 10_000)
+    next(phases)
+    next(phases)
+    src = RemoteSource(tr.url, "badreq/step-00000001")
+    with pytest.raises(CheckpointError, match="range outside the checkpoint file.*data-00000.bin"):
+        src.read_extents(["data-00000.bin"], np.zeros(1, np.int32), np.array([9_000]), np.array([5_000]))
+    with pytest.raises(CheckpointError, match="bad file name"):
+        src.read_file("../../etc/passwd")
+    with pytest.raises(CheckpointError, match="remote read failed.*No such file.*file=.metadata"):
+        src.read_file(".metadata")  # a foresight-format checkpoint has none: the merge then reads index.json
+    from foresight.checkpoint.replicate.merge import read_tensors
+
+    tensors, _ = read_tensors(src)
+    assert len(tensors) > 10
+    with pytest.raises(CheckpointError, match="bad checkpoint name"):
+        RemoteSource(tr.url, "../../etc")
+    src.close()

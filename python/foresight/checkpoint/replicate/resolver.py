@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import time
 import shutil
 import threading
 import uuid
@@ -179,12 +181,32 @@ class Resolver:
         self.register(name, path, "", ttl=ttl)
         return path
 
+    def load(self, name: str, root: str, *, token: str = "", **kwargs: Any) -> Any:
+        """``foresight.checkpoint.load`` of ``name`` (``job/step-00001000``) from the nearest copy, pulled into
+        ``root`` if this site has none; held against reclaim while it is read. ``kwargs`` go to ``load``."""
+        from foresight.checkpoint.checkpointer import load
+
+        m = re.match(r"^step-(\d+)$", name.rsplit("/", 1)[-1])
+        if m is None:
+            raise CheckpointError("not a foresight checkpoint name (.../step-N)", name=name)
+        with self.hold(name):
+            path = self.pull(name, root, token=token)
+            return load(int(m.group(1)), root=os.path.dirname(path), **kwargs)
+
+    def dcp_reader(self, name: str, root: str, *, token: str = "", **kwargs: Any) -> Any:
+        """A :class:`~foresight.checkpoint.dcp.ForesightStorageReader` over the nearest copy of ``name`` (pulled
+        into ``root`` if this site has none)."""
+        from foresight.checkpoint.dcp import ForesightStorageReader
+
+        return ForesightStorageReader(self.pull(name, root, token=token), **kwargs)
+
     def readers(self, name: str) -> int:
         return len(self._etcd.get_prefix(f"{PREFIX}{check_name(name)}/readers/{self.site}/"))
 
     # -- reclaim ---------------------------------------------------------------------------------
-    def reclaim(self, root: str) -> list[str]:
-        """Delete replicas under ``root`` (``<job>/<step>``) whose copy key expired and that no reader holds."""
+    def reclaim(self, root: str, *, stale_after: float = 24 * 3600) -> list[str]:
+        """Delete replicas under ``root`` (``<job>/<step>``) whose copy key expired and that no reader holds, and
+        hidden leftovers (a cut transfer's ``.replica-*`` not resumed for ``stale_after`` seconds, ``.trash-*``)."""
         removed = []
         for job in sorted(os.listdir(root)) if os.path.isdir(root) else []:
             jdir = os.path.join(root, job)
@@ -192,6 +214,15 @@ class Resolver:
                 continue
             for leaf in sorted(os.listdir(jdir)):
                 path = os.path.join(jdir, leaf)
+                if leaf.startswith((".replica-", ".trash-")):
+                    try:
+                        idle = time.time() - os.stat(path).st_mtime
+                    except FileNotFoundError:
+                        continue
+                    if leaf.startswith(".trash-") or idle > stale_after:
+                        shutil.rmtree(path, ignore_errors=True)
+                        removed.append(f"{job}/{leaf}")
+                    continue
                 if leaf.startswith(".") or not is_complete(path):
                     continue
                 name = f"{job}/{leaf}"

@@ -49,7 +49,7 @@ from foresight.checkpoint.replicate.units import (
     plan_units,
     read_unit,
 )
-from foresight.errors import CheckpointError, ProtocolError
+from foresight.errors import CheckpointError, ForesightError, ProtocolError
 
 log = logging.getLogger("foresight.replicate")
 SCHEMA = pa.schema([("data", pa.binary())])
@@ -80,6 +80,8 @@ class Transfer:
     path: str | None = None  # the published replica
     ready_at: float | None = None
     error: str | None = None
+    status_at: float | None = None  # when the receiver said which units it already holds
+    publishing: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -143,12 +145,12 @@ class ReplicationService:
     def mount(self, server: Any) -> None:
         """Register the actions, DoPut and DoGet kinds on a node server's handler registry."""
         for name, fn in self.handlers().items():
-            server.register_action(name, _decoder(name),
-                                   lambda context, req, fn=fn: fn(req), job_scoped=False)
-        server.register_put("replica.unit", self._put_unit)
-        server.register_put("replica.commit", self._put_commit)
+            server.register_action(name, _decoder(name), _clear_errors(lambda context, req, fn=fn: fn(req)),
+                                   job_scoped=False)
+        server.register_put("replica.unit", _clear_errors(self._put_unit))
+        server.register_put("replica.commit", _clear_errors(self._put_commit))
         for kind in ("ckpt.read", "ckpt.file", "ckpt.list"):
-            server.register_get(kind, lambda context, ticket: self.do_get(ticket))
+            server.register_get(kind, _clear_errors(lambda context, ticket: self.do_get(ticket)))
         if not self.endpoint:
             self.endpoint = server.location
         if self.resolver is not None:
@@ -211,7 +213,7 @@ class ReplicationService:
         if t.error:
             raise CheckpointError(f"replication failed: {t.error}", name=t.name, site=t.site)
         return {"path": t.path, "units": len(t.units), "bytes_sent": t.bytes_sent, "started": t.started,
-                "status_at": getattr(t, "status_at", None),
+                "status_at": t.status_at,
                 "committed_at": t.committed_at, "ready_at": t.ready_at}
 
     def pause(self, b: dict[str, Any]) -> dict[str, Any]:
@@ -283,7 +285,7 @@ class ReplicationService:
             try:
                 if t.skip is None:
                     t.skip = set(self._call(t.site, "replica.status", {"name": name})["units"])
-                    t.status_at = time.time()  # type: ignore[attr-defined]
+                    t.status_at = time.time()
                 if unit.id not in t.skip:
                     self._send_unit(t, unit)
                 with self._lock:
@@ -316,9 +318,9 @@ class ReplicationService:
 
     def _maybe_publish(self, t: Transfer) -> None:
         with self._lock:
-            if t.meta is None or len(t.acked) < len(t.units) or t.done.is_set() or getattr(t, "_publishing", False):
+            if t.meta is None or len(t.acked) < len(t.units) or t.done.is_set() or t.publishing:
                 return
-            t._publishing = True  # type: ignore[attr-defined]
+            t.publishing = True
         try:
             names = sorted(t.meta)
             cmd = {"op": "replica.commit", "name": t.name, "units": len(t.units), "source_site": self.site,
@@ -391,9 +393,13 @@ class ReplicationService:
         if ticket.get("kind") != "ckpt.read":
             raise CheckpointError("unknown DoGet ticket", kind=ticket.get("kind"))
         ranges = [(int(o), int(n)) for o, n in ticket["ranges"]]
-        if any(o < 0 or n < 0 for o, n in ranges):
-            raise CheckpointError("negative range", path=path)
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        size = os.fstat(fd).st_size
+        bad = [(o, n) for o, n in ranges if o < 0 or n < 0 or o + n > size]
+        if bad:  # refused before the stream starts: the reader gets one clear error
+            os.close(fd)
+            raise CheckpointError("range outside the checkpoint file", path=path, offset=bad[0][0],
+                                  length=bad[0][1], size=size)
 
         def batches():
             try:
@@ -432,6 +438,23 @@ _REQUIRED = {
     "replicate.abort": ("name",), "replicate.urgent": ("name", "priority"), "replicate.wait": ("name",),
     "replicate.pause": (), "replicate.resume": (), "replicate.log": (), "replica.status": ("name",),
 }
+
+
+def _clear_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """OS and lookup errors become :class:`CheckpointError` naming the file, which the node reports as a refusal
+    (instead of a Python traceback in an UNKNOWN status)."""
+
+    def wrapped(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except OSError as e:
+            raise CheckpointError(f"replication: {e.strerror or e}", path=e.filename) from e
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ForesightError):
+                raise
+            raise ProtocolError(f"replication request is malformed: {e!r}") from e
+
+    return wrapped
 
 
 def _decoder(action: str) -> Callable[[Any], dict[str, Any]]:

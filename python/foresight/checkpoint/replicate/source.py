@@ -97,21 +97,45 @@ class RemoteSource:
             # the node routes JSON tickets by a leading "kind" field
             return self._client.do_get(flight.Ticket(json.dumps({**ticket, "token": self.token}).encode()))
         except flight.FlightError as e:
-            raise CheckpointError(f"remote read failed: {e}", endpoint=self.endpoint, name=self.name) from e
+            raise CheckpointError(f"remote read failed: {e}", endpoint=self.endpoint, name=self.name,
+                                  file=ticket.get("file")) from e
+
+    def _table(self, ticket: dict[str, Any]) -> Any:
+        from pyarrow import flight
+
+        try:
+            return self._get(ticket).read_all()  # a server-side refusal surfaces on the first read
+        except flight.FlightError as e:
+            raise CheckpointError(f"remote read failed: {e}", endpoint=self.endpoint, name=self.name,
+                                  file=ticket.get("file")) from e
 
     def read_file(self, fname: str) -> bytes:
-        table = self._get({"kind": "ckpt.file", "name": self.name, "file": check_file_name(fname)}).read_all()
+        table = self._table({"kind": "ckpt.file", "name": self.name, "file": check_file_name(fname)})
         body = b"".join(c.as_py() for c in table.column(0))
         self.bytes += len(body)
         return body
 
+    def _land(self, reader: Any, region: np.ndarray, pos: int, end: int, fname: str) -> int:
+        for chunk in reader:
+            col = chunk.data.column(0)  # binary rows, in the order the ranges were asked for
+            offs = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + len(col) + 1]
+            body = memoryview(col.buffers()[2])[int(offs[0]):int(offs[-1])] if len(col) else memoryview(b"")
+            if pos + len(body) > end:
+                raise CheckpointError("remote read returned too many bytes", name=self.name, file=fname)
+            region[pos:pos + len(body)] = np.frombuffer(body, np.uint8)
+            pos += len(body)
+            self.bytes += len(body)
+        return pos
+
     def list_files(self) -> list[tuple[str, int]]:
         """``(name, size)`` of the remote checkpoint's data files."""
-        table = self._get({"kind": "ckpt.list", "name": self.name}).read_all()
+        table = self._table({"kind": "ckpt.list", "name": self.name})
         return [(check_file_name(n), int(sz)) for n, sz in json.loads(b"".join(c.as_py() for c in table.column(0)))]
 
     def read_extents(self, files: list[str], file_ids: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, *,
                      per_extent: bool = False) -> tuple[np.ndarray, Transfers]:
+        from pyarrow import flight
+
         tr = plan_reads(file_ids, offsets, lengths, per_extent=per_extent)
         region = np.empty(tr.total_bytes, np.uint8)
         order = np.argsort(tr.t_dest, kind="stable")
@@ -126,15 +150,11 @@ class RemoteSource:
             reader = self._get({"kind": "ckpt.read", "name": self.name, "file": check_file_name(files[f]),
                                 "ranges": ranges})
             pos, end = int(tr.t_dest[ks[0]]), int(tr.t_dest[ks[-1]] + tr.t_length[ks[-1]])
-            for chunk in reader:
-                col = chunk.data.column(0)  # binary rows, in the order the ranges were asked for
-                offs = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + len(col) + 1]
-                body = memoryview(col.buffers()[2])[int(offs[0]):int(offs[-1])] if len(col) else memoryview(b"")
-                if pos + len(body) > end:
-                    raise CheckpointError("remote read returned too many bytes", name=self.name, file=files[f])
-                region[pos:pos + len(body)] = np.frombuffer(body, np.uint8)
-                pos += len(body)
-                self.bytes += len(body)
+            try:
+                pos = self._land(reader, region, pos, end, files[f])
+            except flight.FlightError as e:
+                raise CheckpointError(f"remote read failed: {e}", endpoint=self.endpoint, name=self.name,
+                                      file=files[f]) from e
             if pos != end:
                 raise CheckpointError("remote read returned too few bytes", name=self.name, file=files[f],
                                       got=pos, expected=end)
