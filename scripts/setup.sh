@@ -11,7 +11,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 BASE_PY=${PYTHON:-python3}
 VENV=${FORESIGHT_VENV:-$PWD/.venv}
 APT_PKGS=(liburing-dev libxxhash-dev fio etcd-server
-  ffmpeg opencv-doc)  # media tests: the ffmpeg CLI (libxvid etc.) and real sample videos (opencv-doc)
+  ffmpeg opencv-doc  # media tests: the ffmpeg CLI (libxvid etc.) and real sample videos (opencv-doc)
+  strace)  # tests/test_durability_trace.py: the fsync/rename/O_DIRECT syscalls of every commit
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
