@@ -111,7 +111,7 @@ def test_urgent_replication_overtakes_bulk_in_progress(sites):
 
 
 def test_dcp_writer_replicates_after_metadata(sites):
-    tr, ev = sites["train"], sites["eval"]
+    tr = sites["train"]
     rep = Replication(every=10, site="eval-b", node=tr.url, job="dcpjob")
     state = {"w": torch.randn(64, 64), "b": torch.arange(10)}
     path = os.path.join(tr.root, "dcpjob", "step-00000010")

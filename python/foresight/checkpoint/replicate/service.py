@@ -8,10 +8,11 @@ The same handlers run on every site's node; which role they play depends on the 
   ``replicate.pause``/``replicate.resume`` (``{"units": n}`` lets exactly n more units go: throttling, and a
   deterministic order for tests), ``replicate.log`` (units in the order they went on the wire);
 - evaluation site (receiver): ``DoPut`` of ``replica.unit`` (one unit, in record batches), ``replica.status``
-  (units already journaled: a resumed transfer skips them), ``replica.commit`` (verify, rename, register in
-  etcd under the replica TTL);
-- any site: ``DoGet`` of ``ckpt.file`` / ``ckpt.read`` (a small file, or many byte ranges of one data file in
-  one stream: a remote reader's round trip per file), ``ping``.
+  (units already journaled: a resumed transfer skips them), ``DoPut`` of ``replica.commit`` (the source's index
+  and COMMIT or ``.metadata``; verify every tensor, rename, register in etcd under the replica TTL);
+- any site: ``DoGet`` of ``ckpt.file`` / ``ckpt.read`` / ``ckpt.list`` (a small file; many byte ranges of one
+  data file in one stream, so a remote reader pays a round trip per file; the data files and sizes),
+  ``replication.ping``.
 
 They are mounted into the storage-node daemon's handler registry (:meth:`ReplicationService.mount` on a
 :class:`foresight.node.server.NodeServer`; ``foresight node serve --site eval-b --route train-a=URL`` does it).
