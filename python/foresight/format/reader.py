@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -149,6 +150,17 @@ class ShardedDataset(Dataset):
         i = int(self._check_ids(i)[0])
         s = int(np.searchsorted(self._first, i, side="right") - 1)
         return self._maps[s].meta_json(i - int(self._first[s]))
+
+    def meta_many(self, ids: np.ndarray | Sequence[int]) -> list[dict[str, Any]]:
+        """The meta dicts of ``ids`` in order: one batched lookup per shard they touch (see ShardMap.meta_many)."""
+        ids = self._check_ids(ids)
+        out: list[Any] = [None] * len(ids)
+        shard = np.searchsorted(self._first, ids, side="right") - 1
+        for s in np.unique(shard):  # a loop over the shards touched, never over samples
+            where = np.flatnonzero(shard == s)
+            for k, value in zip(where.tolist(), self._maps[int(s)].meta_many(ids[where] - int(self._first[s]))):
+                out[k] = value
+        return out
 
     def verify_files(self) -> None:
         """Stream every ``.bin`` and compare with the manifest's xxh3 (reads the whole dataset)."""

@@ -115,6 +115,11 @@ class Dataset(Closing):
     def meta(self, i: int) -> dict[str, Any]:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def meta_many(self, ids: np.ndarray | Sequence[int]) -> list[dict[str, Any]]:
+        """The meta dicts of ``ids``, in order. Formats with a columnar meta store override this with a batch
+        lookup; the default asks :meth:`meta` per sample."""
+        return [self.meta(int(i)) for i in self._check_ids(ids)]
+
     # -- shared ------------------------------------------------------------------------------------------------
     def __len__(self) -> int:
         return self.num_samples

@@ -1,9 +1,9 @@
 """Per-sample metadata of a step (captions, labels, ids): the meta JSON the shard maps hold, looked up in batches.
 
 A shard map keeps each sample's meta as one JSON object in an Arrow string column (``foresight pack media
---captions`` puts the caption there). For a step, :func:`sample_metas` takes the rows of each shard it touches
-with one Arrow ``take``, joins them with one Arrow ``binary_join`` and parses them with one ``json.loads``: no
-Python call per sample until the values are handed out. :func:`meta_fields` picks named fields out of them.
+--captions`` puts the caption there). For a step, :func:`sample_metas` asks each dataset for the metas of its samples
+in one call (``Dataset.meta_many``: one Arrow take, join and JSON parse per shard touched), so there is no Python call
+per sample until the values are handed out. :func:`meta_fields` picks named fields out of them.
 
 Example::
 
@@ -12,7 +12,6 @@ Example::
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Sequence
 
 import numpy as np
@@ -38,45 +37,12 @@ def meta_fields(metas: np.ndarray, names: Sequence[str]) -> dict[str, list]:
 
 
 def _fill(ds: Any, ids: np.ndarray, out: np.ndarray, where: np.ndarray) -> None:
-    maps, first = getattr(ds, "_maps", None), getattr(ds, "_first", None)
-    if maps is None or first is None:  # not a foresight shard dataset (e.g. Megatron): its own meta(), per sample
-        out[where] = [ds.meta(int(i)) for i in ids]
-        return
-    ids = ds._check_ids(ids)
-    shard = np.searchsorted(first, ids, side="right") - 1
-    for s in np.unique(shard):  # a loop over the shards a step touches, never over samples
-        pick = shard == s
-        m = maps[int(s)]
-        rows = ids[pick] - int(first[s])
-        _put(out, where[pick], _parse_rows(m, rows))
-
-
-def _put(out: np.ndarray, where: np.ndarray, values: list) -> None:
+    values = ds.meta_many(ids)  # batched by the format (one Arrow take + one JSON parse per shard touched)
     # Through a 1-D object array: assigning a list of dicts to out[where] directly is fine, but an empty or
     # ragged list would confuse numpy's shape inference.
     tmp = np.empty(len(values), dtype=object)
     tmp[:] = values
     out[where] = tmp
-
-
-def _parse_rows(m: Any, rows: np.ndarray) -> list:
-    """Meta dicts of ``rows`` of shard map ``m``: one take, one join, one JSON parse."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    texts = m._meta.take(pa.array(rows, type=pa.int64()))
-    texts = pc.if_else(pc.equal(texts, ""), pa.scalar("{}", texts.type), texts)  # empty meta is {}
-    one_list = pa.LargeListArray.from_arrays(pa.array([0, len(texts)], pa.int64()), texts)
-    joined = pc.binary_join(one_list, pa.scalar(",", texts.type))
-    try:
-        values = json.loads("[" + joined[0].as_py() + "]")
-    except (ValueError, RecursionError):
-        values = None
-    # The map's checksum (checked at open) ties it to a writer that stores one json.dumps'd object per row, so a
-    # well-formed join has one object per row; anything else is parsed row by row to name the bad sample.
-    if values is None or len(values) != len(rows) or not all(type(v) is dict for v in values):
-        return [m.meta_json(int(r)) for r in rows]
-    return values
 
 
 __all__ = ["meta_fields", "sample_metas"]
