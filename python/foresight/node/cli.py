@@ -44,9 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--replica-quota", default="64G:4096",
                    help="per job: extra bytes and copies its replication hints may place, BYTES[K|M|G]:COPIES")
     s.add_argument("--safe-readers", type=int, default=None, help="concurrent readers one replica serves well")
-    from foresight.checkpoint.replicate.node_options import add_arguments as add_replication_arguments
-
-    add_replication_arguments(s)  # --site, --route, ...: predictive checkpoint replication to another site
+    _add_replication_arguments(s)
     st = sub.add_parser("status", help="per node and job: queue depth, lead, bytes, fallbacks; CPU")
     st.add_argument("--etcd", default=None)
     st.add_argument("--node", action="append", default=None, help="node location (repeatable) instead of etcd")
@@ -60,6 +58,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     return {"serve": _serve, "status": _status, "place": _place}[args.node_command](args)
+
+
+def _add_replication_arguments(p: argparse.ArgumentParser) -> None:
+    """Predictive checkpoint replication to another site (``--site`` mounts it; see checkpoint/replicate/).
+    Defined here, not imported: importing foresight.checkpoint loads torch, which `node status` must not pay."""
+    g = p.add_argument_group("checkpoint replication")
+    g.add_argument("--site", default=None, help="this node's site; mounts checkpoint replication")
+    g.add_argument("--route", action="append", default=[], metavar="SITE=URL",
+                   help="Flight endpoint (e.g. a WAN gateway) of another site's node; others are found in etcd")
+    g.add_argument("--replication-token", default="", help="shared by the sites of one deployment")
+    g.add_argument("--replication-unit-mib", type=int, default=32, help="transfer unit size (units.UNIT_BYTES)")
+    g.add_argument("--replication-unit-bytes", type=int, default=None, help=argparse.SUPPRESS)  # tests: tiny units
+    g.add_argument("--replication-streams", type=int, default=2, help="units in flight per sender")
+    g.add_argument("--replication-ttl", type=int, default=3600, help="seconds a received replica stays registered")
+    g.add_argument("--replication-fifo", action="store_true", help="no priority lane: arrival order (a baseline)")
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -1,7 +1,5 @@
-"""``foresight node serve`` options that mount checkpoint replication on a storage node (``--site`` turns it on).
-
-Light on purpose (argparse only): the node's CLI imports it to build its parser; the replication machinery
-(torch, Flight, etcd) loads only when a node is started with ``--site``.
+"""Mount checkpoint replication on a storage node from ``foresight node serve`` options (``--site`` turns it on;
+the options are defined in :mod:`foresight.node.cli`, which must not import torch to build its parser).
 
 Example::
 
@@ -11,19 +9,6 @@ from __future__ import annotations
 
 import argparse
 from typing import Any
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("checkpoint replication")
-    g.add_argument("--site", default=None, help="this node's site; mounts checkpoint replication")
-    g.add_argument("--route", action="append", default=[], metavar="SITE=URL",
-                   help="Flight endpoint (e.g. a WAN gateway) of another site's node; others are found in etcd")
-    g.add_argument("--replication-token", default="", help="shared by the sites of one deployment")
-    g.add_argument("--replication-unit-mib", type=int, default=32, help="transfer unit size (units.UNIT_BYTES)")
-    g.add_argument("--replication-unit-bytes", type=int, default=None, help=argparse.SUPPRESS)  # tests: tiny units
-    g.add_argument("--replication-streams", type=int, default=2, help="units in flight per sender")
-    g.add_argument("--replication-ttl", type=int, default=3600, help="seconds a received replica stays registered")
-    g.add_argument("--replication-fifo", action="store_true", help="no priority lane: arrival order (a baseline)")
 
 
 def mount_from_args(server: Any, args: argparse.Namespace) -> Any:
