@@ -8,6 +8,9 @@ disk (the training site's node starts sending units while the writer is still co
 does not name are not sent, unless :meth:`Replication.urgent` asks for one (an anomaly: evaluate now), which
 also raises the priority of a transfer already in flight.
 
+The checkpoint directory must lie under the training site's node ``--root`` (the node reads the data files
+itself and refuses paths outside its root); the replica's name is ``<job>/<directory name>``.
+
 For ``torch.distributed.checkpoint``, :class:`ReplicatingStorageWriter` wraps foresight's DCP writer: the
 coordinator starts the replica when every rank's data file is written (``finish``, before ``.metadata``) and
 commits it once ``.metadata`` is in place.
