@@ -57,6 +57,13 @@ def test_dataloader_dropin_resumes_exactly(tmp_path):
     assert "the batches equal the uninterrupted run's: True" in proc.stdout
 
 
+def test_media_node_pushdown_and_raw_fallback_match_host_decode(tmp_path):
+    proc = example("media_node_pushdown.py", "--smoke", "--out", str(tmp_path))
+    assert "the guard's raw fallback give the same tensors and losses: True" in proc.stdout
+    assert "'samples_remote': 12, 'samples_raw': 0" in proc.stdout  # pushdown: every sample decoded on the node
+    assert "'samples_remote': 0, 'samples_raw': 12" in proc.stdout  # guard engaged: raw bytes, decoded here
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
 def test_every_example_says_how_to_run_it(name):
     source = (EXAMPLES / name).read_text()
