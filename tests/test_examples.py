@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,15 @@ def test_media_node_pushdown_and_raw_fallback_match_host_decode(tmp_path):
     assert "the guard's raw fallback give the same tensors and losses: True" in proc.stdout
     assert "'samples_remote': 12, 'samples_raw': 0" in proc.stdout  # pushdown: every sample decoded on the node
     assert "'samples_remote': 0, 'samples_raw': 12" in proc.stdout  # guard engaged: raw bytes, decoded here
+
+
+def test_replicate_and_merge_at_the_evaluation_site(tmp_path):
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (scripts/setup.sh installs etcd-server)")
+    proc = example("replicate_and_merge.py", "--smoke", "--out", str(tmp_path))
+    assert "ready at eval-b" in proc.stdout
+    assert f"from eval-b:{tmp_path}/eval-site/vlm/step-00000004" in proc.stdout  # the local replica was merged
+    assert "the merged safetensors equal the full state dict: True" in proc.stdout
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
