@@ -6,7 +6,8 @@ video + images (full run: 720p H.264 clips of 30-60 s and JPEGs of 1-4 MP; ``--s
 
 * ``torch``     a torch DataLoader (1 worker, on the training core) decoding with PyAV from the clip's start and Pillow
 * ``host``      foresight's host-side decode: Loader + MediaDecodeStage (frame-selective) on the training core
-* ``pushdown``  foresight pushdown: Loader + NodeSource; the node decodes ahead on its core
+* ``pushdown``  foresight pushdown: NodeSource.iterate(); the node reads and decodes ahead on its core, the host
+                receives the tensors (it reads nothing itself)
 * ``guard``     pushdown with the node's CPU guard engaged (threshold 0): raw bytes, decoded on the training core
 
 Per mode: per-step stall (time the training loop waited for its batch), P50/P99 of the data-loading latency (the
@@ -174,23 +175,26 @@ def trainer(args: argparse.Namespace) -> None:
         from foresight.loader import Loader, MediaDecodeStage
 
         stage = MediaDecodeStage([ds], _specs(), seed=1, threads=1)
-        decode = stage
-        if args.mode in ("pushdown", "guard"):
+        if args.mode in ("pushdown", "guard"):  # the host reads nothing: batches come from the node
             from foresight.node.client import NodeSource
 
-            decode = NodeSource(stage, plan, nodes=[args.node], token=TOKEN, job=f"bench-{args.mode}",
+            source = NodeSource(stage, plan, nodes=[args.node], token=TOKEN, job=f"bench-{args.mode}",
                                 lead=args.lead, timeout=120)
-        with Loader(ds, plan, decode=decode, prefetch=2) as loader:
+            it = source.iterate(prefetch=2)  # as the loader's prefetch below
+        else:
+            loader = Loader(ds, plan, decode=stage, prefetch=2)
             it = iter(loader)
-            for _ in range(plan.num_steps):
-                t0 = time.perf_counter()
-                next(it)
-                stalls.append(time.perf_counter() - t0)
-                time.sleep(args.compute_s)
-            del it
-        if decode is not stage:
-            extra = dict(decode.stats)
-            decode.close()
+        for _ in range(plan.num_steps):
+            t0 = time.perf_counter()
+            next(it)
+            stalls.append(time.perf_counter() - t0)
+            time.sleep(args.compute_s)
+        it.close()
+        if args.mode in ("pushdown", "guard"):
+            extra = dict(source.stats)
+            source.close()
+        else:
+            loader.close()
         stage.close()
     wall = time.perf_counter() - t_start
     print(json.dumps({"stalls": stalls, "cpu_s": _cpu() - cpu0, "wall_s": wall, "client": extra}))
@@ -287,6 +291,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="samples per step")
     ap.add_argument("--compute-s", type=float, default=None, help="simulated compute per step (host idle)")
     ap.add_argument("--lead", type=int, default=3, help="steps the node prepares ahead")
+    ap.add_argument("--videos", type=int, default=None, help="clips in the dataset (full: 24)")
+    ap.add_argument("--images", type=int, default=None, help="images in the dataset (full: 24)")
     ap.add_argument("--data-dir", default="/tmp/foresight_bench_pushdown")
     ap.add_argument("--role", default="driver", help=argparse.SUPPRESS)
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
@@ -299,8 +305,9 @@ def main() -> None:
     batch = args.batch or (4 if args.smoke else 8)
     args.compute_s = args.compute_s if args.compute_s is not None else (0.05 if args.smoke else 1.0)
     data = Path(args.data_dir) / ("smoke" if args.smoke else "full")
-    make_data(data, smoke=args.smoke, videos=8 if args.smoke else 24, images=8 if args.smoke else 24,
-              steps=steps, batch=batch)
+    videos = args.videos if args.videos is not None else (8 if args.smoke else 24)
+    images = args.images if args.images is not None else (8 if args.smoke else 24)
+    make_data(data, smoke=args.smoke, videos=videos, images=images, steps=steps, batch=batch)
     rows = [run_mode(m, args, data, data.parent) for m in args.modes.split(",") if m]
     print_table(rows, ["mode", "steps", "stall_total_s", "p50_ms", "p99_ms", "host_cpu_s", "node_cpu_s", "wire_mb",
                        "remote_samples", "raw_samples"], title="pushdown bench")

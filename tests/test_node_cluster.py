@@ -81,6 +81,7 @@ def test_steps_split_over_two_nodes_come_back_in_plan_order(root, etcd, tmp_path
         Cluster(etcd.endpoint)._call(lambda c: c.delete_prefix("/foresight/v1/placement/"))
 
 
+@pytest.mark.slow
 def test_node_killed_mid_epoch_then_restarted_client_finishes_identically(root, etcd, tmp_path):
     a, b = _node(root, etcd, tmp_path, "ka"), _node(root, etcd, tmp_path, "kb")
     cluster = Cluster(etcd.endpoint)

@@ -117,6 +117,7 @@ def test_cpu_guard_both_ways_same_tensors(root, tmp_path, threshold):
         assert source.stats["samples_raw"] == 0 and source.stats["samples_remote"] > 0
 
 
+@pytest.mark.slow
 def test_cpu_guard_engages_under_a_busy_process(root, tmp_path):
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
@@ -165,6 +166,7 @@ def test_sigterm_stops_cleanly_with_json_logs(root, tmp_path):
     assert all({"ts", "level", "logger", "msg"} <= set(line) for line in lines)
 
 
+@pytest.mark.slow
 def test_slow_node_is_bypassed_then_used_again(root, tmp_path):
     import os
     import signal
@@ -193,6 +195,7 @@ def test_slow_node_is_bypassed_then_used_again(root, tmp_path):
     assert source.stats["samples_remote"] > remote_at[3]  # back to the node once it answers again
 
 
+@pytest.mark.slow
 def test_node_restarted_on_its_address_is_registered_again(root, tmp_path):
     from foresight.node.etcd_process import free_port
 
@@ -364,3 +367,31 @@ def test_racing_registrations_of_one_job_leave_one_job_and_no_open_files(root):
         assert open_shards() - before == len(shard_files)  # one job's files, not six
     finally:
         server.stop()
+
+
+def test_iterate_without_the_loader_reads_nothing_on_the_host_while_nodes_serve(root, node, tmp_path):
+    """NodeSource.iterate(): the same batches as the host's loader; the host reads only what a node did not
+    deliver (here: while the node is stopped), through its own engine."""
+    from node_helpers import summary
+
+    stage, source = _source(root, node, job="iterate")
+    try:
+        got = [summary(b) for b in source.iterate()]
+        assert source._local_io is None  # healthy node: not one byte read on the host
+        resumed = [summary(b) for b in source.iterate(start_step=2, end_step=4)]
+    finally:
+        source.close()
+        stage.close()
+    assert got == root["reference"] and resumed == root["reference"][2:4]
+
+    n = NodeProc(root["root"], str(tmp_path), "--cpu-threshold", "101", name="iter-down")
+    stage, source = _source(root, n, job="iterate-down", retry_s=0)
+    try:
+        it = source.iterate(prefetch=0)
+        first = summary(next(it))
+        assert n.terminate() == 0  # the node goes away mid-epoch: the rest is read and decoded here
+        rest = [summary(b) for b in it]
+    finally:
+        source.close()
+        stage.close()
+    assert [first] + rest == root["reference"] and source.stats["samples_local"] > 0

@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import pyarrow.flight as flight
@@ -103,6 +103,7 @@ class NodeSource:
 
             self.cluster = Cluster(etcd, prefix=prefix or DEFAULT_PREFIX)
         self._nodes: dict[str, _Node] = {}
+        self._local_io: tuple | None = None  # (FileTable, IOEngine) for iterate()'s own reads, opened on first need
         self._refreshed = 0.0
         self._degraded = False  # some part was decoded here last step: look for nodes on every step until not
         self._step = 0
@@ -331,10 +332,83 @@ class NodeSource:
         return kind, table
 
     def _decode_here(self, fields: dict, positions: np.ndarray, first_item: int, stats) -> list:
-        sub = {"step": fields["step"], "data": fields["data"], "offsets": np.asarray(fields["offsets"])[positions],
-               "lengths": np.asarray(fields["lengths"])[positions], "dataset": np.asarray(fields["dataset"])[positions],
+        if "data" in fields:  # the loader read the step: decode from its bytes
+            data, offsets = fields["data"], np.asarray(fields["offsets"])[positions]
+            lengths = np.asarray(fields["lengths"])[positions]
+        else:  # iterate(): read just these samples now
+            data, offsets, lengths = self._read_here(fields, positions)
+        sub = {"step": fields["step"], "data": data, "offsets": offsets, "lengths": lengths,
+               "dataset": np.asarray(fields["dataset"])[positions],
                "sample_ids": np.asarray(fields["sample_ids"])[positions], "items": first_item + positions}
         return self._blocks_of(self.stage(sub, stats=stats, first_item=first_item), positions)
+
+    def _read_here(self, fields: dict, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Read samples of the step on this host through the landed path (extents, coalesce, IOEngine); only
+        :meth:`iterate`'s thread calls this, so the engine it opens on first use has one user."""
+        import mmap
+
+        from foresight.io import IOEngine, coalesce, open_file
+        from foresight.loader.extents import FileTable
+
+        if self._local_io is None:
+            files = FileTable(self.datasets, open_file)
+            self._local_io = (files, IOEngine())
+        files, engine = self._local_io
+        dataset = np.asarray(fields["dataset"])[positions]
+        samples = np.asarray(fields["sample_ids"])[positions]
+        file = np.empty(len(positions), dtype=np.int32)
+        offset = np.empty(len(positions), dtype=np.int64)
+        length = np.empty(len(positions), dtype=np.int64)
+        for d in np.unique(dataset):
+            mask = dataset == d
+            ext = self.datasets[int(d)].lookup(samples[mask])
+            file[mask], offset[mask], length[mask] = files.base[int(d)] + ext.shard, ext.offset, ext.length
+        tr = coalesce(file, offset, length, align=4096)
+        region = np.frombuffer(mmap.mmap(-1, max(4096, -(-tr.total_bytes // 4096) * 4096)), dtype=np.uint8)
+        engine.read_batch(files.fds[tr.t_file], tr.t_offset, tr.t_length,
+                          (region.ctypes.data + tr.t_dest).astype(np.uint64), needed=tr.t_needed)
+        return region, tr.x_dest, length
+
+    def iterate(self, *, start_step: int = 0, end_step: int | None = None, prefetch: int = 1) -> Iterator:
+        """This rank's batches straight from the nodes, without the loader: the host reads only the samples it
+        must decode itself (a node down, slow or corrupt), so with healthy nodes it reads and decodes nothing.
+
+        Yields :class:`~foresight.loader.Batch` es with ``step``, ``sample_ids``, ``dataset`` and, per modality with a
+        spec, the stacked tensor and its ``<modality>_index`` (as with the loader); samples of other modalities are
+        not read here (use the loader path for steps that mix in such samples). ``prefetch`` steps are asked for
+        ahead on a helper thread.
+
+        Example::
+
+            for batch in source.iterate(start_step=resume_step):
+                model(batch["video"].to("cuda", non_blocking=True))
+        """
+        from collections import deque
+
+        from foresight.loader.batch import Batch
+
+        end = self.plan.num_steps if end_step is None else min(int(end_step), self.plan.num_steps)
+        pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="foresight-node-iterate")
+        pending: deque = deque()
+        step = int(start_step)
+        try:
+            while step < end or pending:
+                while step < end and len(pending) <= prefetch:
+                    pending.append((step, pool.submit(self._step_alone, step)))
+                    step += 1
+                s, fut = pending.popleft()
+                yield Batch(s, fut.result())
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+            pool.shutdown(wait=True)
+
+    def _step_alone(self, step: int) -> dict:
+        start, stop = self.plan.rank_items(step, self.rank, self.world_size)
+        pieces = self.plan.pieces(start, stop)
+        fields = {"step": step, "sample_ids": np.array(pieces.sample, dtype=np.int64),
+                  "dataset": np.array(pieces.dataset, dtype=np.int32)}
+        return self(fields, first_item=start)
 
     def _verify_raw(self, fields: dict, positions: np.ndarray, data: np.ndarray, offsets: np.ndarray,
                     lengths: np.ndarray) -> None:
@@ -413,6 +487,10 @@ class NodeSource:
             if n.client is not None:
                 n.client.close()
         self._pool.shutdown(wait=True)
+        if self._local_io is not None:
+            self._local_io[0].close()
+            self._local_io[1].close()
+            self._local_io = None
         if self._job_reg is not None:
             self._job_reg.close()
             self._job_reg = None
