@@ -74,6 +74,15 @@ def test_replicate_and_merge_at_the_evaluation_site(tmp_path):
     assert "the merged safetensors equal the full state dict: True" in proc.stdout
 
 
+def test_restart_with_hints_spreads_reads_and_restores(tmp_path):
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (scripts/setup.sh installs etcd-server)")
+    proc = example("restart_with_hints.py", "--smoke", "--out", str(tmp_path))
+    assert "hint .metadata: 64 readers -> 4 copies" in proc.stdout  # ceil(64 / 16 safe readers), on 4 nodes
+    assert "failed 0" in proc.stdout
+    assert "reads spread over 4 nodes (without hints: 2); rank 0 restored the model: True" in proc.stdout
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
 def test_every_example_says_how_to_run_it(name):
     source = (EXAMPLES / name).read_text()
