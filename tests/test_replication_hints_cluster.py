@@ -118,6 +118,8 @@ def test_reads_spread_over_every_copy_and_return_the_checkpoint_bytes(etcd, node
     wait_for_replicas(name, etcd=etcd, job=job, token=TOKEN, timeout=120)
     want = _files(ckpt)
     with ReplicaReader(etcd, job=job, token=TOKEN) as reader, cf.ThreadPoolExecutor(8) as pool:
+        wait_for(lambda: (lambda loads: len(loads) >= 4 and not any(loads.values()))(reader.refresh_loads(force=True)),
+                 timeout=30, what="the nodes advertising no reads (the copies are made)")
         got = list(pool.map(lambda _: reader.read(name, ".metadata"), range(64)))
         assert all(g == want[".metadata"] for g in got)
         assert set(reader.stats["by_node"]) == {"n0", "n1", "n2", "n3"}  # the hinted copies took readers too

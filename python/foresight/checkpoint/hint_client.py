@@ -131,16 +131,19 @@ class ReplicaReader:
     Args:
         etcd: cluster endpoint(s); job, token: the job's credentials (the checkpoint is named ``<job>/...``).
         refresh_s: how long a checkpoint's copy list is reused before etcd is asked again.
+        load_refresh_s: how long the nodes' advertised loads are reused (they change with every storm).
         retry_s: how long a node that failed a read is avoided.
     """
 
     def __init__(self, etcd: str, *, job: str, token: str, prefix: str | None = None, refresh_s: float = 2.0,
-                 retry_s: float = 5.0, timeout: float = DEFAULT_TIMEOUT) -> None:
+                 load_refresh_s: float = 0.5, retry_s: float = 5.0, timeout: float = DEFAULT_TIMEOUT) -> None:
         from foresight.node.cluster import DEFAULT_PREFIX, Cluster
 
         self.cluster = Cluster(etcd, prefix=prefix or DEFAULT_PREFIX)
         self.job, self.token = job, token
         self.refresh_s, self.retry_s, self.timeout = refresh_s, retry_s, timeout
+        self.load_refresh_s = load_refresh_s
+        self._loads_at = -1e9
         self._lock = threading.Lock()
         self._copies: dict[str, tuple[float, dict[str, dict[str, dict]]]] = {}
         self._advertised: dict[str, float] = {}
@@ -167,12 +170,25 @@ class ReplicaReader:
             file, _, node = key[len(base):].partition("/")
             if node in live:
                 out.setdefault(file, {})[node] = rec
-        lb = self.cluster.key("replicas", ".load") + "/"
-        advertised = {k[len(lb):]: float(v.get("inflight", 0)) for k, v in self.cluster._get_prefix(lb)}
         with self._lock:
             self._copies[checkpoint] = (now, out)
-            self._advertised = advertised
         return out
+
+    def refresh_loads(self, *, force: bool = False) -> dict[str, float]:
+        """The in-flight reads each node advertises (reused for ``load_refresh_s``; one thread asks etcd)."""
+        now = time.monotonic()
+        with self._lock:
+            if not force and now - self._loads_at < self.load_refresh_s:
+                return self._advertised
+            self._loads_at = now  # claimed: the other threads keep the values they have meanwhile
+        lb = self.cluster.key("replicas", ".load") + "/"
+        try:
+            advertised = {k[len(lb):]: float(v.get("inflight", 0)) for k, v in self.cluster._get_prefix(lb)}
+        except NodeError:  # etcd away: choose by our own reads alone
+            advertised = {}
+        with self._lock:
+            self._advertised = advertised
+        return advertised
 
     def _order(self, recs: dict[str, dict]) -> list[dict]:
         """Copies by load (ours in flight + advertised), ties at random; nodes that failed lately last."""
@@ -196,6 +212,7 @@ class ReplicaReader:
     def read(self, checkpoint: str, file: str) -> bytes:
         """The whole file's bytes, verified against its xxh3; NodeError naming the file when no copy serves it."""
         errors = []
+        self.refresh_loads()
         for attempt in range(2):  # second round: a fresh copy list (copies placed or lost since)
             recs = self.copies(checkpoint, force=attempt > 0).get(file, {})
             for rec in self._order(recs):

@@ -440,11 +440,12 @@ class ReplicaManager:
             if not self._adopted:
                 self._adopt_existing()
                 self._adopted = True
-            if now - last["load"] > 0.5:
+            if self.inflight != last.get("inflight") or now - last["load"] > 2.0:  # readers pick by it: keep fresh
+                inflight = self.inflight
                 self._put(self._k("replicas", ".load", self.node_id),
-                          {"inflight": self.inflight, "reads": self.stats["reads"], "bytes": self.stats["bytes"]},
+                          {"inflight": inflight, "reads": self.stats["reads"], "bytes": self.stats["bytes"]},
                           lease=self._lease)
-                last["load"] = now
+                last["load"], last["inflight"] = now, inflight
             self._take_tasks()
             if now - last["reclaim"] > 1.0:
                 self.reclaim()
