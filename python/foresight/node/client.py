@@ -8,6 +8,9 @@ bytes under its CPU guard -- is decoded here by the wrapped stage with the same 
 the bytes the loader already read (or the node's raw bytes). Every sample of the step is in the batch once, at its
 position: none lost, repeated or reordered. A node that failed is retried after a backoff, and used again once back.
 
+Without the loader, :meth:`NodeSource.iterate` yields the batches itself and reads on this host only the samples it
+must decode here, so with healthy nodes the host neither reads nor decodes (the paper's host-CPU saving).
+
 Copies: on the node the decoded batch tensor is the Arrow values buffer (zero copy until gRPC writes it); here the
 received tensors view Arrow's buffers, and stacking each modality into the (pinned) batch tensor is the one copy
 (``stats["copied_bytes"]``); raw parts are gathered once before decoding.
