@@ -27,6 +27,7 @@ from foresight.checkpoint.hint_client import (
     wait_for_replicas,
 )
 from foresight.checkpoint.hints import FileHint, derive_dcp_hints
+from foresight.errors import NodeError
 from foresight.node.etcd_process import EtcdProcess
 from node_helpers import NodeProc, wait_for
 
@@ -174,12 +175,14 @@ def test_quota_refuses_a_hint_or_places_what_fits(etcd, nodes, tmp_path):
 def test_copies_are_reclaimed_when_the_ttl_ends_and_reads_fall_back(etcd, nodes, ckpt):
     name, job = "jobT/step-1", "jobT"
     _place(ckpt, name, nodes[:2], job)
-    set_replication_hints(name, etcd=etcd, job=job, token=TOKEN, ttl_s=3, checkpoint_dir=ckpt, world_size=1024)
+    set_replication_hints(name, etcd=etcd, job=job, token=TOKEN, ttl_s=8, checkpoint_dir=ckpt, world_size=1024)
     placed = wait_for_replicas(name, etcd=etcd, job=job, token=TOKEN, timeout=120)
     assert placed["done"] == 4  # both files on n2 and n3
     wait_for(lambda: not _hinted_on(nodes, name), timeout=60, what="hinted copies deleted after their TTL")
     p = replication_progress(name, etcd=etcd, job=job, token=TOKEN)
     assert not p["hint_live"] and all(set(f["copies"]) == {"n0", "n1"} for f in p["files"].values())
+    with pytest.raises(NodeError, match="no live hint"):  # nothing left to wait for: said at once
+        wait_for_replicas(name, etcd=etcd, job=job, token=TOKEN, timeout=120)
     with ReplicaReader(etcd, job=job, token=TOKEN) as reader:
         assert reader.read(name, ".metadata") == _files(ckpt)[".metadata"]
         assert set(reader.stats["by_node"]) <= {"n0", "n1"}

@@ -113,12 +113,16 @@ def release_replication_hints(checkpoint: str, *, job: str, token: str, etcd: st
 
 def wait_for_replicas(checkpoint: str, *, job: str, token: str, etcd: str | None = None, node: str | None = None,
                       timeout: float = 300.0, poll_s: float = 0.1, prefix: str | None = None) -> dict:
-    """Poll :func:`replication_progress` until every copy task is done or failed; NodeError after ``timeout``."""
+    """Poll :func:`replication_progress` until every copy task is done or failed; NodeError after ``timeout`` or
+    when the hint is gone (its TTL ended or it was released) before that."""
     deadline = time.monotonic() + timeout
     while True:
         p = replication_progress(checkpoint, job=job, token=token, etcd=etcd, node=node, prefix=prefix)
         if p["complete"]:
             return p
+        if not p["hint_live"]:
+            raise NodeError("no live hint for the checkpoint (expired or released before its copies were placed)",
+                            checkpoint=checkpoint, done=p["done"])
         if time.monotonic() > deadline:
             raise NodeError("replicas not placed in time", checkpoint=checkpoint, pending=p["pending"],
                             copying=p["copying"], timeout=timeout)
