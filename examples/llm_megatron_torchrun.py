@@ -35,6 +35,8 @@ p.add_argument("--out", required=True)
 p.add_argument("--data", help="Megatron prefix; default: write a small synthetic one under --out")
 p.add_argument("--vocab", type=int, default=512)
 p.add_argument("--steps", type=int, default=40)
+p.add_argument("--seq-len", type=int, default=64)
+p.add_argument("--global-batch-size", type=int, default=8)
 p.add_argument("--save-every", type=int, default=4)
 p.add_argument("--kill-at-step", type=int, default=-1)
 p.add_argument("--device", default="cpu")
@@ -47,6 +49,8 @@ cuda = args.device == "cuda"
 dist.init_process_group("nccl" if cuda else "gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 device = f"cuda:{int(os.environ['LOCAL_RANK'])}" if cuda else "cpu"
+if cuda:
+    torch.cuda.set_device(device)  # NCCL: one GPU per rank
 ckpt_group = dist.new_group(backend="gloo")  # async saves talk here, never on DDP's group
 
 prefix, plan_dir, ckpt_root = args.data or f"{args.out}/megatron/corpus", f"{args.out}/plan", f"{args.out}/ckpt"
@@ -56,14 +60,27 @@ if rank == 0 and not os.path.exists(plan_dir):
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
         write_megatron_dataset(prefix, [(rng.integers(0, args.vocab) + np.arange(rng.integers(8, 200))) % args.vocab
                                         for _ in range(600)], np.uint16)
-    build_plan([(open_dataset(prefix), 1.0)], seed=1, global_batch_size=8, seq_len=64,
-               num_steps=args.steps).save(plan_dir)
+    build_plan([(open_dataset(prefix), 1.0)], seed=1, global_batch_size=args.global_batch_size,
+               seq_len=args.seq_len, num_steps=args.steps).save(plan_dir)
 dist.barrier()
 data, plan = open_dataset(prefix), load_plan(plan_dir)
 
-width = 32 if args.smoke else 256
-model = torch.nn.Sequential(torch.nn.Embedding(args.vocab, width), torch.nn.Linear(width, width), torch.nn.GELU(),
-                            torch.nn.Linear(width, args.vocab)).to(device)
+
+
+class TinyLM(torch.nn.Module):  # a causal transformer; bring your own (Megatron-Core's GPTModel, ...)
+    def __init__(self, vocab: int, width: int, layers: int, seq_len: int) -> None:
+        super().__init__()
+        self.embed, self.pos = torch.nn.Embedding(vocab, width), torch.nn.Embedding(seq_len, width)
+        block = torch.nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
+        return self.head(self.blocks(self.embed(ids) + self.pos.weight[: ids.shape[1]], mask=mask, is_causal=True))
+
+
+model = TinyLM(args.vocab, 32 if args.smoke else 256, 1 if args.smoke else 4, args.seq_len).to(device)
 ddp = torch.nn.parallel.DistributedDataParallel(model)
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 loader = Loader(data, plan, device=device)  # rank and world size from torch.distributed

@@ -35,6 +35,7 @@ def steps_logged(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # three torchrun launches of 2 ranks
 def test_llm_megatron_torchrun_kill_and_exact_resume(tmp_path):
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     torchrun("llm_megatron_torchrun.py", "--smoke", "--out", str(ref))
