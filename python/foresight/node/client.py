@@ -148,11 +148,15 @@ class NodeSource:
                         records[known.node_id] = known.record
                         self._mark_down(known, e)
         for node_id, rec in records.items():
+            if not isinstance(rec, dict) or not isinstance(rec.get("location"), str):
+                continue  # not a record this client can use
             n = self._nodes.get(node_id)
-            if n is None or n.location != rec.get("location"):
+            if n is not None and (n.location != rec["location"] or n.record.get("instance") != rec.get("instance")):
+                if n.client is not None:  # moved or restarted: it forgot the job
+                    n.client.close()
+                n = None
+            if n is None:
                 self._nodes[node_id] = _Node(node_id, rec["location"], rec)
-            elif n.record.get("instance") != rec.get("instance"):  # restarted: it forgot the job
-                n.record, n.registered, n.client, n.down_until, n.failures = rec, None, None, 0.0, 0
         if self.cluster is not None:
             for node_id in [i for i in self._nodes if i not in records]:  # its lease expired: gone
                 gone = self._nodes.pop(node_id)
