@@ -139,9 +139,37 @@ def gpu_handoff(payload: dict) -> Section:
     return s
 
 
+def remote_merge(payload: dict) -> Section:
+    s = Section("Remote merge at an evaluation site (predictive replication)")
+    w, c, m, r = payload["wan"], payload["checkpoint"], payload["merge"], payload["replication"]
+    s.notes.append(f"link: {w['kind']}, RTT {w['rtt_ms_measured']:.1f} ms measured ({w['rtt_ms']:.0f} ms set), "
+                   f"{w['mbit_per_direction']:.0f} Mbit/s per direction; checkpoint {c['tensors']} tensors "
+                   f"({100 * c['under_16KiB']:.0f}% under 16 KiB), {c['bytes'] / 2**20:.1f} MiB "
+                   f"({100 * c['bytes_in_large']:.0f}% of bytes in large tensors), {c['ranks']} ranks")
+    s.notes.append(f"merge latency reduction vs per-tensor remote reads: {100 * m['reduction']:.1f}% (target >= 90%); "
+                   f"commit -> merged: {100 * m['end_to_end_reduction']:.1f}%; outputs identical: "
+                   f"{m.get('outputs_identical')}")
+    s.notes.append(f"commit -> replica ready: {r['commit_to_ready_s']:.2f} s ({r['bytes'] / 2**20:.1f} MiB in "
+                   f"{r['units']} units)")
+    rows = [["baseline: each tensor read remotely", m["baseline"]["seconds"], m["baseline"]["round_trips"],
+             m["baseline"]["bytes_over_link"] / 2**20, m["end_to_end_baseline_s"]],
+            ["coalesced remote reads, no replica", m["coalesced_remote"]["seconds"],
+             m["coalesced_remote"]["round_trips"], m["coalesced_remote"]["bytes_over_link"] / 2**20,
+             m["coalesced_remote"]["seconds"]],
+            ["foresight: local replica made during the save", m["foresight"]["seconds"], 0,
+             m["foresight"]["bytes_over_link"] / 2**20, m["end_to_end_foresight_s"]]]
+    s.tables.append(("merge at the evaluation site", ["method", "merge s", "round trips", "MiB over the link",
+                                                      "commit -> merged s"], rows))
+    s.tables.append(("an unpredicted urgent evaluation during a bulk replication",
+                     ["sender", "urgent replica ready s", "bulk ready s", "urgent MiB", "bulk MiB"],
+                     [[u["lane"], u["urgent_ready_s"], u["bulk_ready_s"], u["urgent_bytes"] / 2**20,
+                       u["bulk_bytes"] / 2**20] for u in payload.get("urgent", [])]))
+    return s
+
+
 SUMMARIZERS: dict[str, Callable[[dict], Section]] = {
     "read_path": read_path, "checkpoint": checkpoint, "decode": decode, "plan_build": plan_build,
-    "gpu_handoff": gpu_handoff,
+    "gpu_handoff": gpu_handoff, "remote_merge": remote_merge,
 }
 
 

@@ -48,7 +48,9 @@ PRESETS: dict[str, dict[str, list[str]]] = {
     "plan_build": {"smoke": ["--smoke"], "quick": ["--sizes", "10000000", "--repeats", "3"], "full": []},
     "gpu_handoff": {"smoke": ["--smoke"], "quick": [], "full": []},
     "pushdown": {"smoke": ["--smoke"], "quick": ["--quick"], "full": []},
-    "remote_merge": {"smoke": ["--smoke"], "quick": ["--quick"], "full": []},
+    "remote_merge": {"smoke": ["--smoke"],
+                     "quick": ["--small", "600", "--large", "16", "--large-mib", "4", "--bulk-mib", "256",
+                               "--unit-sweep", ""], "full": []},
     "restart_storm": {"smoke": ["--smoke"], "quick": ["--quick"], "full": []},
 }
 
