@@ -53,7 +53,8 @@ def make_plan(out: str, steps: int) -> str:
                                 .tolist()}) + "\n")
     data = open_dataset(pack_jsonl(f"{out}/corpus.jsonl", f"{out}/data", column="tokens", overwrite=True,
                                    progress=False))
-    build_plan([(data, 1.0)], seed=1, global_batch_size=8, seq_len=32, num_steps=steps).save(f"{out}/plan")
+    plan = build_plan([(data, 1.0)], seed=1, global_batch_size=8, seq_len=32, num_steps=steps)
+    plan.save(f"{out}/plan", overwrite=True)
     return f"{out}/plan"
 
 

@@ -30,6 +30,20 @@ from foresight.format import open_dataset, write_megatron_dataset
 from foresight.loader import Loader
 from foresight.plan import build_plan, load_plan
 
+
+class TinyLM(torch.nn.Module):  # a causal transformer; bring your own (Megatron-Core's GPTModel, ...)
+    def __init__(self, vocab: int, width: int, layers: int, seq_len: int) -> None:
+        super().__init__()
+        self.embed, self.pos = torch.nn.Embedding(vocab, width), torch.nn.Embedding(seq_len, width)
+        block = torch.nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
+        return self.head(self.blocks(self.embed(ids) + self.pos.weight[: ids.shape[1]], mask=mask, is_causal=True))
+
+
 p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--data", help="Megatron prefix; default: write a small synthetic one under --out")
@@ -64,21 +78,6 @@ if rank == 0 and not os.path.exists(plan_dir):
                seq_len=args.seq_len, num_steps=args.steps).save(plan_dir)
 dist.barrier()
 data, plan = open_dataset(prefix), load_plan(plan_dir)
-
-
-
-class TinyLM(torch.nn.Module):  # a causal transformer; bring your own (Megatron-Core's GPTModel, ...)
-    def __init__(self, vocab: int, width: int, layers: int, seq_len: int) -> None:
-        super().__init__()
-        self.embed, self.pos = torch.nn.Embedding(vocab, width), torch.nn.Embedding(seq_len, width)
-        block = torch.nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
-        self.blocks = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
-        self.head = torch.nn.Linear(width, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        mask = torch.nn.Transformer.generate_square_subsequent_mask(ids.shape[1], device=ids.device)
-        return self.head(self.blocks(self.embed(ids) + self.pos.weight[: ids.shape[1]], mask=mask, is_causal=True))
-
 
 model = TinyLM(args.vocab, 32 if args.smoke else 256, 1 if args.smoke else 4, args.seq_len).to(device)
 ddp = torch.nn.parallel.DistributedDataParallel(model)

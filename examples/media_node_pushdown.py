@@ -13,9 +13,11 @@ Run it::
     # a cluster: etcd + `foresight node serve --root R --etcd http://127.0.0.1:2379` per node, then
     # NodeSource(stage, plan, etcd="http://127.0.0.1:2379", token=...) (see python/foresight/node/client.py)
 
-``--smoke`` is the small setting tests/test_examples.py runs.
+While it runs, ``foresight node status --node LOCATION`` (from ``OUT/pushdown.ready.json``) prints the job's queue,
+lead and fallback rate; ``--metrics-port`` gives the same to Prometheus. ``--smoke`` is the small setting
+tests/test_examples.py runs.
 """
-import argparse, json, os, subprocess, sys, time
+import argparse, json, os, shutil, subprocess, sys, time
 
 import torch
 
@@ -49,11 +51,11 @@ def make_root(root: str, clips: int, images: int, steps: int):
     return data, plan
 
 
-def start_node(root: str, name: str, cpu_threshold: int) -> tuple[subprocess.Popen, str]:
-    ready = f"{root}/../{name}.ready.json"
-    proc = subprocess.Popen([sys.executable, "-m", "foresight", "node", "serve", "--root", root, "--ready-file", ready,
-                             "--cpu-threshold", str(cpu_threshold), "--decode-threads", "2"],
-                            stderr=open(f"{root}/../{name}.log", "w"))  # JSON log lines
+def start_node(out: str, name: str, cpu_threshold: int) -> tuple[subprocess.Popen, str]:
+    ready = f"{out}/{name}.ready.json"  # the node writes its location here once it serves
+    proc = subprocess.Popen([sys.executable, "-m", "foresight", "node", "serve", "--root", f"{out}/root",
+                             "--ready-file", ready, "--cpu-threshold", str(cpu_threshold), "--decode-threads", "2"],
+                            stderr=open(f"{out}/{name}.log", "w"))  # JSON log lines
     while not os.path.exists(ready):
         if proc.poll() is not None:
             raise SystemExit(f"node {name} exited with {proc.returncode}")
@@ -96,9 +98,13 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args()
     steps, clips, images = (3, 3, 6) if args.smoke else (args.steps, 8, 24)
-    root = os.path.abspath(f"{args.out}/root")
-    data, plan = make_root(root, clips, images, steps)
-    nodes = [start_node(root, "pushdown", 101), start_node(root, "guarded", 0)]  # 101%: the guard never engages
+    out = os.path.abspath(args.out)
+    shutil.rmtree(f"{out}/root", ignore_errors=True)  # an earlier run's: rebuilt
+    for name in ("pushdown", "guarded"):
+        if os.path.exists(f"{out}/{name}.ready.json"):
+            os.unlink(f"{out}/{name}.ready.json")  # a stale location
+    data, plan = make_root(f"{out}/root", clips, images, steps)
+    nodes = [start_node(out, "pushdown", 101), start_node(out, "guarded", 0)]  # 101%: the guard never engages
     try:
         host = train(data, plan, None)
         pushed = train(data, plan, nodes[0][1])

@@ -16,7 +16,7 @@ Run it::
 
 ``--smoke`` is the small setting tests/test_examples.py runs.
 """
-import argparse, json, os, subprocess, sys
+import argparse, json, os, shutil, subprocess, sys
 
 import torch
 import torch.distributed as dist
@@ -78,6 +78,8 @@ def main() -> int:
     if args.smoke:
         args.steps, args.eval_every, args.width, args.rtt_ms = 4, 2, 64, 20.0
     args.out = os.path.abspath(args.out)
+    for old in ("etcd", "eval-site", "train-site", "merged"):  # an earlier run's
+        shutil.rmtree(f"{args.out}/{old}", ignore_errors=True)
     os.makedirs(args.out, exist_ok=True)
     if os.path.exists(f"{args.out}/rendezvous"):
         os.unlink(f"{args.out}/rendezvous")  # a stale rendezvous file would hang the ranks

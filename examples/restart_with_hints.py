@@ -55,7 +55,10 @@ def main() -> int:
     args = p.parse_args()
     ranks = 64 if args.smoke else args.ranks
     out = os.path.abspath(args.out)
-    shutil.rmtree(out, ignore_errors=True)
+    for old in ("ckpt", "etcd", "rank0", "n0", "n1", "n2", "n3"):  # an earlier run's
+        shutil.rmtree(f"{out}/{old}", ignore_errors=True)
+        if os.path.exists(f"{out}/{old}.ready.json"):
+            os.unlink(f"{out}/{old}.ready.json")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(4096, 64), torch.nn.Linear(64, 4096))
     dcp.save(model.state_dict(), storage_writer=ForesightStorageWriter(f"{out}/ckpt"), no_dist=True)  # all read them
