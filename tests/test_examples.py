@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +17,19 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"))
 
 
 def run(argv: list[str], timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(argv, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    """Run an example in a session of its own, so that a hung one is killed with the nodes, etcd and ranks it
+    started (a bound for a hung test, not a timing assertion)."""
+    proc = subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{argv} still running after {timeout} s\n{out[-3000:]}\n{err[-6000:]}") from None
     if check and proc.returncode != 0:
-        raise AssertionError(f"{argv} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc
+        raise AssertionError(f"{argv} exited {proc.returncode}\n{out[-3000:]}\n{err[-6000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def example(name: str, *args: str, **kw) -> subprocess.CompletedProcess:
