@@ -15,3 +15,6 @@ def test_demo_runs_and_resumes_bit_exact(tmp_path):
     assert measured["resume bit-exact"] is True
     assert measured["loader"]["steps"] == 8
     assert set(measured["media decode (s) by modality"]) >= {"image", "video"}
+    # the demo serves its media through a storage node process and gets the host's tensors
+    assert measured["node tensors equal host's"] is True
+    assert measured["node"]["samples_remote"] > 0 and measured["node"]["parts_failed"] == 0
