@@ -47,7 +47,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
     "decode": {"smoke": ["--smoke"], "quick": ["--only", "720p_gop60", "--scaling", ""], "full": []},
     "plan_build": {"smoke": ["--smoke"], "quick": ["--sizes", "10000000", "--repeats", "3"], "full": []},
     "gpu_handoff": {"smoke": ["--smoke"], "quick": [], "full": []},
-    "pushdown": {"smoke": ["--smoke"], "quick": ["--quick"], "full": []},
+    "pushdown": {"smoke": ["--smoke"], "quick": ["--videos", "6", "--images", "8", "--steps", "12"], "full": []},
     "remote_merge": {"smoke": ["--smoke"],
                      "quick": ["--small", "600", "--large", "16", "--large-mib", "4", "--bulk-mib", "256",
                                "--unit-sweep", ""], "full": []},
