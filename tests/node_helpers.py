@@ -82,7 +82,10 @@ class NodeProc:
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
+            try:
+                self.proc.wait(timeout=60)  # a SIGKILLed process that is not reaped is stuck in the kernel: say so
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"node pid {self.proc.pid} did not die within 60 s of SIGKILL") from None
         self._log.close()
 
 

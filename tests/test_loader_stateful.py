@@ -2,6 +2,10 @@
 with worker processes (skipped where torchdata is not installed)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -53,15 +57,24 @@ def test_exported_and_sized(saved):
 
 @pytest.mark.parametrize("num_workers,cut", [(2, 4), (2, 5), (0, 3)])
 def test_exact_resume_under_stateful_dataloader(saved, num_workers, cut):
-    full = _run(StatefulDataLoader(_adapter(saved), batch_size=None, num_workers=num_workers))
+    # Worker processes fork the process that runs this: a fresh interpreter, not pytest's (which by now carries the
+    # threads of hundreds of earlier tests), is what a training script forks. A hang fails within the timeout.
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_loader_stateful as t; "
+            f"t.exact_resume({saved!r}, {num_workers}, {cut})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def exact_resume(saved, num_workers, cut):
+    full = _run(StatefulDataLoader(_adapter(saved), batch_size=None, num_workers=num_workers, timeout=120 if num_workers else 0))
     assert [s for s, _ in full] == list(range(STEPS))
 
-    first = StatefulDataLoader(_adapter(saved), batch_size=None, num_workers=num_workers)
+    first = StatefulDataLoader(_adapter(saved), batch_size=None, num_workers=num_workers, timeout=120 if num_workers else 0)
     head = _run(first, limit=cut)
     state = first.state_dict()
     del first  # the interrupted run is gone; only its state remains
 
-    resumed = StatefulDataLoader(_adapter(saved), batch_size=None, num_workers=num_workers)
+    resumed = StatefulDataLoader(_adapter(saved), batch_size=None, num_workers=num_workers, timeout=120 if num_workers else 0)
     resumed.load_state_dict(state)
     tail = _run(resumed)
     got = head + tail
