@@ -119,7 +119,8 @@ def test_cpu_guard_both_ways_same_tensors(root, tmp_path, threshold):
 
 @pytest.mark.slow
 def test_cpu_guard_engages_under_a_busy_process(root, tmp_path):
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    # niced: it still keeps a 2-core machine at >= 50% (the guard's input) but never starves the node's start-up
+    busy = subprocess.Popen([sys.executable, "-c", "import os\nos.nice(19)\nwhile True: pass"])
     try:
         # one spinning process keeps a 2-core machine at >= 50% whatever else runs
         n = NodeProc(root["root"], str(tmp_path), "--cpu-threshold", "45", name="busy")
@@ -259,8 +260,10 @@ def test_stop_lets_in_flight_streams_finish_and_refuses_new_ones_clearly(root):
         for step, (status, detail) in results.items():
             if status == "ok":  # finished: every sample of its part is there
                 assert detail == sum(len(root["reference"][step][n][0]) for n in SPECS if n in root["reference"][step])
-            else:  # refused or cut off by the shutdown, saying so
-                assert "shutting down" in detail or "unavailable" in detail.lower() or "Socket closed" in detail
+            else:  # refused or cut off by the shutdown, saying so (gRPC reports a stream the server shut down under
+                # it, before its first message, as CANCELLED)
+                low = detail.lower()
+                assert "shutting down" in detail or "unavailable" in low or "socket closed" in low or "cancelled" in low
     finally:
         if source is not None:
             source.close()

@@ -11,8 +11,10 @@ import json
 import math
 import os
 import shutil
+import threading
 
 import pyarrow.flight as flight
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -199,15 +201,20 @@ def test_a_node_dying_mid_storm_leaves_its_readers_on_the_other_copies(etcd, nod
         assert all("n4" in f["copies"] for f in done["files"].values())
         want = _files(ckpt)
         files = sorted(want)
+        killed = threading.Event()
+        kill_lock = threading.Lock()
         with ReplicaReader(etcd, job=job, token=TOKEN, refresh_s=60) as reader, cf.ThreadPoolExecutor(8) as pool:
             def rank(i):
-                if i == 64:
-                    doomed.kill()  # mid-storm: later reads routed to n4 must move to other copies
-                return [reader.read(name, f) == want[f] for f in files]
+                out = [reader.read(name, f) == want[f] for f in files]
+                with kill_lock:  # mid-storm, once n4 has served: later reads routed to it must move to other copies
+                    if not killed.is_set() and reader.stats["by_node"].get("n4", 0) > 0:
+                        doomed.kill()
+                        killed.set()
+                return out
 
             results = list(pool.map(rank, range(256)))
             assert all(all(r) for r in results)
-            assert reader.stats["by_node"].get("n4", 0) > 0  # it served before it died
+            assert killed.is_set(), "n4 never served a read, so the storm never lost a serving node"
             assert reader.stats["retries"] >= 1 and reader.stats["verify_failures"] == 0
     finally:
         doomed.kill()
