@@ -141,6 +141,15 @@ class _TorchDecode:
         return out
 
 
+def _timed_steps(it, steps: int, compute_s: float, stalls: list) -> None:
+    """The training loop: wait for the next batch (the stall, recorded), then the simulated compute (host idle)."""
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        next(it)
+        stalls.append(time.perf_counter() - t0)
+        time.sleep(compute_s)
+
+
 def trainer(args: argparse.Namespace) -> None:
     from foresight.format import open_dataset
     from foresight.plan import load_plan
@@ -165,11 +174,7 @@ def trainer(args: argparse.Namespace) -> None:
         loader = torch.utils.data.DataLoader(_TorchDecode(ds, plan, items), batch_size=None, num_workers=1,
                                              prefetch_factor=2, collate_fn=lambda x: x)
         it = iter(loader)
-        for _ in range(plan.num_steps):
-            t0 = time.perf_counter()
-            next(it)
-            stalls.append(time.perf_counter() - t0)
-            time.sleep(args.compute_s)
+        _timed_steps(it, plan.num_steps, args.compute_s, stalls)
         del it, loader  # the worker exits and is reaped: its CPU counts as the children's
     else:
         from foresight.loader import Loader, MediaDecodeStage
@@ -184,11 +189,7 @@ def trainer(args: argparse.Namespace) -> None:
         else:
             loader = Loader(ds, plan, decode=stage, prefetch=2)
             it = iter(loader)
-        for _ in range(plan.num_steps):
-            t0 = time.perf_counter()
-            next(it)
-            stalls.append(time.perf_counter() - t0)
-            time.sleep(args.compute_s)
+        _timed_steps(it, plan.num_steps, args.compute_s, stalls)
         it.close()
         if args.mode in ("pushdown", "guard"):
             extra = dict(source.stats)
