@@ -60,6 +60,7 @@ from foresight.checksum import xxh3_many
 from foresight.checkpoint._fileio import FileIO
 from foresight.checkpoint._tree import structure_key
 from foresight.checkpoint.layout import ALIGN, DTYPES, REFUSED, TORCH_SAVE, align_up, dtype_info, plan_layout
+from foresight.checkpoint.safe_pickle import load_dcp_metadata
 from foresight.errors import CheckpointError
 from foresight.io.durable import fsync_dir
 
@@ -362,11 +363,9 @@ class ForesightStorageReader(_DirectoryCheckpoint, StorageReader):
         path = os.path.join(self.path, metadata_name(kwargs.get("rank")))
         try:
             with open(path, "rb") as f:
-                metadata = pickle.load(f)
+                metadata = load_dcp_metadata(f, source=path)
         except FileNotFoundError as e:
             raise CheckpointError("no DCP metadata: checkpoint missing or incomplete", path=path) from e
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-            raise CheckpointError(f"DCP metadata is corrupt: {e}", path=path) from e
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+from foresight.checkpoint.safe_pickle import load_dcp_metadata
 from foresight.errors import CheckpointError
 
 METADATA = ".metadata"
@@ -86,11 +86,9 @@ def _read_metadata(ckpt_dir: str):
     path = os.path.join(ckpt_dir, METADATA)
     try:
         with open(path, "rb") as f:
-            return pickle.load(f)
+            return load_dcp_metadata(f, source=path)
     except FileNotFoundError as e:
         raise CheckpointError("no DCP .metadata: not a committed DCP checkpoint", path=path) from e
-    except Exception as e:  # unpickling a truncated or foreign file raises many types
-        raise CheckpointError(f"DCP .metadata is unreadable: {e}", path=path) from e
 
 
 def _chunk_readers(offset0: int, length0: int, dim0: int, world_size: int) -> int:

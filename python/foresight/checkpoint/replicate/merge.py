@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from safetensors.torch import save_file
 from foresight.checkpoint import store
 from foresight.checkpoint.layout import dtype_from_name
 from foresight.checkpoint.replicate.units import DCP_METADATA
+from foresight.checkpoint.safe_pickle import load_dcp_metadata
 from foresight.checksum import xxh3_many
 from foresight.errors import CheckpointError
 
@@ -57,7 +57,9 @@ def _chunks(source: Any) -> tuple[list[_Chunk], dict[str, Any]]:
         raw = None
     out: list[_Chunk] = []
     if raw is not None:
-        md = pickle.loads(raw)  # DCP's own metadata format
+        where = (os.path.join(source.path, DCP_METADATA) if hasattr(source, "path")
+                 else f"{source.endpoint} {source.name}/{DCP_METADATA}")
+        md = load_dcp_metadata(raw, source=where)  # it may come from another site: no code runs
         seen = set()
         for key, info in md.storage_data.items():
             tmd = md.state_dict_metadata.get(key.fqn)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import pickle
 import re
 import shutil
 from collections.abc import Iterable, Sequence
@@ -31,6 +30,7 @@ import numpy as np
 import xxhash
 
 from foresight.checkpoint import store
+from foresight.checkpoint.safe_pickle import load_dcp_metadata
 from foresight.checksum import xxh3_many
 from foresight.errors import CheckpointError
 from foresight.io.durable import fsync_dir
@@ -124,8 +124,8 @@ def read_unit(fd: int, unit: Unit) -> tuple[bytearray, int]:
 def tensor_extents(path: str) -> list[tuple[str, str, int, int, int]]:
     """``(file, tensor, offset, nbytes, xxh3)`` of every tensor of the checkpoint at ``path`` (either format)."""
     if os.path.exists(os.path.join(path, DCP_METADATA)):
-        with open(os.path.join(path, DCP_METADATA), "rb") as f:
-            md = pickle.load(f)  # DCP's own format (written by torch.distributed.checkpoint)
+        with open(os.path.join(path, DCP_METADATA), "rb") as f:  # may have come from another host: no code runs
+            md = load_dcp_metadata(f, source=os.path.join(path, DCP_METADATA))
         return [(i.relative_path, str(k.fqn), int(i.offset), int(i.length), int(i.xxh3))
                 for k, i in md.storage_data.items()]
     index = store.read_index(path)
