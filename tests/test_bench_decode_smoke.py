@@ -24,5 +24,7 @@ def test_bench_decode_smoke(tmp_path):
     assert all(c["pixel_exact"] == c["frames"] for c in fs)
     for check in result["correctness"]:  # the timed 224x224 output of every method is checked too
         assert check["frames_224"] > 0 and check["wrong_frame_224"] == 0, check
+    # foresight's timed 224x224 frames equal the independent reference (PyAV's own conversion) bit for bit
+    assert all(c["pixel_exact_224"] == c["frames_224"] and c["max_abs_diff_224"] == 0 for c in fs), fs
     for m in ("decord", "tc_exact", "tc_approx", "tc_mapped"):  # an anchor runs or is listed as unavailable
         assert m in methods or m in result["skipped"]

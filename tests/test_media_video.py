@@ -1,4 +1,7 @@
-"""Frame-selective video decode equals a full reference decode, frame by frame, pixel for pixel."""
+"""Frame-selective video decode equals a full reference decode, frame by frame, pixel for pixel.
+
+The reference (``foresight.media.reference``) decodes every frame from the start with PyAV's own API and converts
+it there, so the pixels at every size, crop and interpolation are checked against code decode_video does not run."""
 from __future__ import annotations
 
 import itertools
@@ -9,7 +12,6 @@ import pytest
 from foresight.errors import DecodeError, ForesightError
 from foresight.media import (
     FrameSampling,
-    decode_all,
     decode_cost,
     decode_video,
     plan_segments,
@@ -17,6 +19,7 @@ from foresight.media import (
     sample_frame_indices,
     video_pts,
 )
+from foresight.media.reference import decode_all
 from foresight.media.synth import make_video, remux
 from foresight.media.video import NONREF_SKIP_CODECS, DecodeReport
 from hypothesis import HealthCheck, given, settings
@@ -155,16 +158,34 @@ def test_resize_crop_layout_threads(clips, references):
     meta = probe_media(data, "video")
     idx = [1, 20, 33]
     rp, _ = references["h264_short_gop"]
-    _, ref_small = decode_all(data, size=(40, 50))
     pos = np.searchsorted(rp, video_pts(meta)[idx])
+    _, ref_small = decode_all(data, size=(40, 50))
+    _, ref_crop = decode_all(data, size=(40, 50), crop=(5, 6, 20, 30))
     small = decode_video(data, meta, idx, size=(40, 50))
     assert small.shape == (3, 40, 50, 3) and np.array_equal(small, ref_small[pos])
     chw = decode_video(data, meta, idx, size=(40, 50), layout="TCHW")
-    assert np.array_equal(chw, small.transpose(0, 3, 1, 2))
+    assert np.array_equal(chw, ref_small[pos].transpose(0, 3, 1, 2))
     crop = decode_video(data, meta, idx, size=(40, 50), crop=(5, 6, 20, 30))
-    assert np.array_equal(crop, small[:, 5:25, 6:36])
+    assert crop.shape == (3, 20, 30, 3) and np.array_equal(crop, ref_crop[pos])
     threaded = decode_video(data, meta, idx, size=(40, 50), threads=2)
-    assert np.array_equal(threaded, small)
+    assert np.array_equal(threaded, ref_small[pos])
+
+
+@pytest.mark.parametrize("interpolation", ["BILINEAR", "BICUBIC", "AREA", "FAST_BILINEAR", "POINT", "LANCZOS"])
+@pytest.mark.parametrize("size", [(224, 224), (40, 50), (33, 77)])
+def test_resized_frames_equal_reference_bit_for_bit(clips, references, interpolation, size):
+    """The output the loader and the bench use (224x224, BILINEAR) and other sizes and filters, up- and
+    downscaled: equal to the reference's own PyAV conversion, no tolerance (the same swscale underneath)."""
+    data = clips["h264_bpyramid_strict"]
+    meta = probe_media(data, "video")
+    idx = [0, 7, 8, 31, meta["num_frames"] - 1]
+    rp, _ = references["h264_bpyramid_strict"]
+    ref_pts, ref = decode_all(data, size=size, interpolation=interpolation)
+    assert np.array_equal(ref_pts, rp)  # resizing never changes which frames come out
+    pos = np.searchsorted(rp, video_pts(meta)[idx])
+    got = decode_video(data, meta, idx, size=size, interpolation=interpolation)
+    assert got.shape == (len(idx), *size, 3)
+    assert np.array_equal(got, ref[pos]), f"max pixel diff {int(np.abs(got.astype(np.int16) - ref[pos]).max())}"
 
 
 def test_plan_segments_and_cost(clips):

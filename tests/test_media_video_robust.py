@@ -16,9 +16,10 @@ import av
 import numpy as np
 import pytest
 from foresight.errors import DecodeError
-from foresight.media import decode_all, probe_media, video_pts
+from foresight.media import probe_media, video_pts
+from foresight.media.reference import decode_all, frames_shown_at
 from foresight.media.synth import drop_avi_index, ffmpeg_cli, make_video, remux, with_not_coded_vop
-from foresight.media.video import DecodeReport, decode_video, frames_shown_at
+from foresight.media.video import DecodeReport, decode_video
 
 needs_ffmpeg = pytest.mark.skipif(shutil.which("ffmpeg") is None,
                                   reason="the ffmpeg command-line tool is missing (scripts/setup.sh installs it)")

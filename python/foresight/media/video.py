@@ -45,6 +45,7 @@ from av.video.reformatter import VideoReformatter
 from ..errors import DecodeError
 from ._av import MEDIA_ERRORS, ensure_quiet_logging, open_media
 from .probe import INDEX_VERSION, mpeg4_packed, probe_media, video_pts
+from .reference import decode_all, frames_shown_at  # noqa: F401 - moved to reference.py; old imports still work
 from .sampling import FrameSampling, sample_frame_indices
 
 LAYOUTS = ("THWC", "TCHW")
@@ -381,41 +382,5 @@ def decode_video(
     return out, np.array([report.substituted.get(int(p), int(p)) for p in want_pts], dtype=np.int64)
 
 
-def decode_all(data: bytes | bytearray | memoryview, *, size: tuple[int, int] | None = None,
-               interpolation: str = "BILINEAR", sample: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Reference decode of every frame from the start: (pts sorted ascending, uint8 (N, H, W, 3)).
-
-    No seeking, no skipping: what a plain player shows. Used by tests and the bench as the truth.
-    """
-    ensure_quiet_logging()
-    ctx = {"sample": sample}
-    keep = _Converter(size, interpolation, None)
-    frames: dict[int, np.ndarray] = {}
-    with open_media(data, **ctx) as container:
-        stream = container.streams.video[0]
-        stream.codec_context.thread_count = 1
-        try:
-            for frame in container.decode(stream):
-                frames.setdefault(frame.pts, keep(frame))
-        except MEDIA_ERRORS as e:
-            raise DecodeError(f"video decode failed: {e}", **ctx) from e
-    pts = np.array(sorted(frames), dtype=np.int64)
-    return pts, np.stack([frames[int(p)] for p in pts])
-
-
-def frames_shown_at(reference: tuple[np.ndarray, np.ndarray], pts: np.ndarray | Sequence[int]
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """What a player shows at each pts, from a full decode (``decode_all``'s (pts, frames)): the frame with
-    that pts, else the latest one before it. Returns (shown pts, frames); the truth ``decode_video`` meets.
-
-    >>> shown_pts, frames = frames_shown_at(decode_all(data), video_pts(meta)[[0, 5]])  # doctest: +SKIP
-    """
-    ref_pts, ref_frames = reference
-    pos = np.searchsorted(ref_pts, np.asarray(pts, dtype=np.int64), side="right") - 1
-    if pos.size and pos.min() < 0:
-        raise ValueError(f"no frame at or before pts {int(np.asarray(pts)[pos < 0][0])} in the reference")
-    return ref_pts[pos], ref_frames[pos]
-
-
-__all__ = ["EARLY_DRAIN_CODECS", "INTERPOLATIONS", "LAYOUTS", "NONREF_SKIP_CODECS", "DecodeReport", "decode_all",
-           "decode_cost", "decode_video", "frames_shown_at", "plan_segments"]
+__all__ = ["EARLY_DRAIN_CODECS", "INTERPOLATIONS", "LAYOUTS", "NONREF_SKIP_CODECS", "DecodeReport", "decode_cost",
+           "decode_video", "plan_segments"]
