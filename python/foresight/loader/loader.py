@@ -21,6 +21,7 @@ slot, and builds the batch as views of that slot (token rows need one gather pas
 from __future__ import annotations
 
 import logging
+import numbers
 import queue
 import threading
 import time
@@ -43,6 +44,7 @@ from foresight.loader.stats import LoaderStats
 log = logging.getLogger("foresight.loader")
 
 ALIGN = 4096
+STATE_VERSION = 1  # of state_dict(); a state without "version" was written before the field and is version 1
 
 _END = object()
 
@@ -64,6 +66,28 @@ class _Job:
     ticket: Any
     overflow: np.ndarray | None
     reads: tuple | None = None  # engine arguments between _prepare and _start_reads
+
+
+def check_state(state: Any, plan_digest: str, what: str) -> None:
+    """Refuse a resume state this code cannot honour (resuming it would silently read the wrong steps).
+
+    >>> check_state({"plan_digest": "ab", "next_step": 3}, "ab", "loader")  # no version: written as version 1
+    """
+    if not isinstance(state, dict):
+        raise PlanError(f"{what} state must be a dict, got {type(state).__name__}")
+    version = state.get("version", 1)
+    if not _is_int(version) or version != STATE_VERSION:
+        raise PlanError(f"{what} state has format version {version!r}; this foresight reads version "
+                        f"{STATE_VERSION} (a state from a newer foresight, or not a {what} state)")
+    if state.get("plan_digest") != plan_digest:
+        raise PlanError(f"{what} state belongs to another plan", expected=plan_digest, found=state.get("plan_digest"))
+    step = state.get("next_step")
+    if not _is_int(step) or step < 0:
+        raise PlanError(f"{what} state has a bad next_step {step!r} (a step number >= 0)")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy ints too; True is not a step
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -649,12 +673,11 @@ class Loader(Closing):
 
     def state_dict(self) -> dict:
         """Where the consumer is in the global plan; valid at any world size."""
-        return {"version": 1, "plan_digest": self.plan.digest, "next_step": self._next_step}
+        return {"version": STATE_VERSION, "plan_digest": self.plan.digest, "next_step": int(self._next_step)}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("plan_digest") != self.plan.digest:
-            raise PlanError("loader state belongs to another plan",
-                            expected=self.plan.digest, found=state.get("plan_digest"))
+        """Resume from :meth:`state_dict` (of this plan and a state version this code knows, else PlanError)."""
+        check_state(state, self.plan.digest, "loader")
         self._stop_thread()
         self._next_step = int(state["next_step"])
 

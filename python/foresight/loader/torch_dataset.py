@@ -30,10 +30,7 @@ from typing import Any, Iterator
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from foresight.errors import PlanError
-from foresight.loader.loader import Loader, _as_plan, _resolve_rank
-
-STATE_VERSION = 1
+from foresight.loader.loader import STATE_VERSION, Loader, _as_plan, _resolve_rank, check_state
 
 
 class ForesightIterableDataset(IterableDataset):
@@ -121,11 +118,7 @@ class ForesightIterableDataset(IterableDataset):
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`; the state must belong to the same plan."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"unknown ForesightIterableDataset state version {state.get('version')!r}")
-        if state.get("plan_digest") != self._info()[0]:
-            raise PlanError("dataset state belongs to another plan", expected=self._info()[0],
-                            found=state.get("plan_digest"))
+        check_state(state, self._info()[0], "dataset")
         self._resume = {"next_step": int(state["next_step"]), "step_stride": int(state["step_stride"])}
         self._next = None
 
