@@ -21,6 +21,7 @@ import xxhash
 
 from ..errors import FormatError
 from foresight.checksum import file_xxh3
+from foresight.io.durable import recover_overwrite
 from .manifest import MANIFEST_NAME, Manifest, parse_manifest, token_dtype_of
 from .shard_map import ShardMap, read_map
 from .types import Dataset, Extents, Modality
@@ -38,6 +39,7 @@ def open_dataset(path: str | os.PathLike, *, fingerprint: str = "index") -> Data
     path = os.fspath(path)
     if fingerprint not in ("index", "content"):
         raise ValueError(f"fingerprint must be 'index' or 'content', got {fingerprint!r}")
+    recover_overwrite(path, has_manifest)  # a pack --overwrite that crashed between its renames
     if os.path.isdir(path):
         return ShardedDataset(path)
     prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
@@ -48,6 +50,11 @@ def open_dataset(path: str | os.PathLike, *, fingerprint: str = "index") -> Data
     if os.path.exists(path):
         raise FormatError("not a foresight dataset directory nor a Megatron .idx/.bin prefix", path=path)
     raise FormatError("no dataset here (a pack that did not finish leaves none)", path=path)
+
+
+def has_manifest(path: str) -> bool:
+    """Whether ``path`` is a complete foresight dataset directory (its manifest is written last)."""
+    return os.path.isfile(os.path.join(path, MANIFEST_NAME))
 
 
 class ShardedDataset(Dataset):

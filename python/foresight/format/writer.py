@@ -9,7 +9,8 @@ pack. Stale partial directories of dead writers are removed by the next writer o
 Bad arguments are refused before anything is written (the writer stays usable). A failure once writing has begun (a
 full disk in ``add``, the map, the manifest or the rename in ``close``) removes the partial directory at once, closes
 the writer and raises one error naming the file that failed (an ``OSError`` keeps its class and errno); ``abort``
-never raises. An ``out_dir`` being replaced (``overwrite``) stays as it was.
+never raises. An ``out_dir`` being replaced (``overwrite``) stays as it was; a crash between the overwrite's two
+renames leaves it as ``.<name>.old-<pid>-<rand>``, which the next ``open_dataset`` or writer renames back.
 
 Memory is bounded: payload bytes go straight to the shard file (checksums are streamed), and only the current shard's
 map columns (about 33 bytes per sample plus its meta JSON) are held until that shard closes.
@@ -39,8 +40,9 @@ import xxhash
 from .. import __version__
 from foresight.checksum import file_xxh3, xxh3_many
 from foresight.errors import ForesightError
-from foresight.io.durable import fsync_dir
+from foresight.io.durable import aside_path, fsync_dir, recover_overwrite
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry
+from .reader import has_manifest
 from .shard_map import write_map
 from .types import TOKEN_DTYPES, Modality
 
@@ -164,6 +166,9 @@ class DatasetWriter:
         self._buffer_bytes = buffer_bytes
         self._on_stage = _on_stage
         json.dumps(self.extra)  # fail early on non-JSON extra
+        # an earlier overwrite that crashed between its renames: its data is back (and refused below) or its
+        # leftovers are gone before this pack starts
+        recover_overwrite(self.out_dir, has_manifest)
         if os.path.lexists(self.out_dir) and not overwrite:
             raise FileExistsError(f"{self.out_dir} exists; pass overwrite=True (--overwrite) to replace it")
         parent, name = os.path.split(self.out_dir)
@@ -324,12 +329,11 @@ class DatasetWriter:
     def _publish(self) -> str | None:
         """Rename the finished directory to ``out_dir``; an old one is moved aside first (and back on failure):
         returns where, for the caller to remove."""
-        parent = os.path.dirname(self.out_dir)
         aside = None
         if os.path.lexists(self.out_dir):
             if not self.overwrite:
                 raise FileExistsError(f"{self.out_dir} appeared while packing; not replacing it")
-            aside = os.path.join(parent, f".{os.path.basename(self.out_dir)}.old-{secrets.token_hex(4)}")
+            aside = aside_path(self.out_dir)  # a crash before the next rename: open_dataset renames it back
             os.rename(self.out_dir, aside)
         try:
             os.rename(self.tmp_dir, self.out_dir)

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from foresight.errors import FormatError, PlanError
-from foresight.io.durable import fsync_dir
+from foresight.io.durable import aside_path, fsync_dir, recover_overwrite
 from foresight.plan.locations import write_sources
 from foresight.plan.plan import ARRAY_DTYPES, FORMAT_NAME, FORMAT_VERSION, Plan
 
@@ -59,9 +59,11 @@ def compute_digest(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> str
 
 def save_plan(plan: Plan, path: str, *, overwrite: bool = False) -> str:
     """Write ``plan`` to the directory ``path``: files go to a temp dir beside it, are fsynced,
-    then the dir is renamed into place, so a crash never leaves a half-written plan at ``path``."""
+    then the dir is renamed into place, so a crash never leaves a half-written plan at ``path`` (an overwrite that
+    crashed between its two renames leaves the old plan aside: the next save or load renames it back)."""
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
+    _recover(path)
     if os.path.lexists(path) and not overwrite:
         raise PlanError("plan directory already exists (pass overwrite=True to replace it)", path=path)
     os.makedirs(parent, exist_ok=True)
@@ -87,10 +89,10 @@ def save_plan(plan: Plan, path: str, *, overwrite: bool = False) -> str:
         os.chmod(tmp, 0o755)
         current = path
         if os.path.lexists(path):
-            trash = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.old-", dir=parent)
-            os.rename(path, os.path.join(trash, "plan"))
+            aside = aside_path(path)  # a crash before the next rename: load_plan renames it back
+            os.rename(path, aside)
             os.rename(tmp, path)
-            shutil.rmtree(trash, ignore_errors=True)
+            shutil.rmtree(aside, ignore_errors=True)
         else:
             os.rename(tmp, path)
         fsync_dir(parent)
@@ -114,11 +116,18 @@ def save_plan(plan: Plan, path: str, *, overwrite: bool = False) -> str:
     return path
 
 
+def _recover(path: str) -> None:
+    """Finish an overwrite that crashed between its two renames (earlier versions kept the old plan in
+    ``.NAME.old-XXXXXXXX/plan``)."""
+    recover_overwrite(path, lambda d: os.path.isfile(os.path.join(d, PLAN_JSON)), legacy_inner="plan")
+
+
 def load_plan(path: str, *, verify: bool = True) -> Plan:
     """Open a plan directory; arrays are read-only mmaps. ``verify=True`` also checks the digest
     (reads every byte once); the structural checks always run."""
     path = os.path.abspath(path)
     json_path = os.path.join(path, PLAN_JSON)
+    _recover(path)
     if not os.path.isdir(path):
         raise FormatError("not a plan directory", path=path)
     if not os.path.isfile(json_path):
