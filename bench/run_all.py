@@ -39,7 +39,7 @@ DOCS = ROOT / "docs" / "bench"
 # bench -> preset -> arguments (after the script name)
 PRESETS: dict[str, dict[str, list[str]]] = {
     "read_path": {"smoke": ["--smoke"],
-                  "quick": ["--sizes", "16K", "--runs", "3", "--anchor-runs", "1", "--dataset-gib", "1",
+                  "quick": ["--sizes", "16K", "--runs", "3", "--anchor-runs", "1", "--dataset-gib", "4",
                             "--no-sweep"],
                   "full": ["--runs", "5", "--anchor-runs", "2"]},
     "checkpoint": {"smoke": ["--smoke"], "quick": ["--sizes", "1", "--runs", "3", "--dcp-threads", "1,4"],
@@ -47,7 +47,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
     "decode": {"smoke": ["--smoke"], "quick": ["--only", "720p_gop60", "--scaling", ""], "full": []},
     "plan_build": {"smoke": ["--smoke"], "quick": ["--sizes", "10000000", "--repeats", "3"], "full": []},
     "gpu_handoff": {"smoke": ["--smoke"], "quick": [], "full": []},
-    "pushdown": {"smoke": ["--smoke"], "quick": ["--videos", "6", "--images", "8", "--steps", "12"], "full": []},
+    "pushdown": {"smoke": ["--smoke"], "quick": ["--videos", "6", "--images", "8", "--steps", "24"], "full": []},
     "remote_merge": {"smoke": ["--smoke"],
                      "quick": ["--small", "600", "--large", "16", "--large-mib", "4", "--bulk-mib", "256",
                                "--unit-sweep", ""], "full": []},

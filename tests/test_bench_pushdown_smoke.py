@@ -15,10 +15,14 @@ def test_bench_pushdown_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "pushdown bench" in proc.stdout
     result = json.loads((ROOT / "bench" / "results" / "pushdown_smoke.json").read_text())
-    rows = {r["mode"]: r for r in result["rows"]}
-    assert set(rows) == {"torch", "host", "pushdown", "guard"} and result["smoke"] is True
-    assert all(r["steps"] == result["steps"] for r in rows.values())
-    assert rows["pushdown"]["remote_samples"] > 0 and rows["pushdown"]["raw_samples"] == 0
-    assert rows["guard"]["raw_samples"] > 0 and rows["guard"]["remote_samples"] == 0
-    assert rows["host"]["wire_mb"] == 0 and rows["pushdown"]["wire_mb"] > 0
-    assert {"stall_reduction_pct", "p99_reduction_pct", "host_cpu_reduction_pct"} <= set(result["summary"])
+    assert {r["scenario"] for r in result["rows"]} == {"idle", "shared"}
+    assert result["calibration"]["decode_step_s"] > 0 and result["compute_s"] > 0  # the compute step was calibrated
+    for scenario in ("idle", "shared"):
+        rows = {r["mode"]: r for r in result["rows"] if r["scenario"] == scenario}
+        assert set(rows) == {"torch", "host", "pushdown", "guard"} and result["smoke"] is True
+        assert all(r["steps"] == result["steps"] for r in rows.values())
+        assert rows["pushdown"]["remote_samples"] > 0 and rows["pushdown"]["raw_samples"] == 0
+        assert rows["guard"]["raw_samples"] > 0 and rows["guard"]["remote_samples"] == 0
+        assert rows["host"]["wire_mb"] == 0 and rows["pushdown"]["wire_mb"] > 0
+        assert {"stall_reduction_pct", "p99_reduction_pct", "host_cpu_reduction_pct",
+                "guard_wall_vs_host"} <= set(result["summary"][scenario])
