@@ -2,7 +2,8 @@
 
 Presets:
 
-* ``quick``: each bench at a reduced size (one sample size, 1 GiB datasets, fewer sweeps): under 15 minutes here.
+* ``quick``: the read path at one sample size over a 4 GiB dataset, 3 runs (the bar for published figures), the
+  other benches at reduced sizes and sweeps: about 15 minutes here.
 * ``full``: the sizes and repeats the published figures need (>= 4 GiB datasets, >= 3 runs, full sweeps): hours.
 * ``smoke``: every bench's ``--smoke`` run, seconds each, into a scratch directory (what CI runs); no BENCHMARKS.md.
 
