@@ -85,7 +85,10 @@ class NodeProc:
             try:
                 self.proc.wait(timeout=60)  # a SIGKILLed process that is not reaped is stuck in the kernel: say so
             except subprocess.TimeoutExpired:
-                raise RuntimeError(f"node pid {self.proc.pid} did not die within 60 s of SIGKILL") from None
+                from process_diagnostics import kernel_state
+
+                raise RuntimeError(f"node pid {self.proc.pid} did not die within 60 s of SIGKILL:\n"
+                                   + "\n".join(kernel_state(self.proc.pid))) from None
         self._log.close()
 
 
