@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS, machine  # noqa: E402
-from report import render  # noqa: E402
+from report import headlines, render, replace_headlines  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -142,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     target = out / "BENCHMARKS.md"
     target.write_text(text)
     print(f"run_all: wrote {target}")
+    if args.preset == "quick" and not args.out:  # the README's headline table comes from the committed quick run
+        readme = ROOT / "README.md"
+        readme.write_text(replace_headlines(readme.read_text(), headlines(results)))
+        print(f"run_all: updated the headline table in {readme}")
     failed = [n for n, e in index["benches"].items() if n in names and e.get("failure")
               and e["failure"] != "not present in this checkout"]
     if scratch and not args.out:
