@@ -188,6 +188,12 @@ def test_every_bench_preset_is_documented():
     documented = _code_words(section)
     names = set(run_all.PRESETS) | {p for presets in run_all.PRESETS.values() for p in presets}
     assert sorted(names - documented - set(section.split())) == []
+    # the table's quick column is the preset's arguments, exactly (a stale row misleads whoever re-runs it)
+    for bench, presets in run_all.PRESETS.items():
+        row = next((ln for ln in section.splitlines() if ln.startswith(f"| `{bench}` |")), None)
+        assert row is not None, f"no table row for {bench}"
+        quick = " ".join(a if a else "''" for a in presets["quick"]) or "bench defaults"
+        assert row.split(" | ")[1].startswith(f"`{quick}`" if presets["quick"] else "bench defaults"), (bench, row)
 
 
 # ---- formats.md: artefacts written by the code -------------------------------------------------------------------
