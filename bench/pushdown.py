@@ -21,10 +21,10 @@ Side by side in each scenario:
                 receives the tensors (it reads nothing itself)
 * ``guard``     pushdown with the node's CPU guard engaged (threshold 0): raw bytes, decoded on the training core
 
-Per scenario and mode: per-step stall (time the training loop waited for its batch), P50/P99 of the data-loading latency (the
-same wait, per step), the training process's CPU seconds from its first step to its last, imports and start-up
-excluded (all of it is data loading: compute is a sleep), the node's
-CPU seconds, bytes on the wire; then the reductions of pushdown against host-side decode and the guard's ratio.
+Per scenario and mode: per-step stall (time the training loop waited for its batch), P50/P99 of the data-loading
+latency (the same wait, per step), the training process's CPU seconds from its first step to its last, imports and
+start-up excluded (all of it is data loading: compute is a sleep), the node's CPU seconds, bytes on the wire; then the
+reductions of pushdown against host-side decode and the guard's ratio.
 
 Usage::
 
@@ -245,7 +245,7 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, workdir: Path, *, 
 
     compute_s = args.compute_s if compute_s is None else compute_s
     node_proc, node_loc, node_cpu0 = None, None, 0.0
-    busy = _start_busy(args.host_busy if scenario == "shared" else 0)
+    busy: list[subprocess.Popen] = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "python"), os.environ.get("PYTHONPATH", "")]))
     if mode in ("pushdown", "guard"):
         ready = workdir / f"node-{mode}.json"
@@ -263,6 +263,7 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, workdir: Path, *, 
         node_loc = json.loads(ready.read_text())["location"]
         node_cpu0 = sum(psutil.Process(node_proc.pid).cpu_times()[:2])
     try:
+        busy = _start_busy(args.host_busy if scenario == "shared" else 0)
         cmd = _pin(0) + [sys.executable, str(Path(__file__).resolve()), "--role", "trainer", "--mode", mode,
                          "--root", str(root), "--compute-s", str(compute_s), "--lead", str(args.lead)]
         if node_loc:
