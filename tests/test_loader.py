@@ -148,25 +148,25 @@ def test_corrupt_byte_is_caught_with_verify(tmp_path):
 def test_clean_shutdown_mid_iteration(token_setup):
     ds, plan = token_setup
     fds_before = len(os.listdir("/proc/self/fd"))
-    threads_before = threading.active_count()
+    threads_before = set(threading.enumerate())  # by identity: an earlier test's thread may still be exiting
     loader = Loader(ds, plan, prefetch=2)
     for i, _ in enumerate(loader):
         if i == 2:
             break
     loader.close()
-    assert threading.active_count() == threads_before
+    assert set(threading.enumerate()) - threads_before == set()
     assert len(os.listdir("/proc/self/fd")) == fds_before
 
 
 def test_error_in_consumer_leaves_nothing_behind(token_setup):
     ds, plan = token_setup
-    threads_before = threading.active_count()
+    threads_before = set(threading.enumerate())
     with pytest.raises(RuntimeError, match="boom"):
         with Loader(ds, plan) as loader:
             for i, _ in enumerate(loader):
                 if i == 1:
                     raise RuntimeError("boom")
-    assert threading.active_count() == threads_before
+    assert set(threading.enumerate()) - threads_before == set()
 
 
 def _status_bytes(field: str) -> int:

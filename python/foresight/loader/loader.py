@@ -44,6 +44,7 @@ from foresight.loader.stats import LoaderStats
 log = logging.getLogger("foresight.loader")
 
 ALIGN = 4096
+ALIGN_ALLOWANCE_CAP = 16 << 20  # most alignment slack a slot is sized for (see Loader._slot_layout)
 STATE_VERSION = 1  # of state_dict(); a state without "version" was written before the field and is version 1
 
 _END = object()
@@ -312,9 +313,13 @@ class Loader(Closing):
             per_item[np.diff(item_ptr) == 0] = 0
             requested = self._max_rank_count(per_item)
             max_pieces = self._max_rank_count(np.diff(item_ptr))
-        # Alignment costs at most 2*ALIGN per transfer; coalescing across holes is budgeted below and falls
-        # back to max_gap=0 for a step that would not fit.
-        transfer = _round_up(requested + min(max_pieces * 2 * ALIGN, requested + 2 * ALIGN) + ALIGN, ALIGN)
+        # Alignment costs at most 2*ALIGN per transfer (max_pieces transfers at max_gap=0), which for pieces far
+        # smaller than ALIGN is many times the bytes requested; the allowance is that bound up to
+        # ALIGN_ALLOWANCE_CAP (beyond it, a pathological step of thousands of tiny pieces reads into a one-off
+        # buffer and says so, rather than every slot carrying that worst case). Coalescing across holes is
+        # budgeted below and falls back to max_gap=0 for a step that would not fit.
+        allowance = min(max_pieces * 2 * ALIGN, max(requested + 2 * ALIGN, ALIGN_ALLOWANCE_CAP))
+        transfer = _round_up(requested + allowance + ALIGN, ALIGN)
         return transfer, _round_up(rows, ALIGN)
 
     def _whole_sample_bytes(self) -> np.ndarray:
