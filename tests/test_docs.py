@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
-import importlib.util
 import inspect
 import json
 import os
 import pickle
 import re
 import struct
-import sys
 import warnings
 from pathlib import Path
 
@@ -30,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import xxhash
+from bench_presets import load_run_all
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = (ROOT / "docs" / "config.md").read_text()
@@ -177,13 +176,7 @@ def test_every_cli_flag_is_documented(module, sub):
 
 
 def test_every_bench_preset_is_documented():
-    spec = importlib.util.spec_from_file_location("_run_all_for_docs", ROOT / "bench" / "run_all.py")
-    run_all = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec.loader.exec_module(run_all)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    run_all = load_run_all()
     section = _section("Bench presets")
     documented = _code_words(section)
     names = set(run_all.PRESETS) | {p for presets in run_all.PRESETS.values() for p in presets}

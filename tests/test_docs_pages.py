@@ -14,7 +14,6 @@ import argparse
 import ast
 import contextlib
 import importlib
-import importlib.util
 import io
 import os
 import re
@@ -25,6 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_presets import load_run_all
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -118,14 +118,7 @@ def test_imports_of_text_blocks_exist(page):
 
 
 def _bench_presets() -> dict:
-    spec = importlib.util.spec_from_file_location("_run_all_for_pages", ROOT / "bench" / "run_all.py")
-    run_all = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        spec.loader.exec_module(run_all)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return run_all.PRESETS
+    return load_run_all().PRESETS
 
 
 def test_benchmarks_page_names_real_benches():
