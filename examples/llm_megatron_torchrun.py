@@ -117,4 +117,9 @@ with loader, open(f"{args.out}/log.jsonl", "a") as log:
     if pending is not None:
         pending.result()
 print(f"rank {rank}: done, {loader.stats.steps} steps read, backend {loader.stats.backend}", flush=True)
+# Every rank reaches teardown with nothing in flight on either group before gloo's pairs close: a rank that tears
+# down while its peer's last collective (the async save's) still runs can abort the peer's gloo worker thread
+# ("terminate called without an active exception", pytorch/pytorch#190489).
+dist.barrier(group=ckpt_group)
+dist.barrier()
 dist.destroy_process_group()

@@ -63,6 +63,7 @@ def train(rank: int, args, train_node: str) -> None:
         print(f"replica of step {args.steps} ready at eval-b: {info['path']} ({info['bytes_sent']} bytes sent)")
         torch.save(full, f"{args.out}/reference.pt")  # what a non-distributed save would hold
     rep.close()
+    dist.barrier()  # no rank tears gloo down while its peer is still in a collective (pytorch/pytorch#190489)
     dist.destroy_process_group()
 
 
