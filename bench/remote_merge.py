@@ -65,8 +65,9 @@ def _rank(rank: int, init: str, path: str, node: str, sizes: tuple[int, int, int
 
     from foresight.checkpoint.replicate.policy import Replication, ReplicatingStorageWriter
 
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-    try:
+    from foresight.distributed import run_then_end
+
+    def save() -> None:
         mesh = init_device_mesh("cpu", (2,))
         state = paper_shaped(*sizes)
         # large tensors sharded across the ranks (concatenated by the merge); small ones replicated (stored once)
@@ -78,8 +79,9 @@ def _rank(rank: int, init: str, path: str, node: str, sizes: tuple[int, int, int
             with open(out, "w") as f:
                 json.dump({"save_started": t0, "committed": time.time()}, f)
         rep.close()
-    finally:
-        dist.destroy_process_group()
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    run_then_end(save)  # the DTensors and mesh are freed before gloo ends (foresight.distributed)
 
 
 def digest_dir(out: dict[str, list[str]]) -> str:

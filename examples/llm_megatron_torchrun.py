@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from foresight.checkpoint import ForesightStorageReader, ForesightStorageWriter
+from foresight.distributed import end_process_groups
 from foresight.format import open_dataset, write_megatron_dataset
 from foresight.loader import Loader
 from foresight.plan import build_plan, load_plan
@@ -117,9 +118,10 @@ with loader, open(f"{args.out}/log.jsonl", "a") as log:
     if pending is not None:
         pending.result()
 print(f"rank {rank}: done, {loader.stats.steps} steps read, backend {loader.stats.backend}", flush=True)
-# Every rank reaches teardown with nothing in flight on either group before gloo's pairs close: a rank that tears
-# down while its peer's last collective (the async save's) still runs can abort the peer's gloo worker thread
-# ("terminate called without an active exception", pytorch/pytorch#190489).
+# Teardown with nothing in flight on either group, and with the modules, optimizer and checkpoint state that hold the
+# gloo groups freed first, so the groups end in a live interpreter (foresight.distributed says why a group left to
+# interpreter exit can abort the process after all its work succeeded).
 dist.barrier(group=ckpt_group)
-dist.barrier()
-dist.destroy_process_group()
+del ddp, model, opt, writer, pending, loader, ckpt_group
+state = model_state = optim_state = None
+end_process_groups()

@@ -29,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from foresight.checkpoint.replicate.policy import Replication, ReplicatingStorageWriter
 from foresight.checkpoint.replicate.testbed import EtcdServer, SiteProcess
 from foresight.checkpoint.replicate.wan import WanLink
+from foresight.distributed import run_then_end
 
 
 class VisionText(torch.nn.Module):
@@ -44,6 +45,10 @@ class VisionText(torch.nn.Module):
 
 def train(rank: int, args, train_node: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{args.out}/rendezvous", rank=rank, world_size=2)
+    run_then_end(train_and_save, rank, args, train_node)  # the FSDP model is freed before gloo is torn down
+
+
+def train_and_save(rank: int, args, train_node: str) -> None:
     torch.manual_seed(0)
     model = VisionText(args.width)
     fully_shard(model.vision), fully_shard(model.text), fully_shard(model)  # each rank holds half of every tensor
@@ -63,8 +68,6 @@ def train(rank: int, args, train_node: str) -> None:
         print(f"replica of step {args.steps} ready at eval-b: {info['path']} ({info['bytes_sent']} bytes sent)")
         torch.save(full, f"{args.out}/reference.pt")  # what a non-distributed save would hold
     rep.close()
-    dist.barrier()  # no rank tears gloo down while its peer is still in a collective (pytorch/pytorch#190489)
-    dist.destroy_process_group()
 
 
 def main() -> int:

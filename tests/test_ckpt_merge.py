@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from foresight.checkpoint import Checkpointer, ForesightStorageWriter
 from foresight.checkpoint.replicate.merge import group_of, merge_checkpoint
 from foresight.checkpoint.replicate.source import LocalSource
+from foresight.distributed import run_then_end
 from foresight.errors import CheckpointError
 
 WORLD = 2
@@ -39,8 +40,7 @@ def _worker(rank: int, init_file: str, path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
+    def save() -> None:
         mesh = init_device_mesh("cpu", (WORLD,))
         full = full_state()
         state = dict(full)
@@ -49,8 +49,9 @@ def _worker(rank: int, init_file: str, path: str) -> None:
         state["text.head"] = distribute_tensor(full["text.head"], mesh, [Replicate()])
         state["meta"] = {"epoch": 3}
         dcp.save(state, storage_writer=ForesightStorageWriter(path))
-    finally:
-        dist.destroy_process_group()
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    run_then_end(save)  # the DTensors and mesh are freed before gloo ends (foresight.distributed)
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as tmp_mp
 from foresight.checkpoint import ForesightStorageReader, ForesightStorageWriter
 from foresight.checkpoint.layout import DTYPES, RAW, TORCH_SAVE
+from foresight.distributed import end_process_groups
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -422,7 +423,7 @@ def _worker(rank: int, root: str) -> None:
     finally:
         with open(os.path.join(root, f"results.rank{rank}.pkl"), "wb") as f:
             pickle.dump(results, f)
-        dist.destroy_process_group()
+        end_process_groups(barrier=False)  # the scenarios' frames are gone: their cycles are collected first
 
 
 @pytest.fixture(scope="module")

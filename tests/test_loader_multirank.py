@@ -17,6 +17,7 @@ WORKER = textwrap.dedent(
     import json, sys
     import torch.distributed as dist
     from foresight.format import open_dataset
+    from foresight.distributed import end_process_groups
     from foresight.loader import Loader
     from foresight.plan import load_plan
 
@@ -35,7 +36,7 @@ WORKER = textwrap.dedent(
     dist.all_gather_object(gathered, seen)
     if rank == 0:
         json.dump(gathered, open(out, "w"))
-    dist.destroy_process_group()
+    end_process_groups()
     """
 )
 

@@ -17,6 +17,7 @@ from foresight.checkpoint.dcp import ForesightStorageReader, ForesightStorageWri
 from foresight.checkpoint.hints import derive_dcp_hints
 from foresight.checkpoint.hot_layout import HotFileStorageWriter
 from foresight.checkpoint.replica_plan import plan_replicas
+from foresight.distributed import run_then_end
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 WORLD = 2
@@ -37,16 +38,17 @@ def _worker(rank: int, root: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{root}/init", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
-    try:
+    def save_both() -> None:
         mesh = init_device_mesh("cpu", (WORLD,))
         state = {"w": distribute_tensor(_weight(), mesh, [Shard(0)]), **_replicated()}
         dcp.save(state, storage_writer=HotFileStorageWriter(os.path.join(root, "hot")))
         dcp.save(state, storage_writer=ForesightStorageWriter(os.path.join(root, "plain")))
+
+    try:
+        run_then_end(save_both)  # the DTensors and mesh are freed before gloo ends (foresight.distributed)
     except BaseException:
         with open(os.path.join(root, f"rank{rank}.failed"), "w") as f:
             f.write(traceback.format_exc())
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
