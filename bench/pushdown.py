@@ -17,14 +17,18 @@ Side by side in each scenario:
 * ``torch``     a torch DataLoader (1 worker, on the training core) decoding with PyAV (seek to the keyframe before the
                 window, decode from there, as PyAV's docs show) and Pillow
 * ``host``      foresight's host-side decode: Loader + MediaDecodeStage (frame-selective) on the training core
-* ``pushdown``  foresight pushdown: NodeSource.iterate(); the node reads and decodes ahead on its core, the host
-                receives the tensors (it reads nothing itself)
-* ``guard``     pushdown with the node's CPU guard engaged (threshold 0): raw bytes, decoded on the training core
+* ``pushdown``  foresight pushdown: ``Loader(ds, plan, decode=stage, source=NodeSource(...))``; the node reads and
+                decodes ahead on its core, the host receives the tensors (it reads nothing itself)
+* ``guard``     pushdown with the node's CPU guard engaged (threshold 0), ``guard_reply="raw"``: the node sends the raw
+                sample bytes, decoded on the training core
+* ``guard_defer`` the same guard, ``guard_reply="defer"``: the node names the samples and the training core reads and
+                decodes them itself (shared storage: the bytes need not pass through the node)
 
 Per scenario and mode: per-step stall (time the training loop waited for its batch), P50/P99 of the data-loading
 latency (the same wait, per step), the training process's CPU seconds from its first step to its last, imports and
-start-up excluded (all of it is data loading: compute is a sleep), the node's CPU seconds, bytes on the wire; then the
-reductions of pushdown against host-side decode and the guard's ratio.
+start-up excluded (all of it is data loading: compute is a sleep), the node's CPU seconds, bytes on the wire and read
+by the host, the wall time from the first batch to the end (start-up excluded, as for the stall; ``wall_total_s``
+keeps it); then the reductions of pushdown against host-side decode and each guard's wall ratio.
 
 Usage::
 
@@ -49,7 +53,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from common import RESULTS, machine, print_table, write_results  # noqa: E402
 
-MODES = ("torch", "host", "pushdown", "guard")
+MODES = ("torch", "host", "pushdown", "guard", "guard_defer")
+NODE_MODES = {"pushdown": None, "guard": "raw", "guard_defer": "defer"}  # mode -> guard reply (None: guard off)
 TOKEN = "bench-token-123"
 
 
@@ -161,13 +166,17 @@ class _TorchDecode:
         return out
 
 
-def _timed_steps(it, steps: int, compute_s: float, stalls: list) -> None:
-    """The training loop: wait for the next batch (the stall, recorded), then the simulated compute (host idle)."""
+def _timed_steps(it, steps: int, compute_s: float, stalls: list) -> float:
+    """The training loop: wait for the next batch (the stall, recorded), then the simulated compute (host idle).
+    Returns when the first batch arrived (the end of start-up)."""
+    first = None
     for _ in range(steps):
         t0 = time.perf_counter()
         next(it)
         stalls.append(time.perf_counter() - t0)
+        first = first or time.perf_counter()
         time.sleep(compute_s)
+    return first
 
 
 def trainer(args: argparse.Namespace) -> None:
@@ -194,31 +203,30 @@ def trainer(args: argparse.Namespace) -> None:
         loader = torch.utils.data.DataLoader(_TorchDecode(ds, plan, items), batch_size=None, num_workers=1,
                                              prefetch_factor=2, collate_fn=lambda x: x)
         it = iter(loader)
-        _timed_steps(it, plan.num_steps, args.compute_s, stalls)
+        t_first = _timed_steps(it, plan.num_steps, args.compute_s, stalls)
         del it, loader  # the worker exits and is reaped: its CPU counts as the children's
     else:
         from foresight.loader import Loader, MediaDecodeStage
 
         stage = MediaDecodeStage([ds], _specs(), seed=1, threads=1)
-        if args.mode in ("pushdown", "guard"):  # the host reads nothing: batches come from the node
+        source = None
+        if args.mode in NODE_MODES:  # the loader reads none of the node's samples: batches come from the node
             from foresight.node.client import NodeSource
 
             source = NodeSource(stage, plan, nodes=[args.node], token=TOKEN, job=f"bench-{args.mode}",
-                                lead=args.lead, timeout=120)
-            it = source.iterate(prefetch=2)  # as the loader's prefetch below
-        else:
-            loader = Loader(ds, plan, decode=stage, prefetch=2)
-            it = iter(loader)
-        _timed_steps(it, plan.num_steps, args.compute_s, stalls)
-        it.close()
-        if args.mode in ("pushdown", "guard"):
-            extra = dict(source.stats)
+                                lead=args.lead, timeout=120, guard_reply=NODE_MODES[args.mode] or "raw")
+        loader = Loader(ds, plan, decode=stage, source=source, prefetch=2)
+        it = iter(loader)
+        t_first = _timed_steps(it, plan.num_steps, args.compute_s, stalls)
+        loader.close()
+        extra = {"loader_bytes_read": loader.stats.bytes_read}
+        if source is not None:
+            extra.update(source.stats)
             source.close()
-        else:
-            loader.close()
         stage.close()
-    wall = time.perf_counter() - t_start
-    print(json.dumps({"stalls": stalls, "cpu_s": _cpu() - cpu0, "wall_s": wall, "client": extra}))
+    end = time.perf_counter()
+    print(json.dumps({"stalls": stalls, "cpu_s": _cpu() - cpu0, "wall_s": end - t_first,
+                      "wall_total_s": end - t_start, "client": extra}))
 
 
 def _cpu() -> float:
@@ -247,13 +255,13 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, workdir: Path, *, 
     node_proc, node_loc, node_cpu0 = None, None, 0.0
     busy: list[subprocess.Popen] = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent / "python"), os.environ.get("PYTHONPATH", "")]))
-    if mode in ("pushdown", "guard"):
+    if mode in NODE_MODES:
         ready = workdir / f"node-{mode}.json"
         ready.unlink(missing_ok=True)
         log = open(workdir / f"node-{mode}.log", "wb")
         node_proc = subprocess.Popen(
             _pin(1) + [sys.executable, "-m", "foresight", "node", "serve", "--root", str(root), "--ready-file",
-                       str(ready), "--cpu-threshold", "0" if mode == "guard" else "101", "--decode-threads", "1",
+                       str(ready), "--cpu-threshold", "101" if NODE_MODES[mode] is None else "0", "--decode-threads", "1",
                        "--max-lead", str(args.lead)], stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 180
         while not ready.exists():
@@ -287,7 +295,10 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, workdir: Path, *, 
             "p99_ms": float(np.percentile(st, 99) * 1e3), "host_cpu_s": res["cpu_s"], "node_cpu_s": node_cpu,
             "wire_mb": client.get("bytes_received", 0) / 1e6, "raw_samples": client.get("samples_raw", 0),
             "remote_samples": client.get("samples_remote", 0), "local_samples": client.get("samples_local", 0),
-            "wall_s": res["wall_s"], "stalls_ms": [round(x * 1e3, 2) for x in res["stalls"]]}
+            "deferred_samples": client.get("samples_deferred", 0),
+            "host_read_mb": (client.get("loader_bytes_read", 0) + client.get("bytes_read_here", 0)) / 1e6,
+            "wall_s": res["wall_s"], "wall_total_s": res["wall_total_s"],
+            "stalls_ms": [round(x * 1e3, 2) for x in res["stalls"]]}
 
 
 def _reduction(base: float, new: float) -> float | None:
@@ -305,7 +316,7 @@ def plot(rows: list[dict], path: Path) -> Path | None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     scenarios = list(dict.fromkeys(r.get("scenario", "idle") for r in rows))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    colors = {"torch": "#999", "host": "#48c", "pushdown": "#2a7", "guard": "#c84"}
+    colors = {"torch": "#999", "host": "#48c", "pushdown": "#2a7", "guard": "#c84", "guard_defer": "#d9a"}
     width = 0.8 / max(1, len(modes))
     for ax, key, label in zip(axes, ("stall_total_s", "p99_ms", "host_cpu_s"),
                               ("total stall (s)", "P99 data-loading latency (ms)", "training-process CPU (s)")):
@@ -343,11 +354,12 @@ def summarize(rows: list[dict]) -> dict:
                        host_cpu_reduction_pct=_reduction(h["host_cpu_s"], p["host_cpu_s"]))
         if "torch" in by and "pushdown" in by:
             cur["stall_reduction_vs_torch_pct"] = _reduction(by["torch"]["stall_total_s"], by["pushdown"]["stall_total_s"])
-        if "host" in by and "guard" in by:
-            # stall is near zero when the host keeps up, so the guard is judged on the step time the loop saw
-            h, g = by["host"], by["guard"]
-            cur["guard_wall_vs_host"] = round(g["wall_s"] / h["wall_s"], 3) if h["wall_s"] else None
-            cur["guard_stall_s_minus_host"] = round(g["stall_total_s"] - h["stall_total_s"], 3)
+        for guard in ("guard", "guard_defer"):
+            if "host" in by and guard in by:
+                # stall is near zero when the host keeps up, so the guard is judged on the step time the loop saw
+                h, g = by["host"], by[guard]
+                cur[f"{guard}_wall_vs_host"] = round(g["wall_s"] / h["wall_s"], 3) if h["wall_s"] else None
+                cur[f"{guard}_stall_s_minus_host"] = round(g["stall_total_s"] - h["stall_total_s"], 3)
         out[sc] = cur
     return out
 
@@ -390,7 +402,7 @@ def main() -> None:
     rows = [run_mode(m, args, data, data.parent, scenario=sc)
             for sc in args.scenarios.split(",") if sc for m in args.modes.split(",") if m]
     print_table(rows, ["scenario", "mode", "steps", "stall_total_s", "p50_ms", "p99_ms", "host_cpu_s", "node_cpu_s",
-                       "wire_mb", "remote_samples", "raw_samples", "wall_s"],
+                       "wire_mb", "host_read_mb", "remote_samples", "raw_samples", "deferred_samples", "wall_s"],
                 title=f"pushdown bench (compute {args.compute_s:.3f} s/step, {batch} samples/step, "
                       f"shared = {args.host_busy} busy process(es) on the training core)")
     summary = summarize(rows)

@@ -69,9 +69,9 @@ def train(data, plan, node: str | None) -> tuple[list[str], list[float], dict]:
     model = torch.nn.Linear(3 * 32 * 32, 2)  # tells images from (time-averaged) video frames
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     stage = MediaDecodeStage([data], SPECS, seed=7, threads=2)
-    source = NodeSource(stage, plan, nodes=[node], token=TOKEN, job="media-run") if node else stage
+    source = NodeSource(stage, plan, nodes=[node], token=TOKEN, job="media-run") if node else None
     hashes, losses = [], []
-    with Loader(data, plan, decode=source, meta_fields=("caption",)) as loader:
+    with Loader(data, plan, decode=stage, source=source, meta_fields=("caption",)) as loader:
         for batch in loader:
             # (N, 3, 32, 32) images and (N, T, 3, 32, 32) clips averaged over time, as one batch of rows
             image = batch.get("image", torch.zeros(0, 3, 32, 32))  # a step may hold only one modality

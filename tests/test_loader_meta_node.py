@@ -22,7 +22,7 @@ def test_meta_fields_align_with_tensors_a_node_decoded(root):
     stage = MediaDecodeStage([ds], SPECS, seed=9, threads=2)
     source = NodeSource(stage, plan, nodes=[server.location], token=TOKEN, job="meta")
     try:
-        with Loader(ds, plan, decode=source, meta_fields=("modality", "num_frames")) as loader:
+        with Loader(ds, plan, decode=stage, source=source, meta_fields=("modality", "num_frames")) as loader:
             mixed = 0
             for batch in loader:
                 ids = batch["sample_ids"].tolist()

@@ -68,6 +68,22 @@ def test_metrics_endpoint_and_status_command_report_the_job(root, node):
         stage.close()
 
 
+def test_metrics_can_listen_on_every_interface(root, tmp_path):
+    import psutil
+
+    n = NodeProc(root["root"], str(tmp_path), "--cpu-threshold", "101", "--metrics-port", "0",
+                 "--metrics-host", "0.0.0.0", name="metrics-any")
+    try:
+        port = n.info["metrics_port"]
+        listening = {c.laddr.ip for c in psutil.Process(n.proc.pid).net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        assert listening == {"0.0.0.0"}  # a Prometheus on another host can scrape it
+        assert "foresight_node_cpu_percent" in urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        assert n.terminate() == 0
+
+
 def test_two_jobs_on_one_node_are_isolated(root, node):
     ref_seed_3 = host_reference(root["dataset"], root["plan"], seed=3)
     stage_a, a = _source(root, node, job="iso-a", token="token-aaaaaaaa")

@@ -155,6 +155,12 @@ class Loader(Closing):
             are refused with ``verify=True``.
         decode: optional stage ``(fields, *, stats, first_item) -> fields`` run on the loader thread once a
             step's reads complete, e.g. :class:`foresight.loader.MediaDecodeStage` (frame-selective decode).
+        source: a :class:`foresight.node.NodeSource` (wrapping ``decode``'s stage) whose storage nodes read and
+            decode the samples of the modalities it has specs for: the loader does not read those (it reads the
+            other samples of the step as usual, into the arena), and the source reads here only what it must decode
+            here (a node down, slow or deferring under its CPU guard). In the batch such samples have ``offsets``
+            -1 and ``lengths`` 0 (none of their bytes are in ``data``); their tensors are ``batch[modality]``,
+            bit for bit what ``decode`` alone gives. Sample plans only.
         auto_release: recycle a batch's slot when the consumer asks for the next one; ``False`` leaves it to
             ``batch.release()`` (the pipeline waits for a free slot once ``prefetch + 2`` are held).
         start_step, end_step, step_stride: the global steps to yield, ``range(start_step, end_step, step_stride)``
@@ -191,6 +197,7 @@ class Loader(Closing):
         max_transfer: int | None = None,
         verify: bool = False,
         decode: Callable[..., dict] | None = None,
+        source: Any = None,
         auto_release: bool = True,
         start_step: int = 0,
         end_step: int | None = None,
@@ -239,6 +246,15 @@ class Loader(Closing):
             self.direct = bool(direct)
             self.max_gap = int(max_gap)
             self.verify = bool(verify)
+            if source is None and callable(getattr(decode, "decodes", None)):
+                source = decode  # Loader(decode=NodeSource(...)): the same as source=
+            if source is not None:
+                if plan.kind == "tokens":
+                    raise ValueError("source= serves media of sample plans; token plans are read by the loader")
+                if decode is not None and decode is not source and decode is not source.stage:
+                    raise ValueError("source= wraps the decode stage: pass the same stage to both, or decode=None")
+                decode = source
+            self.source = source
             self.decode = decode
             self.auto_release = bool(auto_release)
             self.end_step = plan.num_steps if end_step is None else min(int(end_step), plan.num_steps)
@@ -416,10 +432,12 @@ class Loader(Closing):
                                whole_samples=self.verify and self._tokens)
             t1 = time.perf_counter()
             region = self._arena.slot(slot)[: self._transfer_bytes]
-            tr = self._coalesce(ext, self.max_gap)
+            # with a source, the samples its nodes decode are not read here
+            read = None if self.source is None else ~self.source.decodes(ext.dataset, ext.sample)
+            tr = self._coalesce(ext, self.max_gap, read)
             overflow = None
             if tr.total_bytes > self._transfer_bytes and self.max_gap > 0:
-                tr = self._coalesce(ext, 0)
+                tr = self._coalesce(ext, 0, read)
             if tr.total_bytes > self._transfer_bytes:  # rare: a step larger than the plan-derived bound
                 overflow = self._arena_like(tr.total_bytes)
                 region = overflow
@@ -432,13 +450,19 @@ class Loader(Closing):
             self._arena.release(slot)
             raise
         base = region.ctypes.data
-        job = _Job(step, start, stop, slot, ext, tr.x_dest, region, None, overflow)
+        x_dest = tr.x_dest
+        if read is not None:  # -1: not read here (the source delivers it)
+            x_dest = np.full(len(ext.offset), -1, dtype=np.int64)
+            x_dest[read] = tr.x_dest
+        job = _Job(step, start, stop, slot, ext, x_dest, region, None, overflow)
         job.reads = (self._files.fds[tr.t_file], tr.t_offset, tr.t_length, (base + tr.t_dest).astype(np.uint64),
                      tr.t_needed)
         t2 = time.perf_counter()
         self.stats.add(
-            slot_wait_s=t_slot - t0, plan_s=t1 - t_slot, coalesce_s=t2 - t1, extents=len(ext.offset),
-            ios=len(tr.t_offset), bytes_requested=int(ext.length.sum()), bytes_read=int(tr.t_length.sum()),
+            slot_wait_s=t_slot - t0, plan_s=t1 - t_slot, coalesce_s=t2 - t1,
+            extents=len(ext.offset) if read is None else int(read.sum()), ios=len(tr.t_offset),
+            bytes_requested=int(ext.length.sum() if read is None else ext.length[read].sum()),
+            bytes_read=int(tr.t_length.sum()),
         )
         return job
 
@@ -450,13 +474,16 @@ class Loader(Closing):
         self.stats.add(submit_s=time.perf_counter() - t0)
         return job
 
-    def _coalesce(self, ext: StepExtents, max_gap: int):
+    def _coalesce(self, ext: StepExtents, max_gap: int, read: np.ndarray | None = None):
+        """The step's transfers; ``read`` (a mask over its extents) limits them to those samples."""
         from foresight.io import coalesce
 
+        file, offset, length = ext.file, ext.offset, ext.length
+        if read is not None:
+            file, offset, length = file[read], offset[read], length[read]
         if max_gap < 0:  # coalescing off: one transfer per extent
-            return coalesce(ext.file, ext.offset, ext.length, max_gap=0, max_transfer=1, align=ALIGN)
-        return coalesce(ext.file, ext.offset, ext.length, max_gap=max_gap, max_transfer=self.max_transfer,
-                        align=ALIGN)
+            return coalesce(file, offset, length, max_gap=0, max_transfer=1, align=ALIGN)
+        return coalesce(file, offset, length, max_gap=max_gap, max_transfer=self.max_transfer, align=ALIGN)
 
     @staticmethod
     def _arena_like(nbytes: int) -> np.ndarray:
@@ -512,7 +539,8 @@ class Loader(Closing):
             fields.update(tokens=rows, cu_seqlens=cu, position_ids=position_ids(cu, n_items * seq).reshape(n_items, seq),
                           item_ptr=ext.item_ptr, dataset=ext.dataset)
         else:
-            fields.update(data=job.region, offsets=job.x_dest, lengths=ext.length, dataset=ext.dataset)
+            lengths = ext.length if self.source is None else np.where(job.x_dest >= 0, ext.length, 0)
+            fields.update(data=job.region, offsets=job.x_dest, lengths=lengths, dataset=ext.dataset)
         return fields
 
     def _verify(self, job: _Job) -> None:
@@ -520,9 +548,11 @@ class Loader(Closing):
         ext = job.extents
         whole = ext.read_sample is not None  # token pieces widened to whole samples
         dataset, sample = (ext.read_dataset, ext.read_sample) if whole else (ext.dataset, ext.sample)
+        here = job.x_dest >= 0  # with a source, only what was read here (nodes' raw bytes are checked by it)
         for d in np.unique(dataset):
-            mask = dataset == d
-            self.datasets[int(d)].verify_packed(sample[mask], job.region, job.x_dest[mask])
+            mask = (dataset == d) & (here if not whole else True)
+            if mask.any():
+                self.datasets[int(d)].verify_packed(sample[mask], job.region, job.x_dest[mask])
 
     def _releaser(self, slot: int) -> "_SlotLease":
         return _SlotLease(self._arena, slot)

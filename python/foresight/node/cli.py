@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--job-idle-s", type=float, default=600.0)
     s.add_argument("--max-plan-bytes", type=int, default=256 << 20, help="largest plan a client may upload")
     s.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 picks one)")
+    s.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address /metrics listens on (0.0.0.0: every interface, for a Prometheus on another host)")
     s.add_argument("--ready-file", default=None, help="write {node, location, metrics_port, pid} here when serving")
     s.add_argument("--log-level", default="INFO")
     s.add_argument("--service-limit", default=None,
@@ -100,7 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
         job_idle_s=args.job_idle_s, max_plan_bytes=args.max_plan_bytes,
         served_shards=(lambda fp: cluster.served_shards(node_id_box[0], fp)) if cluster else None)
     node_id_box.append(server.node_id)
-    metrics_port = server.metrics.serve_http(args.metrics_port) if args.metrics_port is not None else None
+    metrics_port = server.metrics.serve_http(args.metrics_port, args.metrics_host) if args.metrics_port is not None else None
     registration = None
     if cluster is not None:
         def record() -> dict:
@@ -184,15 +186,16 @@ def _status(args: argparse.Namespace) -> int:
             print(f"{s['location']}  UNREACHABLE  {s['error']}")
             continue
         print(f"node {s['node']}  {s['location']}  cpu {s['cpu_percent']:.0f}%  "
-              f"guard {'ON (raw)' if s['guard_engaged'] else 'off'}  jobs {len(s['jobs'])}/{s['max_jobs']}")
+              f"guard {'ON (raw or deferred)' if s['guard_engaged'] else 'off'}  jobs {len(s['jobs'])}/{s['max_jobs']}")
         t = s.get("served", {})
         print(f"  served in all: {(t.get('bytes_decoded', 0) + t.get('bytes_raw', 0)) / 2**20:.1f} MiB, "
-              f"{t.get('samples_decoded', 0)} samples decoded, {t.get('samples_raw', 0)} raw")
+              f"{t.get('samples_decoded', 0)} samples decoded, {t.get('samples_raw', 0)} raw, "
+              f"{t.get('samples_deferred', 0)} deferred to their hosts")
         dec = ", ".join(f"{m} {v:.2f}s" for m, v in sorted(s["decode_seconds"].items())) or "-"
         print(f"  decode time by modality: {dec}")
         for job, j in sorted(s["jobs"].items()):
             served = j.get("bytes_decoded", 0) + j.get("bytes_raw", 0)
-            samples = j.get("samples_decoded", 0) + j.get("samples_raw", 0)
+            samples = j.get("samples_decoded", 0) + j.get("samples_raw", 0) + j.get("samples_deferred", 0)
             print(f"  job {job}: queue {j.get('queue_depth', 0)} steps, lead {j.get('lead', 0)}, "
                   f"{j.get('queue_bytes', 0) / 2**20:.1f} MiB queued, served {served / 2**20:.1f} MiB / {samples} "
                   f"samples, fallback rate {j['fallback_rate']:.2f}")

@@ -19,7 +19,7 @@ Example::
 
     stage = MediaDecodeStage([ds], specs, seed=1)
     source = NodeSource(stage, plan, etcd="http://127.0.0.1:2379", token="s3cret-token", job="run-7")
-    with Loader(ds, plan, decode=source) as loader:
+    with Loader(ds, plan, decode=stage, source=source) as loader:
         for batch in loader:
             batch["video"], batch["video_index"]       # as with the stage alone, bit for bit
     source.close()
@@ -41,7 +41,8 @@ import pyarrow.flight as flight
 from foresight.errors import NodeError
 from foresight.node.auth import call_options, connect
 from foresight.node.jobs import spec_digest
-from foresight.node.protocol import KIND_RAW, decode_blocks, encode_ticket, raw_samples
+from foresight.node.protocol import (GUARD_REPLIES, KIND_DEFERRED, KIND_RAW, decode_blocks, deferred_positions,
+                                     encode_ticket, raw_samples)
 
 log = logging.getLogger("foresight.node.client")
 
@@ -72,13 +73,18 @@ class NodeSource:
         register_timeout: deadline of a registration (the node opens the datasets and plan, starts a pool).
         retry_s: first backoff before a failed node is tried again (doubles per failure, at most 30 s; 0: next step).
         tls_root, cert: CA PEM path for ``grpc+tls`` nodes; (chain, key) PEM paths for mutual TLS.
+        guard_reply: what a node under its CPU guard answers: ``"raw"`` (the sample bytes, decoded here: for a host
+            whose own path to the shards is slower than the node link) or ``"defer"`` (positions only: this host
+            reads and decodes those samples itself, as host-side decode would; for shared storage, where
+            shipping the bytes through the node only adds a copy and the wire).
     """
 
     def __init__(self, stage: Any, plan: Any, *, token: str, etcd: str | None = None, nodes: list[str] | None = None,
                  job: str | None = None, rank: int = 0, world_size: int = 1, lead: int = 2,
                  queue_bytes: int = 256 << 20, timeout: float = 30.0, retry_s: float = 1.0,
                  tls_root: str | None = None, cert: tuple[str, str] | None = None,
-                 prefix: str | None = None, refresh_s: float = 2.0, register_timeout: float = 60.0) -> None:
+                 prefix: str | None = None, refresh_s: float = 2.0, register_timeout: float = 60.0,
+                 guard_reply: str = "raw") -> None:
         if (etcd is None) == (nodes is None):
             raise ValueError("give etcd=<endpoint> or nodes=[locations], not both and not neither")
         if not isinstance(token, str) or len(token) < 8:
@@ -91,6 +97,9 @@ class NodeSource:
         self.timeout, self.retry_s, self.refresh_s = float(timeout), float(retry_s), float(refresh_s)
         self.register_timeout = max(float(register_timeout), self.timeout)
         self.tls_root, self.cert = tls_root, cert
+        if guard_reply not in GUARD_REPLIES:
+            raise ValueError(f"guard_reply must be one of {GUARD_REPLIES}, got {guard_reply!r}")
+        self.guard_reply = guard_reply
         self.datasets = stage.datasets
         self._fingerprints = [str(ds.fingerprint) for ds in self.datasets]
         self._spec_dicts = {k: v.to_dict() for k, v in stage.specs.items()}
@@ -112,8 +121,9 @@ class NodeSource:
         self._step = 0
         self._lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="foresight-node-fetch")
-        self.stats: dict[str, Any] = {"steps": 0, "parts_remote": 0, "parts_raw": 0, "parts_failed": 0,
-                                      "samples_remote": 0, "samples_raw": 0, "samples_local": 0,
+        self.stats: dict[str, Any] = {"steps": 0, "parts_remote": 0, "parts_raw": 0, "parts_deferred": 0,
+                                      "parts_failed": 0, "samples_remote": 0, "samples_raw": 0,
+                                      "samples_deferred": 0, "samples_local": 0, "bytes_read_here": 0,
                                       "bytes_received": 0, "copied_bytes": 0, "reregistered": 0, "plans_uploaded": 0}
         if self.cluster is not None:
             self._job_reg = self.cluster.register_job(self.job, self.rank, self._job_record)
@@ -193,6 +203,8 @@ class NodeSource:
                "plan_digest": self.plan.digest, "rank": self.rank, "world_size": self.world_size,
                "specs": self._spec_dicts, "seed": self.stage.seed, "step": self._step, "lead": self.lead,
                "queue_bytes": self.queue_bytes, "spec_digest": self._spec_digest}
+        if self.guard_reply != "raw":  # sent only when asked, so the default talks to any node of this protocol
+            req["guard_reply"] = self.guard_reply
         out = list(n.client.do_action(flight.Action("register_job", json.dumps(req).encode()),
                                       self._options(self.register_timeout)))
         n.registered = json.loads(out[0].body.to_pybytes())
@@ -232,19 +244,32 @@ class NodeSource:
         return out
 
     # -- one step ------------------------------------------------------------------------------------------
+    def decodes(self, dataset: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:
+        """True where this source delivers the sample decoded (its modality has a spec): a loader that hands its
+        steps to this source need not read those (``Loader(..., source=...)``); the others it reads as usual."""
+        return np.isin(self._modality_codes(np.asarray(dataset), np.asarray(sample_ids)), list(self._codes.values()))
+
+    def _modality_codes(self, dataset: np.ndarray, samples: np.ndarray) -> np.ndarray:
+        codes = np.full(len(samples), -1, dtype=np.int16)
+        for d in np.unique(dataset):
+            mask = dataset == d
+            codes[mask] = np.asarray(self.datasets[int(d)].modality_codes())[samples[mask]]
+        return codes
+
     def __call__(self, fields: dict, *, stats=None, first_item: int = 0) -> dict:
+        """Decode one step (the loader's decode-stage interface). ``fields`` may carry the step's bytes (``data``,
+        ``offsets``, ``lengths``); samples whose offset is negative, or all of them without ``data``, were not
+        read by the caller and are read here when this host must decode them."""
         step = int(fields["step"])
         self._step = step
         samples = np.asarray(fields["sample_ids"])
         dataset = np.asarray(fields["dataset"])
         n = len(samples)
-        codes = np.full(n, -1, dtype=np.int16)
+        codes = self._modality_codes(dataset, samples)
         shard = np.zeros(n, dtype=np.int64)
         for d in np.unique(dataset):
             mask = dataset == d
-            ds = self.datasets[int(d)]
-            codes[mask] = np.asarray(ds.modality_codes())[samples[mask]]
-            shard[mask] = ds.lookup(samples[mask]).shard
+            shard[mask] = self.datasets[int(d)].lookup(samples[mask]).shard
         wanted = np.flatnonzero(np.isin(codes, list(self._codes.values())))
         with self._lock:
             self._refresh(force=self._degraded or any(x.registered is None for x in self._nodes.values()))
@@ -258,11 +283,14 @@ class NodeSource:
             blocks: list[tuple[str, np.ndarray, Any]] = []
             raw_parts: list[tuple] = []
             covered = np.zeros(n, dtype=bool)
+            deferred: list[np.ndarray] = []
             for node_id, (node, positions, fut) in futures.items():
                 try:
                     kind, table = fut.result()
                     if kind == KIND_RAW:
                         pos, data, offs, lens = raw_samples(table.to_batches())
+                    elif kind == KIND_DEFERRED:
+                        pos = deferred_positions(table.to_batches())
                     else:
                         got = decode_blocks(table.to_batches())
                 except flight.FlightUnauthenticatedError:
@@ -272,7 +300,11 @@ class NodeSource:
                     self._mark_down(node, e)
                     continue
                 # only the positions this node was asked for, each once: a confused node cannot add or repeat one
-                if kind == KIND_RAW:
+                if kind == KIND_DEFERRED:  # its guard is on: this host reads and decodes them, as asked
+                    keep = _first_of_each(pos) & np.isin(pos, positions)
+                    deferred.append(pos[keep])
+                    self.stats["samples_deferred"] += int(keep.sum())
+                elif kind == KIND_RAW:
                     keep = _first_of_each(pos) & np.isin(pos, positions)
                     keep[keep] = ~covered[pos[keep]]
                     try:
@@ -295,11 +327,14 @@ class NodeSource:
                         blocks.append((name, pos[keep], tensors))
                         self.stats["samples_remote"] += int(keep.sum())
                 node.failures = 0
-                self.stats["parts_raw" if kind == KIND_RAW else "parts_remote"] += 1
+                self.stats[{KIND_RAW: "parts_raw", KIND_DEFERRED: "parts_deferred"}.get(kind, "parts_remote")] += 1
         self.stats["steps"] += 1
         local = wanted[~covered[wanted]]
-        self._degraded = bool(len(local))
-        self.stats["samples_local"] += len(local)
+        asked_here = np.zeros(n, dtype=bool)
+        for pos in deferred:
+            asked_here[pos] = True
+        self._degraded = bool((~asked_here[local]).any())  # a node failed us, not one that deferred by design
+        self.stats["samples_local"] += int((~asked_here[local]).sum())
         if len(local):
             blocks.extend(self._decode_here(fields, local, first_item, stats))
         if raw_parts:
@@ -339,10 +374,10 @@ class NodeSource:
         return kind, table
 
     def _decode_here(self, fields: dict, positions: np.ndarray, first_item: int, stats) -> list:
-        if "data" in fields:  # the loader read the step: decode from its bytes
+        if "data" in fields and (np.asarray(fields["offsets"])[positions] >= 0).all():  # the loader read them
             data, offsets = fields["data"], np.asarray(fields["offsets"])[positions]
             lengths = np.asarray(fields["lengths"])[positions]
-        else:  # iterate(): read just these samples now
+        else:  # not read by the caller (iterate(), or a loader given this source): read just these samples now
             data, offsets, lengths = self._read_here(fields, positions)
         sub = {"step": fields["step"], "data": data, "offsets": offsets, "lengths": lengths,
                "dataset": np.asarray(fields["dataset"])[positions],
@@ -350,8 +385,9 @@ class NodeSource:
         return self._blocks_of(self.stage(sub, stats=stats, first_item=first_item), positions)
 
     def _read_here(self, fields: dict, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Read samples of the step on this host through the landed path (extents, coalesce, IOEngine); only
-        :meth:`iterate`'s thread calls this, so the engine it opens on first use has one user."""
+        """Read samples of the step on this host through the landed path (extents, coalesce, IOEngine); steps are
+        decoded by one thread (:meth:`iterate`'s helper or the loader's), so the engine opened on first use has one
+        user."""
         import mmap
 
         from foresight.io import IOEngine, coalesce, open_file
@@ -374,6 +410,7 @@ class NodeSource:
         region = np.frombuffer(mmap.mmap(-1, max(4096, -(-tr.total_bytes // 4096) * 4096)), dtype=np.uint8)
         engine.read_batch(files.fds[tr.t_file], tr.t_offset, tr.t_length,
                           (region.ctypes.data + tr.t_dest).astype(np.uint64), needed=tr.t_needed)
+        self.stats["bytes_read_here"] += int(tr.t_length.sum())
         return region, tr.x_dest, length
 
     def iterate(self, *, start_step: int = 0, end_step: int | None = None, prefetch: int = 1) -> Iterator:

@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 
 from foresight.errors import ProtocolError
-from foresight.node.protocol import KIND_DECODED, KIND_RAW, encode_raw, encode_tensors
+from foresight.node.protocol import KIND_DECODED, KIND_DEFERRED, KIND_RAW, encode_deferred, encode_raw, encode_tensors
 
 ALIGN = 4096
 
@@ -92,6 +92,7 @@ class NodeJob:
     node: str
     spec_codes: np.ndarray = field(default=None)  # type: ignore[assignment]
     local_file: np.ndarray = field(default=None)  # type: ignore[assignment]
+    guard_reply: str = "raw"  # under the CPU guard: "raw" sample bytes, or "defer" (the client reads them itself)
     last_seen: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -137,7 +138,7 @@ class NodeJob:
                    datasets=datasets, specs=specs, seed=req["seed"], lead=req["lead"],
                    queue_bytes=req["queue_bytes"], served=served, stage=stage, files=files, node=node,
                    spec_codes=np.asarray(sorted(int(Modality.parse(k)) for k in specs), dtype=np.int16),
-                   local_file=local)
+                   local_file=local, guard_reply=req.get("guard_reply", "raw"))
 
     def check_token(self, token: str | None) -> bool:
         return token is not None and hmac.compare_digest(token.encode(), self.token.encode())
@@ -149,7 +150,8 @@ class NodeJob:
                 "num_steps": self.plan.num_steps}
 
     def prepare(self, step: int, engine, *, raw: bool, decode_seconds: Callable[[str, float], None]) -> StepPart:
-        """Read (and unless ``raw``, decode) this node's part of ``step``; see the module docstring."""
+        """Read (and unless ``raw``, decode) this node's part of ``step``; see the module docstring. With ``raw``
+        and a job that asked for ``guard_reply="defer"`` the node reads nothing: it names the positions."""
         from foresight.io import coalesce
         from foresight.io.coalesce import DEFAULT_MAX_GAP, DEFAULT_MAX_TRANSFER
         from foresight.loader.extents import step_extents
@@ -162,6 +164,11 @@ class NodeJob:
             codes[mask] = np.asarray(self.datasets[int(d)].modality_codes())[ext.sample[mask]]
         sel = np.flatnonzero(self.local_file[ext.file] & np.isin(codes, self.spec_codes))
         kind = KIND_RAW if raw else KIND_DECODED
+        names = {int(c): n for n, c in zip(self.specs, (_code(k) for k in self.specs))}
+        if raw and self.guard_reply == "defer":
+            modalities = [names[int(c)] for c in codes[sel]]
+            schema, batches, copied = encode_deferred(sel, modalities, step=step, node=self.node)
+            return StepPart(step, KIND_DEFERRED, schema, batches, 0, len(sel), copied)
         if len(sel) == 0:
             schema, batches, copied = encode_tensors(kind, [], step=step, node=self.node)
             return StepPart(step, kind, schema, batches, 0, 0, copied)
@@ -171,7 +178,6 @@ class NodeJob:
         engine.read_batch(self.files.fds[tr.t_file], tr.t_offset, tr.t_length,
                           (region.ctypes.data + tr.t_dest).astype(np.uint64), needed=tr.t_needed)
         lengths = ext.length[sel]
-        names = {int(c): n for n, c in zip(self.specs, (_code(k) for k in self.specs))}
         if raw:
             by_code = np.empty(int(codes.max()) + 1, dtype=object)
             for c, name in names.items():

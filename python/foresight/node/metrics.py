@@ -78,7 +78,7 @@ class NodeMetrics:
                     self._past[k] = self._past.get(k, 0) + v
 
     def snapshot(self) -> dict[str, Any]:
-        """The numbers behind the Prometheus endpoint, as plain data (per job: fallback_rate = raw / all parts)."""
+        """The numbers behind the Prometheus endpoint, as plain data (per job: fallback_rate = raw or deferred / all parts)."""
         with self._lock:
             jobs = {j: dict(d) for j, d in self._per_job.items()}
             decode = dict(self._decode)
@@ -88,8 +88,9 @@ class NodeMetrics:
                 if k.startswith(("bytes_", "samples_", "parts_")):
                     totals[k] = totals.get(k, 0) + v
         for d in jobs.values():
-            parts = d.get("parts_decoded", 0) + d.get("parts_raw", 0)
-            d["fallback_rate"] = d.get("parts_raw", 0) / parts if parts else 0.0
+            guarded = d.get("parts_raw", 0) + d.get("parts_deferred", 0)
+            parts = d.get("parts_decoded", 0) + guarded
+            d["fallback_rate"] = guarded / parts if parts else 0.0
         return {"jobs": jobs, "served": totals, "decode_seconds": decode, "cpu_percent": self.cpu._value.get(),
                 "guard_engaged": bool(self.guard._value.get())}
 

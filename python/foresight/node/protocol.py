@@ -7,13 +7,15 @@ server never acts on a request it did not fully understand. Nothing here unpickl
 Actions (``DoAction``; body JSON -> result JSON):
     ``health``        {}                                   -> node id, datasets, plans, cpu, guard, jobs (no token)
     ``register_job``  {job, datasets, plan, plan_digest, rank, world_size, specs, seed, step, lead, queue_bytes,
-                       spec_digest}                        -> shards this node serves per dataset, lead, queue cap
+                       spec_digest, guard_reply}           -> shards this node serves per dataset, lead, queue cap
     ``progress``      {job, step}                          -> the step the job consumed last; the node decodes ahead
     ``status``        {}                                   -> per-job queue depth, lead, bytes, fallbacks; node cpu
     ``unregister_job`` {job}
 Streams (``DoGet``): ticket JSON ``{"job", "rank", "step"}`` -> this node's part of the step: record batches with
 columns ``position`` (int64, index in the rank's step), ``modality``, ``dtype``, ``shape`` (list<int64>) and
-``data`` (large_binary); schema metadata ``kind`` is ``decoded`` or ``raw`` (CPU guard: raw sample bytes).
+``data`` (large_binary); schema metadata ``kind`` is ``decoded``, ``raw`` (CPU guard: raw sample bytes) or
+``deferred`` (CPU guard, for a job registered with ``guard_reply: "defer"``: positions only, empty ``data``; the
+client reads and decodes those samples itself, from its own access to the same shards).
 
 Example::
 
@@ -38,7 +40,9 @@ HEADER_TOKEN = "x-foresight-token"
 MAX_MESSAGE_BYTES = 64 << 10
 #: Largest tensor payload in one record batch (a step part is split into several batches).
 MAX_BATCH_BYTES = 8 << 20
-KIND_DECODED, KIND_RAW = "decoded", "raw"
+KIND_DECODED, KIND_RAW, KIND_DEFERRED = "decoded", "raw", "deferred"
+#: What a job asks a node under its CPU guard to answer: the raw sample bytes, or "read them yourself".
+GUARD_REPLIES = ("raw", "defer")
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bfloat16")
 
@@ -124,7 +128,7 @@ def _register_job(o: dict) -> dict:
     from foresight.format import Modality
 
     _only(o, ("job", "datasets", "plan", "plan_digest", "rank", "world_size", "specs", "seed"),
-          ("step", "lead", "queue_bytes", "spec_digest", "version"), "register_job")
+          ("step", "lead", "queue_bytes", "spec_digest", "version", "guard_reply"), "register_job")
     ds = o["datasets"]
     if not isinstance(ds, list) or not 1 <= len(ds) <= 64:
         _fail("datasets must be a list of 1 to 64 names")
@@ -150,7 +154,10 @@ def _register_job(o: dict) -> dict:
         "queue_bytes": _int(o.get("queue_bytes", 256 << 20), "queue_bytes", 1, 1 << 40),
         "spec_digest": None if o.get("spec_digest") is None else _ident(o["spec_digest"], "spec_digest"),
         "version": _int(o.get("version", PROTOCOL_VERSION), "version", PROTOCOL_VERSION, PROTOCOL_VERSION),
+        "guard_reply": o.get("guard_reply", "raw"),
     }
+    if out["guard_reply"] not in GUARD_REPLIES:
+        _fail(f"guard_reply must be one of {list(GUARD_REPLIES)}")
     return out
 
 
@@ -301,6 +308,27 @@ def encode_raw(region: np.ndarray, x_dest: np.ndarray, lengths: np.ndarray, posi
     return schema, batches, int(lengths.sum())
 
 
+def encode_deferred(positions: np.ndarray, modalities: list[str], *, step: int, node: str):
+    """The CPU guard's answer to a job registered with ``guard_reply: "defer"``: which positions of the step the
+    client reads and decodes itself (no bytes). Returns ``(schema, batches, copied_bytes)``."""
+    import pyarrow as pa
+
+    schema = _schema(KIND_DEFERRED, step, node)
+    n = len(positions)
+    empty = pa.Array.from_buffers(pa.large_binary(), n, [None, pa.py_buffer(np.zeros(n + 1, dtype=np.int64)),
+                                                         pa.py_buffer(b"")])
+    batch = pa.record_batch([pa.array(np.asarray(positions, dtype=np.int64)), pa.array(modalities, type=pa.string()),
+                             pa.array(["uint8"] * n), pa.array([[0]] * n, type=pa.list_(pa.int64())), empty],
+                            schema=schema)
+    return schema, [batch] if n else [], 0
+
+
+def deferred_positions(batches: list) -> np.ndarray:
+    """The positions of a ``deferred`` answer."""
+    parts = [b.column(0).to_numpy() for b in batches]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
 def raw_samples(batches: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``(positions, data, offsets, lengths)`` of raw record batches: sample i is ``data[offsets[i]:][:lengths[i]]``.
     One batch is used in place (``data`` views its Arrow buffer); several are concatenated once."""
@@ -431,5 +459,6 @@ __all__ = [
     "ACTION_DECODERS", "HEADER_JOB", "HEADER_TOKEN", "KIND_DECODED", "KIND_RAW", "MAX_BATCH_BYTES",
     "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode_action", "decode_blocks", "decode_ticket",
     "decode_tensors",
-    "encode_raw", "encode_tensors", "encode_ticket", "raw_samples",
+    "encode_raw", "encode_tensors", "encode_ticket", "raw_samples", "encode_deferred", "deferred_positions",
+    "KIND_DEFERRED", "GUARD_REPLIES",
 ]
