@@ -81,6 +81,9 @@ def test_batch_marks_samples_it_did_not_read(root):
             offsets, lengths = np.asarray(batch["offsets"]), np.asarray(batch["lengths"])
             assert (offsets == -1).all() and (lengths == 0).all()
             assert any(name in batch for name in SPECS)
+            with_source = loader._transfer_bytes
+        with Loader(root["dataset"], root["plan"], decode=stage) as plain:
+            assert with_source < plain._transfer_bytes  # no arena room for bytes it never reads
     finally:
         source.close()
         stage.close()

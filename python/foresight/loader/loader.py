@@ -325,6 +325,10 @@ class Loader(Closing):
             rows = 0
             item_ptr = np.asarray(plan.item_ptr[: self._item_limit() + 1], dtype=np.int64)
             lengths = np.asarray(plan.piece_length[: int(item_ptr[-1])], dtype=np.int64)
+            if self.source is not None:  # its samples are never read here: the slots need no room for them
+                count = int(item_ptr[-1])
+                lengths = np.where(self.source.decodes(np.asarray(plan.piece_dataset[:count]),
+                                                       np.asarray(plan.piece_sample[:count])), 0, lengths)
             per_item = np.add.reduceat(lengths, item_ptr[:-1]) if len(lengths) else np.zeros(0, np.int64)
             per_item[np.diff(item_ptr) == 0] = 0
             requested = self._max_rank_count(per_item)
