@@ -176,12 +176,17 @@ def pushdown(payload: dict) -> Section:
                    "; training process and node each pinned to one core; scenario `shared`: "
                    f"{payload.get('host_busy', 1)} CPU-bound process(es) share the training core")
     cols = ["scenario", "mode", "steps", "stall_total_s", "p50_ms", "p99_ms", "host_cpu_s", "node_cpu_s", "wire_mb",
-            "host_read_mb", "remote_samples", "raw_samples", "deferred_samples", "wall_s"]
+            "host_read_mb", "remote_samples", "raw_samples", "deferred_samples", "wall_s", "runs", "wall_spread"]
     s.tables.append(("per scenario and mode", ["host", "mode", "steps", "stall total s", "P50 ms", "P99 ms",
                                                "host CPU s", "node CPU s", "MB on the wire", "MB read by the host",
                                                "samples decoded on the node", "raw samples", "deferred samples",
-                                               "wall s after start-up"],
-                     [[r.get(c, "idle" if c == "scenario" else None) for c in cols] for r in payload["rows"]]))
+                                               "wall s after start-up", "runs", "wall min-max s"],
+                     [[r.get(c, "idle" if c == "scenario" else None) for c in cols[:-1]]
+                      + [f"{r['wall_min_s']:.2f}-{r['wall_max_s']:.2f}" if "wall_min_s" in r else None]
+                      for r in payload["rows"]]))
+    if payload.get("repeats", 1) > 1:
+        s.notes.append(f"each figure is the median of {payload['repeats']} runs per foresight mode, interleaved "
+                       "(the torch DataLoader anchor, 2-3x slower than the rest, runs once)")
     sm = payload.get("summary", {})
     scen = [k for k, v in sm.items() if isinstance(v, dict) and k != "paper_targets_pct"]
     if not scen and "stall_reduction_pct" in sm:  # results written before the scenarios

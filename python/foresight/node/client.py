@@ -115,7 +115,8 @@ class NodeSource:
 
             self.cluster = Cluster(etcd, prefix=prefix or DEFAULT_PREFIX)
         self._nodes: dict[str, _Node] = {}
-        self._local_io: tuple | None = None  # (FileTable, IOEngine) for iterate()'s own reads, opened on first need
+        self._local_io: tuple | None = None  # (FileTable, IOEngine) for reads here, opened on first need
+        self._here_region: np.ndarray | None = None  # where they land, reused step after step
         self._refreshed = 0.0
         self._degraded = False  # some part was decoded here last step: look for nodes on every step until not
         self._step = 0
@@ -407,7 +408,12 @@ class NodeSource:
             ext = self.datasets[int(d)].lookup(samples[mask])
             file[mask], offset[mask], length[mask] = files.base[int(d)] + ext.shard, ext.offset, ext.length
         tr = coalesce(file, offset, length, align=4096)
-        region = np.frombuffer(mmap.mmap(-1, max(4096, -(-tr.total_bytes // 4096) * 4096)), dtype=np.uint8)
+        need = max(4096, -(-tr.total_bytes // 4096) * 4096)
+        if self._here_region is None or self._here_region.nbytes < need:
+            # kept across steps: a fresh mapping per step costs a page fault per 4 KiB on every read (the stage's
+            # outputs never view it, so the next step may read into it again)
+            self._here_region = np.frombuffer(mmap.mmap(-1, need), dtype=np.uint8)
+        region = self._here_region
         engine.read_batch(files.fds[tr.t_file], tr.t_offset, tr.t_length,
                           (region.ctypes.data + tr.t_dest).astype(np.uint64), needed=tr.t_needed)
         self.stats["bytes_read_here"] += int(tr.t_length.sum())
