@@ -318,10 +318,13 @@ def headlines(results: dict[str, dict]) -> str:
     if "pushdown" in results:
         sm = results["pushdown"]["summary"]
         sh, idle = sm.get("shared", {}), sm.get("idle", {})
+        alone = (f" (host alone on its core: both keep up; CPU -{idle['host_cpu_reduction_pct']}%)"
+                 if "host_cpu_reduction_pct" in idle else "")
+        guard = (f"; CPU guard engaged (deferred reply): {sh['guard_defer_wall_vs_host']:.3f}x host decode's wall"
+                 if sh.get("guard_defer_wall_vs_host") else "")
         rows.append(["pushdown, training core shared with a busy process",
                      f"stall -{sh['stall_reduction_pct']}%, P99 -{sh['p99_reduction_pct']}%, training host's "
-                     f"data-loading CPU -{sh['host_cpu_reduction_pct']}% (host alone on its core: both keep up; CPU "
-                     f"-{idle['host_cpu_reduction_pct']}%)", "63.2%, 85.7%, 94%"])
+                     f"data-loading CPU -{sh['host_cpu_reduction_pct']}%{alone}{guard}", "63.2%, 85.7%, 94%"])
     if "remote_merge" in results:
         rm = results["remote_merge"]
         rows.append([f"remote merge at an evaluation site, {rm['wan']['rtt_ms']:.0f} ms RTT",

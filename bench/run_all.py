@@ -52,7 +52,9 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                "full": []},
     "plan_build": {"smoke": ["--smoke"], "quick": ["--sizes", "10000000", "--repeats", "3"], "full": []},
     "gpu_handoff": {"smoke": ["--smoke"], "quick": [], "full": []},
-    "pushdown": {"smoke": ["--smoke"], "quick": ["--videos", "6", "--images", "8", "--steps", "24"], "full": []},
+    # quick: the shared host core only (where offloading pays; the idle core is in full), 3 interleaved runs per mode
+    "pushdown": {"smoke": ["--smoke"], "quick": ["--videos", "6", "--images", "8", "--steps", "12", "--scenarios",
+                                                 "shared"], "full": []},
     "remote_merge": {"smoke": ["--smoke"],
                      "quick": ["--small", "600", "--large", "16", "--large-mib", "4", "--bulk-mib", "256",
                                "--unit-sweep", ""], "full": []},
