@@ -317,7 +317,8 @@ def median_rows(runs: list[dict]) -> list[dict]:
 
 
 def _reduction(base: float, new: float) -> float | None:
-    return None if not base else round(100.0 * (1 - new / base), 1)
+    """Percent less than ``base``; two decimals, so that a near-total reduction does not read as 100%."""
+    return None if not base else round(100.0 * (1 - new / base), 2)
 
 
 def plot(rows: list[dict], path: Path) -> Path | None:
