@@ -261,7 +261,8 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, workdir: Path, *, 
         log = open(workdir / f"node-{mode}.log", "wb")
         node_proc = subprocess.Popen(
             _pin(1) + [sys.executable, "-m", "foresight", "node", "serve", "--root", str(root), "--ready-file",
-                       str(ready), "--cpu-threshold", "101" if NODE_MODES[mode] is None else "0", "--decode-threads", "1",
+                       str(ready), "--cpu-threshold", "101" if NODE_MODES[mode] is None else "0",
+                       "--decode-threads", "1",
                        "--max-lead", str(args.lead)], stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 180
         while not ready.exists():

@@ -102,7 +102,8 @@ def _serve(args: argparse.Namespace) -> int:
         job_idle_s=args.job_idle_s, max_plan_bytes=args.max_plan_bytes,
         served_shards=(lambda fp: cluster.served_shards(node_id_box[0], fp)) if cluster else None)
     node_id_box.append(server.node_id)
-    metrics_port = server.metrics.serve_http(args.metrics_port, args.metrics_host) if args.metrics_port is not None else None
+    metrics_port = (server.metrics.serve_http(args.metrics_port, args.metrics_host)
+                    if args.metrics_port is not None else None)
     registration = None
     if cluster is not None:
         def record() -> dict:

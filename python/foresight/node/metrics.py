@@ -78,7 +78,8 @@ class NodeMetrics:
                     self._past[k] = self._past.get(k, 0) + v
 
     def snapshot(self) -> dict[str, Any]:
-        """The numbers behind the Prometheus endpoint, as plain data (per job: fallback_rate = raw or deferred / all parts)."""
+        """The numbers behind the Prometheus endpoint, as plain data (per job: fallback_rate = parts raw or
+        deferred / all parts)."""
         with self._lock:
             jobs = {j: dict(d) for j, d in self._per_job.items()}
             decode = dict(self._decode)
