@@ -284,7 +284,7 @@ class NodeSource:
             blocks: list[tuple[str, np.ndarray, Any]] = []
             raw_parts: list[tuple] = []
             covered = np.zeros(n, dtype=bool)
-            deferred: list[np.ndarray] = []
+            deferred = np.zeros(n, dtype=bool)  # positions a guarded node asked this host to read and decode
             for node_id, (node, positions, fut) in futures.items():
                 try:
                     kind, table = fut.result()
@@ -302,11 +302,11 @@ class NodeSource:
                     continue
                 # only the positions this node was asked for, each once: a confused node cannot add or repeat one
                 if kind == KIND_DEFERRED:  # its guard is on: this host reads and decodes them, as asked
-                    keep = _first_of_each(pos) & np.isin(pos, positions)
-                    deferred.append(pos[keep])
+                    keep = _asked_once(pos, positions)
+                    deferred[pos[keep]] = True
                     self.stats["samples_deferred"] += int(keep.sum())
                 elif kind == KIND_RAW:
-                    keep = _first_of_each(pos) & np.isin(pos, positions)
+                    keep = _asked_once(pos, positions)
                     keep[keep] = ~covered[pos[keep]]
                     try:
                         self._verify_raw(fields, pos[keep], data, offs[keep], lens[keep])
@@ -319,7 +319,7 @@ class NodeSource:
                     self.stats["samples_raw"] += int(keep.sum())
                 else:
                     for name, pos, tensors in got:
-                        keep = _first_of_each(pos) & np.isin(pos, positions)
+                        keep = _asked_once(pos, positions)
                         keep[keep] = (codes[pos[keep]] == self._codes.get(name, -2)) & ~covered[pos[keep]]
                         covered[pos[keep]] = True
                         if not keep.all():  # rare: the node sent something it was not asked for
@@ -331,11 +331,9 @@ class NodeSource:
                 self.stats[{KIND_RAW: "parts_raw", KIND_DEFERRED: "parts_deferred"}.get(kind, "parts_remote")] += 1
         self.stats["steps"] += 1
         local = wanted[~covered[wanted]]
-        asked_here = np.zeros(n, dtype=bool)
-        for pos in deferred:
-            asked_here[pos] = True
-        self._degraded = bool((~asked_here[local]).any())  # a node failed us, not one that deferred by design
-        self.stats["samples_local"] += int((~asked_here[local]).sum())
+        failed = int((~deferred[local]).sum())  # a node failed us, not one that deferred by design
+        self._degraded = bool(failed)
+        self.stats["samples_local"] += failed
         if len(local):
             blocks.extend(self._decode_here(fields, local, first_item, stats))
         if raw_parts:
@@ -552,11 +550,12 @@ class NodeSource:
         self.close()
 
 
-def _first_of_each(pos: np.ndarray) -> np.ndarray:
-    """True at the first occurrence of each value of ``pos``."""
+def _asked_once(pos: np.ndarray, asked: np.ndarray) -> np.ndarray:
+    """True at the first occurrence of each value of ``pos`` that is in ``asked``: a confused node cannot add or
+    repeat a position."""
     keep = np.zeros(len(pos), dtype=bool)
     keep[np.unique(pos, return_index=True)[1]] = True
-    return keep
+    return keep & np.isin(pos, asked)
 
 
 def torch_index(mask: np.ndarray):
