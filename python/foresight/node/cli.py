@@ -192,6 +192,10 @@ def _status(args: argparse.Namespace) -> int:
         print(f"  served in all: {(t.get('bytes_decoded', 0) + t.get('bytes_raw', 0)) / 2**20:.1f} MiB, "
               f"{t.get('samples_decoded', 0)} samples decoded, {t.get('samples_raw', 0)} raw, "
               f"{t.get('samples_deferred', 0)} deferred to their hosts")
+        corrupt = s.get("corrupt_samples", {})
+        if corrupt:  # the node's copy of these datasets is damaged: their clients decode those samples themselves
+            print(f"  samples failing their checksum here: {sum(corrupt.values())} ("
+                  + ", ".join(f"{d} {n}" for d, n in sorted(corrupt.items())) + "); not served, decoded by clients")
         dec = ", ".join(f"{m} {v:.2f}s" for m, v in sorted(s["decode_seconds"].items())) or "-"
         print(f"  decode time by modality: {dec}")
         for job, j in sorted(s["jobs"].items()):

@@ -41,8 +41,8 @@ import pyarrow.flight as flight
 from foresight.errors import NodeError
 from foresight.node.auth import call_options, connect
 from foresight.node.jobs import spec_digest
-from foresight.node.protocol import (GUARD_REPLIES, KIND_DEFERRED, KIND_RAW, decode_blocks, deferred_positions,
-                                     encode_ticket, raw_samples)
+from foresight.node.protocol import (GUARD_REPLIES, KIND_DEFERRED, KIND_RAW, corrupt_positions, decode_blocks,
+                                     deferred_positions, encode_ticket, raw_samples)
 
 log = logging.getLogger("foresight.node.client")
 
@@ -77,6 +77,11 @@ class NodeSource:
             whose own path to the shards is slower than the node link) or ``"defer"`` (positions only: this host
             reads and decodes those samples itself, as host-side decode would; for shared storage, where
             shipping the bytes through the node only adds a copy and the wire).
+        spot_check: 0 (off) or N: 1 in N samples a node decoded is also decoded here and compared by
+            :func:`~foresight.media.output_hash` (``stats["spot_checked"]``, ``stats["spot_mismatches"]``, and a
+            warning naming node, step and sample per mismatch); the host's tensor is the one in the batch. Nodes
+            always check the sample bytes against the shard maps' xxh3; this also catches a node whose decode
+            libraries differ from the host's in a way the spec digest does not see.
     """
 
     def __init__(self, stage: Any, plan: Any, *, token: str, etcd: str | None = None, nodes: list[str] | None = None,
@@ -84,7 +89,7 @@ class NodeSource:
                  queue_bytes: int = 256 << 20, timeout: float = 30.0, retry_s: float = 1.0,
                  tls_root: str | None = None, cert: tuple[str, str] | None = None,
                  prefix: str | None = None, refresh_s: float = 2.0, register_timeout: float = 60.0,
-                 guard_reply: str = "raw") -> None:
+                 guard_reply: str = "raw", spot_check: int = 0) -> None:
         if (etcd is None) == (nodes is None):
             raise ValueError("give etcd=<endpoint> or nodes=[locations], not both and not neither")
         if not isinstance(token, str) or len(token) < 8:
@@ -100,6 +105,11 @@ class NodeSource:
         if guard_reply not in GUARD_REPLIES:
             raise ValueError(f"guard_reply must be one of {GUARD_REPLIES}, got {guard_reply!r}")
         self.guard_reply = guard_reply
+        if isinstance(spot_check, bool) or not isinstance(spot_check, int) or spot_check < 0:
+            raise ValueError(f"spot_check must be an integer >= 0 (check 1 in N node-decoded samples), got "
+                             f"{spot_check!r}")
+        self.spot_check = spot_check
+        self._spot_seen = 0
         self.datasets = stage.datasets
         self._fingerprints = [str(ds.fingerprint) for ds in self.datasets]
         self._spec_dicts = {k: v.to_dict() for k, v in stage.specs.items()}
@@ -123,9 +133,10 @@ class NodeSource:
         self._lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(max_workers=8, thread_name_prefix="foresight-node-fetch")
         self.stats: dict[str, Any] = {"steps": 0, "parts_remote": 0, "parts_raw": 0, "parts_deferred": 0,
-                                      "parts_failed": 0, "samples_remote": 0, "samples_raw": 0,
+                                      "parts_failed": 0, "samples_corrupt": 0, "samples_remote": 0, "samples_raw": 0,
                                       "samples_deferred": 0, "samples_local": 0, "bytes_read_here": 0,
-                                      "bytes_received": 0, "copied_bytes": 0, "reregistered": 0, "plans_uploaded": 0}
+                                      "bytes_received": 0, "copied_bytes": 0, "reregistered": 0, "plans_uploaded": 0,
+                                      "spot_checked": 0, "spot_mismatches": 0}
         if self.cluster is not None:
             self._job_reg = self.cluster.register_job(self.job, self.rank, self._job_record)
 
@@ -285,9 +296,12 @@ class NodeSource:
             raw_parts: list[tuple] = []
             covered = np.zeros(n, dtype=bool)
             deferred = np.zeros(n, dtype=bool)  # positions a guarded node asked this host to read and decode
+            corrupt = np.zeros(n, dtype=bool)  # positions whose bytes failed their checksum on the node
+            held: dict[int, tuple[str, Any]] = {}  # spot-checked position -> (node, the node's tensor)
             for node_id, (node, positions, fut) in futures.items():
                 try:
                     kind, table = fut.result()
+                    bad = corrupt_positions(table.schema)
                     if kind == KIND_RAW:
                         pos, data, offs, lens = raw_samples(table.to_batches())
                     elif kind == KIND_DEFERRED:
@@ -301,6 +315,14 @@ class NodeSource:
                     self._mark_down(node, e)
                     continue
                 # only the positions this node was asked for, each once: a confused node cannot add or repeat one
+                if len(bad):  # the node's copy of these samples is damaged: this part failed for them
+                    bad = bad[_asked_once(bad, positions)]
+                    corrupt[bad] = True
+                    self.stats["parts_failed"] += 1
+                    self.stats["samples_corrupt"] += len(bad)
+                    log.warning("a node's copy of samples fails their checksum; decoding them here",
+                                extra={"node": node_id, "step": step, "dataset": dataset[bad[:32]].tolist(),
+                                       "samples": samples[bad[:32]].tolist()})
                 if kind == KIND_DEFERRED:  # its guard is on: this host reads and decodes them, as asked
                     keep = _asked_once(pos, positions)
                     deferred[pos[keep]] = True
@@ -322,23 +344,58 @@ class NodeSource:
                         keep = _asked_once(pos, positions)
                         keep[keep] = (codes[pos[keep]] == self._codes.get(name, -2)) & ~covered[pos[keep]]
                         covered[pos[keep]] = True
-                        if not keep.all():  # rare: the node sent something it was not asked for
-                            tensors = ([t for t, k in zip(tensors, keep) if k] if isinstance(tensors, list)
-                                       else tensors[torch_index(keep)])
-                        blocks.append((name, pos[keep], tensors))
                         self.stats["samples_remote"] += int(keep.sum())
+                        if self.spot_check:  # held back: decoded here too, the host's tensor goes in the batch
+                            kept = np.flatnonzero(keep)
+                            spot = np.zeros(len(pos), dtype=bool)
+                            spot[kept[self._spot_picks(len(kept))]] = True
+                            if spot.any():
+                                for p, t in zip(pos[spot], _subset(tensors, spot)):
+                                    held[int(p)] = (node_id, t)
+                                keep &= ~spot
+                        if not keep.all():  # the node sent something it was not asked for, or a spot check
+                            tensors = _subset(tensors, keep)
+                        blocks.append((name, pos[keep], tensors))
                 node.failures = 0
                 self.stats[{KIND_RAW: "parts_raw", KIND_DEFERRED: "parts_deferred"}.get(kind, "parts_remote")] += 1
         self.stats["steps"] += 1
         local = wanted[~covered[wanted]]
         failed = int((~deferred[local]).sum())  # a node failed us, not one that deferred by design
-        self._degraded = bool(failed)
+        self._degraded = bool((~deferred[local] & ~corrupt[local]).any())  # a node is down: look for others
         self.stats["samples_local"] += failed
         if len(local):
             blocks.extend(self._decode_here(fields, local, first_item, stats))
         if raw_parts:
             blocks.extend(self._decode_raw(fields, raw_parts, first_item, stats))
+        if held:
+            blocks.extend(self._spot_compare(fields, held, first_item, stats))
         return self._assemble(fields, blocks)
+
+    def _spot_picks(self, count: int) -> np.ndarray:
+        """Which of the next ``count`` node-decoded samples are spot-checked: every ``spot_check``-th one."""
+        seen = self._spot_seen + np.arange(count)
+        self._spot_seen += count
+        return seen % self.spot_check == 0
+
+    def _spot_compare(self, fields: dict, held: dict, first_item: int, stats) -> list:
+        """Decode the held samples here and compare each with the node's tensor by ``output_hash``; the host's
+        tensors go into the batch either way (so a mismatch never reaches the model), a mismatch is counted and
+        logged with its node, step and sample."""
+        from foresight.media import output_hash
+
+        positions = np.asarray(sorted(held), dtype=np.int64)
+        host = self._decode_here(fields, positions, first_item, stats)
+        self.stats["spot_checked"] += len(positions)
+        for name, pos, tensors in host:
+            for p, t in zip(pos, tensors):
+                node_id, theirs = held[int(p)]
+                if output_hash(theirs) != output_hash(t):
+                    self.stats["spot_mismatches"] += 1
+                    log.warning("a node's decoded tensor differs from the host's decode of the same sample",
+                                extra={"node": node_id, "step": int(fields["step"]), "modality": name,
+                                       "dataset": int(np.asarray(fields["dataset"])[p]),
+                                       "sample": int(np.asarray(fields["sample_ids"])[p])})
+        return host
 
     def _assign(self, wanted: np.ndarray, dataset: np.ndarray, shard: np.ndarray, nodes: list[_Node]) -> np.ndarray:
         """For each wanted position, the index of the node that serves it (-1: none; decoded here).
@@ -556,6 +613,13 @@ def _asked_once(pos: np.ndarray, asked: np.ndarray) -> np.ndarray:
     keep = np.zeros(len(pos), dtype=bool)
     keep[np.unique(pos, return_index=True)[1]] = True
     return keep & np.isin(pos, asked)
+
+
+def _subset(tensors, mask: np.ndarray):
+    """The rows of a stacked tensor, or the items of a list of tensors, where ``mask`` is True."""
+    if isinstance(tensors, list):
+        return [t for t, k in zip(tensors, mask) if k]
+    return tensors[torch_index(mask)]
 
 
 def torch_index(mask: np.ndarray):

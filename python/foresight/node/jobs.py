@@ -24,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import xxhash
 
+from foresight.checksum import xxh3_many
 from foresight.errors import ProtocolError
 from foresight.node.protocol import KIND_DECODED, KIND_DEFERRED, KIND_RAW, encode_deferred, encode_raw, encode_tensors
 
@@ -62,6 +63,7 @@ class StepPart:
     nbytes: int
     samples: int
     copied_bytes: int = 0
+    corrupt: int = 0  # samples whose bytes on this node failed their xxh3 (left out; the client decodes them)
 
 
 class _DecodeTimes:
@@ -90,6 +92,7 @@ class NodeJob:
     stage: Any
     files: Any
     node: str
+    dataset_names: list = field(default_factory=list)  # as the job named them under the node's root
     spec_codes: np.ndarray = field(default=None)  # type: ignore[assignment]
     local_file: np.ndarray = field(default=None)  # type: ignore[assignment]
     guard_reply: str = "raw"  # under the CPU guard: "raw" sample bytes, or "defer" (the client reads them itself)
@@ -137,6 +140,7 @@ class NodeJob:
         return cls(job=req["job"], token=token, rank=req["rank"], world_size=req["world_size"], plan=plan,
                    datasets=datasets, specs=specs, seed=req["seed"], lead=req["lead"],
                    queue_bytes=req["queue_bytes"], served=served, stage=stage, files=files, node=node,
+                   dataset_names=list(req["datasets"]),
                    spec_codes=np.asarray(sorted(int(Modality.parse(k)) for k in specs), dtype=np.int16),
                    local_file=local, guard_reply=req.get("guard_reply", "raw"))
 
@@ -149,9 +153,14 @@ class NodeJob:
                 "served_shards": [None if s is None else list(s) for s in self.served],
                 "num_steps": self.plan.num_steps}
 
-    def prepare(self, step: int, engine, *, raw: bool, decode_seconds: Callable[[str, float], None]) -> StepPart:
+    def prepare(self, step: int, engine, *, raw: bool, decode_seconds: Callable[[str, float], None],
+                corrupt: Callable[[str, np.ndarray], None] | None = None) -> StepPart:
         """Read (and unless ``raw``, decode) this node's part of ``step``; see the module docstring. With ``raw``
-        and a job that asked for ``guard_reply="defer"`` the node reads nothing: it names the positions."""
+        and a job that asked for ``guard_reply="defer"`` the node reads nothing: it names the positions.
+
+        Every sample read is checked against its xxh3 in the shard map first (one native call for the part); a
+        sample that fails is neither decoded nor sent: its position travels in the part's ``corrupt`` metadata so
+        the client decodes it itself, and ``corrupt(dataset_name, sample_ids)`` reports it."""
         from foresight.io import coalesce
         from foresight.io.coalesce import DEFAULT_MAX_GAP, DEFAULT_MAX_TRANSFER
         from foresight.loader.extents import step_extents
@@ -178,15 +187,28 @@ class NodeJob:
         engine.read_batch(self.files.fds[tr.t_file], tr.t_offset, tr.t_length,
                           (region.ctypes.data + tr.t_dest).astype(np.uint64), needed=tr.t_needed)
         lengths = ext.length[sel]
+        x_dest = tr.x_dest
+        bad = self._failed_checksums(ext.dataset[sel], ext.sample[sel], region, x_dest, lengths)
+        if bad.any():
+            for d in np.unique(ext.dataset[sel][bad]):
+                if corrupt is not None:
+                    corrupt(self.dataset_names[int(d)], ext.sample[sel][bad & (ext.dataset[sel] == d)])
+            ok = ~bad
+            bad_positions, sel, x_dest, lengths = sel[bad], sel[ok], x_dest[ok], lengths[ok]
+        else:
+            bad_positions = None
         if raw:
             by_code = np.empty(int(codes.max()) + 1, dtype=object)
             for c, name in names.items():
                 if c < len(by_code):
                     by_code[c] = name
             modalities = by_code[codes[sel]].tolist()
-            schema, batches, copied = encode_raw(region, tr.x_dest, lengths, sel, modalities, step=step, node=self.node)
+            schema, batches, copied = encode_raw(region, x_dest, lengths, sel, modalities, step=step, node=self.node,
+                                                 corrupt=bad_positions)
+        elif len(sel) == 0:  # every sample of the part failed its checksum
+            schema, batches, copied = encode_tensors(kind, [], step=step, node=self.node, corrupt=bad_positions)
         else:
-            fields = {"step": step, "data": region, "offsets": tr.x_dest, "lengths": lengths,
+            fields = {"step": step, "data": region, "offsets": x_dest, "lengths": lengths,
                       "dataset": ext.dataset[sel], "sample_ids": ext.sample[sel], "items": start + sel}
             out = self.stage(fields, stats=_DecodeTimes(decode_seconds), first_item=start)
             stacked, rows = {}, []
@@ -198,9 +220,25 @@ class NodeJob:
                     rows.extend((int(p), name, t) for p, t in zip(positions, out[name]))
                 else:
                     stacked[name] = (positions, out[name])
-            schema, batches, copied = encode_tensors(kind, rows, step=step, node=self.node, stacked=stacked)
+            schema, batches, copied = encode_tensors(kind, rows, step=step, node=self.node, stacked=stacked,
+                                                     corrupt=bad_positions)
         nbytes = sum(b.nbytes for b in batches)
-        return StepPart(step, kind, schema, batches, nbytes, len(sel), copied)
+        return StepPart(step, kind, schema, batches, nbytes, len(sel), copied,
+                        0 if bad_positions is None else len(bad_positions))
+
+    def _failed_checksums(self, dataset: np.ndarray, samples: np.ndarray, region: np.ndarray, x_dest: np.ndarray,
+                          lengths: np.ndarray) -> np.ndarray:
+        """True where the bytes read at ``region[x_dest:][:lengths]`` are not the packed sample's (xxh3 of the
+        shard map): one native hash call for the whole part, then a compare per dataset the part touches."""
+        got = xxh3_many(region, x_dest, lengths)
+        bad = np.zeros(len(samples), dtype=bool)
+        for d in np.unique(dataset):
+            want = self.datasets[int(d)].checksums()
+            if want is None:  # a format without checksums (never a media dataset): nothing to check against
+                continue
+            mask = dataset == d
+            bad[mask] = got[mask] != np.asarray(want)[samples[mask]]
+        return bad
 
     def close(self) -> None:
         self.stage.close()

@@ -1,7 +1,8 @@
 """The node's Prometheus metrics, one registry per server (several servers may share a process in tests).
 
 Per job: queue depth (steps ready), lead (steps decoded ahead of the job's progress), queued bytes, bytes and
-samples served by kind (decoded or raw), raw (CPU-guard) parts; per modality: decode seconds; node: CPU percent,
+samples served by kind (decoded or raw), raw (CPU-guard) parts, samples whose bytes failed their checksum on this
+node (``samples_corrupt``; also per dataset); per modality: decode seconds; node: CPU percent,
 guard engaged, jobs, and what it served in all (jobs gone included). ``foresight node status`` prints the same
 numbers (the ``status`` action reads :meth:`NodeMetrics.snapshot`).
 
@@ -37,11 +38,15 @@ class NodeMetrics:
         self.jobs = Gauge("foresight_node_jobs", "registered jobs", registry=r)
         self.copied = Counter("foresight_node_copied_bytes", "bytes copied to build record batches (0 for stacked "
                               "decoded tensors, which are sent from their own memory)", registry=r)
+        self.corrupt = Counter("foresight_node_corrupt_samples", "samples whose bytes on this node failed the shard "
+                               "map's xxh3 (never decoded or served; their clients decode them)", ["dataset"],
+                               registry=r)
         self.refusals = Counter("foresight_node_refusals", "requests refused", ["reason"], registry=r)
         self._lock = threading.Lock()
         self._per_job: dict[str, dict[str, float]] = {}
         self._past: dict[str, float] = {}  # served counters of jobs gone (folded in by forget)
         self._decode: dict[str, float] = {}
+        self._corrupt: dict[str, int] = {}  # per dataset, jobs gone included
         self._http = None
 
     def served(self, job: str, kind: str, *, nbytes: int, samples: int) -> None:
@@ -52,6 +57,14 @@ class NodeMetrics:
             d = self._per_job.setdefault(job, {})
             for k, v in ((f"bytes_{kind}", nbytes), (f"samples_{kind}", samples), (f"parts_{kind}", 1)):
                 d[k] = d.get(k, 0) + v
+
+    def corrupt_samples(self, job: str, dataset: str, samples: int) -> None:
+        """``samples`` of ``dataset`` failed their checksum while preparing a part of ``job``."""
+        self.corrupt.labels(dataset).inc(samples)
+        with self._lock:
+            self._corrupt[dataset] = self._corrupt.get(dataset, 0) + samples
+            d = self._per_job.setdefault(job, {})
+            d["samples_corrupt"] = d.get("samples_corrupt", 0) + samples
 
     def decoded(self, modality: str, seconds: float) -> None:
         self.decode_seconds.labels(modality).inc(seconds)
@@ -84,6 +97,7 @@ class NodeMetrics:
             jobs = {j: dict(d) for j, d in self._per_job.items()}
             decode = dict(self._decode)
             totals = dict(self._past)
+            corrupt = dict(self._corrupt)
         for d in jobs.values():
             for k, v in d.items():
                 if k.startswith(("bytes_", "samples_", "parts_")):
@@ -92,7 +106,7 @@ class NodeMetrics:
             guarded = d.get("parts_raw", 0) + d.get("parts_deferred", 0)
             parts = d.get("parts_decoded", 0) + guarded
             d["fallback_rate"] = guarded / parts if parts else 0.0
-        return {"jobs": jobs, "served": totals, "decode_seconds": decode, "cpu_percent": self.cpu._value.get(),
+        return {"jobs": jobs, "served": totals, "decode_seconds": decode, "corrupt_samples": corrupt, "cpu_percent": self.cpu._value.get(),
                 "guard_engaged": bool(self.guard._value.get())}
 
     def text(self) -> str:

@@ -15,7 +15,9 @@ Streams (``DoGet``): ticket JSON ``{"job", "rank", "step"}`` -> this node's part
 columns ``position`` (int64, index in the rank's step), ``modality``, ``dtype``, ``shape`` (list<int64>) and
 ``data`` (large_binary); schema metadata ``kind`` is ``decoded``, ``raw`` (CPU guard: raw sample bytes) or
 ``deferred`` (CPU guard, for a job registered with ``guard_reply: "defer"``: positions only, empty ``data``; the
-client reads and decodes those samples itself, from its own access to the same shards).
+client reads and decodes those samples itself, from its own access to the same shards). Metadata ``corrupt``
+(comma-separated positions) names samples the node left out because its copy of their bytes failed the shard
+map's xxh3 (:func:`corrupt_positions`); the client decodes those itself.
 
 Example::
 
@@ -208,14 +210,27 @@ def decode_ticket(body: bytes) -> dict:
 # -- tensors as record batches ------------------------------------------------------------------------------
 
 
-def _schema(kind: str, step: int, node: str):
+def _schema(kind: str, step: int, node: str, corrupt: np.ndarray | None = None):
     import pyarrow as pa
 
+    metadata = {"kind": kind, "step": str(step), "node": node, "version": str(PROTOCOL_VERSION)}
+    if corrupt is not None and len(corrupt):
+        metadata["corrupt"] = ",".join(str(int(p)) for p in corrupt)
     return pa.schema(
         [("position", pa.int64()), ("modality", pa.string()), ("dtype", pa.string()),
          ("shape", pa.list_(pa.int64())), ("data", pa.large_binary())],
-        metadata={"kind": kind, "step": str(step), "node": node, "version": str(PROTOCOL_VERSION)},
+        metadata=metadata,
     )
+
+
+def corrupt_positions(schema) -> np.ndarray:
+    """Positions a node left out of its part because its copy of their bytes failed the xxh3 check (the
+    ``corrupt`` schema metadata; the client decodes them itself)."""
+    raw = (schema.metadata or {}).get(b"corrupt", b"")
+    try:
+        return np.asarray([int(p) for p in raw.split(b",") if p], dtype=np.int64)
+    except ValueError:
+        _fail("a part's corrupt metadata is not a list of positions", got=raw[:40])
 
 
 def _as_numpy(t) -> tuple[np.ndarray, str]:
@@ -235,16 +250,17 @@ def _as_numpy(t) -> tuple[np.ndarray, str]:
 
 
 def encode_tensors(kind: str, rows: Iterable[tuple[int, str, Any]], *, step: int, node: str,
-                   stacked: dict[str, tuple[np.ndarray, Any]] | None = None):
+                   stacked: dict[str, tuple[np.ndarray, Any]] | None = None, corrupt: np.ndarray | None = None):
     """Record batches of ``(position, modality, tensor-or-bytes)`` rows, each at most :data:`MAX_BATCH_BYTES`.
 
     ``stacked`` maps a modality to ``(positions, batch_tensor)``: its rows are slices of one contiguous tensor,
     sent with zero copies (the Arrow values buffer *is* the tensor's memory). Other rows are concatenated (one copy).
+    ``corrupt``: positions left out because the node's bytes failed their checksum (see :func:`corrupt_positions`).
     Returns ``(schema, batches, copied_bytes)``.
     """
     import pyarrow as pa
 
-    schema = _schema(kind, step, node)
+    schema = _schema(kind, step, node, corrupt)
     batches, copied = [], 0
     for modality, (positions, tensor) in (stacked or {}).items():
         arr, dtype = _as_numpy(tensor)
@@ -280,7 +296,7 @@ def encode_tensors(kind: str, rows: Iterable[tuple[int, str, Any]], *, step: int
 
 
 def encode_raw(region: np.ndarray, x_dest: np.ndarray, lengths: np.ndarray, positions: np.ndarray,
-               modalities: list[str], *, step: int, node: str):
+               modalities: list[str], *, step: int, node: str, corrupt: np.ndarray | None = None):
     """Raw sample bytes (CPU guard) as record batches: the samples are gathered out of the read region (holes and
     alignment padding dropped) by one native call per batch. Returns ``(schema, batches, copied_bytes)``."""
     import pyarrow as pa
@@ -288,7 +304,7 @@ def encode_raw(region: np.ndarray, x_dest: np.ndarray, lengths: np.ndarray, posi
     from foresight._native import load
 
     core = load("_core")
-    schema = _schema(KIND_RAW, step, node)
+    schema = _schema(KIND_RAW, step, node, corrupt)
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
     ends = np.cumsum(lengths)
     batches, lo = [], 0
@@ -460,5 +476,5 @@ __all__ = [
     "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode_action", "decode_blocks", "decode_ticket",
     "decode_tensors",
     "encode_raw", "encode_tensors", "encode_ticket", "raw_samples", "encode_deferred", "deferred_positions",
-    "KIND_DEFERRED", "GUARD_REPLIES",
+    "KIND_DEFERRED", "GUARD_REPLIES", "corrupt_positions",
 ]

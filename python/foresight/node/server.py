@@ -376,7 +376,14 @@ class NodeServer(flight.FlightServerBase):
         return engine
 
     def _produce(self, job: NodeJob, step: int, engine) -> Any:
-        return job.prepare(step, engine, raw=self.guard.engaged, decode_seconds=self.metrics.decoded)
+        def corrupt(dataset: str, samples) -> None:
+            self.metrics.corrupt_samples(job.job, dataset, len(samples))
+            log.warning("sample bytes on this node fail their checksum; not decoded, the client decodes them",
+                        extra={"node": self.node_id, "job": job.job, "dataset": dataset, "step": step,
+                               "samples": [int(s) for s in samples[:32]]})
+
+        return job.prepare(step, engine, raw=self.guard.engaged, decode_seconds=self.metrics.decoded,
+                           corrupt=corrupt)
 
     def _queue_metrics(self, q) -> None:
         with q.cond:
