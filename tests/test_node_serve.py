@@ -12,7 +12,7 @@ import pytest
 
 from foresight.loader import MediaDecodeStage
 from foresight.node.client import NodeSource
-from node_helpers import SPECS, TOKEN, NodeProc, host_reference, make_root, run_source, wait_for
+from node_helpers import SPECS, TOKEN, NodeProc, host_reference, make_root, run_source, summary, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -353,6 +353,37 @@ def test_each_rank_of_a_job_gets_its_own_share(root, node):
             source.close()
             stage.close()
         assert got == reference and source.stats["samples_local"] == 0
+
+
+def test_node_source_serves_the_rank_of_the_loader_it_is_given(root, node):
+    from foresight.loader import Loader
+
+    reference = host_reference(root["dataset"], root["plan"], rank=1, world_size=2)
+    stage, source = _source(root, node, job="loader-rank")  # no rank: it takes the Loader's
+    try:
+        with Loader(root["dataset"], root["plan"], source=source, rank=1, world_size=2) as loader:
+            got = [summary(b) for b in loader]
+        assert (source.rank, source.world_size, source.node_job) == (1, 2, "loader-rank.1")
+    finally:
+        source.close()
+        stage.close()
+    assert got == reference
+    wanted = sum(len(r[n][0]) for r in got for n in SPECS if n in r)
+    assert source.stats["samples_remote"] == wanted and source.stats["samples_local"] == 0
+
+
+def test_node_source_rank_that_differs_from_the_loader_is_an_error(root, node):
+    from foresight.loader import Loader
+
+    stage, source = _source(root, node, job="rank-clash", rank=0, world_size=2)
+    try:
+        with pytest.raises(ValueError, match=r"rank=0, world_size=2 .* rank 1 of world size 2"):
+            Loader(root["dataset"], root["plan"], source=source, rank=1, world_size=2)
+        with pytest.raises(ValueError, match=r"rank=0, world_size=2 .* rank 0 of world size 1"):
+            Loader(root["dataset"], root["plan"], source=source)
+    finally:
+        source.close()
+        stage.close()
 
 
 def test_racing_registrations_of_one_job_leave_one_job_and_no_open_files(root):

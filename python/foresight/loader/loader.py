@@ -91,7 +91,13 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy ints too; True is not a step
 
 
-def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``(rank, world_size)``: the ones given, else ``torch.distributed``'s when it is initialised, else 0 and 1.
+
+    Example::
+
+        rank, world_size = resolve_rank(None, None)     # (0, 1) outside torch.distributed
+    """
     if rank is not None and world_size is not None:
         return int(rank), int(world_size)
     try:
@@ -232,7 +238,7 @@ class Loader(Closing):
             self.on_step = on_step
             if verify:
                 _check_verifiable(self.datasets)
-            self.rank, self.world_size = _resolve_rank(rank, world_size)
+            self.rank, self.world_size = resolve_rank(rank, world_size)
             if plan.global_batch_size % self.world_size:
                 raise PlanError(
                     "global batch size is not divisible by the world size",
@@ -255,6 +261,8 @@ class Loader(Closing):
                     raise ValueError("source= wraps the decode stage: pass the same stage to both, or decode=None")
                 decode = source
             self.source = source
+            if source is not None and callable(getattr(source, "bind_rank", None)):
+                source.bind_rank(self.rank, self.world_size)  # the source asks the nodes for this rank's share
             self.decode = decode
             self.auto_release = bool(auto_release)
             self.end_step = plan.num_steps if end_step is None else min(int(end_step), plan.num_steps)
@@ -841,4 +849,4 @@ class _SlotLease:
         self.arena.release(self.slot)
 
 
-__all__ = ["Loader", "DEFAULT_MAX_GAP", "DEFAULT_MAX_TRANSFER"]
+__all__ = ["Loader", "DEFAULT_MAX_GAP", "DEFAULT_MAX_TRANSFER", "resolve_rank"]

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from foresight.loader.loader import STATE_VERSION, Loader, _as_plan, _resolve_rank, check_state
+from foresight.loader.loader import STATE_VERSION, Loader, _as_plan, resolve_rank, check_state
 
 
 class ForesightIterableDataset(IterableDataset):
@@ -54,7 +54,7 @@ class ForesightIterableDataset(IterableDataset):
         if plan is None:
             datasets, plan = None, datasets
         self.datasets, self.plan = datasets, plan
-        self.rank, self.world_size = _resolve_rank(rank, world_size)
+        self.rank, self.world_size = resolve_rank(rank, world_size)
         self.start_step, self.end_step = int(start_step), end_step
         self.loader_options = loader_options
         self._plan_info: tuple[str, int] | None = None  # (digest, num_steps), read once

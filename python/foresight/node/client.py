@@ -68,6 +68,9 @@ class NodeSource:
         etcd: etcd endpoint(s) to find nodes; or ``nodes``: node locations (single node without etcd).
         token: the job's token (at least 8 characters), sent on every call.
         job: job id (default: a random one); rank ``r`` registers on the nodes as ``<job>.<r>``.
+        rank, world_size: leave them out: a Loader given this source sets its own (:meth:`bind_rank`); without a
+            Loader (:meth:`iterate`) they come from ``torch.distributed`` when initialised, else 0 and 1. Given
+            and different from the Loader's, the Loader refuses them.
         lead: steps each node prepares ahead; queue_bytes: cap of each node's queue for this job.
         timeout: deadline of one step's call in seconds (a slower node is treated as down for this step).
         register_timeout: deadline of a registration (the node opens the datasets and plan, starts a pool).
@@ -85,7 +88,7 @@ class NodeSource:
     """
 
     def __init__(self, stage: Any, plan: Any, *, token: str, etcd: str | None = None, nodes: list[str] | None = None,
-                 job: str | None = None, rank: int = 0, world_size: int = 1, lead: int = 2,
+                 job: str | None = None, rank: int | None = None, world_size: int | None = None, lead: int = 2,
                  queue_bytes: int = 256 << 20, timeout: float = 30.0, retry_s: float = 1.0,
                  tls_root: str | None = None, cert: tuple[str, str] | None = None,
                  prefix: str | None = None, refresh_s: float = 2.0, register_timeout: float = 60.0,
@@ -96,7 +99,12 @@ class NodeSource:
             raise ValueError("token must be a string of at least 8 characters")
         self.stage, self.plan, self.token = stage, plan, token
         self.job = job or f"job-{uuid.uuid4().hex[:12]}"
-        self.rank, self.world_size = int(rank), int(world_size)
+        from foresight.loader.loader import resolve_rank
+
+        self._given_rank = (rank, world_size)  # what the caller named; a Loader that differs is an error
+        self.rank, self.world_size = resolve_rank(rank, world_size)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
         self.node_job = f"{self.job}.{self.rank}"
         self.lead, self.queue_bytes = int(lead), int(queue_bytes)
         self.timeout, self.retry_s, self.refresh_s = float(timeout), float(retry_s), float(refresh_s)
@@ -139,6 +147,32 @@ class NodeSource:
                                       "spot_checked": 0, "spot_mismatches": 0}
         if self.cluster is not None:
             self._job_reg = self.cluster.register_job(self.job, self.rank, self._job_record)
+
+    def bind_rank(self, rank: int, world_size: int) -> None:
+        """Serve ``rank`` of ``world_size``: the :class:`~foresight.loader.Loader` given this source calls it with
+        its own (resolved from its arguments or ``torch.distributed``), so the nodes prepare that rank's share.
+        A rank or world size given to this source that differs is a :class:`ValueError` naming both.
+
+        Example::
+
+            source = NodeSource(stage, plan, nodes=[loc], token=TOKEN)       # no rank here
+            Loader(ds, plan, source=source, rank=1, world_size=2)          # the source serves rank 1 of 2
+        """
+        given_rank, given_world = self._given_rank
+        if (given_rank is not None and int(given_rank) != rank) or (
+                given_world is not None and int(given_world) != world_size):
+            raise ValueError(f"NodeSource was given rank={given_rank}, world_size={given_world} but the Loader it "
+                             f"serves is rank {rank} of world size {world_size}: give NodeSource the Loader's "
+                             "(or leave them out: it takes the Loader's)")
+        if (rank, world_size) == (self.rank, self.world_size):
+            return
+        with self._lock:
+            self._unregister_nodes()  # registered as another rank: the nodes prepared that rank's share
+            self.rank, self.world_size = int(rank), int(world_size)
+            self.node_job = f"{self.job}.{self.rank}"
+            if self._job_reg is not None:
+                self._job_reg.close()
+                self._job_reg = self.cluster.register_job(self.job, self.rank, self._job_record)
 
     # -- node discovery and registration -------------------------------------------------------------------
     def _job_record(self) -> dict:
@@ -579,16 +613,24 @@ class NodeSource:
         return out
 
     # -- lifetime ------------------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Unregister from the nodes (best effort) and etcd."""
+    def _unregister_nodes(self) -> None:
+        """Unregister this job from every node it registered with (best effort: a node that does not answer
+        drops the job when it has been idle for its ``--job-idle-s``)."""
         for n in list(self._nodes.values()):
             if n.client is not None and n.registered is not None:
                 try:
                     list(n.client.do_action(flight.Action("unregister_job",
                                                           json.dumps({"job": self.node_job}).encode()),
                                             call_options(self.node_job, self.token, timeout=5)))
-                except Exception:
-                    pass
+                except Exception as e:
+                    log.info("unregister failed; the node drops the job when idle",
+                             extra={"node": n.node_id, "error": str(e)[:200]})
+            n.registered = None
+
+    def close(self) -> None:
+        """Unregister from the nodes (best effort) and etcd."""
+        self._unregister_nodes()
+        for n in list(self._nodes.values()):
             if n.client is not None:
                 n.client.close()
         self._pool.shutdown(wait=True)
