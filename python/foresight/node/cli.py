@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--workers", type=int, default=1, help="threads preparing steps ahead")
     s.add_argument("--job-idle-s", type=float, default=600.0)
     s.add_argument("--max-plan-bytes", type=int, default=256 << 20, help="largest plan a client may upload")
+    s.add_argument("--max-output-bytes-per-sample", type=int, default=256 << 20,
+                   help="refuse jobs whose specs can give a larger decoded sample (0: no cap; default 256 MiB)")
+    s.add_argument("--max-step-bytes", type=int, default=2 << 30,
+                   help="refuse jobs whose step part (rank's samples x largest sample) can be larger (default 2 GiB)")
+    s.add_argument("--max-decode-bytes-per-job", type=int, default=4 << 30,
+                   help="refuse jobs whose decoding (threads' working sets + the step) can take more (default 4 GiB)")
     s.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 picks one)")
     s.add_argument("--metrics-host", default="127.0.0.1",
                    help="address /metrics listens on (0.0.0.0: every interface, for a Prometheus on another host)")
@@ -80,6 +86,7 @@ def _add_replication_arguments(p: argparse.ArgumentParser) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
+    from foresight.node.limits import WorkLimits
     from foresight.node.logs import setup_json_logging
     from foresight.node.server import NodeServer
 
@@ -100,6 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
         node_id=args.node_id, max_jobs=args.max_jobs, max_queue_bytes=args.max_queue_bytes, max_lead=args.max_lead,
         cpu_threshold=args.cpu_threshold, decode_threads=args.decode_threads, workers=args.workers,
         job_idle_s=args.job_idle_s, max_plan_bytes=args.max_plan_bytes,
+        limits=WorkLimits(args.max_output_bytes_per_sample, args.max_step_bytes, args.max_decode_bytes_per_job),
         served_shards=(lambda fp: cluster.served_shards(node_id_box[0], fp)) if cluster else None)
     node_id_box.append(server.node_id)
     metrics_port = (server.metrics.serve_http(args.metrics_port, args.metrics_host)

@@ -26,6 +26,7 @@ import xxhash
 
 from foresight.checksum import xxh3_many
 from foresight.errors import ProtocolError
+from foresight.node.limits import WorkLimits, check_job
 from foresight.node.protocol import KIND_DECODED, KIND_DEFERRED, KIND_RAW, encode_deferred, encode_raw, encode_tensors
 
 ALIGN = 4096
@@ -95,13 +96,15 @@ class NodeJob:
     dataset_names: list = field(default_factory=list)  # as the job named them under the node's root
     spec_codes: np.ndarray = field(default=None)  # type: ignore[assignment]
     local_file: np.ndarray = field(default=None)  # type: ignore[assignment]
+    bounds: dict = field(default_factory=dict)  # the most a sample, a step part and decoding take (limits.py)
     guard_reply: str = "raw"  # under the CPU guard: "raw" sample bytes, or "defer" (the client reads them itself)
     last_seen: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def open(cls, root: str, req: dict, *, token: str, node: str, served_shards: Callable[[str], Any],
-             decode_threads: int | None, open_cache: Callable[[str, str], Any]) -> "NodeJob":
+             decode_threads: int | None, open_cache: Callable[[str, str], Any],
+             limits: WorkLimits | None = None) -> "NodeJob":
         from foresight.format import Modality
         from foresight.io import open_file
         from foresight.loader import MediaDecodeStage
@@ -126,6 +129,9 @@ class NodeJob:
             raise ProtocolError("transform specs or decode library versions differ between host and node: "
                                 "the tensors would not match", node_digest=spec_digest(specs),
                                 requested=req["spec_digest"])
+        bounds = check_job(limits or WorkLimits(), specs, datasets,
+                           samples_per_step=plan.global_batch_size // req["world_size"],
+                           decode_threads=decode_threads or os.cpu_count() or 1)
         served = [served_shards(str(ds.fingerprint)) for ds in datasets]
         files = FileTable(datasets, open_file)
         local = np.zeros(len(files.paths), dtype=bool)
@@ -142,7 +148,7 @@ class NodeJob:
                    queue_bytes=req["queue_bytes"], served=served, stage=stage, files=files, node=node,
                    dataset_names=list(req["datasets"]),
                    spec_codes=np.asarray(sorted(int(Modality.parse(k)) for k in specs), dtype=np.int16),
-                   local_file=local, guard_reply=req.get("guard_reply", "raw"))
+                   local_file=local, bounds=bounds, guard_reply=req.get("guard_reply", "raw"))
 
     def check_token(self, token: str | None) -> bool:
         return token is not None and hmac.compare_digest(token.encode(), self.token.encode())

@@ -31,6 +31,7 @@ from foresight.errors import ForesightError, NodeError, ProtocolError
 from foresight.node.auth import HeaderMiddlewareFactory
 from foresight.node.guard import CpuGuard
 from foresight.node.jobs import NodeJob, spec_digest
+from foresight.node.limits import WorkLimits
 from foresight.node.metrics import NodeMetrics
 from foresight.node.protocol import ACTION_DECODERS, PROTOCOL_VERSION, decode_action, decode_ticket
 from foresight.node.queue import Scheduler
@@ -87,6 +88,8 @@ class NodeServer(flight.FlightServerBase):
         served_shards: ``fingerprint -> shard list or None (all)``; the cluster's placement when in a cluster.
         job_idle_s: a job not heard from for this long is dropped (frees its slot and memory).
         max_plan_bytes: largest plan accepted by upload (``DoPut ["plan", digest]``, kept under ``root/.uploads``).
+        limits: caps on a job's output per sample and per step part and on its decode memory, checked from its
+            specs at registration (:class:`~foresight.node.limits.WorkLimits`; default: its defaults).
     """
 
     def __init__(self, root: str, *, location: str = "grpc://127.0.0.1:0", tls: tuple[str, str] | None = None,
@@ -94,7 +97,7 @@ class NodeServer(flight.FlightServerBase):
                  max_queue_bytes: int = 1 << 30, max_lead: int = 8, cpu_threshold: float = 80.0,
                  guard_interval: float = 0.5, decode_threads: int | None = None, workers: int = 1,
                  served_shards: Callable[[str], Any] | None = None, job_idle_s: float = 600.0,
-                 max_plan_bytes: int = 256 << 20) -> None:
+                 max_plan_bytes: int = 256 << 20, limits: WorkLimits | None = None) -> None:
         from foresight.node.auth import read_pem
 
         if not os.path.isdir(root):
@@ -115,6 +118,7 @@ class NodeServer(flight.FlightServerBase):
         self.decode_threads = decode_threads
         self.job_idle_s = float(job_idle_s)
         self.max_plan_bytes = int(max_plan_bytes)
+        self.limits = limits or WorkLimits()
         self.served_shards = served_shards or (lambda fingerprint: None)
         self.metrics = NodeMetrics()
         self.guard = CpuGuard(cpu_threshold, interval=guard_interval).start()
@@ -282,7 +286,7 @@ class NodeServer(flight.FlightServerBase):
             self._drop_job(req["job"])
         req = dict(req, lead=min(req["lead"], self.max_lead), queue_bytes=min(req["queue_bytes"], self.max_queue_bytes))
         job = NodeJob.open(self.root, req, token=token, node=self.node_id, served_shards=self.served_shards,
-                           decode_threads=self.decode_threads, open_cache=self._open_cached)
+                           decode_threads=self.decode_threads, open_cache=self._open_cached, limits=self.limits)
         with self._jobs_lock:
             if len(self._jobs) >= self.max_jobs:
                 job.close()
@@ -294,7 +298,7 @@ class NodeServer(flight.FlightServerBase):
         self.metrics.jobs.set(len(self._jobs))
         log.info("job registered", extra={"job": job.job, "rank": job.rank, "world_size": job.world_size,
                                           "lead": job.lead, "queue_bytes": job.queue_bytes})
-        return dict(job.describe(), instance=self.instance, spec_digest=spec_digest(job.specs))
+        return dict(job.describe(), instance=self.instance, spec_digest=spec_digest(job.specs), bounds=job.bounds)
 
     def _progress(self, context, req: dict) -> dict:
         q = self.scheduler.queues.get(req["job"])
