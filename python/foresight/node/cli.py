@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--workers", type=int, default=1, help="threads preparing steps ahead")
     s.add_argument("--job-idle-s", type=float, default=600.0)
     s.add_argument("--max-plan-bytes", type=int, default=256 << 20, help="largest plan a client may upload")
+    s.add_argument("--rescan-s", type=float, default=10.0,
+                   help="rescan the root for datasets added, removed or repacked every this many seconds (0: only "
+                        "when a job registers a dataset the node does not know)")
     s.add_argument("--max-output-bytes-per-sample", type=int, default=256 << 20,
                    help="refuse jobs whose specs can give a larger decoded sample (0: no cap; default 256 MiB)")
     s.add_argument("--max-step-bytes", type=int, default=2 << 30,
@@ -108,6 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
         cpu_threshold=args.cpu_threshold, decode_threads=args.decode_threads, workers=args.workers,
         job_idle_s=args.job_idle_s, max_plan_bytes=args.max_plan_bytes,
         limits=WorkLimits(args.max_output_bytes_per_sample, args.max_step_bytes, args.max_decode_bytes_per_job),
+        rescan_s=args.rescan_s,
         served_shards=(lambda fp: cluster.served_shards(node_id_box[0], fp)) if cluster else None)
     node_id_box.append(server.node_id)
     metrics_port = (server.metrics.serve_http(args.metrics_port, args.metrics_host)

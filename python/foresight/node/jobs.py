@@ -97,6 +97,7 @@ class NodeJob:
     spec_codes: np.ndarray = field(default=None)  # type: ignore[assignment]
     local_file: np.ndarray = field(default=None)  # type: ignore[assignment]
     bounds: dict = field(default_factory=dict)  # the most a sample, a step part and decoding take (limits.py)
+    refused: str | None = None  # why the node stopped serving the job (its dataset changed under the root)
     guard_reply: str = "raw"  # under the CPU guard: "raw" sample bytes, or "defer" (the client reads them itself)
     last_seen: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)

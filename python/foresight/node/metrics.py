@@ -41,6 +41,10 @@ class NodeMetrics:
         self.corrupt = Counter("foresight_node_corrupt_samples", "samples whose bytes on this node failed the shard "
                                "map's xxh3 (never decoded or served; their clients decode them)", ["dataset"],
                                registry=r)
+        self.rescans = Counter("foresight_node_root_rescans", "scans of the data root for datasets added, removed "
+                               "or repacked", registry=r)
+        self.dataset_changes = Counter("foresight_node_dataset_changes", "datasets added, removed or changed "
+                                       "(repacked) under the root, seen by a rescan", ["change"], registry=r)
         self.refusals = Counter("foresight_node_refusals", "requests refused", ["reason"], registry=r)
         self._lock = threading.Lock()
         self._per_job: dict[str, dict[str, float]] = {}

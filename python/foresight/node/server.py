@@ -35,42 +35,9 @@ from foresight.node.limits import WorkLimits
 from foresight.node.metrics import NodeMetrics
 from foresight.node.protocol import ACTION_DECODERS, PROTOCOL_VERSION, decode_action, decode_ticket
 from foresight.node.queue import Scheduler
+from foresight.node.root_index import Changes, RootIndex, scan_root
 
 log = logging.getLogger("foresight.node")
-
-
-def scan_root(root: str, depth: int = 3) -> tuple[dict[str, dict], dict[str, str]]:
-    """Datasets (``manifest.json``) and plans (``plan.json``) under ``root``: ``{name: {fingerprint, shards}}`` and
-    ``{digest: name}``, names relative to ``root``."""
-    import xxhash
-
-    datasets, plans = {}, {}
-    root = os.path.realpath(root)
-    for dirpath, dirnames, filenames in os.walk(root):
-        rel = os.path.relpath(dirpath, root)
-        if rel.count(os.sep) >= depth:
-            dirnames[:] = []
-        if rel == ".":
-            continue
-        if "manifest.json" in filenames:
-            try:
-                with open(os.path.join(dirpath, "manifest.json"), "rb") as f:
-                    raw = f.read(256 << 20)
-                shards = len(json.loads(raw).get("shards", []))
-                datasets[rel] = {"fingerprint": xxhash.xxh3_128_hexdigest(raw), "shards": shards}
-            except (OSError, ValueError, AttributeError):
-                pass
-            dirnames[:] = []
-        elif "plan.json" in filenames:
-            try:
-                with open(os.path.join(dirpath, "plan.json"), "rb") as f:
-                    digest = json.loads(f.read(16 << 20)).get("digest")
-                if isinstance(digest, str):
-                    plans[digest] = rel
-            except (OSError, ValueError, AttributeError):
-                pass
-            dirnames[:] = []
-    return datasets, plans
 
 
 class NodeServer(flight.FlightServerBase):
@@ -90,6 +57,9 @@ class NodeServer(flight.FlightServerBase):
         max_plan_bytes: largest plan accepted by upload (``DoPut ["plan", digest]``, kept under ``root/.uploads``).
         limits: caps on a job's output per sample and per step part and on its decode memory, checked from its
             specs at registration (:class:`~foresight.node.limits.WorkLimits`; default: its defaults).
+        rescan_s: how often the root is rescanned for datasets added, removed or repacked (0: only when a job
+            registers a dataset the node does not know or whose manifest changed); a job whose dataset changed
+            is refused from then on (:mod:`foresight.node.root_index`).
     """
 
     def __init__(self, root: str, *, location: str = "grpc://127.0.0.1:0", tls: tuple[str, str] | None = None,
@@ -97,7 +67,7 @@ class NodeServer(flight.FlightServerBase):
                  max_queue_bytes: int = 1 << 30, max_lead: int = 8, cpu_threshold: float = 80.0,
                  guard_interval: float = 0.5, decode_threads: int | None = None, workers: int = 1,
                  served_shards: Callable[[str], Any] | None = None, job_idle_s: float = 600.0,
-                 max_plan_bytes: int = 256 << 20, limits: WorkLimits | None = None) -> None:
+                 max_plan_bytes: int = 256 << 20, limits: WorkLimits | None = None, rescan_s: float = 10.0) -> None:
         from foresight.node.auth import read_pem
 
         if not os.path.isdir(root):
@@ -122,7 +92,9 @@ class NodeServer(flight.FlightServerBase):
         self.served_shards = served_shards or (lambda fingerprint: None)
         self.metrics = NodeMetrics()
         self.guard = CpuGuard(cpu_threshold, interval=guard_interval).start()
-        self.datasets, self.plans = scan_root(self.root)
+        self.index = RootIndex(self.root)
+        self.rescan_s = float(rescan_s)
+        self._last_scan = time.monotonic()
         self._jobs: dict[str, NodeJob] = {}
         self._jobs_lock = threading.Lock()
         self._register_lock = threading.Lock()
@@ -148,6 +120,46 @@ class NodeServer(flight.FlightServerBase):
         log.info("node serving", extra={"node": self.node_id, "location": self.location, "root": self.root,
                                         "datasets": len(self.datasets), "plans": len(self.plans),
                                         "cpu_threshold": cpu_threshold})
+
+    @property
+    def datasets(self) -> dict[str, dict]:
+        """``{name: {fingerprint, shards}}`` under the root as of the last scan (advertised in etcd and health)."""
+        return self.index.datasets
+
+    @property
+    def plans(self) -> dict[str, str]:
+        return self.index.plans
+
+    def rescan(self, why: str) -> Changes:
+        """Rescan the root for datasets added, removed or repacked (see :mod:`foresight.node.root_index`): log and
+        count each change, forget opened copies of the datasets that changed, and refuse from now on every job
+        whose datasets are no longer the ones it opened."""
+        changes = self.index.rescan()
+        self._last_scan = time.monotonic()
+        self.metrics.rescans.inc()
+        for change, items in (("added", changes.added), ("removed", changes.removed), ("changed", changes.changed)):
+            for name, fingerprint in items.items():
+                self.metrics.dataset_changes.labels(change).inc()
+                log.info(f"dataset {change} under the root", extra={"node": self.node_id, "dataset": name,
+                                                                    "fingerprint": fingerprint, "scan": why})
+        with self._open_lock:
+            for name in list(changes.removed) + list(changes.changed):
+                self._opened.pop(("dataset", os.path.realpath(os.path.join(self.root, name))), None)
+        with self._jobs_lock:
+            jobs = list(self._jobs.values())
+        current = self.index.datasets
+        for job in jobs:  # every job, every scan: one registered while a change was being noticed is caught too
+            for name, ds in zip(job.dataset_names, job.datasets):
+                now = current.get(name, {}).get("fingerprint")
+                if job.refused is None and now != str(ds.fingerprint):
+                    job.refused = (f"dataset {name!r} was {'removed' if now is None else 'repacked'} on this node "
+                                   f"while job {job.job!r} used it (fingerprint {ds.fingerprint} -> {now}): the "
+                                   "node no longer serves this job; its client decodes here")
+                    self.metrics.refusals.labels("dataset_changed").inc()
+                    log.warning("job refused: its dataset changed under the root",
+                                extra={"node": self.node_id, "job": job.job, "dataset": name,
+                                       "fingerprint": str(ds.fingerprint), "now": now})
+        return changes
 
     # -- extension points -------------------------------------------------------------------------------------
     def register_action(self, name: str, decoder: Callable[[dict], dict], handler: Callable[[Any, dict], Any],
@@ -216,6 +228,8 @@ class NodeServer(flight.FlightServerBase):
         try:
             t = decode_ticket(ticket.ticket)
             job = self.authorize(context, t["job"])
+            if job.refused is not None:
+                raise NodeError(job.refused, job=job.job)
             if t["rank"] != job.rank or not 0 <= t["step"] < job.plan.num_steps:
                 raise ProtocolError("ticket names another rank or a step outside the plan", job=job.job,
                                     rank=t["rank"], step=t["step"])
@@ -284,6 +298,8 @@ class NodeServer(flight.FlightServerBase):
                 raise ProtocolError("node has as many jobs as it accepts", max_jobs=self.max_jobs)
         if old is not None:  # re-registration (client restart): start over at its step
             self._drop_job(req["job"])
+        if self.index.stale(req["datasets"]):  # a dataset added or repacked since the last scan: see it now
+            self.rescan("registration")
         req = dict(req, lead=min(req["lead"], self.max_lead), queue_bytes=min(req["queue_bytes"], self.max_queue_bytes))
         job = NodeJob.open(self.root, req, token=token, node=self.node_id, served_shards=self.served_shards,
                            decode_threads=self.decode_threads, open_cache=self._open_cached, limits=self.limits)
@@ -380,6 +396,9 @@ class NodeServer(flight.FlightServerBase):
         return engine
 
     def _produce(self, job: NodeJob, step: int, engine) -> Any:
+        if job.refused is not None:  # its dataset changed: read nothing more through its old maps
+            raise NodeError(job.refused, job=job.job)
+
         def corrupt(dataset: str, samples) -> None:
             self.metrics.corrupt_samples(job.job, dataset, len(samples))
             log.warning("sample bytes on this node fail their checksum; not decoded, the client decodes them",
@@ -395,10 +414,12 @@ class NodeServer(flight.FlightServerBase):
         self.metrics.job_queue(q.job.job, depth=depth, lead=lead, nbytes=nbytes)
 
     def _janitor_loop(self) -> None:
-        while not self._stopped.wait(1.0):
+        while not self._stopped.wait(min(1.0, self.rescan_s or 1.0)):
             self.metrics.cpu.set(self.guard.cpu_percent)
             self.metrics.guard.set(1 if self.guard.engaged else 0)
             now = time.monotonic()
+            if self.rescan_s and now - self._last_scan >= self.rescan_s:
+                self.rescan("periodic")
             with self._jobs_lock:
                 idle = [j for j, job in self._jobs.items() if now - job.last_seen > self.job_idle_s]
             for j in idle:
