@@ -83,6 +83,32 @@ def test_a_spec_over_a_cap_is_refused_at_registration_naming_the_field(root, nod
     _step_and_unregister(node, "fits")
 
 
+def test_source_extents_read_from_the_meta_column_match_the_metas(root):
+    from foresight.format import Modality
+    from foresight.node.limits import source_extents
+
+    ds = root["dataset"]
+    for name in ("image", "video"):
+        code = int(Modality.parse(name))
+        metas = [ds.meta(i) for i in np.flatnonzero(np.asarray(ds.modality_codes()) == code)]
+        ext = source_extents(ds, code)
+        assert ext.samples == len(metas) > 0
+        assert ext.max_width == max(m["width"] for m in metas) and ext.max_height == max(m["height"] for m in metas)
+        assert ext.max_pixels == max(m["width"] * m["height"] for m in metas)
+        assert ext.max_aspect == pytest.approx(max(max(m["width"] / m["height"] for m in metas), 1.0))
+
+
+def test_a_caption_cannot_hide_a_frame_size_from_the_extents():
+    import pyarrow as pa
+
+    from foresight.node.limits import _numbers
+
+    texts = pa.array([json.dumps({"caption": 'a "width": 1, b', "height": 480, "width": 640}), "{}",
+                      json.dumps({"width": 2e3, "height": 10})], type=pa.large_string())
+    assert _numbers(texts, "width").tolist() == [640.0, 0.0, 2000.0]
+    assert _numbers(texts, "height").tolist() == [480.0, 0.0, 10.0]
+
+
 sizes = st.one_of(st.none(), st.tuples(st.integers(1, 1 << 14), st.integers(1, 1 << 14)))
 common = {"dtype": st.sampled_from(["uint8", "float32", "float16", "bfloat16"]),
           "flip": st.sampled_from([0.0, 0.5]),

@@ -2,10 +2,11 @@
 
 A job's transform specs decide how much a node produces: output bytes per sample (size x frames x channels x
 dtype, or the source frame when ``size`` is None), per step part (samples in the rank's share x the largest sample),
-and decode memory (each decode thread's working set: the source frame, a video's frames resized so that the crop
-box lands on ``size`` -- a small crop box means a large intermediate --, the float conversion, the output; plus the
-stacked step). Bounds that depend on the source (frame sizes and aspect ratios, audio length and channels) come
-from the datasets' media metadata, scanned once per dataset and modality and kept (:func:`source_extents`).
+and decode memory (each decode thread's working set: a video's frames resized so that the crop box lands on
+``size`` -- a small crop box means a large intermediate --, the float conversion, the output; plus the stacked
+step; the source frame is the operator's data and is not counted). Bounds that depend on the source (size None,
+video crops, audio) come from the datasets' media metadata, read once per dataset and modality by Arrow's regex
+kernels over the maps' meta column and kept (:func:`source_extents`).
 
 A job over a cap is refused with one line naming the spec field and both numbers.
 
@@ -16,6 +17,7 @@ Example::
 """
 from __future__ import annotations
 
+import json
 import math
 import threading
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ from foresight.errors import ProtocolError
 
 CHANNELS = 3  # images and video frames decode to RGB
 ITEMSIZE = {"uint8": 1, "float16": 2, "bfloat16": 2, "float32": 4}
-_META_CHUNK = 1 << 16
+_META_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -64,41 +66,69 @@ _extents_lock = threading.Lock()
 
 
 def source_extents(ds, code: int) -> SourceExtents:
-    """Extents of the samples of modality ``code`` in ``ds``, from their metadata (batched per shard, once per
-    dataset fingerprint and modality)."""
-    from foresight.loader.meta import sample_metas
-
+    """Extents of the samples of modality ``code`` in ``ds``, from their metadata: the numbers are pulled out of
+    the maps' meta JSON column by Arrow's regex kernels (no Python object per sample; a video's frame index is
+    never parsed), once per dataset fingerprint and modality."""
     key = (str(getattr(ds, "path", id(ds))), str(ds.fingerprint), int(code))
     with _extents_lock:
         got = _extents.get(key)
     if got is not None:
         return got
-    ids = np.flatnonzero(np.asarray(ds.modality_codes()) == code)
-    width = height = pixels = channels = 0
+    width = height = pixels = channels = samples = 0
     duration = 0.0
     lo_aspect = hi_aspect = 1.0
-    for lo in range(0, len(ids), _META_CHUNK):
-        metas = sample_metas([ds], None, ids[lo: lo + _META_CHUNK])
-        ws = np.asarray([_number(m, "width") for m in metas], dtype=np.float64)
-        hs = np.asarray([_number(m, "height") for m in metas], dtype=np.float64)
+    for texts in _meta_texts(ds, code):
+        samples += len(texts)
+        ws, hs = _numbers(texts, "width"), _numbers(texts, "height")
         width, height = max(width, int(ws.max(initial=0))), max(height, int(hs.max(initial=0)))
         pixels = max(pixels, int((ws * hs).max(initial=0)))
-        channels = max(channels, int(max((_number(m, "channels") for m in metas), default=0)))
-        duration = max(duration, max((_number(m, "duration_s") for m in metas), default=0.0))
+        channels = max(channels, int(_numbers(texts, "channels").max(initial=0)))
+        duration = max(duration, float(_numbers(texts, "duration_s").max(initial=0)))
         both = (ws > 0) & (hs > 0)
         if both.any():
             r = ws[both] / hs[both]
             lo_aspect, hi_aspect = min(lo_aspect, float(r.min())), max(hi_aspect, float(r.max()))
-    got = SourceExtents(samples=len(ids), max_width=width, max_height=height, max_pixels=pixels,
+    got = SourceExtents(samples=samples, max_width=width, max_height=height, max_pixels=pixels,
                         min_aspect=lo_aspect, max_aspect=hi_aspect, max_duration_s=duration, max_channels=channels)
     with _extents_lock:
         _extents[key] = got
     return got
 
 
-def _number(meta: dict, name: str) -> float:
-    v = meta.get(name)
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else 0.0
+def _meta_texts(ds, code: int):
+    """The meta JSON texts of ``ds``'s samples of modality ``code``, one Arrow string array per shard map (the
+    format's mapped column); formats without one go through ``meta_many`` in bounded chunks."""
+    import pyarrow as pa
+
+    maps = getattr(ds, "_maps", None)
+    if maps and all(hasattr(m, "_meta") for m in maps):
+        for m in maps:
+            rows = np.flatnonzero(np.asarray(m.modality) == code)
+            if len(rows):
+                yield m._meta.take(pa.array(rows, type=pa.int64()))
+        return
+    ids = np.flatnonzero(np.asarray(ds.modality_codes()) == code)
+    for lo in range(0, len(ids), _META_CHUNK):
+        yield pa.array([json.dumps(m) for m in ds.meta_many(ids[lo: lo + _META_CHUNK])], type=pa.large_string())
+
+
+def _numbers(texts, name: str) -> np.ndarray:
+    """The number under top-level-looking key ``name`` in each JSON text (0 where absent). A key inside a string
+    value cannot match: its quotes are escaped there, and the pattern wants an unescaped quote after ``{`` or
+    ``,``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    found = pc.extract_regex(texts, r'(?:^|[{,])\s*"' + name + r'"\s*:\s*(?P<v>[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)')
+    values = pc.if_else(found.is_valid(), found.field("v"), pa.scalar("0", found.type.field(0).type))
+    out = pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
+    return np.where(np.isfinite(out), out, 0.0)
+
+
+def needs_source(spec) -> bool:
+    """Whether a bound of ``spec`` depends on the media: source-sized output (``size`` None), a video crop (its
+    intermediate frame depends on the source's aspect ratio), audio (length, channels)."""
+    return spec.modality == "audio" or spec.size is None or (spec.modality == "video" and spec.crop != "none")
 
 
 def crop_fraction(spec, ext: SourceExtents) -> float:
@@ -130,20 +160,14 @@ def sample_bounds(spec, ext: SourceExtents) -> SampleBounds:
         elems = (1 if a.mono else max(1, ext.max_channels)) * math.ceil(a.rate * seconds + a.rate)
         out = elems * 4
         return SampleBounds(out, 2 * out)
-    if spec.size is None:
-        out_px = ext.max_pixels
-    else:
-        out_px = spec.size[0] * spec.size[1]
+    out_px = ext.max_pixels if spec.size is None else spec.size[0] * spec.size[1]
     frames = spec.frames.num_frames if spec.modality == "video" else 1
     elems = frames * CHANNELS * out_px
     out = elems * item
-    source = CHANNELS * ext.max_pixels
-    if spec.modality == "video":
-        inter = frames * CHANNELS * math.ceil(out_px / crop_fraction(spec, ext))  # resized frames before the crop
-        work = source + inter
-    else:
-        work = source
-    return SampleBounds(out, work + (elems * 4 if floats else 0) + out)
+    # a video's frames resized so that the crop box lands on ``size``, before the crop (the source frame itself
+    # is the operator's data, not shaped by the spec, and is not counted)
+    inter = frames * CHANNELS * math.ceil(out_px / crop_fraction(spec, ext)) if spec.modality == "video" else 0
+    return SampleBounds(out, inter + (elems * 4 if floats else 0) + out)
 
 
 def check_job(limits: WorkLimits, specs: dict, datasets: list, *, samples_per_step: int,
@@ -156,7 +180,9 @@ def check_job(limits: WorkLimits, specs: dict, datasets: list, *, samples_per_st
     per_sample = {}
     for name, spec in specs.items():
         code = int(Modality.parse(name))
-        bounds = [sample_bounds(spec, source_extents(ds, code)) for ds in datasets]
+        bounds = [sample_bounds(spec, source_extents(ds, code) if needs_source(spec) else
+                                SourceExtents(int(np.count_nonzero(np.asarray(ds.modality_codes()) == code))))
+                  for ds in datasets]
         per_sample[name] = SampleBounds(max(b.output_bytes for b in bounds), max(b.decode_bytes for b in bounds))
     worst_out = max(per_sample, key=lambda n: per_sample[n].output_bytes)
     worst_work = max(per_sample, key=lambda n: per_sample[n].decode_bytes)
@@ -196,5 +222,5 @@ def _human(n: int) -> str:
     return f"{n} bytes"
 
 
-__all__ = ["SampleBounds", "SourceExtents", "WorkLimits", "check_job", "crop_fraction", "sample_bounds",
-           "source_extents"]
+__all__ = ["SampleBounds", "SourceExtents", "WorkLimits", "check_job", "crop_fraction", "needs_source",
+           "sample_bounds", "source_extents"]
