@@ -119,7 +119,8 @@ def _numbers(texts, name: str) -> np.ndarray:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    found = pc.extract_regex(texts, r'(?:^|[{,])\s*"' + name + r'"\s*:\s*(?P<v>[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)')
+    number = r"(?P<v>[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)"
+    found = pc.extract_regex(texts, r'(?:^|[{,])\s*"' + name + r'"\s*:\s*' + number)
     values = pc.if_else(found.is_valid(), found.field("v"), pa.scalar("0", found.type.field(0).type))
     out = pc.cast(values, pa.float64()).to_numpy(zero_copy_only=False)
     return np.where(np.isfinite(out), out, 0.0)

@@ -110,7 +110,8 @@ class NodeMetrics:
             guarded = d.get("parts_raw", 0) + d.get("parts_deferred", 0)
             parts = d.get("parts_decoded", 0) + guarded
             d["fallback_rate"] = guarded / parts if parts else 0.0
-        return {"jobs": jobs, "served": totals, "decode_seconds": decode, "corrupt_samples": corrupt, "cpu_percent": self.cpu._value.get(),
+        return {"jobs": jobs, "served": totals, "decode_seconds": decode, "corrupt_samples": corrupt,
+                "cpu_percent": self.cpu._value.get(),
                 "guard_engaged": bool(self.guard._value.get())}
 
     def text(self) -> str:
