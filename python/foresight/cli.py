@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         if name == wanted:
             importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
+    from foresight.loader.logs import ensure_default_logging  # here: --help stays free of numpy
+
+    ensure_default_logging()  # foresight's warnings as one concise line each (e.g. a pack of untokenized text)
     try:
         return int(importlib.import_module(SUBCOMMANDS[args.command][0]).run(args) or 0)
     except USER_ERRORS as e:

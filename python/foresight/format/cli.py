@@ -1,10 +1,13 @@
-"""``foresight pack {auto,jsonl,parquet,media,megatron} INPUT... OUT [options]``: pack data into foresight shards.
+"""``foresight pack [KIND] INPUT... OUT [options]``: pack data into foresight shards.
 
-jsonl/parquet/auto take several files, globs and folders as one dataset (auto: by suffix, so .jsonl, .jsonl.gz
-and .parquet mix), in sorted order within each argument.
+KIND is one of auto (the default: JSONL/Parquet files by suffix), jsonl, parquet, media, megatron. jsonl/parquet/auto
+take several files, globs and folders as one dataset (auto: by suffix, so .jsonl, .jsonl.gz and .parquet mix), in
+sorted order within each argument. A text column packed without --tokenizer is stored as raw text (a warning says
+so); token plans (``foresight plan --seq-len``) need token ids.
 
 Example::
 
+    foresight pack data.jsonl out/ --tokenizer tokenizer.json
     foresight pack jsonl data.jsonl out/ --column text
     foresight pack parquet hf_dataset/ out/ --split train --tokenizer tokenizer.json
     foresight pack auto 'parts/*.jsonl.gz' extra.parquet out/ --tokenizer my_tok:encode
@@ -15,9 +18,12 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
-__all__ = ["add_arguments", "run", "parse_size"]
+__all__ = ["add_arguments", "run", "parse_size", "split_kind", "KINDS"]
+
+KINDS = ("auto", "jsonl", "parquet", "media", "megatron")
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -32,10 +38,10 @@ def parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__.splitlines()[0]
-    parser.add_argument("kind", choices=["auto", "jsonl", "parquet", "media", "megatron"],
-                        help="input kind (auto: jsonl/parquet files by suffix)")
-    parser.add_argument("inputs", nargs="+", metavar="INPUT",
-                        help="jsonl/parquet/auto: files, globs (quoted) and folders, packed as one dataset; "
+    parser.usage = "foresight pack [KIND] INPUT [INPUT ...] OUT [options]"
+    parser.add_argument("inputs", nargs="+", metavar="[KIND] INPUT",
+                        help=f"KIND: one of {', '.join(KINDS)} (default: auto, JSONL/Parquet files by suffix); "
+                             "INPUT for jsonl/parquet/auto: files, globs (quoted) and folders, packed as one dataset; "
                              "media: one folder; megatron: one prefix (path without .idx/.bin)")
     parser.add_argument("out", help="dataset directory to create")
     parser.add_argument("--column", default=None, help="jsonl/parquet: text or token-id column (default: auto)")
@@ -61,10 +67,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def split_kind(inputs: list[str]) -> tuple[str, list[str]]:
+    """``[KIND] INPUT...`` -> (kind, inputs): the first word is a kind unless a file of that name exists here.
+
+    >>> split_kind(["text.jsonl"])
+    ('auto', ['text.jsonl'])
+    >>> split_kind(["media", "photos/"])
+    ('media', ['photos/'])
+    """
+    if len(inputs) > 1 and inputs[0] in KINDS and not os.path.exists(inputs[0]):
+        return inputs[0], inputs[1:]
+    return "auto", list(inputs)
+
+
 def run(args: argparse.Namespace) -> int:
     from . import pack_media, pack_megatron, pack_records
     from .reader import open_dataset
 
+    args.kind, args.inputs = split_kind(args.inputs)
     # Errors (bad input, a full disk, an existing OUT) are reported by foresight.cli as one line naming the path.
     common = dict(shard_bytes=args.shard_bytes, overwrite=args.overwrite, progress=not args.no_progress)
     align = args.align if args.align is not None else (4096 if args.kind == "media" else 0)

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -42,6 +43,8 @@ from .progress import PackProgress
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["pack_records", "pack_jsonl", "pack_parquet", "AUTO_COLUMNS"]
+
+log = logging.getLogger(__name__)
 
 AUTO_COLUMNS = ("input_ids", "token_ids", "tokens", "ids", "text", "content")
 Inputs = str | os.PathLike | Sequence[str | os.PathLike]
@@ -242,6 +245,9 @@ def pack_records(inputs: Inputs, out: str | os.PathLike, *, kind: str = "auto", 
                     bar.advance(done - counted)
                     counted = done
             w.extra["skipped_null_rows"] = skipped
+    if mode == "text":  # after the pack, so the line is not lost above the bar (and a failed pack has one line)
+        log.warning("column %r is stored as raw text, not token ids: token plans (seq_len) need them; pack with "
+                    "--tokenizer tokenizer.json (tokenizer= in Python) to tokenize", sources[0].column)
     return os.path.abspath(os.fspath(out))
 
 
