@@ -3,6 +3,9 @@
 Each module named in :data:`SUBCOMMANDS` provides ``add_arguments(parser)`` and ``run(args) -> int``. User errors
 (:class:`~foresight.errors.ForesightError`, ``OSError``, ``ValueError``) raised by ``run`` are reported here, once for
 every command: one line on stderr naming the path, exit status 1. ``FORESIGHT_DEBUG=1`` shows the traceback instead.
+Ctrl-C is one line too (``foresight pack: interrupted``), exit status 130 as a shell reports a SIGINT; what the
+command was writing is removed on the way out (a pack or a plan is written to a temporary name and renamed into
+place only when complete), and a second Ctrl-C during that clean-up is ignored so it cannot be cut short.
 
 Example::
 
@@ -15,7 +18,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
+import threading
 
 from foresight.errors import ForesightError
 
@@ -31,8 +36,31 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a command ended by Ctrl-C
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """The first SIGINT raises KeyboardInterrupt where the command is; later ones are ignored (clean-up runs)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _interrupt) if in_main_thread else None
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        command = argv[0] if argv and argv[0] in SUBCOMMANDS else ""
+        print(f"foresight{' ' + command if command else ''}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    finally:
+        if in_main_thread:  # main() called from Python (tests, scripts) leaves their handler as it was
+            signal.signal(signal.SIGINT, previous)
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="foresight", description=__doc__.splitlines()[0],
                                      epilog="FORESIGHT_DEBUG=1 prints the traceback of an error.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
