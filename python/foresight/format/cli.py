@@ -37,7 +37,8 @@ def parse_size(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__.splitlines()[0]
+    parser.description = "pack data into foresight shards: JSONL/Parquet files (auto, the default kind), a media folder, " \
+                         "or a Megatron-LM prefix"
     parser.usage = "foresight pack [KIND] INPUT [INPUT ...] OUT [options]"
     parser.add_argument("inputs", nargs="+", metavar="[KIND] INPUT",
                         help=f"KIND: one of {', '.join(KINDS)} (default: auto, JSONL/Parquet files by suffix); "

@@ -22,17 +22,20 @@ DEFAULT_SEED = 0  # documented in docs/config.md; stored in plan.json's inputs l
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("datasets", nargs="+", help="dataset directories (or Megatron .idx/.bin prefixes)")
-    parser.add_argument("--out", required=True, help="plan directory to write")
+    parser.add_argument("--out", required=True, help="plan directory to write (atomically)")
     parser.add_argument("--weights", nargs="+", type=float, default=None,
                         help="mixture weights, one per dataset (default: equal)")
     parser.add_argument("--seed", type=int, default=None,
                         help=f"shuffle seed, stored in the plan (default: {DEFAULT_SEED}, printed)")
-    parser.add_argument("--global-batch-size", type=int, required=True)
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (token data only)")
+    parser.add_argument("--global-batch-size", type=int, required=True,
+                        help="items per step across all ranks (sequences of --seq-len tokens, or samples)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (token data only; required for it)")
     length = parser.add_mutually_exclusive_group(required=True)
     length.add_argument("--steps", type=int, help="number of steps")
     length.add_argument("--epochs", type=float, help="passes over the mixture")
-    parser.add_argument("--shuffle", choices=SHUFFLES, default="global")
+    parser.add_argument("--shuffle", choices=SHUFFLES, default="global",
+                        help="global: a uniform permutation per epoch; block: runs of --block-size samples stay "
+                             "together (fewer, larger reads)")
     parser.add_argument("--block-size", type=int, default=None, help="samples per block (--shuffle block)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing plan directory")
 
