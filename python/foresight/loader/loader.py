@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from foresight._closing import Closing
-from foresight.errors import ForesightError, PlanError
+from foresight.errors import DeviceError, ForesightError, PlanError
 from foresight.loader.batch import Batch
 from foresight.loader.collate import document_boundaries, gather_tokens, position_ids
 from foresight.loader.extents import FileTable, StepExtents, step_extents
@@ -242,7 +242,7 @@ class Loader(Closing):
             if not 0 <= self.rank < self.world_size:
                 raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
             self.prefetch = int(prefetch)
-            self.device = str(device)
+            self.device = check_device(device)
             self.direct = bool(direct)
             self.max_gap = int(max_gap)
             self.verify = bool(verify)
@@ -780,6 +780,30 @@ def _check_verifiable(datasets: Sequence) -> None:
                 f"verify=True but dataset {i} ({getattr(ds, 'path', ds)}) has no checksums to verify "
                 f"({type(ds).__name__}); open the loader with verify=False, or repack it with foresight pack"
             )
+
+
+def check_device(device: Any) -> str:
+    """``device`` as a string, once checked: a CUDA device this torch cannot use is one clear :class:`DeviceError`
+    here, before any memory is set aside (rather than an assertion deep in the first copy).
+
+    >>> check_device("cpu")
+    'cpu'
+    """
+    name = str(device)
+    if not name.startswith("cuda"):
+        return name
+    import torch
+
+    if not torch.cuda.is_available():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None else
+               "torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES)")
+        raise DeviceError(f"Loader(device={name!r}): {why} (torch {torch.__version__}); pass device='cpu', or "
+                          f"install a CUDA build of torch", device=name)
+    index = name.partition(":")[2]
+    if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+        raise DeviceError(f"Loader(device={name!r}): no such CUDA device; this machine has "
+                          f"{torch.cuda.device_count()} (cuda:0..cuda:{torch.cuda.device_count() - 1})", device=name)
+    return name
 
 
 def _tensor_of(array: np.ndarray, device: str | None):
