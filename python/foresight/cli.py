@@ -28,7 +28,8 @@ from foresight.errors import ForesightError
 USER_ERRORS = (ForesightError, OSError, ValueError)
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "pack": ("foresight.format.cli", "pack JSONL/Parquet, a media folder or a Megatron dataset into shards"),
+    "pack": ("foresight.format.cli",
+             "pack JSONL/Parquet, a media folder, WebDataset tars or a Megatron dataset into shards"),
     "plan": ("foresight.plan.cli", "build a deterministic per-step sample plan"),
     "inspect": ("foresight.plan.inspect_cli", "print a dataset's manifest, a plan's summary, or step k"),
     "ckpt": ("foresight.checkpoint.replicate.cli", "checkpoint tools: merge a distributed checkpoint to safetensors"),

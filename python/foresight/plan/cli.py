@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"shuffle seed, stored in the plan (default: {DEFAULT_SEED}, printed)")
     parser.add_argument("--global-batch-size", type=int, required=True,
                         help="items per step across all ranks (sequences of --seq-len tokens, or samples)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (token data only; required for it)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sequence (token data only; required for it)")
     length = parser.add_mutually_exclusive_group(required=True)
     length.add_argument("--steps", type=int, help="number of steps")
     length.add_argument("--epochs", type=float, help="passes over the mixture")
