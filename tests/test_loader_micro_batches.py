@@ -114,3 +114,11 @@ def test_a_share_that_does_not_split_is_refused(tokens):
         Loader(ds, plan, rank=0, world_size=2, micro_batches=3)
     with pytest.raises(ValueError, match="step_stride"):
         Loader(ds, plan, micro_batches=2, step_stride=2)
+
+
+def test_the_dataloader_adapter_says_micro_batches_are_a_loader_option(tokens):
+    from foresight import ForesightIterableDataset
+
+    ds, plan = tokens
+    with pytest.raises(ValueError, match="micro_batches is a Loader option"):
+        ForesightIterableDataset(ds, plan, micro_batches=2)
