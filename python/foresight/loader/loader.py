@@ -182,8 +182,9 @@ class Loader(Closing):
             a metrics hook (log ``stall_s`` growth, export to Prometheus or TensorBoard). It should be quick.
 
     Logging: the loader logs one INFO line at start-up (backend, arena memory, fallbacks) and warns of runtime
-    fallbacks (a step larger than its slot); with logging unconfigured these go to stderr on their own
-    (:mod:`foresight.loader.logs`, ``FORESIGHT_LOG=off|info|debug``).
+    fallbacks (a step larger than its slot); with logging unconfigured the warnings go to stderr on their own and
+    the start-up line with ``FORESIGHT_LOG=info`` (:mod:`foresight.loader.logs`: standard level names, default
+    ``warning``).
     """
 
     def __init__(
