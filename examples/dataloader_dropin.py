@@ -14,13 +14,13 @@ back in plan order, and opens the datasets the plan recorded. It is ``Stateful``
 Run it::
 
     python examples/dataloader_dropin.py --out /tmp/dropin
-    # your data: foresight pack jsonl corpus.jsonl data/ --column tokens
+    # your data: foresight pack corpus.jsonl data/ --column tokens
     #            foresight plan data/ --global-batch-size 8 --seq-len 128 --steps 1000 --seed 1 --out plan/
     python examples/dataloader_dropin.py --out /tmp/dropin --plan plan/
 
 ``--smoke`` is the small setting tests/test_examples.py runs.
 """
-import argparse, json, os
+import argparse, json, os, sys
 
 import numpy as np
 import torch
@@ -73,7 +73,12 @@ def main() -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     ds = ForesightIterableDataset(plan)  # rank and world size from torch.distributed when initialised
-    print(f"{len(ds)} steps in the plan")
+    half = steps // 2
+    print(f"{len(ds)} steps in the plan: training {min(steps, len(ds))}, then again stopped after {half} and resumed")
+    if len(ds) <= half:  # a resume check that compares nothing proves nothing
+        print(f"error: the plan has {len(ds)} steps, so a resume after {half} of them leaves no step to compare; "
+              f"pass --steps {len(ds)} or fewer (or a longer plan)", file=sys.stderr)
+        return 2
     full = train(DataLoader(ds, batch_size=None, num_workers=args.workers), model, opt, steps)
 
     try:  # resume mid-epoch: stop after `half` batches, keep the state, continue in a fresh loader
@@ -81,7 +86,6 @@ def main() -> int:
         workers = args.workers
     except ImportError:  # a plain DataLoader cannot report its workers' progress: resume without workers
         Resumable, workers = None, 0
-    half = steps // 2
     if Resumable is not None:
         first = Resumable(ForesightIterableDataset(plan), batch_size=None, num_workers=workers)
         head = train(first, model, opt, half)
@@ -94,11 +98,13 @@ def main() -> int:
         second_ds = ForesightIterableDataset(plan)
         second_ds.load_state_dict(first_ds.state_dict())
         second = DataLoader(second_ds, batch_size=None)
-    tail = train(second, model, opt, steps - half)
-    exact = len(head + tail) == len(full) and all(torch.equal(a, b) for a, b in zip(head + tail, full))
+    tail = train(second, model, opt, len(full) - half)
+    exact = len(head) == half and len(head + tail) == len(full) and \
+        all(torch.equal(a, b) for a, b in zip(head + tail, full))
     print(f"resumed with {'StatefulDataLoader' if Resumable else 'DataLoader'} ({workers} workers) after "
-          f"{half} batches: the batches equal the uninterrupted run's: {exact}")
-    return 0 if exact else 1
+          f"{half} batches; compared the {len(tail)} batches after the resume point (and the {len(head)} before) "
+          f"with the uninterrupted run's: equal: {exact}")
+    return 0 if exact and tail else 1
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ conversion), trains a small DDP model, and saves model + optimizer + the loader'
 so the background save never shares a process group with DDP's all-reduces). ``--kill-at-step N`` SIGKILLs rank 1
 mid-run (a save may be in flight) and torchrun ends the job; run the same command again (as a scheduler requeues
 a job) and both ranks resume from the newest *complete* checkpoint (``.metadata`` is written last), repeating the
-interrupted steps with the same batches and losses.
+interrupted steps: each rank compares every repeated step's batch and loss with the killed run's (``log.jsonl``),
+prints how many it compared, and exits non-zero if one differs or none was left to compare.
 
 Run it (CPU, gloo)::
 
@@ -94,11 +95,20 @@ if committed:  # resume: a save cut by the kill has no .metadata and is skipped
     set_state_dict(ddp, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     loader.load_state_dict(state["loader"])
     print(f"rank {rank}: resumed from {committed[-1]} at step {state['loader']['next_step']}", flush=True)
+# The killed run's steps of this rank (the last entry of each): the resumed run must repeat them exactly.
+earlier = {}
+if committed and os.path.exists(f"{args.out}/log.jsonl"):
+    with open(f"{args.out}/log.jsonl") as f:
+        earlier = {e["step"]: e for e in map(json.loads, f) if e["rank"] == rank}
+compared, differ = 0, []
 
 writer, pending = ForesightStorageWriter(ckpt_root), None  # one writer: its staging copy is reused
 with loader, open(f"{args.out}/log.jsonl", "a") as log:
     for batch in loader:
         if batch.step == args.kill_at_step and rank == 1:
+            print(f"rank 1: SIGKILL at step {batch.step} as asked by --kill-at-step: an intended crash (a save may "
+                  f"be in flight); torchrun now reports the job failed. Run the same command without --kill-at-step "
+                  f"to resume", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # a crash, mid-run, perhaps during a save
         logits = ddp(batch["input_ids"])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
@@ -106,7 +116,12 @@ with loader, open(f"{args.out}/log.jsonl", "a") as log:
         loss.backward()
         opt.step()
         digest = hashlib.sha256(batch["input_ids"].cpu().numpy().tobytes()).hexdigest()[:16]
-        log.write(json.dumps({"rank": rank, "step": batch.step, "loss": loss.item(), "batch": digest}) + "\n")
+        entry = {"rank": rank, "step": batch.step, "loss": loss.item(), "batch": digest}
+        if batch.step in earlier:  # run before the kill, after the checkpoint: same batch, bit-identical loss
+            compared += 1
+            if earlier[batch.step] != entry:
+                differ.append(batch.step)
+        log.write(json.dumps(entry) + "\n")
         log.flush()
         if (batch.step + 1) % args.save_every == 0:
             if pending is not None:
@@ -118,6 +133,14 @@ with loader, open(f"{args.out}/log.jsonl", "a") as log:
     if pending is not None:
         pending.result()
 print(f"rank {rank}: done, {loader.stats.steps} steps read, backend {loader.stats.backend}", flush=True)
+ok = True
+if committed:
+    ok = compared > 0 and not differ
+    verdict = (f"steps {differ} differ" if differ else "equal" if compared else
+               "nothing was repeated, so nothing was checked (the kill came right after a complete checkpoint, or "
+               "the run had finished)")
+    print(f"rank {rank}: compared the {compared} steps repeated after the resume with the killed run's batches and "
+          f"losses: {verdict}", flush=True)
 # Teardown with nothing in flight on either group, and with the modules, optimizer and checkpoint state that hold the
 # gloo groups freed first, so the groups end in a live interpreter (foresight.distributed says why a group left to
 # interpreter exit can abort the process after all its work succeeded).
@@ -125,3 +148,4 @@ dist.barrier(group=ckpt_group)
 del ddp, model, opt, writer, pending, loader, ckpt_group
 state = model_state = optim_state = None
 end_process_groups()
+raise SystemExit(0 if ok else 1)

@@ -106,6 +106,7 @@ DOCUMENTED_SIGNATURES = [
     ("foresight.format:pack_jsonl", "Packers"),
     ("foresight.format:pack_parquet", "Packers"),
     ("foresight.format:pack_media", "Packers"),
+    ("foresight.format:pack_webdataset", "Packers"),
     ("foresight.format:pack_megatron", "Packers"),
     ("foresight.format:open_dataset", "Opening"),
     ("foresight.format:MegatronDataset", "Opening"),

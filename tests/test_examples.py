@@ -52,10 +52,14 @@ def test_llm_megatron_torchrun_kill_and_exact_resume(tmp_path):
     killed = torchrun("llm_megatron_torchrun.py", "--smoke", "--out", str(crashed), "--kill-at-step", "9",
                       check=False)
     assert killed.returncode != 0, "rank 1 was SIGKILLed: torchrun must report the job failed"
+    assert "rank 1: SIGKILL at step 9 as asked by --kill-at-step: an intended crash" in killed.stdout
     before = steps_logged(crashed)
     assert max(e["step"] for e in before) < 11  # the run really stopped early
     resumed = torchrun("llm_megatron_torchrun.py", "--smoke", "--out", str(crashed))
     assert "resumed from step-" in resumed.stdout
+    for rank in (0, 1):  # each rank compared the steps it repeated, and says how many
+        line = next(x for x in resumed.stdout.splitlines() if x.startswith(f"rank {rank}: compared the "))
+        assert line.endswith("losses: equal") and int(line.split()[4]) > 0, line
     want = {(e["rank"], e["step"]): e for e in steps_logged(ref)}
     got = steps_logged(crashed)
     assert {(e["rank"], e["step"]) for e in got} == set(want)  # every step of both ranks ran
@@ -66,7 +70,25 @@ def test_llm_megatron_torchrun_kill_and_exact_resume(tmp_path):
 
 def test_dataloader_dropin_resumes_exactly(tmp_path):
     proc = example("dataloader_dropin.py", "--smoke", "--out", str(tmp_path))
-    assert "the batches equal the uninterrupted run's: True" in proc.stdout
+    assert "compared the 4 batches after the resume point (and the 4 before) with the uninterrupted run's: " \
+           "equal: True" in proc.stdout
+
+
+def test_dataloader_dropin_with_a_plan_too_short_to_compare_anything_fails(tmp_path):
+    from foresight import build_plan, open_dataset
+    from foresight.format import pack_jsonl
+
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"tokens": list(range(i, i + 40))}) + "\n"
+                                              for i in range(50)))
+    data = open_dataset(pack_jsonl(str(tmp_path / "c.jsonl"), str(tmp_path / "data"), column="tokens",
+                                   progress=False))
+    build_plan([(data, 1.0)], seed=1, global_batch_size=8, seq_len=32, num_steps=4).save(str(tmp_path / "plan"))
+    proc = example("dataloader_dropin.py", "--smoke", "--out", str(tmp_path), "--plan", str(tmp_path / "plan"),
+                   check=False)  # --smoke trains 8 steps, resuming after 4: a 4-step plan leaves none to compare
+    assert proc.returncode == 2 and "leaves no step to compare" in proc.stderr, proc.stderr
+    proc = example("dataloader_dropin.py", "--steps", "4", "--out", str(tmp_path), "--plan", str(tmp_path / "plan"),
+                   "--workers", "0")
+    assert "compared the 2 batches after the resume point" in proc.stdout and "equal: True" in proc.stdout
 
 
 def test_media_node_pushdown_and_raw_fallback_match_host_decode(tmp_path):

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,6 +50,15 @@ def test_every_stats_field_is_documented():
     assert not missing, f"LoaderStats fields without a line in its docstring: {missing}"
 
 
+def test_every_stats_field_is_explained_in_the_config_docs():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+    table = text[text.index("### Loader statistics"):]
+    names = [f.name for f in dataclasses.fields(LoaderStats) if not f.name.startswith("_")] + ["amplification"]
+    missing = [n for n in names if f"\n| `{n}` |" not in table]
+    assert not missing, f"LoaderStats fields without a row in docs/config.md: {missing}"
+    assert "requested=612 B read=4.0 KiB" in str(LoaderStats(bytes_requested=612, bytes_read=4096))
+
+
 SCRIPT = textwrap.dedent("""
     import logging, sys
     if sys.argv[2] == "configured":
@@ -77,24 +87,29 @@ def _run(plan_dir, mode, env_value=None):
     return out.stderr
 
 
-def test_unconfigured_logging_prints_one_startup_line(setup):
+def test_unconfigured_logging_is_quiet_at_construction_by_default(setup):
     _, _, root = setup
-    err = _run(root / "plan", "plain")
-    lines = [line for line in err.splitlines() if line.startswith("foresight")]
-    assert len(lines) == 1, err
-    assert "loader rank 0/1, backend=" in lines[0] and "B host memory (" in lines[0] and "pinned" in lines[0]
+    assert "foresight" not in _run(root / "plan", "plain")  # default warning: nothing fell back, nothing said
+    for level in ("info", "INFO", "Info"):  # standard level names, any case: the start-up summary
+        lines = [line for line in _run(root / "plan", "plain", level).splitlines() if line.startswith("foresight")]
+        assert len(lines) == 1, lines
+        assert "loader rank 0/1, backend=" in lines[0] and "B host memory (" in lines[0] and "pinned" in lines[0]
 
 
-def test_foresight_log_off_and_debug(setup):
+def test_foresight_log_takes_standard_level_names(setup):
     _, _, root = setup
-    assert "foresight" not in _run(root / "plan", "plain", "off")
-    debug = _run(root / "plan", "plain", "debug")
+    for quiet in ("off", "warning", "WARNING", "warn", "error", "critical"):
+        err = _run(root / "plan", "plain", quiet)
+        assert "foresight" not in err, (quiet, err)
+    debug = _run(root / "plan", "plain", "DEBUG")
     assert "loader rank 0/1" in debug and "foresight: Arena:" in debug  # other modules' records too
+    bad = _run(root / "plan", "plain", "loud")
+    assert "FORESIGHT_LOG='loud' is not one of off, none, debug, info, warning, warn, error, critical" in bad
 
 
 def test_configured_logging_is_left_alone(setup):
     _, _, root = setup
     assert _run(root / "plan", "configured") == ""  # WARNING level: no INFO line, no handler of ours
-    later = _run(root / "plan", "configured-later")
+    later = _run(root / "plan", "configured-later", "info")
     assert later.count("loader rank 0/1") == 1  # the first loader's line from our handler; the second is INFO
     assert "APP" not in later

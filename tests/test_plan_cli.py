@@ -68,7 +68,8 @@ def test_plan_and_inspect_commands(datasets, tmp_path):
     res = run_cli("inspect", out, "--step", "3", "--rank", "1", "--world-size", "2")
     step = json.loads(res.stdout)
     assert [i["item"] for i in step["items"]] == [28, 29, 30, 31]
-    assert all(sum(p["length"] for p in i["pieces"]) == 33 for i in step["items"])
+    assert step["pieces"] == ["dataset", "sample", "offset", "length"]
+    assert all(sum(length for *_, length in i["pieces"]) == 33 for i in step["items"])
 
     res = run_cli("inspect", web)
     assert res.returncode == 0 and "format_version" in json.loads(res.stdout)
@@ -91,4 +92,4 @@ def test_inspect_a_plan_without_datasets(tmp_path):
     assert res.returncode == 0
     step = json.loads(res.stdout)
     assert step["kind"] == "samples" and len(step["items"]) == 5
-    assert all(i["pieces"][0]["length"] == 1000 for i in step["items"])
+    assert all(i["pieces"][0][3] == 1000 for i in step["items"])

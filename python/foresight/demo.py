@@ -32,7 +32,7 @@ VOCAB = 512
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="demo-out", help="working directory (recreated)")
     parser.add_argument("--steps", type=int, default=24, help="training steps (checkpoint at the middle)")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1, help="seed of the data, the plan and the model")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -42,6 +42,10 @@ class PlanError(ForesightError, ValueError):
     """Plan inputs are inconsistent, or a plan file does not match its digest."""
 
 
+class DeviceError(ForesightError, RuntimeError):
+    """The device asked for is not there (``device="cuda"`` with a CPU-only torch, or no such GPU)."""
+
+
 class IOEngineError(ForesightError, OSError):
     """A read or write issued by the native I/O engine failed."""
 

@@ -16,7 +16,7 @@ their functions are exported here.
 """
 from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME
 from .megatron import MegatronDataset, write_megatron_dataset
-from .packers import pack_jsonl, pack_media, pack_megatron, pack_parquet, pack_records
+from .packers import pack_jsonl, pack_media, pack_megatron, pack_parquet, pack_records, pack_webdataset
 from .reader import ShardedDataset, open_dataset
 from .types import TOKEN_DTYPES, Dataset, Extents, Modality
 from .writer import DatasetWriter
@@ -35,6 +35,7 @@ __all__ = [
     "open_dataset",
     "pack_jsonl",
     "pack_media",
+    "pack_webdataset",
     "pack_megatron",
     "pack_parquet",
     "pack_records",

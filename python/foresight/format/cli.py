@@ -1,23 +1,30 @@
-"""``foresight pack {auto,jsonl,parquet,media,megatron} INPUT... OUT [options]``: pack data into foresight shards.
+"""``foresight pack [KIND] INPUT... OUT [options]``: pack data into foresight shards.
 
-jsonl/parquet/auto take several files, globs and folders as one dataset (auto: by suffix, so .jsonl, .jsonl.gz
-and .parquet mix), in sorted order within each argument.
+KIND is one of auto (the default: JSONL/Parquet files by suffix), jsonl, parquet, media, webdataset, megatron.
+jsonl/parquet/auto take several files, globs and folders as one dataset (auto: by suffix, so .jsonl, .jsonl.gz and
+.parquet mix), in sorted order within each argument. A text column packed without --tokenizer is stored as raw text
+(a warning says so); token plans (``foresight plan --seq-len``) need token ids.
 
 Example::
 
+    foresight pack data.jsonl out/ --tokenizer tokenizer.json
     foresight pack jsonl data.jsonl out/ --column text
     foresight pack parquet hf_dataset/ out/ --split train --tokenizer tokenizer.json
     foresight pack auto 'parts/*.jsonl.gz' extra.parquet out/ --tokenizer my_tok:encode
     foresight pack parquet tok.parquet out/ --column input_ids --token-dtype auto
     foresight pack media photos/ out/ --captions captions.csv
+    foresight pack webdataset 'shards-{000000..000009}.tar' media/
     foresight pack megatron data/wiki_text_document out/ --align 4096
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
-__all__ = ["add_arguments", "run", "parse_size"]
+__all__ = ["add_arguments", "run", "parse_size", "split_kind", "KINDS"]
+
+KINDS = ("auto", "jsonl", "parquet", "media", "webdataset", "megatron")
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -31,12 +38,14 @@ def parse_size(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = __doc__.splitlines()[0]
-    parser.add_argument("kind", choices=["auto", "jsonl", "parquet", "media", "megatron"],
-                        help="input kind (auto: jsonl/parquet files by suffix)")
-    parser.add_argument("inputs", nargs="+", metavar="INPUT",
-                        help="jsonl/parquet/auto: files, globs (quoted) and folders, packed as one dataset; "
-                             "media: one folder; megatron: one prefix (path without .idx/.bin)")
+    parser.description = ("pack data into foresight shards: JSONL/Parquet files (auto, the default kind), a media "
+                          "folder, WebDataset tar shards or a Megatron-LM prefix")
+    parser.usage = "foresight pack [KIND] INPUT [INPUT ...] OUT [options]"
+    parser.add_argument("inputs", nargs="+", metavar="[KIND] INPUT",
+                        help=f"KIND: one of {', '.join(KINDS)} (default: auto, JSONL/Parquet files by suffix); "
+                             "INPUT for jsonl/parquet/auto: files, globs (quoted) and folders, packed as one dataset; "
+                             "media: one folder; webdataset: tar shards, globs and brace patterns "
+                             "('shards-{000000..000009}.tar'); megatron: one prefix (path without .idx/.bin)")
     parser.add_argument("out", help="dataset directory to create")
     parser.add_argument("--column", default=None, help="jsonl/parquet: text or token-id column (default: auto)")
     parser.add_argument("--split", default=None,
@@ -52,23 +61,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --tokenizer if its vocabulary has at most 65536 entries)")
     parser.add_argument("--captions", default=None, help="media: captions JSONL or CSV (file -> caption)")
     parser.add_argument("--on-error", default="raise", choices=["raise", "skip"],
-                        help="media: what to do with files the probe rejects")
-    parser.add_argument("--no-probe", action="store_true", help="media: store basic meta only")
+                        help="media/webdataset: what to do with files the probe rejects (webdataset: and keys with no "
+                             "media member or several)")
+    parser.add_argument("--no-probe", action="store_true", help="media/webdataset: store basic meta only")
     parser.add_argument("--align", type=parse_size, default=None,
-                        help="sample start alignment in bytes (default 4096 for media, 0 for token/text data)")
+                        help="sample start alignment in bytes (default 4096 for media and webdataset, 0 for "
+                             "token/text data)")
     parser.add_argument("--shard-bytes", type=parse_size, default=1 << 30, help="shard size (default 1G)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def split_kind(inputs: list[str]) -> tuple[str, list[str]]:
+    """``[KIND] INPUT...`` -> (kind, inputs): the first word is a kind unless a file of that name exists here.
+
+    >>> split_kind(["text.jsonl"])
+    ('auto', ['text.jsonl'])
+    >>> split_kind(["media", "photos/"])
+    ('media', ['photos/'])
+    """
+    if len(inputs) > 1 and inputs[0] in KINDS and not os.path.exists(inputs[0]):
+        return inputs[0], inputs[1:]
+    return "auto", list(inputs)
+
+
 def run(args: argparse.Namespace) -> int:
-    from . import pack_media, pack_megatron, pack_records
+    from . import pack_media, pack_megatron, pack_records, pack_webdataset
     from .reader import open_dataset
 
+    args.kind, args.inputs = split_kind(args.inputs)
     # Errors (bad input, a full disk, an existing OUT) are reported by foresight.cli as one line naming the path.
     common = dict(shard_bytes=args.shard_bytes, overwrite=args.overwrite, progress=not args.no_progress)
-    align = args.align if args.align is not None else (4096 if args.kind == "media" else 0)
-    if args.kind in ("auto", "jsonl", "parquet"):
+    align = args.align if args.align is not None else (4096 if args.kind in ("media", "webdataset") else 0)
+    if args.kind == "webdataset":
+        out = pack_webdataset(args.inputs, args.out, probe=not args.no_probe, on_error=args.on_error, align=align,
+                              **common)
+    elif args.kind in ("auto", "jsonl", "parquet"):
         out = pack_records(args.inputs, args.out, kind=args.kind, split=args.split, column=args.column,
                            token_dtype=args.token_dtype, tokenizer=args.tokenizer, batch_rows=args.batch_rows,
                            align=align, **common)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from foresight._closing import Closing
-from foresight.errors import ForesightError, PlanError
+from foresight.errors import DeviceError, ForesightError, PlanError
 from foresight.loader.batch import Batch
 from foresight.loader.collate import document_boundaries, gather_tokens, position_ids
 from foresight.loader.extents import FileTable, StepExtents, step_extents
@@ -58,6 +58,7 @@ class _Failure:
 @dataclass
 class _Job:
     step: int
+    micro_batch: int  # 0 without micro-batches
     start: int
     stop: int
     slot: int
@@ -177,13 +178,19 @@ class Loader(Closing):
             field), and for each modality a decode stage produced, ``batch["image_caption"]`` is the values for
             ``batch["image"]``'s rows (``batch["image_index"]``'s positions). Looked up on the loader thread in
             one batch per shard (:mod:`foresight.loader.meta`). Token plans are refused (rows cut documents).
+        micro_batches: yield this rank's share of each step as this many batches of consecutive items, in plan
+            order (Megatron's micro-batches of a global batch: gradient accumulation over them); each batch has
+            ``batch.step`` and ``batch["micro_batch"]`` (0..k-1), and ``state_dict`` records the micro-batch to
+            resume at. The share (``global_batch_size / world_size`` items) must divide by it. Not with
+            ``step_stride`` > 1 or ``source``.
         on_step: called in the consumer's thread with a snapshot of :attr:`stats` (``stats.as_dict()`` plus
             ``"step"``, the batch's global step) each time a batch is handed out, before the consumer gets it:
             a metrics hook (log ``stall_s`` growth, export to Prometheus or TensorBoard). It should be quick.
 
     Logging: the loader logs one INFO line at start-up (backend, arena memory, fallbacks) and warns of runtime
-    fallbacks (a step larger than its slot); with logging unconfigured these go to stderr on their own
-    (:mod:`foresight.loader.logs`, ``FORESIGHT_LOG=off|info|debug``).
+    fallbacks (a step larger than its slot); with logging unconfigured the warnings go to stderr on their own and
+    the start-up line with ``FORESIGHT_LOG=info`` (:mod:`foresight.loader.logs`: standard level names, default
+    ``warning``).
     """
 
     def __init__(
@@ -209,6 +216,7 @@ class Loader(Closing):
         end_step: int | None = None,
         step_stride: int = 1,
         meta_fields: Sequence[str] = (),
+        micro_batches: int = 1,
         on_step: Callable[[dict], Any] | None = None,
     ) -> None:
         from foresight.io import Arena, IOEngine, open_file
@@ -248,7 +256,7 @@ class Loader(Closing):
             if not 0 <= self.rank < self.world_size:
                 raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
             self.prefetch = int(prefetch)
-            self.device = str(device)
+            self.device = check_device(device)
             self.direct = bool(direct)
             self.max_gap = int(max_gap)
             self.verify = bool(verify)
@@ -266,10 +274,13 @@ class Loader(Closing):
             self.decode = decode
             self.auto_release = bool(auto_release)
             self.end_step = plan.num_steps if end_step is None else min(int(end_step), plan.num_steps)
-            self._next_step = int(start_step)
             if step_stride < 1:
                 raise ValueError(f"step_stride must be >= 1, got {step_stride}")
             self.step_stride = int(step_stride)
+            self.micro_batches = _check_micro_batches(micro_batches, plan, self.world_size, self.step_stride,
+                                                      self.source)
+            # The pipeline runs over units: a step, or with micro-batches one of its k parts (unit = step*k + j).
+            self._next_unit = int(start_step) * self.micro_batches
             self.stats = LoaderStats()
 
             self._tokens = plan.kind == "tokens"
@@ -424,12 +435,24 @@ class Loader(Closing):
                 return None
         raise _Stopped()
 
-    def _submit(self, step: int, busy: _Job | None = None) -> _Job | None:
-        """Prepare ``step`` (slot, extents, coalesced transfers) and start its reads; None as ``_prepare``."""
-        job = self._prepare(step, busy)
+    def _submit(self, unit: int, busy: _Job | None = None) -> _Job | None:
+        """Prepare ``unit`` (slot, extents, coalesced transfers) and start its reads; None as ``_prepare``."""
+        job = self._prepare(unit, busy)
         return None if job is None else self._start_reads(job)
 
-    def _prepare(self, step: int, busy: _Job | None = None) -> _Job | None:
+    @property
+    def _unit_stride(self) -> int:
+        return self.step_stride if self.micro_batches == 1 else 1
+
+    def _unit_items(self, unit: int) -> tuple[int, int, int, int]:
+        """``(step, micro_batch, start, stop)``: the plan items of this rank's part of ``unit``."""
+        k = self.micro_batches
+        step, micro = divmod(unit, k)
+        start, stop = self.plan.rank_items(step, self.rank, self.world_size)
+        size = (stop - start) // k
+        return step, micro, start + micro * size, start + (micro + 1) * size
+
+    def _prepare(self, unit: int, busy: _Job | None = None) -> _Job | None:
         """Everything before the engine call: done while earlier steps' reads run, so that when one of them
         completes the next step's reads go in at once instead of after a Python gap with a draining ring.
         None when no slot came free before ``busy``'s reads completed."""
@@ -439,7 +462,7 @@ class Loader(Closing):
             return None
         t_slot = time.perf_counter()
         try:
-            start, stop = self.plan.rank_items(step, self.rank, self.world_size)
+            step, micro, start, stop = self._unit_items(unit)
             ext = step_extents(self.plan, self.datasets, self._files, start, stop,
                                whole_samples=self.verify and self._tokens)
             t1 = time.perf_counter()
@@ -466,7 +489,7 @@ class Loader(Closing):
         if read is not None:  # -1: not read here (the source delivers it)
             x_dest = np.full(len(ext.offset), -1, dtype=np.int64)
             x_dest[read] = tr.x_dest
-        job = _Job(step, start, stop, slot, ext, x_dest, region, None, overflow)
+        job = _Job(step, micro, start, stop, slot, ext, x_dest, region, None, overflow)
         job.reads = (self._files.fds[tr.t_file], tr.t_offset, tr.t_length, (base + tr.t_dest).astype(np.uint64),
                      tr.t_needed)
         t2 = time.perf_counter()
@@ -511,7 +534,8 @@ class Loader(Closing):
                 self._verify(job)
         t0 = time.perf_counter()
         fields = self._collate(job)
-        self.stats.add(collate_s=time.perf_counter() - t0, steps=1, samples=job.stop - job.start)
+        last_part = job.micro_batch == self.micro_batches - 1  # a step counts once, with its last micro-batch
+        self.stats.add(collate_s=time.perf_counter() - t0, steps=int(last_part), samples=job.stop - job.start)
         if self.decode is not None:
             fields = self.decode(fields, stats=self.stats, first_item=job.start)
         if self.meta_fields:
@@ -539,6 +563,8 @@ class Loader(Closing):
             "dataset": ext.dataset if not self._tokens else None,
             "sample_ids": ext.sample,
         }
+        if self.micro_batches > 1:
+            fields["micro_batch"] = job.micro_batch
         if self._tokens:
             seq = self.plan.seq_len
             n_items = job.stop - job.start
@@ -570,23 +596,25 @@ class Loader(Closing):
         return _SlotLease(self._arena, slot)
 
     def _run(self, first: int, end: int) -> None:
+        """Read and collate units ``range(first, end, stride)`` (steps, or micro-batches: see ``_next_unit``)."""
         inflight: deque[_Job] = deque()
         ready: _Job | None = None  # the next step, prepared while the oldest one's reads run
+        stride = self._unit_stride
         try:
-            step = first
+            unit = first
             while True:
-                while step < end and len(inflight) < self.prefetch and not self._stop.is_set():
-                    job = self._submit(step, inflight[0] if inflight else None)
+                while unit < end and len(inflight) < self.prefetch and not self._stop.is_set():
+                    job = self._submit(unit, inflight[0] if inflight else None)
                     if job is None:  # the oldest step is read: deliver it before waiting on for a slot
                         break
                     inflight.append(job)
-                    step += self.step_stride
+                    unit += stride
                 if not inflight or self._stop.is_set():
                     break
-                if step < end:
-                    ready = self._prepare(step, inflight[0])
+                if unit < end:
+                    ready = self._prepare(unit, inflight[0])
                     if ready is not None:
-                        step += self.step_stride
+                        unit += stride
                 job = inflight[0]
                 with self.stats.timed("io_wait"):
                     self._engine.wait(job.ticket)
@@ -630,7 +658,7 @@ class Loader(Closing):
                 self.stats.add(stall_s=time.perf_counter() - t0)
                 batch = self._to_device(item)
                 self._current = batch
-                self._next_step = batch.step + self.step_stride
+                self._next_unit = batch.step * self.micro_batches + batch.get("micro_batch", 0) + self._unit_stride
                 if self.on_step is not None:
                     self.on_step(dict(self.stats.as_dict(), step=batch.step))
                 yield batch
@@ -688,7 +716,8 @@ class Loader(Closing):
         self._stop.clear()
         self._queue = queue.Queue()
         self._thread = threading.Thread(
-            target=self._run, args=(self._next_step, self.end_step), name="foresight-loader", daemon=True
+            target=self._run, args=(self._next_unit, self.end_step * self.micro_batches), name="foresight-loader",
+            daemon=True
         )
         self._thread.start()
 
@@ -719,17 +748,32 @@ class Loader(Closing):
     # -- resume and lifetime -------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Where the consumer is in the global plan; valid at any world size."""
-        return {"version": STATE_VERSION, "plan_digest": self.plan.digest, "next_step": int(self._next_step)}
+        """Where the consumer is in the global plan; valid at any world size. With micro-batches, also the
+        micro-batch of ``next_step`` to resume at (``micro_batch``, of ``micro_batches``)."""
+        step, micro = divmod(self._next_unit, self.micro_batches)
+        state = {"version": STATE_VERSION, "plan_digest": self.plan.digest, "next_step": int(step)}
+        if self.micro_batches > 1:
+            state.update(micro_batch=int(micro), micro_batches=self.micro_batches)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from :meth:`state_dict` (of this plan and a state version this code knows, else PlanError)."""
+        """Resume from :meth:`state_dict` (of this plan and a state version this code knows, else PlanError).
+
+        A state in the middle of a step (``micro_batch`` > 0) needs the same ``micro_batches``; one at a step
+        boundary resumes with any."""
         check_state(state, self.plan.digest, "loader")
+        micro, parts = state.get("micro_batch", 0), state.get("micro_batches", 1)
+        if micro and parts != self.micro_batches:
+            raise PlanError(f"loader state resumes at micro-batch {micro} of {parts} of step {state['next_step']}; "
+                            f"this loader splits steps into {self.micro_batches} (pass micro_batches={parts})")
+        if not _is_int(micro) or not 0 <= micro < max(parts, 1):
+            raise PlanError(f"loader state has a bad micro_batch {micro!r} (of {parts})")
         self._stop_thread()
-        self._next_step = int(state["next_step"])
+        self._next_unit = int(state["next_step"]) * self.micro_batches + int(micro)
 
     def __len__(self) -> int:
-        return len(range(self._next_step, self.end_step, self.step_stride))
+        """Batches left to yield (micro-batches, with ``micro_batches`` > 1)."""
+        return len(range(self._next_unit, self.end_step * self.micro_batches, self._unit_stride))
 
     def close(self) -> None:
         if self._closed:
@@ -780,6 +824,23 @@ def _check_meta_fields(names: Sequence[str]) -> None:
                              f"{sorted(taken)} and <modality>_index")
 
 
+def _check_micro_batches(k: Any, plan: Any, world_size: int, step_stride: int, source: Any) -> int:
+    """``micro_batches`` checked against the rank's share of a step, and the options it cannot go with."""
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"micro_batches must be an int >= 1, got {k!r}")
+    k = int(k)
+    share = plan.global_batch_size // world_size
+    if share % k:
+        raise PlanError(f"a rank's share of a step ({share} items: global batch size {plan.global_batch_size} / "
+                        f"world size {world_size}) does not split into {k} equal micro-batches",
+                        micro_batches=k, share=share)
+    if k > 1 and step_stride != 1:
+        raise ValueError("micro_batches > 1 yields every step's parts in order: it takes no step_stride")
+    if k > 1 and source is not None:
+        raise ValueError("micro_batches > 1 is not available with source= (nodes serve whole steps)")
+    return k
+
+
 def _check_verifiable(datasets: Sequence) -> None:
     """``verify=True`` needs a checksum per sample: refuse datasets that have none rather than check nothing."""
     for i, ds in enumerate(datasets):
@@ -788,6 +849,30 @@ def _check_verifiable(datasets: Sequence) -> None:
                 f"verify=True but dataset {i} ({getattr(ds, 'path', ds)}) has no checksums to verify "
                 f"({type(ds).__name__}); open the loader with verify=False, or repack it with foresight pack"
             )
+
+
+def check_device(device: Any) -> str:
+    """``device`` as a string, once checked: a CUDA device this torch cannot use is one clear :class:`DeviceError`
+    here, before any memory is set aside (rather than an assertion deep in the first copy).
+
+    >>> check_device("cpu")
+    'cpu'
+    """
+    name = str(device)
+    if not name.startswith("cuda"):
+        return name
+    import torch
+
+    if not torch.cuda.is_available():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None else
+               "torch sees no CUDA device (driver, CUDA_VISIBLE_DEVICES)")
+        raise DeviceError(f"Loader(device={name!r}): {why} (torch {torch.__version__}); pass device='cpu', or "
+                          f"install a CUDA build of torch", device=name)
+    index = name.partition(":")[2]
+    if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+        raise DeviceError(f"Loader(device={name!r}): no such CUDA device; this machine has "
+                          f"{torch.cuda.device_count()} (cuda:0..cuda:{torch.cuda.device_count() - 1})", device=name)
+    return name
 
 
 def _tensor_of(array: np.ndarray, device: str | None):

@@ -1,20 +1,22 @@
-"""Default log output: the loader says its backend, arena memory and fallbacks even when nobody set up logging.
+"""Default log output: foresight's warnings (fallbacks) reach a user who never set up logging, one line each.
 
-A library must not take over logging, but a user who never configured it would otherwise see nothing: Python's
-last-resort handler prints WARNING and above only, so the start-up line (backend, memory) stays silent. So on
-first use, and only while logging is unconfigured (the root logger and the ``foresight`` logger have no
-handlers), :func:`ensure_default_logging` attaches one concise stderr handler to the ``foresight`` logger:
-INFO lines of ``foresight.loader`` (one start-up line per loader) and WARNING and above from any foresight module
-(fallbacks: pread instead of io_uring, an unpinned arena, a storage node decoded locally). Once the application
-configures logging itself (a root handler appears), the default handler steps aside at the next record and
-foresight logs through the application's handlers, at the application's levels.
+A library must not take over logging, but a user who never configured it would otherwise see fallbacks without
+context (Python's last-resort handler prints the bare message). So on first use, and only while logging is
+unconfigured (the root logger and the ``foresight`` logger have no handlers), :func:`ensure_default_logging` attaches
+one concise stderr handler to the ``foresight`` logger, at the level ``FORESIGHT_LOG`` names: ``warning`` by default
+(fallbacks: pread instead of io_uring, an unpinned arena, a storage node decoded locally; a loader's construction
+says nothing), ``info`` adds each loader's start-up summary (backend, arena memory, prefetch), ``debug`` every
+foresight record. Once the application configures logging itself (a root handler appears), the default handler
+steps aside at the next record and foresight logs through the application's handlers, at the application's levels.
 
-``FORESIGHT_LOG`` overrides it: ``off`` (attach nothing), ``info`` (the default), ``debug`` (every foresight
-record down to DEBUG; with logging configured by the application, the ``foresight`` logger's level is set to it).
+``FORESIGHT_LOG`` takes the standard level names in any case (``debug``, ``info``, ``warning``/``warn``, ``error``,
+``critical``) or ``off``; with logging configured by the application, a ``FORESIGHT_LOG`` that is set sets the
+``foresight`` logger's level.
 
 Example::
 
-    $ python train.py
+    $ python train.py                          # quiet unless something falls back
+    $ FORESIGHT_LOG=info python train.py
     foresight: loader rank 0/1, backend=uring, 4 slots x 8.0 MiB = 32.0 MiB host memory (not pinned), ...
     $ FORESIGHT_LOG=off python train.py        # silent (warnings still reach Python's last-resort handler)
 """
@@ -26,18 +28,33 @@ import sys
 import threading
 
 ENV = "FORESIGHT_LOG"
-_LEVELS = {"off": None, "info": logging.INFO, "debug": logging.DEBUG}
+DEFAULT = "warning"
+_LEVELS = {"off": None, "none": None, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+           "warn": logging.WARNING, "error": logging.ERROR, "critical": logging.CRITICAL}
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 _lock = threading.Lock()
 _done = False
 
 
+def parse_level(value: str) -> int | None:
+    """A ``FORESIGHT_LOG`` value as a logging level (None: off); unknown values raise ValueError naming them.
+
+    >>> parse_level("WARNING"), parse_level("info"), parse_level("off")
+    (30, 20, None)
+    """
+    key = value.strip().lower() or DEFAULT
+    if key not in _LEVELS:
+        raise ValueError(f"{ENV}={value!r} is not one of {', '.join(_LEVELS)}")
+    return _LEVELS[key]
+
+
 def _wanted_level() -> int | None:
-    value = os.environ.get(ENV, "info").strip().lower() or "info"
-    if value not in _LEVELS:
-        logging.getLogger("foresight").warning("%s=%r is not one of off, info, debug; using info", ENV, value)
-        value = "info"
-    return _LEVELS[value]
+    value = os.environ.get(ENV, DEFAULT)
+    try:
+        return parse_level(value)
+    except ValueError as e:
+        logging.getLogger("foresight").warning("%s; using %s", e, DEFAULT)
+        return _LEVELS[DEFAULT]
 
 
 class _ConciseFormatter(logging.Formatter):
@@ -79,6 +96,9 @@ class _DefaultOutput(logging.Filter):
             # application's handlers (ensure_default_logging steps aside before a loader's start-up line).
             self.step_aside()
             return False
+        if record.levelno < self.level:
+            return False
+        # info: the loaders' summaries, not every module's info (the I/O engine's and arena's are for debug)
         return self.level <= logging.DEBUG or record.levelno >= logging.WARNING or \
             record.name == "foresight.loader" or record.name.startswith("foresight.loader.")
 
@@ -109,4 +129,4 @@ def ensure_default_logging() -> None:
             logger.setLevel(level)  # asked for explicitly: the application's handlers get foresight's records
 
 
-__all__ = ["ENV", "ensure_default_logging"]
+__all__ = ["ENV", "DEFAULT", "ensure_default_logging", "parse_level"]

@@ -1,4 +1,5 @@
-"""Loader statistics: per-stage time, the stall the consumer saw, bytes and I/Os.
+"""Loader statistics: per-stage time, the stall the consumer saw, bytes and I/Os (every field explained in
+docs/config.md, "Loader statistics").
 
 Example::
 
@@ -113,11 +114,19 @@ class LoaderStats:
         d = self.as_dict()
         lines = [
             f"backend={d['backend']} steps={d['steps']} samples={d['samples']} extents={d['extents']} "
-            f"ios={d['ios']} requested={d['bytes_requested'] / 1e6:.1f}MB read={d['bytes_read'] / 1e6:.1f}MB "
+            f"ios={d['ios']} requested={_size(d['bytes_requested'])} read={_size(d['bytes_read'])} "
             f"amplification={d['amplification']:.3f}"
         ]
         lines.append("  ".join(f"{s}={d[s + '_s'] * 1e3:.1f}ms" for s in STAGES))
         return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    """Bytes in the unit that keeps them readable: '612 B', '4.0 KiB', '1.50 GiB'."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{n} B"
 
 
 __all__ = ["LoaderStats", "STAGES"]

@@ -56,6 +56,9 @@ class ForesightIterableDataset(IterableDataset):
         self.datasets, self.plan = datasets, plan
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self.start_step, self.end_step = int(start_step), end_step
+        if loader_options.get("micro_batches", 1) != 1:  # its workers and resume deal in whole steps
+            raise ValueError("micro_batches is a Loader option: ForesightIterableDataset yields whole steps (split "
+                             "a step's batch in the training loop, or use Loader(..., micro_batches=k))")
         self.loader_options = loader_options
         self._plan_info: tuple[str, int] | None = None  # (digest, num_steps), read once
         self._resume: dict | None = None  # a loaded state: this copy's next step

@@ -1,9 +1,12 @@
 """``foresight inspect``: print a plan's summary or one step, or a dataset's manifest, as JSON.
 
+A step prints one line per item (its pieces as ``[dataset, sample, offset, length]``), so ``| head`` and ``grep``
+work on it and the whole stays one JSON document.
+
 Example::
 
     foresight inspect plan/                     # inputs, summary, digest
-    foresight inspect plan/ --step 3            # the global batch of step 3, piece by piece
+    foresight inspect plan/ --step 3            # the global batch of step 3, one item per line
     foresight inspect plan/ --step 3 --rank 1 --world-size 4
     foresight inspect data/                     # the dataset's manifest
 """
@@ -13,7 +16,9 @@ import argparse
 import json
 import os
 
-from foresight.errors import PlanError
+from foresight.errors import FormatError, PlanError
+
+PIECE_FIELDS = ("dataset", "sample", "offset", "length")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Errors are reported by foresight.cli as one line naming the path.
+    if not os.path.exists(args.path) and not os.path.exists(args.path + ".idx"):
+        raise FormatError(f"no such directory: {args.path}")
     if os.path.isfile(os.path.join(args.path, "plan.json")):
         out = _plan(args)
     else:
@@ -44,7 +51,26 @@ def _plan(args: argparse.Namespace) -> str:
         if args.rank is not None or args.world_size is not None:
             raise PlanError("--rank/--world-size need --step")
         return json.dumps(plan.describe(), indent=1)
-    return plan.step_json(args.step, rank=args.rank, world_size=args.world_size)
+    return step_text(plan.step_dict(args.step, rank=args.rank, world_size=args.world_size))
+
+
+def step_text(step: dict) -> str:
+    """A step as JSON with one line per item, pieces as ``[dataset, sample, offset, length]``.
+
+    >>> print(step_text({"step": 0, "items": [{"item": 0, "pieces": [{"dataset": 0, "sample": 5, "offset": 0,
+    ...                                                                "length": 9}]}]}))
+    {"step": 0,
+     "pieces": ["dataset", "sample", "offset", "length"],
+     "items": [
+      {"item": 0, "pieces": [[0, 5, 0, 9]]}
+    ]}
+    """
+    head = {k: v for k, v in step.items() if k != "items"}
+    lines = [json.dumps({k: v}) [1:-1] for k, v in head.items()]
+    lines.append(json.dumps({"pieces": list(PIECE_FIELDS)})[1:-1])
+    items = [json.dumps({**{k: v for k, v in item.items() if k != "pieces"},
+                         "pieces": [[p[f] for f in PIECE_FIELDS] for p in item["pieces"]]}) for item in step["items"]]
+    return "{" + ",\n ".join(lines) + ',\n "items": [\n  ' + ",\n  ".join(items) + "\n]}"
 
 
 def _dataset(path: str) -> str:

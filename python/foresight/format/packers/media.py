@@ -26,7 +26,8 @@ from ..types import Modality
 from ..writer import DatasetWriter
 from .progress import PackProgress
 
-__all__ = ["pack_media", "MEDIA_EXTENSIONS", "load_captions"]
+__all__ = ["pack_media", "MEDIA_EXTENSIONS", "load_captions", "load_probe", "media_meta", "modality_of",
+           "check_on_error"]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,33 @@ def load_captions(path: str | os.PathLike) -> dict[str, str]:
     return out
 
 
-def _load_probe() -> Callable[[bytes, str], dict] | None:
+Probe = Callable[[bytes, str], dict]
+
+
+def modality_of(name: str) -> Modality | None:
+    """The media modality of a file name by its extension (``a/b.JPG`` -> IMAGE), None if not a media file."""
+    return MEDIA_EXTENSIONS.get(os.path.splitext(name)[1].lower())
+
+
+def check_on_error(on_error: str) -> None:
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+
+
+def media_meta(probe_media: Probe | None, data: bytes, mod: Modality, on_error: str, where: str) -> dict | None:
+    """What the probe says of one media file (keyframes, time base, size...), ``{}`` without a probe; None when the
+    probe rejected it and ``on_error == "skip"``, else a DecodeError naming ``where``."""
+    if probe_media is None:
+        return {}
+    try:
+        return dict(probe_media(data, mod.label))
+    except Exception as e:
+        if on_error == "skip":
+            return None
+        raise DecodeError(f"media probe rejected the file: {type(e).__name__}: {e}", path=where) from e
+
+
+def load_probe() -> Probe | None:
     try:
         from ...media.probe import probe_media
     except Exception as e:  # the media layer is optional here: store basic meta instead
@@ -90,7 +117,7 @@ def media_files(folder: str) -> list[tuple[str, Modality]]:
     for root, dirs, files in os.walk(folder):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in files:
-            mod = MEDIA_EXTENSIONS.get(os.path.splitext(name)[1].lower())
+            mod = modality_of(name)
             if mod is not None and not name.startswith("."):
                 found.append((os.path.relpath(os.path.join(root, name), folder), mod))
     found.sort()
@@ -106,8 +133,7 @@ def pack_media(folder: str | os.PathLike, out: str | os.PathLike, *, captions: s
     manifest's ``extra``). A folder without media files, or whose every file was skipped, is a FormatError (an empty
     dataset would only fail later, in the plan).
     """
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+    check_on_error(on_error)
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise FormatError("media input is not a directory", path=folder)
@@ -116,7 +142,7 @@ def pack_media(folder: str | os.PathLike, out: str | os.PathLike, *, captions: s
         raise FormatError(f"no media files here (looked for {' '.join(sorted(MEDIA_EXTENSIONS))}, hidden entries "
                           f"skipped)", path=folder)
     caption_of = load_captions(captions) if captions is not None else {}
-    probe_media = _load_probe() if probe else None
+    probe_media = load_probe() if probe else None
     extra: dict[str, Any] = {"source": os.path.abspath(folder), "source_format": "media",
                              "probe": probe_media is not None}
     skipped: list[str] = []
@@ -124,28 +150,24 @@ def pack_media(folder: str | os.PathLike, out: str | os.PathLike, *, captions: s
     with DatasetWriter(out, align=align, shard_bytes=shard_bytes, overwrite=overwrite, extra=extra) as w, \
             PackProgress(len(files), f"pack {os.path.basename(os.path.abspath(folder))}", progress, "files") as bar:
         for rel, mod in files:
-            bar.advance(1)
             full = os.path.join(folder, rel)
             try:
                 with open(full, "rb") as f:
                     data = f.read()
             except OSError as e:
                 raise FormatError(f"cannot read media file: {e.strerror}", path=full) from None
-            meta: dict[str, Any] = {"file": rel, "bytes": len(data)}
-            if probe_media is not None:
-                try:
-                    meta.update(probe_media(data, mod.label))
-                except Exception as e:
-                    if on_error == "skip":
-                        skipped.append(rel)
-                        continue
-                    raise DecodeError(f"media probe rejected the file: {type(e).__name__}: {e}", path=full) from e
-                meta["file"], meta["bytes"] = rel, len(data)
+            probed = media_meta(probe_media, data, mod, on_error, full)
+            if probed is None:
+                skipped.append(rel)
+                bar.advance(1)
+                continue
+            meta: dict[str, Any] = {**probed, "file": rel, "bytes": len(data)}
             caption = caption_of.get(os.path.normpath(rel), caption_of.get(os.path.basename(rel)))
             if caption is not None:
                 meta["caption"] = caption
                 captioned += 1
             w.add(data, modality=mod, meta=meta)
+            bar.advance(1)  # counted once written: the bar ends with the work
         if len(skipped) == len(files):  # raised inside the writer: it removes what it wrote
             raise FormatError(f"the probe rejected all {len(files)} media files (first: {skipped[0]})", path=folder)
         w.extra.update(files=len(files) - len(skipped), captioned=captioned, skipped=skipped[:100],

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -42,6 +43,8 @@ from .progress import PackProgress
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["pack_records", "pack_jsonl", "pack_parquet", "AUTO_COLUMNS"]
+
+log = logging.getLogger(__name__)
 
 AUTO_COLUMNS = ("input_ids", "token_ids", "tokens", "ids", "text", "content")
 Inputs = str | os.PathLike | Sequence[str | os.PathLike]
@@ -104,6 +107,32 @@ class _Source:
                                  parse_options=parse) as reader:
                 yield reader, raw
 
+    def _json_blocks(self, block_size: int) -> Iterator[tuple[pa.Array, int]]:
+        """Whole lines, about ``block_size`` bytes at a time, each parsed by one ``read_json`` call.
+
+        Not ``open_json``: its reader reads ahead (a file of a few blocks is read whole before the first batch),
+        so its position says nothing of the work done. Here a block is read only when the previous one has been
+        packed, so the position counts what is tokenized and written.
+        """
+        read = pj.ReadOptions(block_size=block_size + 1)  # one parse per block (whole lines, < 2 blocks)
+        parse = pj.ParseOptions(explicit_schema=pa.schema([(self.column, self.type)]),
+                                unexpected_field_behavior="ignore")
+        with pa.OSFile(self.path) as raw:
+            codec = compression_of(self.path)
+            with (pa.CompressedInputStream(raw, codec) if codec else contextlib.nullcontext(raw)) as stream:
+                tail = b""
+                while True:
+                    buf = stream.read(block_size)
+                    data = tail + buf if tail else buf
+                    cut = len(data) if not buf else data.rfind(b"\n") + 1
+                    tail, lines = data[cut:], data[:cut]
+                    if lines.strip():
+                        read.block_size = max(read.block_size, len(lines) + 1)
+                        table = pj.read_json(pa.BufferReader(lines), read_options=read, parse_options=parse)
+                        yield table.column(0).combine_chunks(), min(raw.tell(), self.size)
+                    if not buf:
+                        return
+
     def batches(self) -> Iterator[tuple[pa.Array, int]]:
         """``(column values, bytes of the file consumed so far)`` per batch; the last reports the whole file."""
         try:
@@ -114,11 +143,7 @@ class _Source:
                         rows += b.num_rows
                         yield b.column(0), self.size * rows // total
             else:
-                opts = pj.ParseOptions(explicit_schema=pa.schema([(self.column, self.type)]),
-                                       unexpected_field_behavior="ignore")
-                with self._open_json(opts, 8 << 20) as (reader, raw):
-                    for b in reader:
-                        yield b.column(0), min(raw.tell(), self.size)
+                yield from self._json_blocks(8 << 20)
         except (pa.ArrowException, OSError) as e:
             raise FormatError(f"cannot parse column {self.column!r}: {str(e)[:300]}", path=self.path) from None
         yield pa.nulls(0, self.type), self.size
@@ -242,6 +267,9 @@ def pack_records(inputs: Inputs, out: str | os.PathLike, *, kind: str = "auto", 
                     bar.advance(done - counted)
                     counted = done
             w.extra["skipped_null_rows"] = skipped
+    if mode == "text":  # after the pack, so the line is not lost above the bar (and a failed pack has one line)
+        log.warning("column %r is stored as raw text, not token ids: token plans (seq_len) need them; pack with "
+                    "--tokenizer tokenizer.json (tokenizer= in Python) to tokenize", sources[0].column)
     return os.path.abspath(os.fspath(out))
 
 
