@@ -62,8 +62,8 @@ def blend(weights, num_items):
     return out
 
 
-def doc_order(n: int, block_size: int, seed: int, dataset: int, epoch: int) -> list[int]:
-    nb = -(-n // block_size)
+def doc_order(n: int, block_size: int | None, seed: int, dataset: int, epoch: int) -> list[int]:
+    nb = -(-n // block_size) if block_size else max(-(-n // 256), min(n, 4096))
     order = []
     for k in range(nb):
         b = perm(k, nb, key(seed, dataset, epoch, 0))
@@ -73,7 +73,7 @@ def doc_order(n: int, block_size: int, seed: int, dataset: int, epoch: int) -> l
     return order
 
 
-def reference_compact(sizes, weights, *, seed: int, seq_len: int, num_items: int, block_size: int) -> dict:
+def reference_compact(sizes, weights, *, seed: int, seq_len: int, num_items: int, block_size: int | None) -> dict:
     """The five plan arrays of the compact plan of ``sizes`` (token counts per dataset)."""
     items = blend(weights, num_items)
     need = [0] * len(sizes)

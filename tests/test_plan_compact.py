@@ -79,7 +79,7 @@ def test_small_corpus_matches_reference_and_stream_is_exact():
 @given(
     data=st.data(),
     num_sources=st.integers(1, 3),
-    block_size=st.integers(1, 40),
+    block_size=st.one_of(st.none(), st.integers(1, 40)),
     seq_len=st.integers(1, 40),
     seed=st.integers(0, 2**64 - 1),
     batch=st.sampled_from([1, 2, 4, 6, 8]),
@@ -119,6 +119,7 @@ def test_blend_shares_and_epochs_argument():
     per_step = np.stack([np.bincount(first[s * 10 : (s + 1) * 10], minlength=3) for s in range(300)])
     assert (per_step.min(axis=0) >= [4, 2, 1]).all() and (per_step.max(axis=0) <= [6, 4, 3]).all()  # within one
     assert blend_counts([5, 3, 2], 65536).sum() == 65536
+    assert [d["blocks"] for d in plan.summary["datasets"]] == [500, 300, 200]  # default: one per document here
     one = build_plan(_sources(sizes[:1], [1.0]), seed=1, global_batch_size=10, seq_len=8, epochs=2.0, compact=True)
     total = int(sizes[0].sum())
     assert one.num_steps == (2 * ((total - 1) // 8)) // 10 and one.inputs["epochs"] == 2.0
@@ -208,6 +209,13 @@ def test_bad_arguments():
         build_plan([(ArraySource(np.zeros(5, np.int64), tokens=True), 1.0)], seq_len=8, **kw)
     with pytest.raises(PlanError, match="negative"):
         build_plan([(ArraySource(np.array([3, -1, 4]), tokens=True), 1.0)], seq_len=8, **kw)
+
+
+def test_default_block_count():
+    from foresight.plan.compact import num_blocks
+
+    assert [num_blocks(n, None) for n in (1, 100, 4096, 10**6, 2 * 10**6)] == [1, 100, 4096, 4096, 7813]
+    assert num_blocks(1000, 256) == 4 and num_blocks(1, 256) == 1
 
 
 def test_memmapped_uint16_counts_are_read_in_place(tmp_path):

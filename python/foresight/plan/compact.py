@@ -4,9 +4,11 @@ A compact plan stores its inputs and, per dataset and epoch, the token prefix su
 blocks in their shuffled order (8 bytes per block); any item's pieces are computed on demand from
 those, a keyed Feistel bijection (:mod:`foresight.plan.permute`) and the datasets' token counts.
 
-* Blocks: dataset d's n documents are cut into ``nb = ceil(n / block_size)`` blocks by stride:
-  block b holds documents ``b, b + nb, b + 2*nb, ...`` (``ceil((n - b) / nb)`` of them), so documents
-  next to each other in the corpus fall in different blocks.
+* Blocks: dataset d's n documents are cut into ``nb`` blocks by stride: block b holds documents
+  ``b, b + nb, b + 2*nb, ...`` (``ceil((n - b) / nb)`` of them), so documents next to each other in the
+  corpus fall in different blocks. ``nb = ceil(n / block_size)`` for a given block_size; by default
+  ``max(ceil(n / 256), min(n, 4096))`` (:func:`num_blocks`): blocks of 256 documents, smaller ones for
+  corpora under a million documents so the block order alone spreads neighbours as a uniform shuffle does.
 * Epoch e of dataset d visits blocks in the order ``perm(k, nb, block_key(seed, d, e))`` for
   k = 0..nb-1, and inside block b its slots in the order ``perm(j, count_b, inner_key(seed, d, e, b))``
   (slot j is document ``b + j*nb``). The epochs, one after another, form the dataset's token stream.
@@ -51,9 +53,12 @@ COMPACT_FORMAT_VERSION = 2
 #: The compact kind's one array: every (dataset, epoch)'s block prefix sums, nb + 1 entries each.
 COMPACT_ARRAYS: dict[str, str] = {"block_prefix": "<i8"}
 SHUFFLE = "compact"
-#: Documents per block: 8 bytes of plan per block (about 0.03 bytes per sequence at 2K-token documents and
-#: seq_len 8192) and at most this many token counts read to place a random step.
+#: Documents per block by default: 8 bytes of plan per block (about 0.03 bytes per sequence at 2K-token
+#: documents and seq_len 8192) and at most this many token counts read to place a random step.
 DEFAULT_BLOCK_SIZE = 256
+#: ...but at least this many blocks (or one per document) by default: the spread of corpus neighbours is that of
+#: one random permutation of the blocks, whose relative standard deviation is about 1.2 / sqrt(num_blocks).
+MIN_BLOCKS = 4096
 #: Items per blend period for mixtures (the weights are kept to 1 / BLEND_PERIOD).
 BLEND_PERIOD = 1 << 16
 _CHUNK = 1 << 22  # token counts read per chunk while building (bounded memory for memmapped indexes)
@@ -104,6 +109,14 @@ def items_per_source(counts: np.ndarray, pattern: np.ndarray, num_items: int) ->
 
 
 # ---- building ---------------------------------------------------------------------------------------
+def num_blocks(n: int, block_size: int | None) -> int:
+    """Blocks of a dataset of n documents: ``ceil(n / block_size)``, or by default
+    ``max(ceil(n / DEFAULT_BLOCK_SIZE), min(n, MIN_BLOCKS))``."""
+    if block_size is not None:
+        return -(-n // block_size)
+    return max(-(-n // DEFAULT_BLOCK_SIZE), min(n, MIN_BLOCKS))
+
+
 def _token_counts(ds: Any, index: int) -> np.ndarray:
     """The dataset's token counts as a 1-D array the kernel reads in place (uint16/int32/uint32/int64)."""
     sizes = ds.token_counts()
@@ -140,12 +153,11 @@ def build_compact(checked: list[tuple[Any, float]], *, seed: int, global_batch_s
     """The compact plan of already-checked sources (``build_plan(..., compact=True)`` calls this)."""
     if seed > MASK64:
         raise PlanError("a compact plan's seed must be below 2**64", seed=seed)
-    block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
     srcs = []
     for i, (ds, _) in enumerate(checked):
         n = int(ds.num_samples)
         sizes = _token_counts(ds, i)
-        nb = -(-n // block_size)
+        nb = num_blocks(n, block_size)
         totals, total = block_totals(sizes, nb, i)
         if total < 1:
             raise PlanError("token dataset holds no tokens", source=i)
@@ -415,10 +427,10 @@ def check_compact_header(doc: Any, json_path: str) -> tuple[dict[str, Any], str]
         _field(inputs, "num_steps", (int,), "inputs", optional=True)
         _field(inputs, "epochs", (float,), "inputs", optional=True)
         _require(_field(inputs, "shuffle", (str,), "inputs") == SHUFFLE, f"inputs.shuffle must be {SHUFFLE!r}")
-        block_size = _field(inputs, "block_size", (int,), "inputs")
+        block_size = _field(inputs, "block_size", (int,), "inputs", optional=True)
         period = _field(inputs, "blend_period", (int,), "inputs")
         sources = _field(inputs, "sources", (list,), "inputs")
-        _require(0 <= seed <= MASK64 and b >= 1 and seq_len >= 1 and block_size >= 1,
+        _require(0 <= seed <= MASK64 and b >= 1 and seq_len >= 1 and (block_size is None or block_size >= 1),
                  "seed, global_batch_size, seq_len or block_size out of range")
         _require(1 <= len(sources) <= 65535, "inputs.sources must list 1 to 65535 datasets")
         _require(period == blend_period(len(sources)), f"inputs.blend_period must be {blend_period(len(sources))}")
@@ -445,8 +457,8 @@ def check_compact_header(doc: Any, json_path: str) -> tuple[dict[str, Any], str]
             _field(d, "epochs_covered", (float,), where)
             tokens = _field(d, "tokens", (int,), where)
             _require(tokens >= 1, f"{where}.tokens must be >= 1")
-            _require(_field(d, "blocks", (int,), where) == -(-s["num_samples"] // block_size),
-                     f"{where}.blocks must be ceil(num_samples / block_size)")
+            _require(_field(d, "blocks", (int,), where) == num_blocks(s["num_samples"], block_size),
+                     f"{where}.blocks must be {num_blocks(s['num_samples'], block_size)}")
             need = -(-(d["items"] * seq_len + 1) // tokens) if d["items"] else 0
             _require(_field(d, "epochs_started", (int,), where) == need, f"{where}.epochs_started must be {need}")
         _require(set(arrays) == set(COMPACT_ARRAYS), f"arrays must be exactly {sorted(COMPACT_ARRAYS)}")
