@@ -22,7 +22,7 @@ builder's time over ours (> 1: ours is faster), and ``does`` says what each buil
 The compact kind (``foresight-compact``) is also measured by ``bench/plan_compact.py``: mixing statistics
 beside the global and block shuffles and megatron-core's GPTDataset order (``--mixing-docs``), and its cost at
 10M and 100M sequences (``--compact-sizes``; add 1800000000 for the 15T-token case, whose document lengths are
-generated and written in chunks to a memmapped file under ``$FORESIGHT_BENCH_TMP`` or /tmp, about 15 GB).
+generated and written in chunks to a memmapped file under ``--scratch`` or /tmp, about 15 GB).
 
 Usage::
 
@@ -182,6 +182,7 @@ def main() -> int:
     ap.add_argument("--compact-sizes", default="10000000,100000000", help="sequences for the compact scale rows")
     ap.add_argument("--megatron-limit", type=int, default=100_000_000,
                     help="largest size megatron-core's indexes are built at (beyond: sized from dtypes)")
+    ap.add_argument("--scratch", default=None, help="directory for the scale rows' generated corpus and plans")
     ap.add_argument("--worker", nargs=3, metavar=("IMPL", "KIND", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -238,7 +239,8 @@ def main() -> int:
                           "P(same or adjacent sequence); source 0's sequences per step of 512 at 0.7/0.3")
     if "scale" in sections:
         scale = scale_rows([20_000] if args.smoke else [int(s) for s in args.compact_sizes.split(",")],
-                           args.smoke, args.megatron_limit, with_megatron="megatron" in impls)
+                           args.smoke, args.megatron_limit, with_megatron="megatron" in impls,
+                           scratch=args.scratch)
         print_table(scale, ["impl", "seqs", "docs", "build_s", "cpu_s", "build_mem_gib", "bytes_per_seq",
                             "file_bytes", "open_s", "open_verify_s", "step_ms_median", "step_ms_p99",
                             "window_seqs_per_s", "generate_s", "note"],

@@ -256,9 +256,11 @@ def megatron_scale(n_seqs: int, workdir: str, run: bool) -> dict:
     return out
 
 
-def scale_rows(sizes: list[int], smoke: bool, megatron_limit: int, *, with_megatron: bool = True) -> list[dict]:
-    """Each size in its own subprocess (fresh memory), compact then megatron on the same lengths."""
-    workdir = tempfile.mkdtemp(prefix="plan-compact-bench-", dir=os.environ.get("FORESIGHT_BENCH_TMP"))
+def scale_rows(sizes: list[int], smoke: bool, megatron_limit: int, *, with_megatron: bool = True,
+               scratch: str | None = None) -> list[dict]:
+    """Each size in its own subprocess (fresh memory), compact then megatron on the same lengths; the generated
+    corpus and the plans go to a temporary directory under ``scratch`` (default: the system's)."""
+    workdir = tempfile.mkdtemp(prefix="plan-compact-bench-", dir=scratch)
     rows = []
     try:
         for n in sizes:
