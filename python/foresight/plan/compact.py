@@ -305,6 +305,13 @@ class CompactPlan(Plan):
         ptr, cols = self._run(int(start), int(stop), capacity=None)
         return Pieces(ptr, cols["piece_dataset"], cols["piece_sample"], cols["piece_offset"], cols["piece_length"])
 
+    def memory_bytes(self) -> int:
+        """Bytes this plan holds in memory to compute steps, beyond ``block_prefix`` (memory-mapped from its file)
+        and the datasets' token counts (their own index): the blend period and per-dataset descriptors."""
+        prefix = self.arrays["block_prefix"]
+        return sum(a.nbytes for a in self._args()[:-1]
+                   if isinstance(a, np.ndarray) and not np.shares_memory(a, prefix))
+
     # ---- internals ------------------------------------------------------------------------------------
     def _sources(self) -> list:
         if self._datasets is None:
