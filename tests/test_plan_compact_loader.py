@@ -102,3 +102,16 @@ def test_dataloader_adapter_over_a_compact_plan(corpus):
     assert len(adapter) == STEPS
     got = [b["tokens"].clone() for b in torch.utils.data.DataLoader(adapter, batch_size=None)]
     assert len(got) == STEPS and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_verifying_loader_over_a_compact_plan(corpus):
+    root, datasets, _, _ = corpus
+    web = datasets[0]
+    plan = build_plan([(web, 1.0)], seed=4, global_batch_size=BATCH, seq_len=SEQ, num_steps=6, compact=True)
+    ref = reference_compact([web.token_counts()], [1.0], seed=4, seq_len=SEQ, num_items=6 * BATCH, block_size=None)
+    materialized = Plan(inputs=plan.inputs, summary=dict(plan.summary, num_pieces=len(ref["piece_sample"])),
+                        arrays=ref)
+    with Loader([web], materialized) as loader:
+        want = _batches(loader)
+    with Loader([web], plan, verify=True) as loader:  # checksums of every sample a step reads
+        assert _same(_batches(loader), want)

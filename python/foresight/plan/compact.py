@@ -141,7 +141,9 @@ def block_totals(sizes: np.ndarray, num_blocks: int, index: int) -> tuple[np.nda
         if chunk.dtype.kind == "i" and chunk.size and int(chunk.min()) < 0:
             raise PlanError("token_counts() has a negative entry", source=index, sample=lo + int(np.argmin(chunk)))
         whole = chunk.shape[0] // num_blocks
-        if whole:
+        if whole == 1:  # large corpora: one row per chunk, added in one pass
+            np.add(totals, chunk[:num_blocks], out=totals)
+        elif whole:
             totals += chunk[: whole * num_blocks].reshape(whole, num_blocks).sum(axis=0, dtype=np.int64)
         tail = chunk[whole * num_blocks :]
         totals[: tail.shape[0]] += tail
