@@ -12,9 +12,10 @@ into sequences of 2,048 tokens, one epoch, global batch 1 (so item = sequence):
 
 Scale: document lengths 1..4095 tokens (mean 2,048) from a deterministic generator written in chunks to a uint16
 file (memmapped, never held), seq_len 8,192, global batch 512, one epoch. Reported per size: build time (wall, CPU)
-and peak anonymous memory growth (the memmapped index's pages are reported apart, as ``build_rss_gib``), the plan's files and in-memory arrays per sequence, open-to-first-step (load without and
-with the digest check, attach the index, step 0's pieces), random step lookup (median, p99), and the rate of
-materializing a window of 10,000 consecutive steps. megatron-core beside it: its GPTDataset index build
+and peak anonymous memory growth (the memmapped index's pages apart, as ``build_rss_gib``), the plan's files and
+in-memory arrays per sequence, open-to-first-step (load without and with the digest check, attach the index, step
+0's pieces), random step lookup (median, p99; wall and this thread's CPU time), and the rate of materializing a
+window of 10,000 consecutive steps. megatron-core beside it: its GPTDataset index build
 (document shuffle, build_sample_idx, shuffle index) where it fits, else its bytes from its dtypes.
 
 Example::

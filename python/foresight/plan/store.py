@@ -37,7 +37,7 @@ from foresight.plan.plan import ARRAY_DTYPES, FORMAT_NAME, FORMAT_VERSION, Plan
 
 PLAN_JSON = "plan.json"
 MAX_JSON_BYTES = 64 << 20
-COMPACT_FORMAT_VERSION = 2  # foresight.plan.compact: read by load_compact (imported lazily: it imports this module)
+COMPACT_FORMAT_VERSION = 2  # read by plan/compact_store.py (imported lazily: it imports this module)
 CHUNK = 1 << 22  # elements per chunk of the structural checks and hashing (bounded memory)
 _DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 SHUFFLES = ("global", "block")
@@ -137,7 +137,7 @@ def load_plan(path: str, *, verify: bool = True) -> Plan:
         raise FormatError("not a plan directory: plan.json is missing (an unfinished save?)", path=json_path)
     doc = _read_json(json_path)
     if isinstance(doc, dict) and doc.get("format_version") == COMPACT_FORMAT_VERSION:
-        from foresight.plan.compact import load_compact
+        from foresight.plan.compact_store import load_compact
 
         return load_compact(path, doc, verify=verify)
     header, digest = _check_header(doc, json_path)
