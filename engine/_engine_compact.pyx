@@ -21,6 +21,12 @@ SIZE_U16, SIZE_I32, SIZE_U32, SIZE_I64 = 0, 1, 2, 3
 
 # Error codes of pack_range (negative returns); info[0:4] = dataset, epoch, block position, block id.
 cdef enum:
+    # A block of at most this many documents is expanded at once when entered: its document ids first (pure
+    # arithmetic), then their token counts in one gather loop whose loads the CPU overlaps, instead of one
+    # dependent cache miss per document.
+    BLOCK_BUFFER = 512
+
+cdef enum:
     ERR_BLOCK_TOTAL = -1   # a block's documents do not add up to its stored total (token counts changed)
     ERR_EPOCHS = -2        # the stream ran past the plan's epochs (block prefix inconsistent)
     ERR_NEGATIVE = -3      # a negative token count
@@ -110,7 +116,6 @@ def block_prefix(const int64_t[::1] totals, uint64_t key, int64_t[::1] out) -> N
 
 
 cdef struct Cursor:
-    int64_t next_item   # the dataset-local item this cursor sits at the start of (-1: not placed)
     int64_t epoch
     int64_t pos         # block position in the epoch's order
     int64_t block       # block id at that position
@@ -121,6 +126,9 @@ cdef struct Cursor:
     int64_t doc
     int64_t size
     int64_t off         # token offset inside doc (always < size)
+    int64_t buffered    # the block's documents and sizes are in ids/sizes below (blocks of <= BLOCK_BUFFER)
+    int64_t ids[BLOCK_BUFFER]
+    int64_t sizes[BLOCK_BUFFER]
 
 
 cdef struct Source:
@@ -140,10 +148,21 @@ cdef int enter_block(Cursor* c, const Source* s, const uint64_t* bkeys, const ui
     c.inner_key = mix64(ikeys[s.key_base + c.epoch] ^ <uint64_t>c.block)
     c.slot = 0
     c.acc = 0
+    cdef int64_t j
+    c.buffered = c.count <= BLOCK_BUFFER
+    if c.buffered:
+        for j in range(c.count):
+            c.ids[j] = c.block + <int64_t>permute(<uint64_t>j, <uint64_t>c.count, c.inner_key) * s.nb
+        for j in range(c.count):
+            c.sizes[j] = size_at(s.sizes, s.code, c.ids[j])
     return 0
 
 
 cdef inline void load_doc(Cursor* c, const Source* s) noexcept nogil:
+    if c.buffered:
+        c.doc = c.ids[c.slot]
+        c.size = c.sizes[c.slot]
+        return
     c.doc = c.block + <int64_t>permute(<uint64_t>c.slot, <uint64_t>c.count, c.inner_key) * s.nb
     c.size = size_at(s.sizes, s.code, c.doc)
 
@@ -247,17 +266,18 @@ def pack_range(int64_t start, int64_t stop, int64_t seq_len,
         if pattern[d] >= D:
             raise ValueError("pack_range: blend pattern names a dataset out of range")
     import numpy as np
-    cursors_arr = np.zeros((D, sizeof(Cursor) // 8 + 1), dtype=np.int64)
+    # One cursor per dataset (8 KiB with its block buffer), written only once its dataset is first placed, so a
+    # large mixture's unused cursors cost address space, not memory. placed[d]: the dataset-local item its
+    # cursor sits at the start of (-1: none yet).
+    cursors_arr = np.empty((D, sizeof(Cursor) // 8 + 1), dtype=np.int64)
+    placed_arr = np.full(D, -1, dtype=np.int64)
+    cdef int64_t[::1] placed = placed_arr
     sources_arr = np.zeros((D, sizeof(Source) // 8 + 1), dtype=np.int64)
     cdef int64_t[:, ::1] cmem = cursors_arr
     cdef int64_t[:, ::1] smem = sources_arr
-    cdef Cursor* cur = <Cursor*>&cmem[0, 0]
-    cdef Source* src = <Source*>&smem[0, 0]
     cdef Cursor* cs
     cdef Source* ss
     for d in range(D):
-        cs = <Cursor*>&cmem[d, 0]
-        cs.next_item = -1
         ss = <Source*>&smem[d, 0]
         ss.sizes = <const void*>size_ptrs[d]
         ss.code = size_codes[d]
@@ -281,7 +301,7 @@ def pack_range(int64_t start, int64_t stop, int64_t seq_len,
             k = r * period_counts[d] + pattern_rank[q]
             cs = <Cursor*>&cmem[d, 0]
             ss = <Source*>&smem[d, 0]
-            if cs.next_item != k:
+            if placed[d] != k:
                 rc = locate(cs, ss, k * seq_len, pre, bk, ik)
                 if rc < 0:
                     break
@@ -304,7 +324,7 @@ def pack_range(int64_t start, int64_t stop, int64_t seq_len,
                     break
             if rc < 0:
                 break
-            cs.next_item = k + 1
+            placed[d] = k + 1
             item_ptr[i - start + 1] = out
     if rc < 0:
         info[0] = d

@@ -107,6 +107,19 @@ def test_hypothesis_equals_reference(data, num_sources, block_size, seq_len, see
     np.testing.assert_array_equal(np.concatenate([p.length for p in parts]), ref["piece_length"][lo:hi])
 
 
+@pytest.mark.parametrize("block_size", [513, 1000, 5000])
+def test_blocks_larger_than_the_kernels_buffer(block_size):
+    # blocks of more than 512 documents are walked document by document instead of expanded at once
+    rng = np.random.default_rng(block_size)
+    a, b = rng.integers(0, 30, 2100), rng.integers(1, 9, 700)
+    plan = build_plan(_sources([a, b], [0.5, 0.5]), seed=2, global_batch_size=4, seq_len=64, num_steps=120,
+                      compact=True, block_size=block_size)
+    ref = _assert_equal_to_reference(plan, [a, b], [0.5, 0.5], 2, 64, block_size)
+    step = plan.pieces(*plan.step_items(77))  # placed from scratch, mid-block
+    lo, hi = ref["item_ptr"][77 * 4], ref["item_ptr"][78 * 4]
+    np.testing.assert_array_equal(step.sample, ref["piece_sample"][lo:hi])
+
+
 def test_blend_shares_and_epochs_argument():
     rng = np.random.default_rng(1)
     sizes = [rng.integers(1, 30, 500), rng.integers(1, 30, 300), rng.integers(1, 30, 200)]
