@@ -101,20 +101,17 @@ def build_plan(
         block_size = check_compact_args(kind, shuffle, block_size)
     elif shuffle not in SHUFFLES:
         raise PlanError(f"shuffle must be one of {SHUFFLES}", shuffle=shuffle)
-    if compact:
-        pass
     elif shuffle == "block":
         block_size = _check_int("block_size", block_size, minimum=1, hint="block shuffle needs block_size")
     elif block_size is not None:
         raise PlanError("block_size is only for shuffle='block'", block_size=block_size)
     if (num_steps is None) == (epochs is None):
         raise PlanError("give exactly one of num_steps or epochs", num_steps=num_steps, epochs=epochs)
-
+    if num_steps is not None:
+        num_steps = _check_int("num_steps", num_steps, minimum=1)
+    elif isinstance(epochs, bool) or not isinstance(epochs, numbers.Real) or not (0 < epochs < math.inf):
+        raise PlanError("epochs must be a positive finite number", epochs=epochs)
     if compact:
-        if num_steps is not None:
-            num_steps = _check_int("num_steps", num_steps, minimum=1)
-        elif isinstance(epochs, bool) or not isinstance(epochs, numbers.Real) or not (0 < epochs < math.inf):
-            raise PlanError("epochs must be a positive finite number", epochs=epochs)
         return build_compact(checked, seed=seed, global_batch_size=global_batch_size, seq_len=seq_len,
                              num_steps=num_steps, epochs=epochs, block_size=block_size)
 
@@ -122,11 +119,7 @@ def build_plan(
     weights = weights / weights.sum()
     srcs = [_describe(i, ds, float(w), kind, seq_len) for i, (ds, w) in enumerate(checked)]
 
-    if num_steps is not None:
-        num_steps = _check_int("num_steps", num_steps, minimum=1)
-    else:
-        if isinstance(epochs, bool) or not isinstance(epochs, numbers.Real) or not (0 < epochs < math.inf):
-            raise PlanError("epochs must be a positive finite number", epochs=epochs)
+    if num_steps is None:
         per_epoch = sum(s.items_per_epoch for s in srcs)
         num_steps = math.floor(float(epochs) * per_epoch) // global_batch_size
         if num_steps < 1:

@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=None, help="samples per block (--shuffle block)")
     parser.add_argument("--compact", action="store_true",
                         help="compact plan: steps computed on demand from a few bytes per block (token data; "
-                             "--block-size is then documents per block; default 256, fewer under a million documents)")
+                             "--block-size is then documents per block: default 256, fewer under a million "
+                             "documents)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing plan directory")
 
 
