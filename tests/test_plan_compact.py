@@ -168,6 +168,18 @@ def test_save_load_digest_and_datasets(tmp_path):
         loaded.attach([ArraySource(rng.integers(0, 40, 500), tokens=True)])
 
 
+def test_pickled_plan_rebuilds_its_kernel_arguments():
+    import pickle
+
+    src = ArraySource(np.arange(1, 300), tokens=True)
+    plan = build_plan([(src, 1.0)], seed=3, global_batch_size=4, seq_len=32, num_steps=20, compact=True)
+    want = plan.pieces(0, plan.num_items)
+    copy = pickle.loads(pickle.dumps(plan))
+    assert copy._kernel_args is None  # raw addresses never cross a process boundary
+    for x, y in zip(copy.pieces(0, copy.num_items), want):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_corrupt_files_are_refused(tmp_path):
     src = ArraySource(np.arange(1, 200), tokens=True)
     out = str(tmp_path / "plan")

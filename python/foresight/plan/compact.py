@@ -307,6 +307,12 @@ class CompactPlan(Plan):
         ptr, cols = self._run(int(start), int(stop), capacity=None)
         return Pieces(ptr, cols["piece_dataset"], cols["piece_sample"], cols["piece_offset"], cols["piece_length"])
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the kernel's arguments hold raw addresses of this process's token-count arrays: rebuilt where unpickled
+        state = dict(self.__dict__, _kernel_args=None)
+        state["_prefix_cache"] = {"items": 0, "ptr": np.zeros(1, np.int64), "pieces": None}
+        return state
+
     def memory_bytes(self) -> int:
         """Bytes this plan holds in memory to compute steps, beyond ``block_prefix`` (memory-mapped from its file)
         and the datasets' token counts (their own index): the blend period and per-dataset descriptors."""
