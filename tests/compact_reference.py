@@ -10,6 +10,8 @@ Example::
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 M64 = (1 << 64) - 1
@@ -47,8 +49,7 @@ def blend(weights, num_items):
     """(dataset, dataset-local item) of every global item."""
     d_count = len(weights)
     period = 1 if d_count == 1 else 65536
-    w = np.asarray(weights, dtype=np.float64)
-    exact = w / w.sum() * period
+    exact = [float(x) / math.fsum(float(v) for v in weights) * period for x in weights]
     counts = [int(np.floor(x)) for x in exact]
     rest = sorted(range(d_count), key=lambda d: (-(exact[d] - counts[d]), d))
     for d in rest[: period - sum(counts)]:

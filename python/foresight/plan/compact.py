@@ -80,7 +80,7 @@ def blend_counts(weights: Sequence[float], period: int) -> np.ndarray:
     """Items per period for each dataset: ``floor(w * R)`` plus one for the largest remainders (lowest
     index first on ties); every dataset must get at least one."""
     w = np.asarray(weights, dtype=np.float64)
-    exact = w / w.sum() * period
+    exact = w / math.fsum(w.tolist()) * period  # fsum: the correctly rounded sum, the same in any implementation
     counts = np.floor(exact).astype(np.int64)
     rest = exact - counts
     extra = period - int(counts.sum())
