@@ -175,19 +175,18 @@ def build_compact(checked: list[tuple[Any, float]], *, seed: int, global_batch_s
                             global_batch_size=global_batch_size)
     num_items = num_steps * global_batch_size
     items = items_per_source(counts, pattern, num_items)
-    segments, datasets = [], []
+    epochs_used = [-(-(int(c) * seq_len + 1) // src[3]) if c else 0 for c, src in zip(items, srcs)]
+    prefix = np.empty(sum(e * (src[1] + 1) for e, src in zip(epochs_used, srcs)), dtype=np.int64)
+    datasets, base = [], 0
     for d, (n, nb, totals, total) in enumerate(srcs):
-        count = int(items[d])
-        used = -(-(count * seq_len + 1) // total) if count else 0
-        for e in range(used):
-            seg = np.empty(nb + 1, dtype=np.int64)
-            _engine.block_prefix(totals, block_key(seed, d, e), seg)
-            segments.append(seg)
+        count, used = int(items[d]), epochs_used[d]
+        for e in range(used):  # each (dataset, epoch) segment filled in place: one copy of the array, not two
+            _engine.block_prefix(totals, block_key(seed, d, e), prefix[base : base + nb + 1])
+            base += nb + 1
         datasets.append({
             "items": count, "share": count / num_items, "epochs_started": used,
             "epochs_covered": (count * seq_len + 1) / total if count else 0.0, "tokens": total, "blocks": nb,
         })
-    prefix = np.concatenate(segments) if segments else np.zeros(0, np.int64)
     inputs = {
         "seed": seed, "global_batch_size": global_batch_size, "seq_len": seq_len,
         "num_steps": num_steps if epochs is None else None,
