@@ -19,10 +19,16 @@ builder's time over ours (> 1: ours is faster), and ``does`` says what each buil
   megatron: ``_build_shuffle_index`` (``RandomState.shuffle`` of an arange), its analogue for
   unpacked data.
 
+The compact kind (``foresight-compact``) is also measured by ``bench/plan_compact.py``: mixing statistics
+beside the global and block shuffles and megatron-core's GPTDataset order (``--mixing-docs``), and its cost at
+10M and 100M sequences (``--compact-sizes``; add 1800000000 for the 15T-token case, whose document lengths are
+generated and written in chunks to a memmapped file under ``--scratch`` or /tmp, about 15 GB).
+
 Usage::
 
     python bench/plan_build.py            # 10M and 100M samples, 3 runs each (about 15 minutes)
     python bench/plan_build.py --smoke    # 100k samples, one run, a few seconds
+    python bench/plan_build.py --sections scale --compact-sizes 1800000000
 """
 from __future__ import annotations
 
@@ -38,11 +44,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, print_table, write_results
+from plan_compact import mixing_rows, scale_rows
 
 SEQ_LEN = 2048
 BATCH = 512
 MEM_CAP = 16 << 30
-IMPLS = ("foresight", "numpy", "megatron", "foresight-block", "numpy-block")
+IMPLS = ("foresight", "numpy", "megatron", "foresight-block", "numpy-block", "foresight-compact")
 BLOCK = 256  # block size of the block-local shuffles
 # What each builder computes: the rows are not all the same work, so the table says it beside the figure.
 DOES = {
@@ -56,6 +63,8 @@ DOES = {
     ("media", "megatron"): "global shuffle index only (_build_shuffle_index)",
     ("media", "foresight-block"): "block shuffle, one piece per item",
     ("media", "numpy-block"): "same block algorithm, plain numpy",
+    ("tokens", "foresight-compact"): "compact kind: block prefix sums only, steps computed on demand",
+    ("media", "foresight-compact"): "compact kind (token data only)",
 }
 
 
@@ -95,7 +104,16 @@ def worker(impl: str, kind: str, n: int) -> dict:
     tokens_per_epoch = int(sizes.sum())
     num_items = ((tokens_per_epoch - 1) // SEQ_LEN if kind == "tokens" else n) // BATCH * BATCH
     out: dict = {"impl": impl, "kind": kind, "samples": n, "items": num_items}
-    if impl.startswith("foresight"):
+    if impl == "foresight-compact":
+        from foresight.plan import ArraySource, build_plan
+
+        if kind != "tokens":
+            out["error"] = "token data only"
+            return out
+        src = ArraySource(sizes, tokens=True, fingerprint="bench")
+        run = lambda: build_plan([(src, 1.0)], seed=1, global_batch_size=BATCH, seq_len=seq_len, epochs=1,
+                                 compact=True).arrays
+    elif impl.startswith("foresight"):
         from foresight.plan import ArraySource, build_plan
 
         src = ArraySource(sizes, tokens=kind == "tokens", fingerprint="bench")
@@ -159,6 +177,12 @@ def main() -> int:
     ap.add_argument("--sizes", default="10000000,100000000", help="comma-separated sample counts")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--sections", default="build,mixing,scale", help="which of build, mixing, scale to run")
+    ap.add_argument("--mixing-docs", type=int, default=1_000_000, help="documents of the mixing corpus")
+    ap.add_argument("--compact-sizes", default="10000000,100000000", help="sequences for the compact scale rows")
+    ap.add_argument("--megatron-limit", type=int, default=100_000_000,
+                    help="largest size megatron-core's indexes are built at (beyond: sized from dtypes)")
+    ap.add_argument("--scratch", default=None, help="directory for the scale rows' generated corpus and plans")
     ap.add_argument("--worker", nargs=3, metavar=("IMPL", "KIND", "N"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -168,8 +192,9 @@ def main() -> int:
     sizes = [100_000] if args.smoke else [int(s) for s in args.sizes.split(",")]
     repeats = 1 if args.smoke else args.repeats
     impls = args.impls.split(",")
+    sections = args.sections.split(",")
     rows, raw = [], []
-    for n in sizes:
+    for n in sizes if "build" in sections else []:
         for kind in ("tokens", "media"):
             for impl in impls:
                 runs = [run_case(impl, kind, n) for _ in range(repeats)]
@@ -202,13 +227,36 @@ def main() -> int:
     cols = ["kind", "samples", "impl", "build_s", "cpu_s", "vs_numpy", "vs_megatron", "mem_gib", "peak_rss_gib",
             "items", "pieces", "same_as_numpy", "does", "note"]
     print_table(rows, cols, title=f"plan build, {'smoke' if args.smoke else 'full'} (median of {repeats})")
+    mixing, scale = [], []
+    if "mixing" in sections:
+        mixing = mixing_rows(100_000 if args.smoke else args.mixing_docs,
+                             ["global", "block", "compact", "compact-16", "compact-256", "compact-4096"]
+                             + (["megatron"] if "megatron" in impls else []),
+                             steps=40 if args.smoke else 400)
+        print_table(mixing, ["impl", "docs", "seqs", "pairs", "distance", "distance_vs_global", "within_5pct", "near",
+                             "near_uniform", "share_std", "share_maxdev", "note"],
+                    title="\nmixing: corpus-adjacent documents' sequence distance / num_seqs (uniform 1/3), "
+                          "P(same or adjacent sequence); source 0's sequences per step of 512 at 0.7/0.3")
+    if "scale" in sections:
+        scale = scale_rows([20_000] if args.smoke else [int(s) for s in args.compact_sizes.split(",")],
+                           args.smoke, args.megatron_limit, with_megatron="megatron" in impls,
+                           scratch=args.scratch)
+        print_table(scale, ["impl", "seqs", "docs", "build_s", "cpu_s", "build_mem_gib", "bytes_per_seq",
+                            "file_bytes", "open_s", "open_verify_s", "step_ms_median", "step_ms_p99",
+                            "step_cpu_ms_median", "step_cpu_ms_p99", "window_seqs_per_s", "window_seqs_per_cpu_s",
+                            "generate_s", "note"],
+                    title=f"\ncompact plan at scale (seq_len 8192, batch 512, documents 1..4095 tokens; "
+                          f"{os.cpu_count()} cores, shared)")
     path = write_results("plan_build_smoke" if args.smoke else "plan_build",
                          {"machine": machine(), "seq_len": SEQ_LEN, "global_batch_size": BATCH, "repeats": repeats,
-                          "rows": rows, "runs": raw})
+                          "rows": rows, "runs": raw, "mixing": mixing, "compact_scale": scale})
     print(f"wrote {path}")
     bad = [r for r in rows if r.get("same_as_numpy") is False]
     if bad:
         print("ERROR: foresight and numpy plans differ", file=sys.stderr)
+        return 1
+    if any(r.get("within_5pct") is False and r["impl"] == "compact" for r in mixing):  # the default block count
+        print("ERROR: the compact plan mixes worse than the global shuffle by more than 5%", file=sys.stderr)
         return 1
     return 0
 

@@ -15,6 +15,7 @@ _WHAT = {
     "_core": "the C++ core, pybind11",
     "_engine_plan": "the plan loops, Cython",
     "_engine_format": "the shard-writer loops, Cython",
+    "_engine_compact": "the compact plan loops, Cython",
 }
 
 

@@ -17,10 +17,11 @@ Example::
     pieces = plan.pieces(start, stop)
 """
 from foresight.plan.builder import PlanSource, build_plan
+from foresight.plan.compact import COMPACT_FORMAT_VERSION, CompactPlan
 from foresight.plan.locations import open_plan_datasets
 from foresight.plan.plan import ARRAY_DTYPES, FORMAT_VERSION, Pieces, Plan
 from foresight.plan.sources import ArraySource
 from foresight.plan.store import load_plan
 
-__all__ = ["ARRAY_DTYPES", "FORMAT_VERSION", "ArraySource", "Pieces", "Plan", "PlanSource", "build_plan", "load_plan",
+__all__ = ["ARRAY_DTYPES", "COMPACT_FORMAT_VERSION", "FORMAT_VERSION", "ArraySource", "CompactPlan", "Pieces", "Plan", "PlanSource", "build_plan", "load_plan",
            "open_plan_datasets"]

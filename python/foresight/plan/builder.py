@@ -31,6 +31,7 @@ import numpy as np
 
 from foresight._native import load
 from foresight.errors import PlanError
+from foresight.plan.compact import build_compact, check_compact_args
 from foresight.plan.locations import describe_sources
 from foresight.plan.plan import Plan
 from foresight.plan.shuffle import epoch_order, index_dtype
@@ -76,6 +77,7 @@ def build_plan(
     epochs: float | None = None,
     shuffle: str = "global",
     block_size: int | None = None,
+    compact: bool = False,
 ) -> Plan:
     """Build the deterministic global plan of a training job.
 
@@ -83,7 +85,9 @@ def build_plan(
     ``seq_len`` is required) or all non-token data (then it must be None). Give exactly one of
     ``num_steps`` or ``epochs`` (passes over the whole mixture: ``epochs * sum of items per epoch``
     items, rounded down to whole steps). ``shuffle="block"`` keeps runs of ``block_size`` samples
-    together. Raises :class:`PlanError` naming the bad input.
+    together. ``compact=True`` builds the compact kind (:mod:`foresight.plan.compact`: token data only,
+    its own block shuffle with ``block_size`` documents per block), whose steps are computed on demand.
+    Raises :class:`PlanError` naming the bad input.
     """
     checked = _check_sources(sources)
     kind = "tokens" if checked[0][0].token_dtype is not None else "samples"
@@ -93,24 +97,29 @@ def build_plan(
         seq_len = _check_int("seq_len", seq_len, minimum=1, maximum=2**31 - 2, hint="token data needs seq_len")
     elif seq_len is not None:
         raise PlanError("seq_len is only for token data; these datasets hold whole samples", seq_len=seq_len)
-    if shuffle not in SHUFFLES:
+    if compact:
+        block_size = check_compact_args(kind, shuffle, block_size)
+    elif shuffle not in SHUFFLES:
         raise PlanError(f"shuffle must be one of {SHUFFLES}", shuffle=shuffle)
-    if shuffle == "block":
+    elif shuffle == "block":
         block_size = _check_int("block_size", block_size, minimum=1, hint="block shuffle needs block_size")
     elif block_size is not None:
         raise PlanError("block_size is only for shuffle='block'", block_size=block_size)
     if (num_steps is None) == (epochs is None):
         raise PlanError("give exactly one of num_steps or epochs", num_steps=num_steps, epochs=epochs)
+    if num_steps is not None:
+        num_steps = _check_int("num_steps", num_steps, minimum=1)
+    elif isinstance(epochs, bool) or not isinstance(epochs, numbers.Real) or not (0 < epochs < math.inf):
+        raise PlanError("epochs must be a positive finite number", epochs=epochs)
+    if compact:
+        return build_compact(checked, seed=seed, global_batch_size=global_batch_size, seq_len=seq_len,
+                             num_steps=num_steps, epochs=epochs, block_size=block_size)
 
     weights = np.array([w for _, w in checked], dtype=np.float64)
     weights = weights / weights.sum()
     srcs = [_describe(i, ds, float(w), kind, seq_len) for i, (ds, w) in enumerate(checked)]
 
-    if num_steps is not None:
-        num_steps = _check_int("num_steps", num_steps, minimum=1)
-    else:
-        if isinstance(epochs, bool) or not isinstance(epochs, numbers.Real) or not (0 < epochs < math.inf):
-            raise PlanError("epochs must be a positive finite number", epochs=epochs)
+    if num_steps is None:
         per_epoch = sum(s.items_per_epoch for s in srcs)
         num_steps = math.floor(float(epochs) * per_epoch) // global_batch_size
         if num_steps < 1:

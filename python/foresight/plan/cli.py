@@ -38,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="global: a uniform permutation per epoch; block: runs of --block-size samples stay "
                              "together (fewer, larger reads)")
     parser.add_argument("--block-size", type=int, default=None, help="samples per block (--shuffle block)")
+    parser.add_argument("--compact", action="store_true",
+                        help="compact plan: steps computed on demand from a few bytes per block (token data; "
+                             "--block-size is then documents per block: default 256, fewer under a million "
+                             "documents)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing plan directory")
 
 
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     plan = build_plan(
         list(zip(datasets, weights)), seed=args.seed, global_batch_size=args.global_batch_size,
         seq_len=args.seq_len, num_steps=args.steps, epochs=args.epochs, shuffle=args.shuffle,
-        block_size=args.block_size,
+        block_size=args.block_size, compact=args.compact,
     )
     built = time.perf_counter() - t0
     plan.save(args.out, overwrite=args.overwrite)

@@ -37,6 +37,7 @@ from foresight.plan.plan import ARRAY_DTYPES, FORMAT_NAME, FORMAT_VERSION, Plan
 
 PLAN_JSON = "plan.json"
 MAX_JSON_BYTES = 64 << 20
+COMPACT_FORMAT_VERSION = 2  # read by plan/compact_store.py (imported lazily: it imports this module)
 CHUNK = 1 << 22  # elements per chunk of the structural checks and hashing (bounded memory)
 _DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 SHUFFLES = ("global", "block")
@@ -47,10 +48,12 @@ def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def compute_digest(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:
-    """sha256 over the canonical header and each array's little-endian bytes, in a fixed order."""
+def compute_digest(header: dict[str, Any], arrays: dict[str, np.ndarray],
+                   dtypes: dict[str, str] = ARRAY_DTYPES) -> str:
+    """sha256 over the canonical header and each array's little-endian bytes, in a fixed order (``dtypes``:
+    the plan kind's arrays)."""
     h = hashlib.sha256(canonical_json(header))
-    for name, dtype in ARRAY_DTYPES.items():
+    for name, dtype in dtypes.items():
         arr = arrays[name]
         for lo in range(0, arr.shape[0], CHUNK):
             h.update(np.ascontiguousarray(arr[lo : lo + CHUNK], dtype=dtype).data)
@@ -70,7 +73,7 @@ def save_plan(plan: Plan, path: str, *, overwrite: bool = False) -> str:
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
     current = tmp
     try:
-        for name, dtype in ARRAY_DTYPES.items():
+        for name, dtype in getattr(plan, "array_dtypes", ARRAY_DTYPES).items():  # a compact plan has its own
             current = os.path.join(tmp, name + ".npy")
             with open(current, "wb") as f:
                 np.save(f, np.asarray(plan.arrays[name]).astype(dtype, copy=False), allow_pickle=False)
@@ -133,6 +136,10 @@ def load_plan(path: str, *, verify: bool = True) -> Plan:
     if not os.path.isfile(json_path):
         raise FormatError("not a plan directory: plan.json is missing (an unfinished save?)", path=json_path)
     doc = _read_json(json_path)
+    if isinstance(doc, dict) and doc.get("format_version") == COMPACT_FORMAT_VERSION:
+        from foresight.plan.compact_store import load_compact
+
+        return load_compact(path, doc, verify=verify)
     header, digest = _check_header(doc, json_path)
     arrays = {name: _load_array(path, name, header["arrays"][name]) for name in ARRAY_DTYPES}
     _check_arrays(header, arrays, path)
@@ -196,7 +203,8 @@ def _check_header(doc: Any, json_path: str) -> tuple[dict[str, Any], str]:
         _require(isinstance(doc, dict), "plan.json must hold an object")
         _require(_field(doc, "format", (str,), "plan") == FORMAT_NAME, "not a foresight plan (format)")
         version = _field(doc, "format_version", (int,), "plan")
-        _require(version == FORMAT_VERSION, f"unsupported plan format_version {version} (this reads {FORMAT_VERSION})")
+        _require(version == FORMAT_VERSION,
+                 f"unsupported plan format_version {version} (this reads {FORMAT_VERSION} and {COMPACT_FORMAT_VERSION})")
         digest = _field(doc, "digest", (str,), "plan")
         _require(bool(_DIGEST_RE.fullmatch(digest)), "digest is not 'sha256:' + 64 hex digits")
         inputs = _field(doc, "inputs", (dict,), "plan")

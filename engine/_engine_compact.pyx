@@ -1,0 +1,335 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""Compact plan loops: the keyed Feistel bijection, permuted block prefix sums, and the packer that
+turns an item range into pieces on demand (see ``foresight.plan.compact`` and docs/formats.md).
+
+Everything is integer arithmetic on uint64/int64, so results are identical on every machine. The
+functions release the GIL; errors come back as negative codes that the Python side turns into
+:class:`foresight.errors.PlanError` with the dataset, epoch and block named.
+
+Example::
+
+    import numpy as np
+    from foresight import _engine_compact as ec
+    x = np.arange(10, dtype=np.uint64)
+    ec.permute_many(x, 10, 12345)        # a permutation of 0..9, keyed by 12345
+"""
+from libc.stdint cimport int64_t, uint64_t, uint16_t, int32_t, uint32_t
+
+# Token-count array element types, one code per dataset (the arrays are read through raw pointers so
+# each dataset keeps its own dtype, e.g. a uint16 memmap for a huge corpus).
+SIZE_U16, SIZE_I32, SIZE_U32, SIZE_I64 = 0, 1, 2, 3
+
+# Error codes of pack_range (negative returns); info[0:4] = dataset, epoch, block position, block id.
+cdef enum:
+    # A block of at most this many documents is expanded at once when entered: its document ids first (pure
+    # arithmetic), then their token counts in one gather loop whose loads the CPU overlaps, instead of one
+    # dependent cache miss per document.
+    BLOCK_BUFFER = 512
+
+cdef enum:
+    ERR_BLOCK_TOTAL = -1   # a block's documents do not add up to its stored total (token counts changed)
+    ERR_EPOCHS = -2        # the stream ran past the plan's epochs (block prefix inconsistent)
+    ERR_NEGATIVE = -3      # a negative token count
+
+
+cdef inline uint64_t mix64(uint64_t z) noexcept nogil:
+    """The splitmix64 finalizer."""
+    z = (z ^ (z >> 30)) * <uint64_t>0xBF58476D1CE4E5B9ULL
+    z = (z ^ (z >> 27)) * <uint64_t>0x94D049BB133111EBULL
+    return z ^ (z >> 31)
+
+
+cdef inline int half_bits(uint64_t m) noexcept nogil:
+    """Half the bit width of the Feistel domain for [0, m): ceil(bit_length(m - 1) / 2), at least 1."""
+    cdef uint64_t v = m - 1
+    cdef int bits = 0
+    while v:
+        bits += 1
+        v >>= 1
+    bits = (bits + 1) // 2
+    return bits if bits > 0 else 1
+
+
+cdef inline uint64_t feistel(uint64_t x, uint64_t key, int half) noexcept nogil:
+    """Four balanced Feistel rounds over [0, 2^(2*half))."""
+    cdef uint64_t mask = (<uint64_t>1 << half) - 1
+    cdef uint64_t left = x >> half
+    cdef uint64_t right = x & mask
+    cdef uint64_t f, j
+    for j in range(4):
+        f = mix64(key ^ ((j << 32) | right)) & mask
+        f ^= left
+        left = right
+        right = f
+    return (left << half) | right
+
+
+cdef inline uint64_t permute(uint64_t x, uint64_t m, uint64_t key) noexcept nogil:
+    """Position x of the keyed bijection of [0, m): Feistel with cycle-walking back into [0, m)."""
+    if m <= 1:
+        return 0
+    cdef int half = half_bits(m)
+    x = feistel(x, key, half)
+    while x >= m:
+        x = feistel(x, key, half)
+    return x
+
+
+cdef inline int64_t size_at(const void* base, int code, int64_t i) noexcept nogil:
+    if code == 0:
+        return (<const uint16_t*>base)[i]
+    if code == 1:
+        return (<const int32_t*>base)[i]
+    if code == 2:
+        return (<const uint32_t*>base)[i]
+    return (<const int64_t*>base)[i]
+
+
+def permute_many(const uint64_t[::1] x, uint64_t m, uint64_t key) -> object:
+    """The bijection of [0, m) keyed by ``key`` applied to each of ``x`` (all < m)."""
+    import numpy as np
+    out_arr = np.empty(x.shape[0], dtype=np.uint64)
+    cdef uint64_t[::1] out = out_arr
+    cdef Py_ssize_t i
+    for i in range(x.shape[0]):
+        if x[i] >= m:
+            raise ValueError(f"x[{i}] = {x[i]} is not below m = {m}")
+    with nogil:
+        for i in range(x.shape[0]):
+            out[i] = permute(x[i], m, key)
+    return out_arr
+
+
+def block_prefix(const int64_t[::1] totals, uint64_t key, int64_t[::1] out) -> None:
+    """``out[k + 1] = out[k] + totals[perm(k)]``, ``out[0] = 0``: the token prefix sums of the blocks
+    in their permuted order (``perm`` is the bijection of [0, len(totals)) keyed by ``key``)."""
+    cdef Py_ssize_t nb = totals.shape[0]
+    cdef Py_ssize_t k
+    cdef int64_t acc = 0
+    if out.shape[0] != nb + 1:
+        raise ValueError("block_prefix: out must have len(totals) + 1 entries")
+    with nogil:
+        out[0] = 0
+        for k in range(nb):
+            acc += totals[<Py_ssize_t>permute(k, nb, key)]
+            out[k + 1] = acc
+
+
+cdef struct Cursor:
+    int64_t epoch
+    int64_t pos         # block position in the epoch's order
+    int64_t block       # block id at that position
+    int64_t count       # documents in that block
+    uint64_t inner_key  # key of the in-block order
+    int64_t slot        # position inside the block
+    int64_t acc         # tokens of the block's earlier positions
+    int64_t doc
+    int64_t size
+    int64_t off         # token offset inside doc (always < size)
+    int64_t buffered    # the block's documents and sizes are in ids/sizes below (blocks of <= BLOCK_BUFFER)
+    int64_t ids[BLOCK_BUFFER]
+    int64_t sizes[BLOCK_BUFFER]
+
+
+cdef struct Source:
+    const void* sizes
+    int code
+    int64_t n
+    int64_t nb
+    int64_t total
+    int64_t epochs
+    int64_t prefix_base   # offset of epoch 0's prefix in block_prefix; epoch e at + e * (nb + 1)
+    int64_t key_base      # offset of epoch 0's keys in block_keys / inner_keys
+
+
+cdef int enter_block(Cursor* c, const Source* s, const uint64_t* bkeys, const uint64_t* ikeys) noexcept nogil:
+    c.block = <int64_t>permute(<uint64_t>c.pos, <uint64_t>s.nb, bkeys[s.key_base + c.epoch])
+    c.count = (s.n - c.block + s.nb - 1) // s.nb
+    c.inner_key = mix64(ikeys[s.key_base + c.epoch] ^ <uint64_t>c.block)
+    c.slot = 0
+    c.acc = 0
+    cdef int64_t j
+    c.buffered = c.count <= BLOCK_BUFFER
+    if c.buffered:
+        for j in range(c.count):
+            c.ids[j] = c.block + <int64_t>permute(<uint64_t>j, <uint64_t>c.count, c.inner_key) * s.nb
+        for j in range(c.count):
+            c.sizes[j] = size_at(s.sizes, s.code, c.ids[j])
+    return 0
+
+
+cdef inline void load_doc(Cursor* c, const Source* s) noexcept nogil:
+    if c.buffered:
+        c.doc = c.ids[c.slot]
+        c.size = c.sizes[c.slot]
+        return
+    c.doc = c.block + <int64_t>permute(<uint64_t>c.slot, <uint64_t>c.count, c.inner_key) * s.nb
+    c.size = size_at(s.sizes, s.code, c.doc)
+
+
+cdef int next_doc(Cursor* c, const Source* s, const int64_t* prefix, const uint64_t* bkeys,
+                  const uint64_t* ikeys) noexcept nogil:
+    """Move to the next document with at least one token, across blocks and epochs."""
+    cdef const int64_t* p
+    while True:
+        c.acc += c.size
+        c.slot += 1
+        if c.slot == c.count:
+            p = prefix + s.prefix_base + c.epoch * (s.nb + 1)
+            if c.acc != p[c.pos + 1] - p[c.pos]:
+                return ERR_BLOCK_TOTAL
+            c.pos += 1
+            if c.pos == s.nb:
+                c.pos = 0
+                c.epoch += 1
+                if c.epoch >= s.epochs:
+                    return ERR_EPOCHS
+            enter_block(c, s, bkeys, ikeys)
+        load_doc(c, s)
+        if c.size < 0:
+            return ERR_NEGATIVE
+        if c.size > 0:
+            c.off = 0
+            return 0
+
+
+cdef int locate(Cursor* c, const Source* s, int64_t t, const int64_t* prefix, const uint64_t* bkeys,
+                const uint64_t* ikeys) noexcept nogil:
+    """Place the cursor at stream token t: epoch by division, block by binary search of the epoch's
+    prefix sums, document by walking the block's order from its start."""
+    cdef int64_t e = t // s.total
+    cdef int64_t u = t - e * s.total
+    cdef const int64_t* p
+    cdef int64_t lo = 0, hi = s.nb, mid, off
+    if e >= s.epochs:
+        return ERR_EPOCHS
+    p = prefix + s.prefix_base + e * (s.nb + 1)
+    while hi - lo > 1:   # largest lo with p[lo] <= u (then p[lo + 1] > u)
+        mid = (lo + hi) >> 1
+        if p[mid] <= u:
+            lo = mid
+        else:
+            hi = mid
+    c.epoch = e
+    c.pos = lo
+    enter_block(c, s, bkeys, ikeys)
+    off = u - p[lo]
+    while True:
+        if c.slot == c.count:
+            return ERR_BLOCK_TOTAL
+        load_doc(c, s)
+        if c.size < 0:
+            return ERR_NEGATIVE
+        if off < c.size:
+            c.off = off
+            return 0
+        off -= c.size
+        c.acc += c.size
+        c.slot += 1
+
+
+def pack_range(int64_t start, int64_t stop, int64_t seq_len,
+               const uint16_t[::1] pattern, const int64_t[::1] pattern_rank, const int64_t[::1] period_counts,
+               const uint64_t[::1] size_ptrs, const int32_t[::1] size_codes, const int64_t[::1] n_docs,
+               const int64_t[::1] n_blocks, const int64_t[::1] totals, const int64_t[::1] epochs,
+               const int64_t[::1] prefix_base, const int64_t[::1] key_base,
+               const int64_t[::1] prefix, const uint64_t[::1] block_keys, const uint64_t[::1] inner_keys,
+               int64_t[::1] item_ptr, uint16_t[::1] p_dataset, int64_t[::1] p_sample, int64_t[::1] p_offset,
+               int64_t[::1] p_length, int64_t[::1] info) -> int:
+    """Pieces of the global items ``[start, stop)``.
+
+    Item i is item ``k = (i // R) * period_counts[d] + pattern_rank[i % R]`` of dataset
+    ``d = pattern[i % R]`` (R = len(pattern)); that dataset's item k is its token stream's range
+    ``[k * seq_len, k * seq_len + seq_len + 1)``. Writes ``item_ptr`` (stop - start + 1 entries) and
+    the first ``len(p_sample)`` pieces; returns the number of pieces (more than the arrays hold: call
+    again with room for that many), or a negative error code with ``info`` = (dataset, epoch,
+    block position, block id).
+    """
+    cdef Py_ssize_t D = n_docs.shape[0]
+    cdef int64_t R = pattern.shape[0]
+    cdef int64_t capacity = p_sample.shape[0]
+    cdef Py_ssize_t d
+    if R < 1 or pattern_rank.shape[0] != R or period_counts.shape[0] != D:
+        raise ValueError("pack_range: inconsistent blend pattern")
+    if item_ptr.shape[0] != stop - start + 1 or start < 0 or stop < start:
+        raise ValueError("pack_range: item_ptr must have stop - start + 1 entries")
+    if p_dataset.shape[0] < capacity or p_offset.shape[0] < capacity or p_length.shape[0] < capacity:
+        raise ValueError("pack_range: piece arrays of unequal capacity")
+    if info.shape[0] < 4 or seq_len < 1:
+        raise ValueError("pack_range: info needs 4 entries and seq_len >= 1")
+    for d in range(D):
+        if (size_ptrs[d] == 0 or n_blocks[d] < 1 or totals[d] < 1 or
+                prefix_base[d] + epochs[d] * (n_blocks[d] + 1) > prefix.shape[0] or
+                key_base[d] + epochs[d] > block_keys.shape[0] or key_base[d] + epochs[d] > inner_keys.shape[0]):
+            raise ValueError(f"pack_range: dataset {d} is described inconsistently")
+    for d in range(R):
+        if pattern[d] >= D:
+            raise ValueError("pack_range: blend pattern names a dataset out of range")
+    import numpy as np
+    # One cursor per dataset (8 KiB with its block buffer), written only once its dataset is first placed, so a
+    # large mixture's unused cursors cost address space, not memory. placed[d]: the dataset-local item its
+    # cursor sits at the start of (-1: none yet).
+    cursors_arr = np.empty((D, sizeof(Cursor) // 8 + 1), dtype=np.int64)
+    placed_arr = np.full(D, -1, dtype=np.int64)
+    cdef int64_t[::1] placed = placed_arr
+    sources_arr = np.zeros((D, sizeof(Source) // 8 + 1), dtype=np.int64)
+    cdef int64_t[:, ::1] cmem = cursors_arr
+    cdef int64_t[:, ::1] smem = sources_arr
+    cdef Cursor* cs
+    cdef Source* ss
+    for d in range(D):
+        ss = <Source*>&smem[d, 0]
+        ss.sizes = <const void*>size_ptrs[d]
+        ss.code = size_codes[d]
+        ss.n = n_docs[d]
+        ss.nb = n_blocks[d]
+        ss.total = totals[d]
+        ss.epochs = epochs[d]
+        ss.prefix_base = prefix_base[d]
+        ss.key_base = key_base[d]
+    cdef int64_t i, q, r, k, need, take, avail, out = 0
+    cdef int rc = 0
+    cdef const int64_t* pre = &prefix[0]
+    cdef const uint64_t* bk = &block_keys[0]
+    cdef const uint64_t* ik = &inner_keys[0]
+    with nogil:
+        item_ptr[0] = 0
+        for i in range(start, stop):
+            r = i // R
+            q = i - r * R
+            d = pattern[q]
+            k = r * period_counts[d] + pattern_rank[q]
+            cs = <Cursor*>&cmem[d, 0]
+            ss = <Source*>&smem[d, 0]
+            if placed[d] != k:
+                rc = locate(cs, ss, k * seq_len, pre, bk, ik)
+                if rc < 0:
+                    break
+            need = seq_len + 1
+            while True:
+                avail = cs.size - cs.off
+                take = need if need < avail else avail
+                if out < capacity:
+                    p_dataset[out] = <uint16_t>d
+                    p_sample[out] = cs.doc
+                    p_offset[out] = cs.off
+                    p_length[out] = take
+                out += 1
+                need -= take
+                if need == 0:
+                    cs.off += take - 1   # the next item starts at this one's last token
+                    break
+                rc = next_doc(cs, ss, pre, bk, ik)
+                if rc < 0:
+                    break
+            if rc < 0:
+                break
+            placed[d] = k + 1
+            item_ptr[i - start + 1] = out
+    if rc < 0:
+        info[0] = d
+        info[1] = cs.epoch
+        info[2] = cs.pos
+        info[3] = cs.block
+        return rc
+    return out

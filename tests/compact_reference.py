@@ -1,0 +1,106 @@
+"""A plain materialized reference of the compact plan algorithm (docs/formats.md, "Compact plans"), for tests.
+
+Written again from the spec, in scalar Python and numpy, importing nothing from foresight.plan.compact or
+foresight.plan.permute: the Feistel bijection, the keys, the strided blocks, the blend period and the packing.
+It materializes every dataset's whole document order, so it is for small corpora only.
+
+Example::
+
+    arrays = reference_compact([sizes], [1.0], seed=1, seq_len=16, num_items=64, block_size=4)
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+M64 = (1 << 64) - 1
+
+
+def mix(z: int) -> int:
+    z &= M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def key(*parts: int) -> int:
+    h = 0x6A09E667F3BCC908
+    for p in parts:
+        h = mix(h ^ (p & M64))
+    return h
+
+
+def perm(x: int, m: int, k: int) -> int:
+    if m <= 1:
+        return 0
+    half = max(1, ((m - 1).bit_length() + 1) // 2)
+    mask = (1 << half) - 1
+    while True:
+        left, right = x >> half, x & mask
+        for j in range(4):
+            left, right = right, left ^ (mix(k ^ ((j << 32) | right)) & mask)
+        x = (left << half) | right
+        if x < m:
+            return x
+
+
+def blend(weights, num_items):
+    """(dataset, dataset-local item) of every global item."""
+    d_count = len(weights)
+    period = 1 if d_count == 1 else 65536
+    exact = [float(x) / math.fsum(float(v) for v in weights) * period for x in weights]
+    counts = [int(np.floor(x)) for x in exact]
+    rest = sorted(range(d_count), key=lambda d: (-(exact[d] - counts[d]), d))
+    for d in rest[: period - sum(counts)]:
+        counts[d] += 1
+    pairs = sorted(((2 * j + 1) / (2 * counts[d]), d, j) for d in range(d_count) for j in range(counts[d]))
+    out = []
+    for i in range(num_items):
+        r, q = divmod(i, period)
+        _, d, j = pairs[q]
+        out.append((d, r * counts[d] + j))
+    return out
+
+
+def doc_order(n: int, block_size: int | None, seed: int, dataset: int, epoch: int) -> list[int]:
+    nb = -(-n // block_size) if block_size else max(-(-n // 256), min(n, 4096))
+    order = []
+    for k in range(nb):
+        b = perm(k, nb, key(seed, dataset, epoch, 0))
+        count = -(-(n - b) // nb)
+        inner = mix(key(seed, dataset, epoch, 1) ^ b)
+        order += [b + perm(j, count, inner) * nb for j in range(count)]
+    return order
+
+
+def reference_compact(sizes, weights, *, seed: int, seq_len: int, num_items: int, block_size: int | None) -> dict:
+    """The five plan arrays of the compact plan of ``sizes`` (token counts per dataset)."""
+    items = blend(weights, num_items)
+    need = [0] * len(sizes)
+    for d, k in items:
+        need[d] = max(need[d], k + 1)
+    streams = []
+    for d, sz in enumerate(sizes):
+        total = int(np.sum(sz))
+        epochs = -(-(need[d] * seq_len + 1) // total) if need[d] else 0
+        docs = [doc for e in range(epochs) for doc in doc_order(len(sz), block_size, seed, d, e)]
+        docs = [doc for doc in docs if sz[doc] > 0]
+        ends = np.cumsum([int(sz[doc]) for doc in docs]) if docs else np.zeros(0, np.int64)
+        streams.append((docs, ends))
+    ptr, ds, sample, offset, length = [0], [], [], [], []
+    for d, k in items:
+        docs, ends = streams[d]
+        t0, t1 = k * seq_len, k * seq_len + seq_len + 1
+        i = int(np.searchsorted(ends, t0, side="right"))
+        t = t0
+        while t < t1:
+            start = int(ends[i - 1]) if i else 0
+            take = min(t1, int(ends[i])) - t
+            ds.append(d), sample.append(docs[i]), offset.append(t - start), length.append(take)
+            t += take
+            i += 1
+        ptr.append(len(sample))
+    return {"item_ptr": np.array(ptr, np.int64), "piece_dataset": np.array(ds, np.uint16),
+            "piece_sample": np.array(sample, np.int64), "piece_offset": np.array(offset, np.int64),
+            "piece_length": np.array(length, np.int64)}

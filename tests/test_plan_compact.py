@@ -1,0 +1,284 @@
+"""The compact plan kind: equal, item by item, to a plain materialized reference of its algorithm
+(tests/compact_reference.py), stored as plan.json + block prefix sums, digest-checked, and refusing bad input."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from compact_reference import mix, perm, reference_compact
+from foresight import _engine_compact
+from foresight.errors import FormatError, PlanError
+from foresight.plan import ArraySource, CompactPlan, build_plan, load_plan
+from foresight.plan.compact import blend_counts
+from foresight.plan.permute import derive_key, permute, splitmix64
+
+NAMES = ("item_ptr", "piece_dataset", "piece_sample", "piece_offset", "piece_length")
+
+
+def _sources(sizes, weights):
+    return [(ArraySource(np.asarray(s), tokens=True), w) for s, w in zip(sizes, weights)]
+
+
+def _assert_equal_to_reference(plan, sizes, weights, seed, seq_len, block_size):
+    ref = reference_compact(sizes, weights, seed=seed, seq_len=seq_len, num_items=plan.num_items,
+                            block_size=block_size)
+    got = plan.pieces(0, plan.num_items)
+    for name, arr in zip(NAMES, got):
+        np.testing.assert_array_equal(arr, ref[name], err_msg=name)
+    return ref
+
+
+def test_permutation_spec_python_numpy_and_cython_agree():
+    assert splitmix64(0) == mix(0) and derive_key(3, 1, 2, 0) != derive_key(3, 1, 2, 1)
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 100, 1000, 4097):
+        key = derive_key(9, m)
+        x = np.arange(m, dtype=np.uint64)
+        fast = _engine_compact.permute_many(x, m, key)
+        spec = permute(x, m, key)
+        np.testing.assert_array_equal(fast, spec)
+        assert sorted(fast.tolist()) == list(range(m))  # a bijection of [0, m)
+        assert [perm(i, m, key) for i in range(m)] == fast.tolist()
+    big = np.array([0, 1, 12345, 10**12 - 1], dtype=np.uint64)
+    np.testing.assert_array_equal(_engine_compact.permute_many(big, 10**12, 77), permute(big, 10**12, 77))
+    with pytest.raises(ValueError, match="not below"):
+        _engine_compact.permute_many(np.array([5], np.uint64), 5, 1)
+
+
+def test_small_corpus_matches_reference_and_stream_is_exact():
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 50, 300), rng.integers(1, 20, 77)
+    plan = build_plan(_sources([a, b], [0.7, 0.3]), seed=5, global_batch_size=4, seq_len=16, num_steps=200,
+                      compact=True, block_size=8)
+    assert isinstance(plan, CompactPlan) and plan.kind == "tokens"
+    ref = _assert_equal_to_reference(plan, [a, b], [0.7, 0.3], 5, 16, 8)
+    # several epochs of the small dataset were needed, each a fresh order
+    assert plan.summary["datasets"][1]["epochs_started"] >= 3
+    assert np.all(np.add.reduceat(ref["piece_length"], ref["item_ptr"][:-1]) == 17)
+    # windows anywhere give the same pieces as the whole
+    for start, stop in [(0, 1), (5, 9), (123, 456), (799, 800), (300, 300)]:
+        p = plan.pieces(start, stop)
+        lo, hi = ref["item_ptr"][start], ref["item_ptr"][stop]
+        np.testing.assert_array_equal(p.item_ptr, ref["item_ptr"][start : stop + 1] - lo)
+        np.testing.assert_array_equal(p.sample, ref["piece_sample"][lo:hi])
+        np.testing.assert_array_equal(p.offset, ref["piece_offset"][lo:hi])
+    # lazy columns, as the loader reads them
+    assert plan.num_pieces == len(ref["piece_sample"]) == len(plan.piece_length)
+    np.testing.assert_array_equal(np.asarray(plan.item_ptr[:11]), ref["item_ptr"][:11])
+    np.testing.assert_array_equal(np.asarray(plan.piece_length[:40]), ref["piece_length"][:40])
+    assert plan.item_ptr[-1] == plan.num_pieces
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    num_sources=st.integers(1, 3),
+    block_size=st.one_of(st.none(), st.integers(1, 40)),
+    seq_len=st.integers(1, 40),
+    seed=st.integers(0, 2**64 - 1),
+    batch=st.sampled_from([1, 2, 4, 6, 8]),
+    steps=st.integers(1, 30),
+)
+def test_hypothesis_equals_reference(data, num_sources, block_size, seq_len, seed, batch, steps):
+    sizes, weights = [], []
+    for _ in range(num_sources):
+        n = data.draw(st.integers(1, 120))
+        hi = data.draw(st.integers(1, 60))
+        arr = np.array(data.draw(st.lists(st.integers(0, hi), min_size=n, max_size=n)), dtype=np.int64)
+        if arr.sum() == 0:
+            arr[0] = 1
+        sizes.append(arr)
+        weights.append(data.draw(st.floats(0.05, 5.0)))
+    plan = build_plan(_sources(sizes, weights), seed=seed, global_batch_size=batch, seq_len=seq_len,
+                      num_steps=steps, compact=True, block_size=block_size)
+    ref = _assert_equal_to_reference(plan, sizes, weights, seed, seq_len, block_size)
+    # every world size sees the same global sequence: the rank shares concatenate to the step
+    world = data.draw(st.sampled_from([w for w in (1, 2, 3, 4, 6, 8) if batch % w == 0]))
+    step = data.draw(st.integers(0, steps - 1))
+    parts = [plan.pieces(*plan.rank_items(step, r, world)) for r in range(world)]
+    lo, hi = ref["item_ptr"][step * batch], ref["item_ptr"][(step + 1) * batch]
+    np.testing.assert_array_equal(np.concatenate([p.sample for p in parts]), ref["piece_sample"][lo:hi])
+    np.testing.assert_array_equal(np.concatenate([p.length for p in parts]), ref["piece_length"][lo:hi])
+
+
+@pytest.mark.parametrize("block_size", [513, 1000, 5000])
+def test_blocks_larger_than_the_kernels_buffer(block_size):
+    # blocks of more than 512 documents are walked document by document instead of expanded at once
+    rng = np.random.default_rng(block_size)
+    a, b = rng.integers(0, 30, 2100), rng.integers(1, 9, 700)
+    plan = build_plan(_sources([a, b], [0.5, 0.5]), seed=2, global_batch_size=4, seq_len=64, num_steps=120,
+                      compact=True, block_size=block_size)
+    ref = _assert_equal_to_reference(plan, [a, b], [0.5, 0.5], 2, 64, block_size)
+    step = plan.pieces(*plan.step_items(77))  # placed from scratch, mid-block
+    lo, hi = ref["item_ptr"][77 * 4], ref["item_ptr"][78 * 4]
+    np.testing.assert_array_equal(step.sample, ref["piece_sample"][lo:hi])
+
+
+def test_blend_shares_and_epochs_argument():
+    rng = np.random.default_rng(1)
+    sizes = [rng.integers(1, 30, 500), rng.integers(1, 30, 300), rng.integers(1, 30, 200)]
+    plan = build_plan(_sources(sizes, [5, 3, 2]), seed=1, global_batch_size=10, seq_len=8, num_steps=300,
+                      compact=True)
+    shares = [d["share"] for d in plan.summary["datasets"]]
+    assert np.allclose(shares, [0.5, 0.3, 0.2], atol=1e-3)
+    p = plan.pieces(0, plan.num_items)
+    first = np.asarray(p.dataset)[p.item_ptr[:-1]]
+    per_step = np.stack([np.bincount(first[s * 10 : (s + 1) * 10], minlength=3) for s in range(300)])
+    assert (per_step.min(axis=0) >= [4, 2, 1]).all() and (per_step.max(axis=0) <= [6, 4, 3]).all()  # within one
+    assert blend_counts([5, 3, 2], 65536).sum() == 65536
+    assert [d["blocks"] for d in plan.summary["datasets"]] == [500, 300, 200]  # default: one per document here
+    one = build_plan(_sources(sizes[:1], [1.0]), seed=1, global_batch_size=10, seq_len=8, epochs=2.0, compact=True)
+    total = int(sizes[0].sum())
+    assert one.num_steps == (2 * ((total - 1) // 8)) // 10 and one.inputs["epochs"] == 2.0
+    assert one.summary["datasets"][0]["epochs_started"] == 2
+
+
+def test_save_load_digest_and_datasets(tmp_path):
+    rng = np.random.default_rng(2)
+    src = ArraySource(rng.integers(0, 40, 500), tokens=True)
+    plan = build_plan([(src, 1.0)], seed=3, global_batch_size=4, seq_len=32, num_steps=40, compact=True,
+                      block_size=16)
+    out = str(tmp_path / "plan")
+    plan.save(out)
+    assert sorted(os.listdir(out)) == ["block_prefix.npy", "plan.json"]
+    doc = json.loads(open(os.path.join(out, "plan.json")).read())
+    assert doc["format_version"] == 2 and doc["digest"] == plan.digest and doc["summary"]["num_pieces"] is None
+    loaded = load_plan(out)
+    assert isinstance(loaded, CompactPlan) and loaded.digest == plan.digest
+    with pytest.raises(PlanError, match="attach"):  # built from in-memory sizes: no sources.json to find them by
+        loaded.pieces(0, 1)
+    loaded.attach([src])
+    a, b = loaded.pieces(0, loaded.num_items), plan.pieces(0, plan.num_items)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    # the same inputs give the same digest; another seed or block size another
+    again = build_plan([(src, 1.0)], seed=3, global_batch_size=4, seq_len=32, num_steps=40, compact=True,
+                       block_size=16)
+    assert again.digest == plan.digest
+    for kw in ({"seed": 4, "block_size": 16}, {"seed": 3, "block_size": 8}):
+        other = build_plan([(src, 1.0)], global_batch_size=4, seq_len=32, num_steps=40, compact=True, **kw)
+        assert other.digest != plan.digest
+    with pytest.raises(PlanError, match="does not match"):
+        loaded.attach([ArraySource(rng.integers(0, 40, 500), tokens=True)])
+
+
+def test_pickled_plan_rebuilds_its_kernel_arguments():
+    import pickle
+
+    src = ArraySource(np.arange(1, 300), tokens=True)
+    plan = build_plan([(src, 1.0)], seed=3, global_batch_size=4, seq_len=32, num_steps=20, compact=True)
+    want = plan.pieces(0, plan.num_items)
+    copy = pickle.loads(pickle.dumps(plan))
+    assert copy._kernel_args is None  # raw addresses never cross a process boundary
+    for x, y in zip(copy.pieces(0, copy.num_items), want):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_corrupt_files_are_refused(tmp_path):
+    src = ArraySource(np.arange(1, 200), tokens=True)
+    out = str(tmp_path / "plan")
+    build_plan([(src, 1.0)], seed=3, global_batch_size=4, seq_len=32, num_steps=40, compact=True,
+               block_size=16).save(out)
+    prefix = os.path.join(out, "block_prefix.npy")
+    arr = np.load(prefix)
+    edited = arr.copy()
+    edited[3], edited[4] = edited[4], edited[3]  # decreasing, same ends
+    np.save(prefix, edited)
+    with pytest.raises(FormatError, match="must not decrease"):
+        load_plan(out)
+    edited = arr.copy()
+    edited[3] += 1
+    np.save(prefix, edited)
+    with pytest.raises(PlanError, match="digest"):
+        load_plan(out)
+    np.save(prefix, arr)
+    doc = json.loads(open(os.path.join(out, "plan.json")).read())
+    doc["summary"]["datasets"][0]["blocks"] += 1
+    open(os.path.join(out, "plan.json"), "w").write(json.dumps(doc))
+    with pytest.raises(FormatError, match="format_version 2.*blocks"):
+        load_plan(out)
+
+
+def test_changed_token_counts_are_caught_when_walked(tmp_path):
+    sizes = np.arange(1, 200)
+    plan = build_plan([(ArraySource(sizes, tokens=True), 1.0)], seed=3, global_batch_size=4, seq_len=32,
+                      num_steps=40, compact=True, block_size=16)
+    changed = sizes.copy()
+    changed[:] = 1
+    plan._datasets = [ArraySource(changed, tokens=True)]  # as if the index had been rewritten under the plan
+    with pytest.raises(PlanError, match="do not add up|ran past"):
+        plan.pieces(0, plan.num_items)
+
+
+def test_bad_arguments():
+    src = ArraySource(np.arange(1, 50), tokens=True)
+    media = ArraySource(np.arange(1, 50), tokens=False)
+    kw = dict(seed=1, global_batch_size=2, num_steps=5, compact=True)
+    with pytest.raises(PlanError, match="token data"):
+        build_plan([(media, 1.0)], **kw)
+    with pytest.raises(PlanError, match="own shuffle"):
+        build_plan([(src, 1.0)], seq_len=8, shuffle="block", block_size=4, **kw)
+    with pytest.raises(PlanError, match="block_size"):
+        build_plan([(src, 1.0)], seq_len=8, block_size=0, **kw)
+    with pytest.raises(PlanError, match="2\\*\\*64"):
+        build_plan([(src, 1.0)], seq_len=8, **dict(kw, seed=2**64))
+    with pytest.raises(PlanError, match="too small"):
+        build_plan([(src, 1.0), (src, 1e-6)], seq_len=8, **kw)
+    with pytest.raises(PlanError, match="no tokens"):
+        build_plan([(ArraySource(np.zeros(5, np.int64), tokens=True), 1.0)], seq_len=8, **kw)
+    with pytest.raises(PlanError, match="negative"):
+        build_plan([(ArraySource(np.array([3, -1, 4]), tokens=True), 1.0)], seq_len=8, **kw)
+
+
+def test_default_block_count():
+    from foresight.plan.compact import num_blocks
+
+    assert [num_blocks(n, None) for n in (1, 100, 4096, 10**6, 2 * 10**6)] == [1, 100, 4096, 4096, 7813]
+    assert num_blocks(1000, 256) == 4 and num_blocks(1, 256) == 1
+
+
+def test_memmapped_uint16_counts_are_read_in_place(tmp_path):
+    rng = np.random.default_rng(5)
+    sizes = rng.integers(0, 3000, 5000).astype(np.uint16)
+    mm = np.lib.format.open_memmap(str(tmp_path / "sizes.npy"), mode="w+", dtype=np.uint16, shape=sizes.shape)
+    mm[:] = sizes
+    mm.flush()
+
+    class Memmapped(ArraySource):
+        def token_counts(self):
+            return np.load(str(tmp_path / "sizes.npy"), mmap_mode="r")
+
+    src = Memmapped(sizes.astype(np.int64), tokens=True)
+    plan = build_plan([(src, 1.0)], seed=8, global_batch_size=8, seq_len=512, num_steps=50, compact=True,
+                      block_size=32)
+    assert plan._args()[-1][0].dtype == np.uint16  # no int64 copy of the index
+    _assert_equal_to_reference(plan, [sizes.astype(np.int64)], [1.0], 8, 512, 32)
+
+
+def test_cli_compact_and_inspect(tmp_path):
+    fmt = pytest.importorskip("foresight.format")
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(0, 90, 300)
+    fmt.write_megatron_dataset(str(tmp_path / "corpus"), [rng.integers(0, 60000, int(k), dtype=np.uint16)
+                                                          for k in lengths], np.uint16)
+    out = str(tmp_path / "plan")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "foresight", *a], capture_output=True, text=True)
+    res = run("plan", str(tmp_path / "corpus"), "--seed", "5", "--global-batch-size", "4", "--seq-len", "32",
+              "--steps", "20", "--compact", "--block-size", "8", "--out", out)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["inputs"]["shuffle"] == "compact" and report["inputs"]["block_size"] == 8
+    res = run("inspect", out, "--step", "3", "--rank", "1", "--world-size", "2")
+    assert res.returncode == 0, res.stderr
+    step = json.loads(res.stdout)
+    assert [i["item"] for i in step["items"]] == [14, 15]
+    plan = load_plan(out)
+    p = plan.pieces(14, 16)
+    assert [pc["sample"] for pc in step["items"][0]["pieces"]] == p.sample[: p.item_ptr[1]].tolist()
+    assert all(sum(pc["length"] for pc in i["pieces"]) == 33 for i in step["items"])
