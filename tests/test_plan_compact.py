@@ -280,5 +280,6 @@ def test_cli_compact_and_inspect(tmp_path):
     assert [i["item"] for i in step["items"]] == [14, 15]
     plan = load_plan(out)
     p = plan.pieces(14, 16)
-    assert [pc["sample"] for pc in step["items"][0]["pieces"]] == p.sample[: p.item_ptr[1]].tolist()
-    assert all(sum(pc["length"] for pc in i["pieces"]) == 33 for i in step["items"])
+    sample, length = step["pieces"].index("sample"), step["pieces"].index("length")  # pieces are rows
+    assert [pc[sample] for pc in step["items"][0]["pieces"]] == p.sample[: p.item_ptr[1]].tolist()
+    assert all(sum(pc[length] for pc in i["pieces"]) == 33 for i in step["items"])
