@@ -51,6 +51,14 @@ def _client(endpoint: str, timeout: float):
                           timeout=timeout)
 
 
+def _lease(lease_id: int, client):
+    """etcd3gw's handle on lease ``lease_id`` through ``client`` (the one answering now, not the one that granted
+    it: after a failover to another endpoint the old client is gone)."""
+    from etcd3gw.lease import Lease as _Lease
+
+    return _Lease(lease_id, client)
+
+
 class Cluster:
     """etcd-backed cluster state; see the module docstring. ``endpoints``: one URL or a comma-separated list
     (the first that answers is used; on a connection error the next is tried)."""
@@ -132,38 +140,61 @@ class Cluster:
 
 
 class Registration:
-    """A key kept alive under a lease by a daemon thread; the record is re-read on every refresh (load changes)."""
+    """A key kept alive under a lease by a daemon thread; the record is re-read on every refresh (load changes).
+
+    etcd may go away for any length of time (restart with its data, or a fresh member with none): every ttl/3 the
+    thread refreshes the lease, and when that fails or etcd no longer knows the lease, it grants a new one and
+    writes the record again, until it succeeds. One warning when the outage starts, one info line when the key is
+    back (``outages`` counts them)."""
 
     def __init__(self, cluster: Cluster, key: str, record: Callable[[], dict], *, ttl: int) -> None:
         self.cluster, self.key, self.record, self.ttl = cluster, key, record, max(2, int(ttl))
         self._stop = threading.Event()
-        self._lease = None
+        self._lease_id: int | None = None
+        self.outages = 0
+        self._failing = False
         self._put()
         self._thread = threading.Thread(target=self._run, name="foresight-etcd-lease", daemon=True)
         self._thread.start()
 
     def _put(self) -> None:
         value = json.dumps(dict(self.record(), updated=time.time()), default=str)
-        if self._lease is None:
-            self._lease = self.cluster._call(lambda c: c.lease(ttl=self.ttl))
-        self.cluster._call(lambda c: c.put(self.key, value, lease=self._lease))
+        if self._lease_id is None:
+            self._lease_id = self.cluster._call(lambda c: c.lease(ttl=self.ttl)).id
+        lease_id = self._lease_id
+        self.cluster._call(lambda c: c.put(self.key, value, lease=_lease(lease_id, c)))
+
+    def _refresh(self) -> None:
+        """Keep the lease alive and the record current; a lease etcd lost (expired, or a fresh etcd) is replaced."""
+        if self._lease_id is not None:
+            lease_id = self._lease_id
+            if self.cluster._call(lambda c: _lease(lease_id, c).refresh()) <= 0:
+                self._lease_id = None
+        self._put()
 
     def _run(self) -> None:
         while not self._stop.wait(self.ttl / 3):
             try:
-                if self._lease.refresh() <= 0:  # expired (etcd was away longer than the TTL): start over
-                    self._lease = None
-                self._put()
-            except Exception as e:
-                log.warning("etcd refresh failed; retrying", extra={"key": self.key, "error": str(e)})
-                self._lease = None
+                self._refresh()
+            except Exception as e:  # etcd away (NodeError) or answering garbage: grant a new lease next time
+                self._lease_id = None
+                if not self._failing:
+                    self._failing = True
+                    self.outages += 1
+                    log.warning("etcd refresh failed; retrying every ttl/3 with a new lease",
+                                extra={"key": self.key, "error": str(e)[:300]})
+                continue
+            if self._failing:
+                self._failing = False
+                log.info("etcd back; lease granted again and the key re-written", extra={"key": self.key})
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        if self._lease is not None:
+        lease_id = self._lease_id
+        if lease_id is not None:
             try:
-                self._lease.revoke()
+                self.cluster._call(lambda c: _lease(lease_id, c).revoke())
             except Exception as e:
                 log.warning("lease revoke failed (the key expires with its TTL)", extra={"key": self.key,
                                                                                          "error": str(e)})
