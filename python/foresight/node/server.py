@@ -18,6 +18,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,7 +33,8 @@ from foresight.node.auth import HeaderMiddlewareFactory
 from foresight.node.guard import CpuGuard
 from foresight.node.jobs import NodeJob, spec_digest
 from foresight.node.metrics import NodeMetrics
-from foresight.node.protocol import ACTION_DECODERS, PROTOCOL_VERSION, decode_action, decode_ticket
+from foresight.node.protocol import (ACTION_DECODERS, PROTOCOL_VERSION, decode_action, decode_ticket,
+                                     parse_request)
 from foresight.node.queue import Scheduler
 
 log = logging.getLogger("foresight.node")
@@ -182,9 +184,9 @@ class NodeServer(flight.FlightServerBase):
 
     def do_action(self, context, action):
         name = action.type
-        try:
-            if self._draining.is_set() and name not in ("health", "status"):
-                raise flight.FlightUnavailableError("foresight: node is shutting down")
+        if self._draining.is_set() and name not in ("health", "status"):
+            raise flight.FlightUnavailableError("foresight: node is shutting down")
+        with _one_line_errors(self, "action", action=name[:40]):
             entry = self._actions.get(name)
             if entry is None:
                 raise ProtocolError(f"unknown action; known: {sorted(self._actions)}", action=name[:40])
@@ -193,23 +195,16 @@ class NodeServer(flight.FlightServerBase):
             if scoped:
                 self.authorize(context, req["job"])
             result = handler(context, req)
-        except ForesightError as e:
-            self.metrics.refusals.labels(type(e).__name__).inc()
-            log.info("request refused", extra={"action": name, "error": str(e)})
-            raise flight.FlightServerError(f"foresight: {e}") from None
         yield flight.Result(json.dumps(result, default=str).encode())
 
     def do_get(self, context, ticket):
         if self._draining.is_set():
             raise flight.FlightUnavailableError("foresight: node is shutting down")
-        handler = self._gets.get(_ticket_kind(ticket.ticket)) if self._gets else None
-        if handler is not None:
-            try:
-                return handler(context, json.loads(ticket.ticket))
-            except ForesightError as e:
-                self.metrics.refusals.labels(type(e).__name__).inc()
-                raise flight.FlightServerError(f"foresight: {e}") from None
-        try:
+        with _one_line_errors(self, "stream"):
+            kind = _ticket_kind(ticket.ticket) if self._gets else None
+            handler = self._gets.get(kind) if kind is not None else None
+            if handler is not None:
+                return handler(context, parse_request(ticket.ticket, "ticket"))
             t = decode_ticket(ticket.ticket)
             job = self.authorize(context, t["job"])
             if t["rank"] != job.rank or not 0 <= t["step"] < job.plan.num_steps:
@@ -221,10 +216,6 @@ class NodeServer(flight.FlightServerBase):
             part = q.take(t["step"], lambda s: self._produce(job, s, self._engine()))
             self.scheduler.wake()
             self._queue_metrics(q)
-        except ForesightError as e:
-            self.metrics.refusals.labels(type(e).__name__).inc()
-            log.info("stream refused", extra={"error": str(e)})
-            raise flight.FlightServerError(f"foresight: {e}") from None
         self.metrics.served(job.job, part.kind, nbytes=part.nbytes, samples=part.samples)
         self.metrics.copied.inc(part.copied_bytes)
         return flight.RecordBatchStream(_table(part))
@@ -233,10 +224,11 @@ class NodeServer(flight.FlightServerBase):
         kind = descriptor.path[0].decode("utf-8", "replace") if descriptor.path else ""
         handler = self._puts.get(kind)
         if handler is None:
-            raise flight.FlightServerError(f"foresight: no DoPut for {kind!r}; known: {sorted(self._puts)}")
+            raise flight.FlightServerError(f"foresight: no DoPut for {kind[:40]!r}; known: {sorted(self._puts)}")
         if self._draining.is_set():
             raise flight.FlightUnavailableError("foresight: node is shutting down")
-        return handler(context, descriptor, reader, writer)
+        with _one_line_errors(self, "upload", kind=kind[:40]):
+            return handler(context, descriptor, reader, writer)
 
     # -- actions ------------------------------------------------------------------------------------------
     def _health(self, context, req: dict) -> dict:
@@ -426,14 +418,32 @@ class NodeServer(flight.FlightServerBase):
 
 
 def _ticket_kind(body: bytes) -> str | None:
-    """The ``kind`` of a JSON ticket registered with :meth:`NodeServer.register_get` (None for step tickets)."""
+    """The ``kind`` of a JSON ticket registered with :meth:`NodeServer.register_get` (None for step tickets).
+    Parsed with the same bounds as every request (size, nesting): a hostile ticket is a ProtocolError."""
     if not body.startswith(b'{"kind"'):  # step tickets start with "job": skip parsing them twice
         return None
-    try:
-        kind = json.loads(body).get("kind")
-    except ValueError:
-        return None
+    kind = parse_request(body, "ticket").get("kind")
     return kind if isinstance(kind, str) else None
+
+
+@contextlib.contextmanager
+def _one_line_errors(server: NodeServer, what: str, **context: Any):
+    """Every failure of a request as one line to its caller: the project's errors (bad request, refusal) as
+    ``foresight: <message>``; Flight's own (auth, unavailable) as they are; anything else (a bug) logged with its
+    traceback, counted as ``internal`` and answered ``foresight: internal error (<type>)``, never a traceback."""
+    try:
+        yield
+    except flight.FlightError:
+        raise
+    except ForesightError as e:
+        server.metrics.refusals.labels(type(e).__name__).inc()
+        log.info(f"{what} refused", extra=dict(context, error=str(e)[:300]))
+        raise flight.FlightServerError(f"foresight: {e}"[:1000]) from None
+    except Exception as e:
+        server.metrics.refusals.labels("internal").inc()
+        log.exception(f"{what} failed inside the node", extra=context)
+        raise flight.FlightServerError(f"foresight: internal error ({type(e).__name__}); see the node's log") \
+            from None
 
 
 def _warm_up() -> None:
