@@ -481,7 +481,8 @@ def _to_torch(arr: np.ndarray, dtype: str):
 
 
 __all__ = [
-    "ACTION_DECODERS", "MAX_NESTING", "nesting_depth", "parse_request", "HEADER_JOB", "HEADER_TOKEN", "KIND_DECODED", "KIND_RAW", "MAX_BATCH_BYTES",
+    "ACTION_DECODERS", "HEADER_JOB", "HEADER_TOKEN", "KIND_DECODED", "KIND_RAW", "MAX_BATCH_BYTES", "MAX_NESTING",
+    "nesting_depth", "parse_request",
     "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode_action", "decode_blocks", "decode_ticket",
     "decode_tensors",
     "encode_raw", "encode_tensors", "encode_ticket", "raw_samples", "encode_deferred", "deferred_positions",
