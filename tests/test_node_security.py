@@ -14,9 +14,9 @@ import pytest
 from foresight.loader import MediaDecodeStage
 from foresight.node.auth import call_options, connect
 from foresight.node.client import NodeSource
-from foresight.node.jobs import spec_digest
 from foresight.node.protocol import MAX_MESSAGE_BYTES, decode_tensors, encode_ticket
-from node_helpers import SPECS, TOKEN, NodeProc, host_reference, make_root, run_source
+from node_helpers import (SPECS, TOKEN, NodeProc, flight_action, host_reference, job_request, make_root,
+                          run_source)
 
 
 @pytest.fixture(scope="module")
@@ -35,19 +35,8 @@ def node(root, tmp_path_factory):
     n.terminate()
 
 
-def _request(root, job="good", **over):
-    req = {"job": job, "datasets": ["media"], "plan": "plans/p1", "plan_digest": root["plan"].digest, "rank": 0,
-           "world_size": 1, "specs": {k: v.to_dict() for k, v in SPECS.items()}, "seed": 9, "step": 0,
-           "spec_digest": spec_digest(SPECS)}
-    req.update(over)
-    return req
-
-
-def _act(client, name, body, job=None, token=None):
-    if not isinstance(body, bytes):
-        body = json.dumps(body).encode()
-    res = list(client.do_action(flight.Action(name, body), call_options(job, token, timeout=60)))
-    return json.loads(res[0].body.to_pybytes())
+_request = job_request
+_act = flight_action
 
 
 def _step(client, job, token, step):

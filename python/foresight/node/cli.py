@@ -15,6 +15,11 @@ import signal
 import sys
 import threading
 
+from foresight.node.server import CANCEL_WAIT_S, DEFAULT_SHUTDOWN_GRACE_S
+
+#: SIGTERM to exit is at most ``--shutdown-grace-s`` plus this: cancelling streams, leaving etcd, freeing jobs.
+EXIT_MARGIN_S = CANCEL_WAIT_S + 10.0
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="node_command", metavar="ACTION", required=True)
@@ -36,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--workers", type=int, default=1, help="threads preparing steps ahead")
     s.add_argument("--job-idle-s", type=float, default=600.0)
     s.add_argument("--max-plan-bytes", type=int, default=256 << 20, help="largest plan a client may upload")
+    s.add_argument("--shutdown-grace-s", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                   help="on SIGTERM, seconds streams in flight may run on before they are cancelled; the process "
+                        f"exits within this plus {EXIT_MARGIN_S:.0f} s (default %(default)s)")
     s.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 picks one)")
     s.add_argument("--metrics-host", default="127.0.0.1",
                    help="address /metrics listens on (0.0.0.0: every interface, for a Prometheus on another host)")
@@ -99,7 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
         tls=(args.tls_cert, args.tls_key) if args.tls_cert else None, client_ca=args.client_ca,
         node_id=args.node_id, max_jobs=args.max_jobs, max_queue_bytes=args.max_queue_bytes, max_lead=args.max_lead,
         cpu_threshold=args.cpu_threshold, decode_threads=args.decode_threads, workers=args.workers,
-        job_idle_s=args.job_idle_s, max_plan_bytes=args.max_plan_bytes,
+        job_idle_s=args.job_idle_s, max_plan_bytes=args.max_plan_bytes, shutdown_grace_s=args.shutdown_grace_s,
         served_shards=(lambda fp: cluster.served_shards(node_id_box[0], fp)) if cluster else None)
     node_id_box.append(server.node_id)
     metrics_port = (server.metrics.serve_http(args.metrics_port, args.metrics_host)
@@ -129,14 +137,32 @@ def _serve(args: argparse.Namespace) -> int:
     while not stop.wait(0.5):
         pass
     log.info("signal received, shutting down", extra={"node": server.node_id})
+    _exit_by(args.shutdown_grace_s + EXIT_MARGIN_S, log)
     if registration is not None:
         registration.close()  # leave the cluster first: clients stop choosing this node
     if replicas is not None:
         replicas.close()
     if replication is not None:
         replication.close()
-    server.stop()
+    if not server.stop():  # gRPC stuck even after cancelling: the bound holds anyway
+        logging.shutdown()
+        os._exit(0)
     return 0
+
+
+def _exit_by(seconds: float, log) -> None:
+    """The documented bound on SIGTERM-to-exit: whatever hangs in the shutdown (etcd, replication, gRPC), the
+    process exits ``seconds`` after the signal, saying so."""
+    def force() -> None:
+        log.error("shutdown took longer than its bound; exiting now", extra={"bound_s": seconds})
+        import logging
+
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, force)
+    timer.daemon = True
+    timer.start()
 
 
 def _mount_replicas(server, cluster, args: argparse.Namespace):

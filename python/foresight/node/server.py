@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Any, Callable
@@ -38,6 +39,10 @@ from foresight.node.protocol import (ACTION_DECODERS, PROTOCOL_VERSION, decode_a
 from foresight.node.queue import Scheduler
 
 log = logging.getLogger("foresight.node")
+#: Default seconds streams in flight may run on after :meth:`NodeServer.stop` (SIGTERM) before they are cancelled.
+DEFAULT_SHUTDOWN_GRACE_S = 10.0
+#: Seconds :meth:`NodeServer.stop` waits for gRPC to wind down once the streams left were cancelled.
+CANCEL_WAIT_S = 5.0
 
 
 def scan_root(root: str, depth: int = 3) -> tuple[dict[str, dict], dict[str, str]]:
@@ -89,6 +94,8 @@ class NodeServer(flight.FlightServerBase):
         served_shards: ``fingerprint -> shard list or None (all)``; the cluster's placement when in a cluster.
         job_idle_s: a job not heard from for this long is dropped (frees its slot and memory).
         max_plan_bytes: largest plan accepted by upload (``DoPut ["plan", digest]``, kept under ``root/.uploads``).
+        shutdown_grace_s: on :meth:`stop`, how long streams in flight may run on (new calls are refused meanwhile);
+            then they are cancelled: :meth:`stop` returns within ``shutdown_grace_s + CANCEL_WAIT_S``.
     """
 
     def __init__(self, root: str, *, location: str = "grpc://127.0.0.1:0", tls: tuple[str, str] | None = None,
@@ -96,7 +103,7 @@ class NodeServer(flight.FlightServerBase):
                  max_queue_bytes: int = 1 << 30, max_lead: int = 8, cpu_threshold: float = 80.0,
                  guard_interval: float = 0.5, decode_threads: int | None = None, workers: int = 1,
                  served_shards: Callable[[str], Any] | None = None, job_idle_s: float = 600.0,
-                 max_plan_bytes: int = 256 << 20) -> None:
+                 max_plan_bytes: int = 256 << 20, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
         from foresight.node.auth import read_pem
 
         if not os.path.isdir(root):
@@ -130,6 +137,10 @@ class NodeServer(flight.FlightServerBase):
         self._engines: list = []
         self._draining = threading.Event()
         self._stopped = threading.Event()
+        self.shutdown_grace_s = float(shutdown_grace_s)
+        self._streams = 0  # DoGet streams between their call and their last batch (or their cancellation)
+        self._streams_cond = threading.Condition()
+        self._cancel = threading.Event()
         self._actions: dict[str, tuple[Callable, Callable, bool]] = {}
         self._puts: dict[str, Callable] = {}
         self._gets: dict[str, Callable] = {}
@@ -200,7 +211,7 @@ class NodeServer(flight.FlightServerBase):
     def do_get(self, context, ticket):
         if self._draining.is_set():
             raise flight.FlightUnavailableError("foresight: node is shutting down")
-        with _one_line_errors(self, "stream"):
+        with _one_line_errors(self, "stream"), self._stream_starting() as started:
             kind = _ticket_kind(ticket.ticket) if self._gets else None
             handler = self._gets.get(kind) if kind is not None else None
             if handler is not None:
@@ -216,9 +227,11 @@ class NodeServer(flight.FlightServerBase):
             part = q.take(t["step"], lambda s: self._produce(job, s, self._engine()))
             self.scheduler.wake()
             self._queue_metrics(q)
+            stream = flight.GeneratorStream(part.schema, _CountedStream(self, part.batches))
+            started()
         self.metrics.served(job.job, part.kind, nbytes=part.nbytes, samples=part.samples)
         self.metrics.copied.inc(part.copied_bytes)
-        return flight.RecordBatchStream(_table(part))
+        return stream
 
     def do_put(self, context, descriptor, reader, writer):
         kind = descriptor.path[0].decode("utf-8", "replace") if descriptor.path else ""
@@ -235,7 +248,7 @@ class NodeServer(flight.FlightServerBase):
         return {"ok": not self._draining.is_set(), "node": self.node_id, "instance": self.instance,
                 "version": PROTOCOL_VERSION, "location": self.location, "datasets": self.datasets,
                 "plans": self.plans, "cpu_percent": self.guard.cpu_percent, "guard": self.guard.engaged,
-                "jobs": len(self._jobs), "max_jobs": self.max_jobs}
+                "jobs": len(self._jobs), "max_jobs": self.max_jobs, "streams": self._streams}
 
     def _status(self, context, req: dict) -> dict:
         self.metrics.cpu.set(self.guard.cpu_percent)
@@ -248,7 +261,7 @@ class NodeServer(flight.FlightServerBase):
                 live = {"queue_depth": len(q.ready), "lead": q.lead(), "queue_bytes": q.nbytes, "progress": q.progress}
             jobs[job_id] = dict(snap["jobs"].get(job_id, {"fallback_rate": 0.0}), **live)
         snap.update(jobs=jobs, node=self.node_id, instance=self.instance, location=self.location,
-                    max_jobs=self.max_jobs)
+                    max_jobs=self.max_jobs, streams=self._streams)
         return snap
 
     def _register_job(self, context, req: dict) -> dict:
@@ -387,13 +400,69 @@ class NodeServer(flight.FlightServerBase):
                 self._drop_job(j)
 
     # -- lifetime -----------------------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Refuse new calls, let in-flight streams finish, then stop (idempotent; safe from any thread)."""
+    @contextlib.contextmanager
+    def _stream_starting(self):
+        """Count a DoGet from its call on; ``started()`` hands the count to its :class:`_CountedStream` (which
+        gives it back at the stream's end), else it is given back when the call fails."""
+        with self._streams_cond:
+            self._streams += 1
+        handed = []
+        try:
+            yield lambda: handed.append(True)
+        finally:
+            if not handed:
+                self._stream_ended()
+
+    def _stream_ended(self) -> None:
+        with self._streams_cond:
+            self._streams -= 1
+            self._streams_cond.notify_all()
+
+    def _cut_connections(self) -> int:
+        """Shut down the sockets of this server's client connections (Flight offers no per-call cancel): gRPC sees
+        them close, cancels their calls and unblocks writes stuck on a reader that stopped reading."""
+        import psutil
+
+        cut = 0
+        for c in psutil.Process().net_connections(kind="tcp"):
+            if c.laddr and c.laddr.port == self.port and c.raddr and c.fd >= 0:
+                try:
+                    with socket.socket(fileno=os.dup(c.fd)) as sock:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    cut += 1
+                except OSError:  # closed meanwhile
+                    pass
+        return cut
+
+    def stop(self) -> bool:
+        """Refuse new calls; let streams in flight run for up to ``shutdown_grace_s``; cancel those still running
+        (log line "cancelling in-flight streams"); free everything. Returns within ``shutdown_grace_s +
+        CANCEL_WAIT_S``: True when gRPC shut down, False when it did not within that bound (the caller exits
+        anyway). Idempotent; safe from any thread."""
         if self._draining.is_set():
-            return
+            self._stopped.wait(self.shutdown_grace_s + CANCEL_WAIT_S)
+            return self._stopped.is_set()
         self._draining.set()
-        log.info("node draining", extra={"node": self.node_id})
-        self.shutdown()  # waits for in-flight calls
+        deadline = time.monotonic() + self.shutdown_grace_s
+        log.info("node draining", extra={"node": self.node_id, "streams": self._streams,
+                                         "grace_s": self.shutdown_grace_s})
+        with self._streams_cond:  # the listener stays open meanwhile: new callers hear "shutting down"
+            self._streams_cond.wait_for(lambda: self._streams == 0, timeout=self.shutdown_grace_s)
+        grpc_stop = threading.Thread(target=self.shutdown, name="foresight-node-shutdown", daemon=True)
+        grpc_stop.start()
+        grpc_stop.join(max(0.0, deadline - time.monotonic()))
+        if grpc_stop.is_alive():
+            self._cancel.set()  # streams between two batches end at the next one
+            streams = self._streams
+            cut = self._cut_connections()
+            log.warning("shutdown grace over; cancelling in-flight streams",
+                        extra={"node": self.node_id, "streams": streams, "connections_cut": cut,
+                               "grace_s": self.shutdown_grace_s})
+            self.metrics.refusals.labels("cancelled_at_shutdown").inc(streams)
+            grpc_stop.join(CANCEL_WAIT_S)
+        clean = not grpc_stop.is_alive()
+        if not clean:
+            log.error("gRPC did not shut down after cancelling streams", extra={"node": self.node_id})
         self.scheduler.close()
         for job_id in list(self._jobs):
             self._drop_job(job_id)
@@ -405,7 +474,8 @@ class NodeServer(flight.FlightServerBase):
             except Exception:  # engines of finished threads may already be closed
                 pass
         self._stopped.set()
-        log.info("node stopped", extra={"node": self.node_id})
+        log.info("node stopped", extra={"node": self.node_id, "clean": clean})
+        return clean
 
     def wait_stopped(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
@@ -415,6 +485,35 @@ class NodeServer(flight.FlightServerBase):
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class _CountedStream:
+    """The record batches of one DoGet, counted in the server's in-flight streams until the last one is taken,
+    the stream is dropped (client gone, call cancelled) or the server cancels it at shutdown."""
+
+    def __init__(self, server: NodeServer, batches: list) -> None:
+        self._server, self._batches, self._open = server, iter(batches), True
+
+    def __iter__(self) -> "_CountedStream":
+        return self
+
+    def __next__(self):
+        if self._server._cancel.is_set():
+            self._end()
+            raise flight.FlightCancelledError("foresight: node shut down; stream cancelled")
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self._end()
+            raise
+
+    def _end(self) -> None:
+        if self._open:
+            self._open = False
+            self._server._stream_ended()
+
+    def __del__(self) -> None:
+        self._end()
 
 
 def _ticket_kind(body: bytes) -> str | None:
@@ -452,12 +551,6 @@ def _warm_up() -> None:
     import foresight.loader  # noqa: F401
     import foresight.media  # noqa: F401
     import foresight.plan  # noqa: F401
-
-
-def _table(part) -> Any:
-    import pyarrow as pa
-
-    return pa.Table.from_batches(part.batches, schema=part.schema)
 
 
 __all__ = ["NodeServer", "scan_root"]
