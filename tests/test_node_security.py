@@ -29,7 +29,7 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def node(root, tmp_path_factory):
     n = NodeProc(root["root"], str(tmp_path_factory.mktemp("secnode")), "--cpu-threshold", "101",
-                 "--max-jobs", "2", "--max-queue-bytes", "1000000", "--max-lead", "3",
+                 "--max-jobs", "2", "--max-jobs-per-caller", "2", "--max-queue-bytes", "1000000", "--max-lead", "3",
                  "--max-plan-bytes", "200000", name="sec")
     yield n
     n.terminate()

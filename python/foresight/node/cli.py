@@ -1,10 +1,12 @@
-"""``foresight node {serve, status, place}``: run a storage node, print what nodes are doing, place shards.
+"""``foresight node {serve, status, place, job-token}``: run a storage node, print what nodes are doing, place
+shards, issue a job's token.
 
 Example::
 
     foresight node serve --root /data --port 7000 --etcd http://127.0.0.1:2379 --metrics-port 9100
     foresight node status --etcd http://127.0.0.1:2379          # or --node grpc://127.0.0.1:7000
     foresight node place --etcd http://127.0.0.1:2379 /data/media --nodes n1,n2
+    foresight node job-token --etcd http://127.0.0.1:2379 --job run-7      # prints run-7's new token
 """
 from __future__ import annotations
 
@@ -34,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--tls-key", default=None)
     s.add_argument("--client-ca", default=None, help="require client certificates signed by this CA (mutual TLS)")
     s.add_argument("--max-jobs", type=int, default=8)
+    s.add_argument("--max-jobs-per-caller", type=int, default=None,
+                   help="distinct jobs one caller (TLS identity, else host) may register at once (default: half of "
+                        "--max-jobs)")
+    s.add_argument("--admission", choices=("open", "issued"), default="open",
+                   help="issued: only jobs whose token was issued in etcd (node job-token) register; open: a job "
+                        "with no issued token is bound by its first caller's token (default %(default)s)")
     s.add_argument("--max-queue-bytes", type=int, default=1 << 30)
     s.add_argument("--max-lead", type=int, default=8)
     s.add_argument("--cpu-threshold", type=float, default=80.0, help="percent; 0 = always raw")
@@ -64,10 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("dataset", help="the dataset directory (read for its fingerprint and shard count)")
     p.add_argument("--etcd", required=True)
     p.add_argument("--nodes", default=None, help="comma-separated node ids (default: live nodes holding it)")
+    t = sub.add_parser("job-token", help="issue (or rotate) a job's token in etcd and print it; nodes admit the "
+                                         "job's registrations only with it")
+    t.add_argument("--etcd", required=True, help="etcd endpoint(s), reached with the operator's credentials")
+    t.add_argument("--job", required=True, help="the job's name, as given to NodeSource(job=...)")
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"serve": _serve, "status": _status, "place": _place}[args.node_command](args)
+    return {"serve": _serve, "status": _status, "place": _place, "job-token": _job_token}[args.node_command](args)
 
 
 def _add_replication_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,13 +114,17 @@ def _serve(args: argparse.Namespace) -> int:
         from foresight.node.cluster import Cluster
 
         cluster = Cluster(args.etcd)
+    elif args.admission == "issued":
+        raise SystemExit("foresight node serve: --admission issued needs --etcd (tokens are issued there)")
     server = NodeServer(
         args.root, location=f"{scheme}://{args.host}:{args.port}",
         tls=(args.tls_cert, args.tls_key) if args.tls_cert else None, client_ca=args.client_ca,
         node_id=args.node_id, max_jobs=args.max_jobs, max_queue_bytes=args.max_queue_bytes, max_lead=args.max_lead,
         cpu_threshold=args.cpu_threshold, decode_threads=args.decode_threads, workers=args.workers,
         job_idle_s=args.job_idle_s, max_plan_bytes=args.max_plan_bytes, shutdown_grace_s=args.shutdown_grace_s,
-        served_shards=(lambda fp: cluster.served_shards(node_id_box[0], fp)) if cluster else None)
+        served_shards=(lambda fp: cluster.served_shards(node_id_box[0], fp)) if cluster else None,
+        admission=args.admission, issued_tokens=cluster.job_token_digest if cluster else None,
+        max_jobs_per_caller=args.max_jobs_per_caller)
     node_id_box.append(server.node_id)
     metrics_port = (server.metrics.serve_http(args.metrics_port, args.metrics_host)
                     if args.metrics_port is not None else None)
@@ -246,4 +262,11 @@ def _place(args: argparse.Namespace) -> int:
         return 1
     assignment = cluster.place(fp, num_shards=len(ds.shard_paths), nodes=nodes)
     print(json.dumps({"dataset": fp, "placement": {f"{s:06d}": n for s, n in assignment.items()}}))
+    return 0
+
+
+def _job_token(args: argparse.Namespace) -> int:
+    from foresight.node.cluster import Cluster
+
+    print(Cluster(args.etcd).issue_job_token(args.job))
     return 0

@@ -17,6 +17,9 @@ Key layout (``prefix`` defaults to ``/foresight/v1``; values are JSON):
                                              place``); a dataset with no placement keys is served whole by every node
                                              that advertises it
 ``{prefix}/jobs/{job}/{rank:06d}``           under the client's lease: ``{plan_digest, step, nodes, updated}``
+``{prefix}/tokens/{job}``                   no lease, written by the operator (``foresight node job-token``):
+                                             ``{sha256, issued}``, the digest of the job's token; nodes admit a
+                                             registration of the job only with that token (see node/auth.py)
 ``{prefix}/replicas/...``, ``{prefix}/hints/...``  reserved for checkpoint replication and replication hints (same
                                              rules: liveness through leases, one JSON value per key)
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 import time
 from typing import Any, Callable
@@ -137,6 +141,32 @@ class Cluster:
     def jobs(self) -> dict[str, dict]:
         base = self.key("jobs") + "/"
         return {k[len(base):]: v for k, v in self._get_prefix(base)}
+
+    def issue_job_token(self, job: str, token: str | None = None) -> str:
+        """Issue ``job``'s token, or rotate it (the earlier one stops admitting registrations at once); etcd keeps
+        its sha256 only. Returns the token (a fresh random one unless given)."""
+        from foresight.node.auth import token_digest
+
+        if not job or "/" in job or len(job) > 128:
+            raise NodeError("a job name is 1-128 characters without '/'", job=job[:130])
+        if token is None:
+            token = secrets.token_urlsafe(24)
+        elif len(token) < 8:
+            raise NodeError("a job token has at least 8 characters", job=job)
+        record = json.dumps({"sha256": token_digest(token), "issued": time.time()})
+        self._call(lambda c: c.put(self.key("tokens", job), record))
+        return token
+
+    def job_token_digest(self, job: str) -> str | None:
+        """The sha256 of ``job``'s issued token, or None when none was issued."""
+        values = self._call(lambda c: c.get(self.key("tokens", job)))
+        if not values:
+            return None
+        try:
+            return json.loads(values[0]).get("sha256")
+        except (ValueError, AttributeError):
+            log.warning("ignoring a malformed token record in etcd", extra={"job": job})
+            return None
 
 
 class Registration:

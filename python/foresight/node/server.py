@@ -30,7 +30,7 @@ from typing import Any, Callable
 import pyarrow.flight as flight
 
 from foresight.errors import ForesightError, NodeError, ProtocolError
-from foresight.node.auth import HeaderMiddlewareFactory
+from foresight.node.auth import Admission, HeaderMiddlewareFactory, caller_of, cluster_job
 from foresight.node.guard import CpuGuard
 from foresight.node.jobs import NodeJob, spec_digest
 from foresight.node.metrics import NodeMetrics
@@ -96,6 +96,10 @@ class NodeServer(flight.FlightServerBase):
         max_plan_bytes: largest plan accepted by upload (``DoPut ["plan", digest]``, kept under ``root/.uploads``).
         shutdown_grace_s: on :meth:`stop`, how long streams in flight may run on (new calls are refused meanwhile);
             then they are cancelled: :meth:`stop` returns within ``shutdown_grace_s + CANCEL_WAIT_S``.
+        admission: ``"open"`` (a job without an issued token is bound by its first caller's token) or ``"issued"``
+            (only tokens issued in the cluster admit); issued_tokens: ``job -> sha256 of its issued token or None``
+            (:meth:`Cluster.job_token_digest`); see :class:`~foresight.node.auth.Admission`.
+        max_jobs_per_caller: distinct jobs one caller may have registered at once (default ``max_jobs // 2``).
     """
 
     def __init__(self, root: str, *, location: str = "grpc://127.0.0.1:0", tls: tuple[str, str] | None = None,
@@ -103,7 +107,9 @@ class NodeServer(flight.FlightServerBase):
                  max_queue_bytes: int = 1 << 30, max_lead: int = 8, cpu_threshold: float = 80.0,
                  guard_interval: float = 0.5, decode_threads: int | None = None, workers: int = 1,
                  served_shards: Callable[[str], Any] | None = None, job_idle_s: float = 600.0,
-                 max_plan_bytes: int = 256 << 20, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
+                 max_plan_bytes: int = 256 << 20, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
+                 admission: str = "open", issued_tokens: Callable[[str], str | None] | None = None,
+                 max_jobs_per_caller: int | None = None) -> None:
         from foresight.node.auth import read_pem
 
         if not os.path.isdir(root):
@@ -121,6 +127,9 @@ class NodeServer(flight.FlightServerBase):
         self.node_id = node_id or f"{os.uname().nodename}-{self.port}"
         self.instance = f"{os.getpid()}-{time.time_ns()}"  # changes on restart: clients re-register
         self.max_jobs, self.max_queue_bytes, self.max_lead = int(max_jobs), int(max_queue_bytes), int(max_lead)
+        self.admission = Admission(admission, issued=issued_tokens)
+        self.max_jobs_per_caller = max(1, self.max_jobs // 2 if max_jobs_per_caller is None else max_jobs_per_caller)
+        self._callers: dict[str, tuple[str, str]] = {}  # node job id -> (caller, cluster job)
         self.decode_threads = decode_threads
         self.job_idle_s = float(job_idle_s)
         self.max_plan_bytes = int(max_plan_bytes)
@@ -275,14 +284,28 @@ class NodeServer(flight.FlightServerBase):
             self.metrics.refusals.labels("token").inc()
             raise flight.FlightUnauthenticatedError("foresight: register_job needs the job header and a token "
                                                     "of at least 8 characters")
+        name, caller = cluster_job(req["job"], req["rank"]), caller_of(context)
+        try:
+            issued = self.admission.check(name, token)
+        except flight.FlightError:
+            self.metrics.refusals.labels("token").inc()
+            raise
         with self._jobs_lock:
             old = self._jobs.get(req["job"])
-            if old is not None and not old.check_token(token):
+            if old is not None and not old.check_token(token) and not issued:
                 self.metrics.refusals.labels("token").inc()
                 raise flight.FlightUnauthenticatedError(f"foresight: job {req['job']!r} is registered with "
                                                         "another token")
             if old is None and len(self._jobs) >= self.max_jobs:
                 raise ProtocolError("node has as many jobs as it accepts", max_jobs=self.max_jobs)
+            theirs = {n for j, (c, n) in self._callers.items() if c == caller and j != req["job"]}
+            if name not in theirs and len(theirs) >= self.max_jobs_per_caller:
+                self.metrics.refusals.labels("caller_limit").inc()
+                raise ProtocolError("caller has as many jobs registered as one caller may",
+                                    caller=caller, max_jobs_per_caller=self.max_jobs_per_caller)
+        if old is not None and not old.check_token(token):
+            log.info("job re-attached with its issued token; the earlier registration is dropped",
+                     extra={"job": req["job"]})
         if old is not None:  # re-registration (client restart): start over at its step
             self._drop_job(req["job"])
         req = dict(req, lead=min(req["lead"], self.max_lead), queue_bytes=min(req["queue_bytes"], self.max_queue_bytes))
@@ -293,6 +316,7 @@ class NodeServer(flight.FlightServerBase):
                 job.close()
                 raise ProtocolError("node has as many jobs as it accepts", max_jobs=self.max_jobs)
             self._jobs[job.job] = job
+            self._callers[job.job] = (caller, name)
         q = self.scheduler.add(job)
         with q.cond:
             q.set_progress(req["step"] - 1)
@@ -338,6 +362,7 @@ class NodeServer(flight.FlightServerBase):
     def _drop_job(self, job_id: str) -> None:
         with self._jobs_lock:
             job = self._jobs.pop(job_id, None)
+            self._callers.pop(job_id, None)
         q = self.scheduler.remove(job_id)
         if q is not None:
             with q.cond:  # wait for workers preparing its steps before closing its files
