@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -134,44 +135,76 @@ def test_cpu_guard_both_ways_same_tensors(root, tmp_path, threshold):
         assert source.stats["samples_raw"] == 0 and source.stats["samples_remote"] > 0
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("FORESIGHT_RUN_BUSY_GUARD_TEST") != "1",
-                    reason="known open problem: late in the full suite the node started here logs 'node serving', "
-                           "never writes its ready file and survives SIGKILL for over 60 s (alone and with the node "
-                           "tests it passes); FORESIGHT_RUN_BUSY_GUARD_TEST=1 runs it. The guard both ways is "
-                           "covered by test_cpu_guard_both_ways_same_tensors")
-def test_cpu_guard_engages_under_a_busy_process(root, tmp_path):
-    # niced: it still keeps a 2-core machine at >= 50% (the guard's input) but never starves the node's start-up
-    busy = subprocess.Popen([sys.executable, "-c", "import os\nos.nice(19)\nwhile True: pass"])
-    try:
-        # one spinning process keeps a 2-core machine at >= 50% whatever else runs
-        n = NodeProc(root["root"], str(tmp_path), "--cpu-threshold", "45", name="busy")
+BUSY_LOOP = "while True: pass"
+BUSY_PROCESSES = 4  # several, so that they keep a share of the CPUs however busy the shared machine is
+GUARD_THRESHOLD = 10.0  # percent of the measured scope's CPUs: far above an idle node, far below 4 spinners
+
+
+def _busy_children() -> list:
+    """Spinning processes that are children of this (the node's) process: inside its process tree."""
+    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(BUSY_PROCESSES)]
+
+
+def _busy_outsiders() -> list[int]:
+    """Spinning processes outside this process's tree (their parent shell exits: they are re-parented)."""
+    out = subprocess.run(["sh", "-c", f"for i in $(seq {BUSY_PROCESSES}); do {sys.executable} -c '{BUSY_LOOP}' "
+                          "</dev/null >/dev/null 2>&1 & echo $!; done"], capture_output=True, text=True, check=True)
+    return [int(pid) for pid in out.stdout.split()]
+
+
+def _end(children=(), pids=()):
+    for p in children:
+        p.kill()
+        p.wait()
+    for pid in pids:
         try:
-            import pyarrow.flight as flight
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
-            from foresight.node.auth import connect
 
-            client = connect(n.location)
+def test_cpu_guard_engages_when_its_process_tree_is_busy_and_tensors_stay_the_same(root):
+    """The node (here, in this process) measures its own process tree; busy children of it engage the guard, and
+    the parts come back raw, decoded on the host into the same tensors."""
+    from foresight.node.server import NodeServer
 
-            def guard_on():
-                res = list(client.do_action(flight.Action("health", b"{}")))
-                return json.loads(res[0].body.to_pybytes())["guard"]
-
-            wait_for(guard_on, timeout=60, what="the CPU guard to engage")
-            client.close()
-            stage, source = _source(root, n, job="busy")
-            try:
-                got = run_source(root["dataset"], root["plan"], source)
-            finally:
-                source.close()
-                stage.close()
-            assert got == root["reference"]
-            assert source.stats["samples_raw"] > 0
+    server = NodeServer(root["root"], cpu_threshold=GUARD_THRESHOLD, cpu_measure="process", guard_interval=0.2,
+                        decode_threads=2)
+    busy = _busy_children()
+    try:
+        wait_for(lambda: server.guard.engaged, timeout=120, what="the CPU guard to engage")
+        assert server.guard.cpu_percent >= GUARD_THRESHOLD
+        stage = MediaDecodeStage([root["dataset"]], SPECS, seed=9, threads=2)
+        source = NodeSource(stage, root["plan"], nodes=[server.location], token=TOKEN, job="busy")
+        try:
+            got = run_source(root["dataset"], root["plan"], source)
         finally:
-            n.terminate()
+            source.close()
+            stage.close()
+        assert got == root["reference"]
+        assert source.stats["samples_raw"] > 0
     finally:
-        busy.kill()
-        busy.wait()
+        _end(children=busy)
+        server.stop()
+
+
+def test_cpu_guard_measures_the_scope_it_is_given():
+    """The same spinning processes outside the node's process tree: the process measure stays idle (over as many
+    readings as engaging takes, twice), the machine measure engages."""
+    from foresight.node.guard import CpuGuard
+
+    outsiders = _busy_outsiders()
+    mine = CpuGuard(GUARD_THRESHOLD, interval=0.2, measure="process").start()
+    machine = CpuGuard(GUARD_THRESHOLD, interval=0.2, measure="machine").start()
+    try:
+        wait_for(lambda: machine.engaged, timeout=120, what="the machine-wide guard to engage")
+        window = mine._readings.maxlen
+        wait_for(lambda: mine.samples >= 2 * window, timeout=120, what="the process guard's readings")
+        assert not mine.engaged and mine.switches == 0 and mine.cpu_percent < GUARD_THRESHOLD
+    finally:
+        mine.stop()
+        machine.stop()
+        _end(pids=outsiders)
 
 
 def test_sigterm_stops_cleanly_with_json_logs(root, tmp_path):

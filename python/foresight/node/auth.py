@@ -141,4 +141,5 @@ def connect(location: str, *, tls_root: str | None = None, cert: tuple[str, str]
     return flight.FlightClient(location, **kwargs)
 
 
-__all__ = ["ADMISSION_MODES", "Admission", "caller_of", "cluster_job", "token_digest", "HeaderMiddleware", "HeaderMiddlewareFactory", "call_options", "connect", "read_pem"]
+__all__ = ["ADMISSION_MODES", "Admission", "caller_of", "cluster_job", "token_digest",
+           "HeaderMiddleware", "HeaderMiddlewareFactory", "call_options", "connect", "read_pem"]

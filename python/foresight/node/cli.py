@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--max-queue-bytes", type=int, default=1 << 30)
     s.add_argument("--max-lead", type=int, default=8)
     s.add_argument("--cpu-threshold", type=float, default=80.0, help="percent; 0 = always raw")
+    s.add_argument("--cpu-measure", choices=("process", "cgroup", "machine"), default="process",
+                   help="whose CPU the guard measures: the node's process tree, its cgroup, or the whole machine "
+                        "(default %(default)s)")
     s.add_argument("--decode-threads", type=int, default=None)
     s.add_argument("--workers", type=int, default=1, help="threads preparing steps ahead")
     s.add_argument("--job-idle-s", type=float, default=600.0)
@@ -120,7 +123,8 @@ def _serve(args: argparse.Namespace) -> int:
         args.root, location=f"{scheme}://{args.host}:{args.port}",
         tls=(args.tls_cert, args.tls_key) if args.tls_cert else None, client_ca=args.client_ca,
         node_id=args.node_id, max_jobs=args.max_jobs, max_queue_bytes=args.max_queue_bytes, max_lead=args.max_lead,
-        cpu_threshold=args.cpu_threshold, decode_threads=args.decode_threads, workers=args.workers,
+        cpu_threshold=args.cpu_threshold, cpu_measure=args.cpu_measure, decode_threads=args.decode_threads,
+        workers=args.workers,
         job_idle_s=args.job_idle_s, max_plan_bytes=args.max_plan_bytes, shutdown_grace_s=args.shutdown_grace_s,
         served_shards=(lambda fp: cluster.served_shards(node_id_box[0], fp)) if cluster else None,
         admission=args.admission, issued_tokens=cluster.job_token_digest if cluster else None,
@@ -228,7 +232,8 @@ def _status(args: argparse.Namespace) -> int:
         if "error" in s:
             print(f"{s['location']}  UNREACHABLE  {s['error']}")
             continue
-        print(f"node {s['node']}  {s['location']}  cpu {s['cpu_percent']:.0f}%  "
+        print(f"node {s['node']}  {s['location']}  cpu {s['cpu_percent']:.0f}% "
+              f"({s.get('cpu_measure', 'machine')})  "
               f"guard {'ON (raw or deferred)' if s['guard_engaged'] else 'off'}  jobs {len(s['jobs'])}/{s['max_jobs']}")
         t = s.get("served", {})
         print(f"  served in all: {(t.get('bytes_decoded', 0) + t.get('bytes_raw', 0)) / 2**20:.1f} MiB, "

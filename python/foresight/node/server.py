@@ -90,6 +90,8 @@ class NodeServer(flight.FlightServerBase):
         node_id: name in the cluster (default: host-port).
         max_jobs: jobs registered at once; max_queue_bytes: cap of any job's queue; max_lead: cap of its lead.
         cpu_threshold: CPU percent (sustained) above which the node serves raw bytes (default 80; 0 = always raw).
+        cpu_measure: whose CPU that is: ``process`` (the node's process tree, default), ``cgroup`` or ``machine``
+            (see :mod:`foresight.node.guard`).
         decode_threads: threads of each job's decode pool (default: CPU count); workers: step-preparing threads.
         served_shards: ``fingerprint -> shard list or None (all)``; the cluster's placement when in a cluster.
         job_idle_s: a job not heard from for this long is dropped (frees its slot and memory).
@@ -109,7 +111,7 @@ class NodeServer(flight.FlightServerBase):
                  served_shards: Callable[[str], Any] | None = None, job_idle_s: float = 600.0,
                  max_plan_bytes: int = 256 << 20, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
                  admission: str = "open", issued_tokens: Callable[[str], str | None] | None = None,
-                 max_jobs_per_caller: int | None = None) -> None:
+                 max_jobs_per_caller: int | None = None, cpu_measure: str = "process") -> None:
         from foresight.node.auth import read_pem
 
         if not os.path.isdir(root):
@@ -135,7 +137,7 @@ class NodeServer(flight.FlightServerBase):
         self.max_plan_bytes = int(max_plan_bytes)
         self.served_shards = served_shards or (lambda fingerprint: None)
         self.metrics = NodeMetrics()
-        self.guard = CpuGuard(cpu_threshold, interval=guard_interval).start()
+        self.guard = CpuGuard(cpu_threshold, interval=guard_interval, measure=cpu_measure).start()
         self.datasets, self.plans = scan_root(self.root)
         self._jobs: dict[str, NodeJob] = {}
         self._jobs_lock = threading.Lock()
@@ -165,7 +167,7 @@ class NodeServer(flight.FlightServerBase):
         self._janitor.start()
         log.info("node serving", extra={"node": self.node_id, "location": self.location, "root": self.root,
                                         "datasets": len(self.datasets), "plans": len(self.plans),
-                                        "cpu_threshold": cpu_threshold})
+                                        "cpu_threshold": cpu_threshold, "cpu_measure": cpu_measure})
 
     # -- extension points -------------------------------------------------------------------------------------
     def register_action(self, name: str, decoder: Callable[[dict], dict], handler: Callable[[Any, dict], Any],
@@ -257,6 +259,7 @@ class NodeServer(flight.FlightServerBase):
         return {"ok": not self._draining.is_set(), "node": self.node_id, "instance": self.instance,
                 "version": PROTOCOL_VERSION, "location": self.location, "datasets": self.datasets,
                 "plans": self.plans, "cpu_percent": self.guard.cpu_percent, "guard": self.guard.engaged,
+                "cpu_measure": self.guard.measure,
                 "jobs": len(self._jobs), "max_jobs": self.max_jobs, "streams": self._streams}
 
     def _status(self, context, req: dict) -> dict:
@@ -270,7 +273,7 @@ class NodeServer(flight.FlightServerBase):
                 live = {"queue_depth": len(q.ready), "lead": q.lead(), "queue_bytes": q.nbytes, "progress": q.progress}
             jobs[job_id] = dict(snap["jobs"].get(job_id, {"fallback_rate": 0.0}), **live)
         snap.update(jobs=jobs, node=self.node_id, instance=self.instance, location=self.location,
-                    max_jobs=self.max_jobs, streams=self._streams)
+                    max_jobs=self.max_jobs, streams=self._streams, cpu_measure=self.guard.measure)
         return snap
 
     def _register_job(self, context, req: dict) -> dict:
