@@ -448,3 +448,41 @@ def test_iterate_without_the_loader_reads_nothing_on_the_host_while_nodes_serve(
         source.close()
         stage.close()
     assert [first] + rest == root["reference"] and source.stats["samples_local"] > 0
+
+
+HIDE_MODULE = ("import sys\nsys.modules[{name!r}] = None  # as if not installed: importing it raises\n"
+               "from foresight.cli import main\nsys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.parametrize("command, hidden", [
+    (["node", "serve", "--root", "."], "prometheus_client"),
+    (["node", "serve", "--root", ".", "--etcd", "http://127.0.0.1:9"], "etcd3gw"),
+    (["demo", "--steps", "2"], "prometheus_client"),
+    (["demo", "--steps", "2"], "av"),
+])
+def test_a_missing_optional_module_is_named_with_its_extra(tmp_path, command, hidden):
+    from foresight.cli import EXTRA_OF
+
+    out = subprocess.run([sys.executable, "-c", HIDE_MODULE.format(name=hidden), *command, *(
+        ["--out", str(tmp_path / "demo")] if command[0] == "demo" else [])], capture_output=True, text=True,
+        timeout=300, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=os.path.abspath("python")))
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        f"foresight {command[0]}: error: the Python module {hidden!r} is missing; install it with: "
+        f"pip install 'foresight[{EXTRA_OF[hidden]}]'"], out.stderr[-2000:]
+    if command[0] == "demo":
+        assert not (tmp_path / "demo").exists()  # checked before any work
+
+
+def test_extras_match_what_the_node_and_the_demo_import():
+    import tomllib
+
+    from foresight.cli import EXTRA_OF
+
+    with open("pyproject.toml", "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    names = {extra: " ".join(reqs) for extra, reqs in extras.items()}
+    assert "etcd3gw" in names["node"] and "prometheus-client" in names["node"]
+    assert "foresight[torch,media]" in names["node"]  # the decode stack the node runs
+    assert "node" in names["all"].split("[")[1].rstrip("]").split(",")
+    assert set(EXTRA_OF.values()) <= set(extras)

@@ -20,6 +20,9 @@ import sys
 from foresight.errors import ForesightError
 
 USER_ERRORS = (ForesightError, OSError, ValueError)
+#: The extra of ``pip install 'foresight[EXTRA]'`` that brings each optional module a command may import.
+EXTRA_OF = {"torch": "torch", "av": "media", "PIL": "media", "safetensors": "checkpoint", "tokenizers": "text",
+            "etcd3gw": "node", "prometheus_client": "node"}
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "pack": ("foresight.format.cli", "pack JSONL/Parquet, a media folder or a Megatron dataset into shards"),
@@ -38,18 +41,37 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # Import only the module of the command asked for: the others may need heavy libraries.
     wanted = argv[0] if argv and argv[0] in SUBCOMMANDS else None
-    for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
-        if name == wanted:
-            importlib.import_module(module).add_arguments(p)
-    args = parser.parse_args(argv)
     try:
+        for name, (module, help_text) in SUBCOMMANDS.items():
+            p = sub.add_parser(name, help=help_text)
+            if name == wanted:
+                importlib.import_module(module).add_arguments(p)
+        args = parser.parse_args(argv)
         return int(importlib.import_module(SUBCOMMANDS[args.command][0]).run(args) or 0)
     except USER_ERRORS as e:
         if os.environ.get("FORESIGHT_DEBUG", "") not in ("", "0"):
             raise
-        print(f"foresight {args.command}: error: {describe_error(e)}", file=sys.stderr)
+        print(f"foresight {wanted or 'command'}: error: {describe_error(e)}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as e:
+        if os.environ.get("FORESIGHT_DEBUG", "") not in ("", "0") or not e.name:
+            raise
+        print(f"foresight {wanted or 'command'}: error: {missing_module(e.name)}", file=sys.stderr)
+        return 1
+
+
+def missing_module(name: str) -> str:
+    """One line for a missing optional module, naming the extra that installs it.
+
+    >>> missing_module("prometheus_client")
+    "the Python module 'prometheus_client' is missing; install it with: pip install 'foresight[node]'"
+    """
+    top = name.split(".")[0]
+    extra = EXTRA_OF.get(top)
+    if extra is None:
+        shown = name if top == "foresight" else top  # one of ours: its native part was not built, say which
+        return f"the Python module {shown!r} is missing (FORESIGHT_DEBUG=1 shows where it was imported)"
+    return f"the Python module {top!r} is missing; install it with: pip install 'foresight[{extra}]'"
 
 
 def describe_error(e: BaseException) -> str:
