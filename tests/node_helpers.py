@@ -18,6 +18,11 @@ SPECS = {
     "video": TransformSpec(modality="video", size=(32, 32), frames=FrameSampling(num_frames=3, window_s=0.8)),
 }
 TOKEN = "token-of-job-a"
+#: Specs whose step parts are about 100 MB: more than gRPC buffers for a reader that stops reading.
+BIG_SPECS = {
+    "image": TransformSpec(modality="image", size=(2048, 2048)),
+    "video": TransformSpec(modality="video", size=(2048, 2048), frames=FrameSampling(num_frames=3, window_s=0.8)),
+}
 
 
 def make_root(root: str, *, samples: int = 12, steps: int = 6, batch: int = 4) -> dict:
@@ -37,6 +42,31 @@ def make_root(root: str, *, samples: int = 12, steps: int = 6, batch: int = 4) -
     plan = build_plan([(ds, 1.0)], seed=5, global_batch_size=batch, num_steps=steps)  # steps straddle epochs
     plan.save(os.path.join(root, "plans", "p1"))
     return {"root": root, "dataset": ds, "plan": plan}
+
+
+def job_request(root: dict, job: str = "good", transforms: dict | None = None, **over) -> dict:
+    """A ``register_job`` body for the plan of :func:`make_root` decoding with ``transforms`` (default
+    :data:`SPECS`); ``over`` replaces fields as they are. For raw Flight calls."""
+    from foresight.node.jobs import spec_digest
+
+    specs = SPECS if transforms is None else transforms
+    req = {"job": job, "datasets": ["media"], "plan": "plans/p1", "plan_digest": root["plan"].digest, "rank": 0,
+           "world_size": 1, "specs": {k: v.to_dict() for k, v in specs.items()}, "seed": 9, "step": 0,
+           "spec_digest": spec_digest(specs)}
+    req.update(over)
+    return req
+
+
+def flight_action(client, name: str, body, job: str | None = None, token: str | None = None) -> dict:
+    """One ``DoAction`` on a raw Flight client; its JSON answer."""
+    import pyarrow.flight as flight
+
+    from foresight.node.auth import call_options
+
+    if not isinstance(body, bytes):
+        body = json.dumps(body).encode()
+    res = list(client.do_action(flight.Action(name, body), call_options(job, token, timeout=60)))
+    return json.loads(res[0].body.to_pybytes())
 
 
 class NodeProc:

@@ -14,9 +14,9 @@ import pytest
 from foresight.loader import MediaDecodeStage
 from foresight.node.auth import call_options, connect
 from foresight.node.client import NodeSource
-from foresight.node.jobs import spec_digest
 from foresight.node.protocol import MAX_MESSAGE_BYTES, decode_tensors, encode_ticket
-from node_helpers import SPECS, TOKEN, NodeProc, host_reference, make_root, run_source
+from node_helpers import (SPECS, TOKEN, NodeProc, flight_action, host_reference, job_request, make_root,
+                          run_source)
 
 
 @pytest.fixture(scope="module")
@@ -29,25 +29,14 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def node(root, tmp_path_factory):
     n = NodeProc(root["root"], str(tmp_path_factory.mktemp("secnode")), "--cpu-threshold", "101",
-                 "--max-jobs", "2", "--max-queue-bytes", "1000000", "--max-lead", "3",
+                 "--max-jobs", "2", "--max-jobs-per-caller", "2", "--max-queue-bytes", "1000000", "--max-lead", "3",
                  "--max-plan-bytes", "200000", name="sec")
     yield n
     n.terminate()
 
 
-def _request(root, job="good", **over):
-    req = {"job": job, "datasets": ["media"], "plan": "plans/p1", "plan_digest": root["plan"].digest, "rank": 0,
-           "world_size": 1, "specs": {k: v.to_dict() for k, v in SPECS.items()}, "seed": 9, "step": 0,
-           "spec_digest": spec_digest(SPECS)}
-    req.update(over)
-    return req
-
-
-def _act(client, name, body, job=None, token=None):
-    if not isinstance(body, bytes):
-        body = json.dumps(body).encode()
-    res = list(client.do_action(flight.Action(name, body), call_options(job, token, timeout=60)))
-    return json.loads(res[0].body.to_pybytes())
+_request = job_request
+_act = flight_action
 
 
 def _step(client, job, token, step):
@@ -224,3 +213,39 @@ def test_plan_uploads_that_do_not_verify_are_refused(root, node):
     assert not os.path.exists(os.path.join(root["root"], ".uploads", "plans", root["plan"].digest.split(":")[1]))
     assert [n for n in os.listdir(os.path.join(root["root"], ".uploads", "plans"))] == []  # no debris
     client.close()
+
+
+MALFORMED = [  # (what, call, body): every one answered with one line naming the problem; the node lives on
+    ("ticket of deeply nested JSON after {\"kind\"", "get", b'{"kind": ' + b"[" * 20000 + b"]" * 20000 + b"}",
+     "nested deeper than the node accepts"),
+    ("ticket of nested JSON under the size limit", "get", b'{"job": ' + b'{"a":' * 5000 + b"1" + b"}" * 5001,
+     "nested deeper than the node accepts"),
+    ("oversized ticket", "get", b'{"kind": "' + b"x" * MAX_MESSAGE_BYTES + b'"}', "larger than the node accepts"),
+    ("ticket that is not JSON", "get", b"\xff\xfe{job", "not valid JSON"),
+    ("ticket that is a JSON array", "get", b"[1, 2]", "must be a JSON object"),
+    ("ticket with a NaN", "get", b'{"job": "good", "rank": NaN, "step": 0}', "constant NaN"),
+    ("ticket of the wrong types", "get", b'{"job": "good", "rank": "0", "step": 0}', "rank must be an integer"),
+    ("kind ticket with no handler", "get", b'{"kind": 7}', "lacks fields"),
+    ("action body nested deeply", "action", b'{"job": "good", "step": ' + b"[" * 20000 + b"]" * 20000 + b"}",
+     "nested deeper than the node accepts"),
+    ("action body not UTF-8", "action", b'{"job": "\xff"}', "not valid JSON"),
+    ("action body a JSON string", "action", b'"progress"', "must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize("what,call,body,message", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_every_malformed_request_gets_a_one_line_error(node, what, call, body, message):
+    client = flight.FlightClient(node.location)  # a raw Flight client, no foresight helper in between
+    try:
+        with pytest.raises(flight.FlightError) as err:
+            if call == "get":
+                client.do_get(flight.Ticket(body), call_options("good", TOKEN, timeout=60)).read_all()
+            else:
+                list(client.do_action(flight.Action("progress", body), call_options("good", TOKEN, timeout=60)))
+        first = str(err.value).splitlines()[0]
+        assert "foresight: " in first and message in first, str(err.value)
+        assert "Traceback" not in str(err.value) and "Error(" not in first
+        health = json.loads(list(client.do_action(flight.Action("health", b"{}")))[0].body.to_pybytes())
+        assert health["ok"]  # the node survived it
+    finally:
+        client.close()

@@ -26,6 +26,9 @@ import threading
 from foresight.errors import ForesightError
 
 USER_ERRORS = (ForesightError, OSError, ValueError)
+#: The extra of ``pip install 'foresight[EXTRA]'`` that brings each optional module a command may import.
+EXTRA_OF = {"torch": "torch", "av": "media", "PIL": "media", "safetensors": "checkpoint", "tokenizers": "text",
+            "etcd3gw": "node", "prometheus_client": "node"}
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "pack": ("foresight.format.cli",
@@ -60,12 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, _interrupt) if in_main_thread else None
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else ""
     try:
         return _main(argv)
     except KeyboardInterrupt:
-        command = argv[0] if argv and argv[0] in SUBCOMMANDS else ""
         print(f"foresight{' ' + command if command else ''}: interrupted", file=sys.stderr)
         return INTERRUPTED
+    except ModuleNotFoundError as e:  # building the command's parser or running it: name the extra to install
+        if os.environ.get("FORESIGHT_DEBUG", "") not in ("", "0") or not e.name:
+            raise
+        print(f"foresight {command or 'command'}: error: {missing_module(e.name)}", file=sys.stderr)
+        return 1
     finally:
         if in_main_thread:  # main() called from Python (tests, scripts) leaves their handler as it was
             signal.signal(signal.SIGINT, previous)
@@ -161,6 +169,20 @@ def _main(argv: list[str]) -> int:
             raise
         print(f"foresight {args.command}: error: {describe_error(e)}", file=sys.stderr)
         return 1
+
+
+def missing_module(name: str) -> str:
+    """One line for a missing optional module, naming the extra that installs it.
+
+    >>> missing_module("prometheus_client")
+    "the Python module 'prometheus_client' is missing; install it with: pip install 'foresight[node]'"
+    """
+    top = name.split(".")[0]
+    extra = EXTRA_OF.get(top)
+    if extra is None:
+        shown = name if top == "foresight" else top  # one of ours: its native part was not built, say which
+        return f"the Python module {shown!r} is missing (FORESIGHT_DEBUG=1 shows where it was imported)"
+    return f"the Python module {top!r} is missing; install it with: pip install 'foresight[{extra}]'"
 
 
 def describe_error(e: BaseException) -> str:

@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -35,7 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=1, help="seed of the data, the plan and the model")
 
 
+#: What the demo imports, checked before it starts (a missing one is named with its extra, see foresight.cli): the
+#: storage node it starts needs the node extra, which a failed start would only report as "see node.log".
+NEEDS = ("torch", "av", "PIL", "prometheus_client")
+
+
 def run(args: argparse.Namespace) -> int:
+    for module in NEEDS:
+        importlib.import_module(module)
     import torch
 
     torch.manual_seed(args.seed)
@@ -312,9 +320,11 @@ def _head(step: dict, n: int) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="foresight demo")
-    add_arguments(parser)
-    return run(parser.parse_args())
+    import sys
+
+    from foresight.cli import main as cli_main
+
+    return cli_main(["demo", *sys.argv[1:]])  # its error handling: one line for a missing module
 
 
 if __name__ == "__main__":

@@ -1,9 +1,17 @@
-"""Per-call credentials and TLS material.
+"""Per-call credentials, admission of jobs, and TLS material.
 
 Every Flight call carries ``x-foresight-job`` and ``x-foresight-token`` headers; :class:`HeaderMiddlewareFactory`
 hands them to the handlers, which compare the token with the one the job registered with (constant time) on every
 call. TLS and mutual TLS are Flight's own (``grpc+tls://``; the server verifies client certificates against a CA
 when one is given).
+
+Who may register a job (:class:`Admission`): in a cluster, the operator issues each job's token into etcd
+(``foresight node job-token --etcd E --job NAME``, which also rotates it); a registration must then present that
+token, and presenting it re-attaches at once (a restarted trainer replaces its earlier registration, whatever token
+that one had). A job with no issued token is refused with ``admission="issued"``; with ``"open"`` (the default, and
+the single-node mode without etcd) its first caller's token binds the job on that node until it is unregistered or
+idle for ``job_idle_s``. One caller (its TLS client identity, else its host) registers at most
+``max_jobs_per_caller`` distinct jobs (the ranks of one job count once), so no caller fills ``max_jobs``.
 
 Example::
 
@@ -12,9 +20,18 @@ Example::
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
+from typing import Callable
+
 import pyarrow.flight as flight
 
+from foresight.errors import NodeError
 from foresight.node.protocol import HEADER_JOB, HEADER_TOKEN
+
+log = logging.getLogger("foresight.node.auth")
+ADMISSION_MODES = ("open", "issued")
 
 
 class HeaderMiddleware(flight.ServerMiddleware):
@@ -30,6 +47,69 @@ class HeaderMiddlewareFactory(flight.ServerMiddlewareFactory):
             return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
 
         return HeaderMiddleware(first(HEADER_JOB), first(HEADER_TOKEN))
+
+
+def token_digest(token: str) -> str:
+    """What etcd keeps of an issued token (never the token itself)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def cluster_job(node_job: str, rank: int) -> str:
+    """The job a node registration belongs to: ``NodeSource`` registers rank r of job J as ``J.r``."""
+    suffix = f".{rank}"
+    return node_job[: -len(suffix)] if node_job.endswith(suffix) and len(node_job) > len(suffix) else node_job
+
+
+def caller_of(context) -> str:
+    """Who is calling: the TLS client certificate's identity when there is one, else the peer's host (its port
+    changes per connection)."""
+    identity = context.peer_identity()
+    if identity:
+        return "tls:" + identity.decode("utf-8", "replace")
+    peer = context.peer() or "unknown"
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+
+
+class Admission:
+    """Checks a registration's token against the one the cluster issued for its job; see the module docstring.
+
+    ``issued(job) -> sha256 hex or None`` reads the cluster (:meth:`Cluster.job_token_digest`); None without etcd.
+
+    Example::
+
+        admission = Admission("issued", issued=cluster.job_token_digest)
+        admission.check("run-7", token)      # True: issued and matching; raises when it does not match
+    """
+
+    def __init__(self, mode: str = "open", *, issued: Callable[[str], str | None] | None = None) -> None:
+        if mode not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {mode!r}")
+        if mode == "issued" and issued is None:
+            raise ValueError("admission 'issued' needs the cluster's issued tokens (serve with --etcd)")
+        self.mode, self.issued = mode, issued
+
+    def check(self, job: str, token: str) -> bool:
+        """True when ``token`` is the one issued for ``job``; False when none is issued and the mode is open
+        (the first caller binds the job); raises ``FlightUnauthenticatedError`` otherwise."""
+        if self.issued is None:
+            return False
+        try:
+            digest = self.issued(job)
+        except NodeError as e:
+            if self.mode == "issued":
+                raise flight.FlightUnavailableError(f"foresight: cannot check job {job!r}'s token: {e}") from None
+            log.warning("etcd unreachable; admitting the job by its first caller's token",
+                        extra={"job": job, "error": str(e)[:200]})
+            return False
+        if digest is None:
+            if self.mode == "issued":
+                raise flight.FlightUnauthenticatedError(
+                    f"foresight: no token issued for job {job!r}; the operator issues one with "
+                    f"`foresight node job-token --etcd ENDPOINT --job {job}`")
+            return False
+        if not isinstance(digest, str) or not hmac.compare_digest(digest, token_digest(token)):
+            raise flight.FlightUnauthenticatedError(f"foresight: the token is not the one issued for job {job!r}")
+        return True
 
 
 def call_options(job: str | None, token: str | None, timeout: float | None = None) -> flight.FlightCallOptions:
@@ -61,4 +141,5 @@ def connect(location: str, *, tls_root: str | None = None, cert: tuple[str, str]
     return flight.FlightClient(location, **kwargs)
 
 
-__all__ = ["HeaderMiddleware", "HeaderMiddlewareFactory", "call_options", "connect", "read_pem"]
+__all__ = ["ADMISSION_MODES", "Admission", "caller_of", "cluster_job", "token_digest",
+           "HeaderMiddleware", "HeaderMiddlewareFactory", "call_options", "connect", "read_pem"]

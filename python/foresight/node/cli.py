@@ -1,10 +1,12 @@
-"""``foresight node {serve, status, place}``: run a storage node, print what nodes are doing, place shards.
+"""``foresight node {serve, status, place, job-token}``: run a storage node, print what nodes are doing, place
+shards, issue a job's token.
 
 Example::
 
     foresight node serve --root /data --port 7000 --etcd http://127.0.0.1:2379 --metrics-port 9100
     foresight node status --etcd http://127.0.0.1:2379          # or --node grpc://127.0.0.1:7000
     foresight node place --etcd http://127.0.0.1:2379 /data/media --nodes n1,n2
+    foresight node job-token --etcd http://127.0.0.1:2379 --job run-7      # prints run-7's new token
 """
 from __future__ import annotations
 
@@ -14,6 +16,11 @@ import os
 import signal
 import sys
 import threading
+
+from foresight.node.server import CANCEL_WAIT_S, DEFAULT_SHUTDOWN_GRACE_S
+
+#: SIGTERM to exit is at most ``--shutdown-grace-s`` plus this: cancelling streams, leaving etcd, freeing jobs.
+EXIT_MARGIN_S = CANCEL_WAIT_S + 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,9 +36,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--tls-key", default=None)
     s.add_argument("--client-ca", default=None, help="require client certificates signed by this CA (mutual TLS)")
     s.add_argument("--max-jobs", type=int, default=8)
+    s.add_argument("--max-jobs-per-caller", type=int, default=None,
+                   help="distinct jobs one caller (TLS identity, else host) may register at once (default: half of "
+                        "--max-jobs)")
+    s.add_argument("--admission", choices=("open", "issued"), default="open",
+                   help="issued: only jobs whose token was issued in etcd (node job-token) register; open: a job "
+                        "with no issued token is bound by its first caller's token (default %(default)s)")
     s.add_argument("--max-queue-bytes", type=int, default=1 << 30)
     s.add_argument("--max-lead", type=int, default=8)
     s.add_argument("--cpu-threshold", type=float, default=80.0, help="percent; 0 = always raw")
+    s.add_argument("--cpu-measure", choices=("process", "cgroup", "machine"), default="process",
+                   help="whose CPU the guard measures: the node's process tree, its cgroup, or the whole machine "
+                        "(default %(default)s)")
     s.add_argument("--decode-threads", type=int, default=None)
     s.add_argument("--workers", type=int, default=1, help="threads preparing steps ahead")
     s.add_argument("--job-idle-s", type=float, default=600.0)
@@ -45,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="refuse jobs whose step part (rank's samples x largest sample) can be larger (default 2 GiB)")
     s.add_argument("--max-decode-bytes-per-job", type=int, default=4 << 30,
                    help="refuse jobs whose decoding (threads' working sets + the step) can take more (default 4 GiB)")
+    s.add_argument("--shutdown-grace-s", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                   help="on SIGTERM, seconds streams in flight may run on before they are cancelled; the process "
+                        f"exits within this plus {EXIT_MARGIN_S:.0f} s (default %(default)s)")
     s.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0 picks one)")
     s.add_argument("--metrics-host", default="127.0.0.1",
                    help="address /metrics listens on (0.0.0.0: every interface, for a Prometheus on another host)")
@@ -65,10 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("dataset", help="the dataset directory (read for its fingerprint and shard count)")
     p.add_argument("--etcd", required=True)
     p.add_argument("--nodes", default=None, help="comma-separated node ids (default: live nodes holding it)")
+    t = sub.add_parser("job-token", help="issue (or rotate) a job's token in etcd and print it; nodes admit the "
+                                         "job's registrations only with it")
+    t.add_argument("--etcd", required=True, help="etcd endpoint(s), reached with the operator's credentials")
+    t.add_argument("--job", required=True, help="the job's name, as given to NodeSource(job=...)")
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"serve": _serve, "status": _status, "place": _place}[args.node_command](args)
+    return {"serve": _serve, "status": _status, "place": _place, "job-token": _job_token}[args.node_command](args)
 
 
 def _add_replication_arguments(p: argparse.ArgumentParser) -> None:
@@ -104,15 +127,19 @@ def _serve(args: argparse.Namespace) -> int:
         from foresight.node.cluster import Cluster
 
         cluster = Cluster(args.etcd)
+    elif args.admission == "issued":
+        raise SystemExit("foresight node serve: --admission issued needs --etcd (tokens are issued there)")
     server = NodeServer(
         args.root, location=f"{scheme}://{args.host}:{args.port}",
         tls=(args.tls_cert, args.tls_key) if args.tls_cert else None, client_ca=args.client_ca,
         node_id=args.node_id, max_jobs=args.max_jobs, max_queue_bytes=args.max_queue_bytes, max_lead=args.max_lead,
-        cpu_threshold=args.cpu_threshold, decode_threads=args.decode_threads, workers=args.workers,
-        job_idle_s=args.job_idle_s, max_plan_bytes=args.max_plan_bytes,
+        cpu_threshold=args.cpu_threshold, cpu_measure=args.cpu_measure, decode_threads=args.decode_threads,
+        workers=args.workers, job_idle_s=args.job_idle_s, max_plan_bytes=args.max_plan_bytes,
         limits=WorkLimits(args.max_output_bytes_per_sample, args.max_step_bytes, args.max_decode_bytes_per_job),
-        rescan_s=args.rescan_s,
-        served_shards=(lambda fp: cluster.served_shards(node_id_box[0], fp)) if cluster else None)
+        rescan_s=args.rescan_s, shutdown_grace_s=args.shutdown_grace_s,
+        served_shards=(lambda fp: cluster.served_shards(node_id_box[0], fp)) if cluster else None,
+        admission=args.admission, issued_tokens=cluster.job_token_digest if cluster else None,
+        max_jobs_per_caller=args.max_jobs_per_caller)
     node_id_box.append(server.node_id)
     metrics_port = (server.metrics.serve_http(args.metrics_port, args.metrics_host)
                     if args.metrics_port is not None else None)
@@ -141,14 +168,32 @@ def _serve(args: argparse.Namespace) -> int:
     while not stop.wait(0.5):
         pass
     log.info("signal received, shutting down", extra={"node": server.node_id})
+    _exit_by(args.shutdown_grace_s + EXIT_MARGIN_S, log)
     if registration is not None:
         registration.close()  # leave the cluster first: clients stop choosing this node
     if replicas is not None:
         replicas.close()
     if replication is not None:
         replication.close()
-    server.stop()
+    if not server.stop():  # gRPC stuck even after cancelling: the bound holds anyway
+        logging.shutdown()
+        os._exit(0)
     return 0
+
+
+def _exit_by(seconds: float, log) -> None:
+    """The documented bound on SIGTERM-to-exit: whatever hangs in the shutdown (etcd, replication, gRPC), the
+    process exits ``seconds`` after the signal, saying so."""
+    def force() -> None:
+        log.error("shutdown took longer than its bound; exiting now", extra={"bound_s": seconds})
+        import logging
+
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, force)
+    timer.daemon = True
+    timer.start()
 
 
 def _mount_replicas(server, cluster, args: argparse.Namespace):
@@ -198,7 +243,8 @@ def _status(args: argparse.Namespace) -> int:
         if "error" in s:
             print(f"{s['location']}  UNREACHABLE  {s['error']}")
             continue
-        print(f"node {s['node']}  {s['location']}  cpu {s['cpu_percent']:.0f}%  "
+        print(f"node {s['node']}  {s['location']}  cpu {s['cpu_percent']:.0f}% "
+              f"({s.get('cpu_measure', 'machine')})  "
               f"guard {'ON (raw or deferred)' if s['guard_engaged'] else 'off'}  jobs {len(s['jobs'])}/{s['max_jobs']}")
         t = s.get("served", {})
         print(f"  served in all: {(t.get('bytes_decoded', 0) + t.get('bytes_raw', 0)) / 2**20:.1f} MiB, "
@@ -236,4 +282,11 @@ def _place(args: argparse.Namespace) -> int:
         return 1
     assignment = cluster.place(fp, num_shards=len(ds.shard_paths), nodes=nodes)
     print(json.dumps({"dataset": fp, "placement": {f"{s:06d}": n for s, n in assignment.items()}}))
+    return 0
+
+
+def _job_token(args: argparse.Namespace) -> int:
+    from foresight.node.cluster import Cluster
+
+    print(Cluster(args.etcd).issue_job_token(args.job))
     return 0

@@ -17,6 +17,9 @@ Key layout (``prefix`` defaults to ``/foresight/v1``; values are JSON):
                                              place``); a dataset with no placement keys is served whole by every node
                                              that advertises it
 ``{prefix}/jobs/{job}/{rank:06d}``           under the client's lease: ``{plan_digest, step, nodes, updated}``
+``{prefix}/tokens/{job}``                   no lease, written by the operator (``foresight node job-token``):
+                                             ``{sha256, issued}``, the digest of the job's token; nodes admit a
+                                             registration of the job only with that token (see node/auth.py)
 ``{prefix}/replicas/...``, ``{prefix}/hints/...``  reserved for checkpoint replication and replication hints (same
                                              rules: liveness through leases, one JSON value per key)
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import threading
 import time
 from typing import Any, Callable
@@ -49,6 +53,14 @@ def _client(endpoint: str, timeout: float):
     u = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
     return etcd3gw.client(host=u.hostname or "127.0.0.1", port=u.port or 2379, protocol=u.scheme or "http",
                           timeout=timeout)
+
+
+def _lease(lease_id: int, client):
+    """etcd3gw's handle on lease ``lease_id`` through ``client`` (the one answering now, not the one that granted
+    it: after a failover to another endpoint the old client is gone)."""
+    from etcd3gw.lease import Lease as _Lease
+
+    return _Lease(lease_id, client)
 
 
 class Cluster:
@@ -130,40 +142,89 @@ class Cluster:
         base = self.key("jobs") + "/"
         return {k[len(base):]: v for k, v in self._get_prefix(base)}
 
+    def issue_job_token(self, job: str, token: str | None = None) -> str:
+        """Issue ``job``'s token, or rotate it (the earlier one stops admitting registrations at once); etcd keeps
+        its sha256 only. Returns the token (a fresh random one unless given)."""
+        from foresight.node.auth import token_digest
+
+        if not job or "/" in job or len(job) > 128:
+            raise NodeError("a job name is 1-128 characters without '/'", job=job[:130])
+        if token is None:
+            token = secrets.token_urlsafe(24)
+        elif len(token) < 8:
+            raise NodeError("a job token has at least 8 characters", job=job)
+        record = json.dumps({"sha256": token_digest(token), "issued": time.time()})
+        self._call(lambda c: c.put(self.key("tokens", job), record))
+        return token
+
+    def job_token_digest(self, job: str) -> str | None:
+        """The sha256 of ``job``'s issued token, or None when none was issued."""
+        values = self._call(lambda c: c.get(self.key("tokens", job)))
+        if not values:
+            return None
+        try:
+            return json.loads(values[0]).get("sha256")
+        except (ValueError, AttributeError):
+            log.warning("ignoring a malformed token record in etcd", extra={"job": job})
+            return None
+
 
 class Registration:
-    """A key kept alive under a lease by a daemon thread; the record is re-read on every refresh (load changes)."""
+    """A key kept alive under a lease by a daemon thread; the record is re-read on every refresh (load changes).
+
+    etcd may go away for any length of time (restart with its data, or a fresh member with none): every ttl/3 the
+    thread refreshes the lease, and when that fails or etcd no longer knows the lease, it grants a new one and
+    writes the record again, until it succeeds. One warning when the outage starts, one info line when the key is
+    back (``outages`` counts them)."""
 
     def __init__(self, cluster: Cluster, key: str, record: Callable[[], dict], *, ttl: int) -> None:
         self.cluster, self.key, self.record, self.ttl = cluster, key, record, max(2, int(ttl))
         self._stop = threading.Event()
-        self._lease = None
+        self._lease_id: int | None = None
+        self.outages = 0
+        self._failing = False
         self._put()
         self._thread = threading.Thread(target=self._run, name="foresight-etcd-lease", daemon=True)
         self._thread.start()
 
     def _put(self) -> None:
         value = json.dumps(dict(self.record(), updated=time.time()), default=str)
-        if self._lease is None:
-            self._lease = self.cluster._call(lambda c: c.lease(ttl=self.ttl))
-        self.cluster._call(lambda c: c.put(self.key, value, lease=self._lease))
+        if self._lease_id is None:
+            self._lease_id = self.cluster._call(lambda c: c.lease(ttl=self.ttl)).id
+        lease_id = self._lease_id
+        self.cluster._call(lambda c: c.put(self.key, value, lease=_lease(lease_id, c)))
+
+    def _refresh(self) -> None:
+        """Keep the lease alive and the record current; a lease etcd lost (expired, or a fresh etcd) is replaced."""
+        if self._lease_id is not None:
+            lease_id = self._lease_id
+            if self.cluster._call(lambda c: _lease(lease_id, c).refresh()) <= 0:
+                self._lease_id = None
+        self._put()
 
     def _run(self) -> None:
         while not self._stop.wait(self.ttl / 3):
             try:
-                if self._lease.refresh() <= 0:  # expired (etcd was away longer than the TTL): start over
-                    self._lease = None
-                self._put()
-            except Exception as e:
-                log.warning("etcd refresh failed; retrying", extra={"key": self.key, "error": str(e)})
-                self._lease = None
+                self._refresh()
+            except Exception as e:  # etcd away (NodeError) or answering garbage: grant a new lease next time
+                self._lease_id = None
+                if not self._failing:
+                    self._failing = True
+                    self.outages += 1
+                    log.warning("etcd refresh failed; retrying every ttl/3 with a new lease",
+                                extra={"key": self.key, "error": str(e)[:300]})
+                continue
+            if self._failing:
+                self._failing = False
+                log.info("etcd back; lease granted again and the key re-written", extra={"key": self.key})
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-        if self._lease is not None:
+        lease_id = self._lease_id
+        if lease_id is not None:
             try:
-                self._lease.revoke()
+                self.cluster._call(lambda c: _lease(lease_id, c).revoke())
             except Exception as e:
                 log.warning("lease revoke failed (the key expires with its TTL)", extra={"key": self.key,
                                                                                          "error": str(e)})

@@ -24,14 +24,16 @@ def free_port() -> int:
 
 
 class EtcdProcess:
-    """One etcd member on loopback with its own data directory; ``close()`` stops it (SIGTERM, then SIGKILL)."""
+    """One etcd member on loopback with its own data directory; ``close()`` stops it (SIGTERM, then SIGKILL).
+    ``port``: the client port (default: a free one); give the old one to restart a member on the same endpoint."""
 
-    def __init__(self, data_dir: str, *, binary: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(self, data_dir: str, *, binary: str | None = None, timeout: float = 30.0,
+                 port: int | None = None) -> None:
         binary = binary or shutil.which("etcd") or "/usr/bin/etcd"
         if not os.path.exists(binary):
             raise NodeError("etcd not found (Debian package etcd-server; scripts/setup.sh installs it)", path=binary)
         os.makedirs(data_dir, exist_ok=True)
-        client, peer = free_port(), free_port()
+        client, peer = port or free_port(), free_port()  # port: restart on the same endpoint
         self.endpoint = f"http://127.0.0.1:{client}"
         self.log_path = os.path.join(data_dir, "etcd.log")
         self._log = open(self.log_path, "ab")

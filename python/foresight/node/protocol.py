@@ -40,6 +40,8 @@ HEADER_JOB = "x-foresight-job"
 HEADER_TOKEN = "x-foresight-token"
 #: Largest action body or ticket accepted, in bytes (plans never travel in actions).
 MAX_MESSAGE_BYTES = 64 << 10
+#: Deepest nesting of arrays and objects accepted in a request (the deepest real one, register_job, has 4).
+MAX_NESTING = 16
 #: Largest tensor payload in one record batch (a step part is split into several batches).
 MAX_BATCH_BYTES = 8 << 20
 KIND_DECODED, KIND_RAW, KIND_DEFERRED = "decoded", "raw", "deferred"
@@ -100,17 +102,40 @@ def _spec_dict(v: Any, modality: str) -> dict:
 
 
 def _parse(body: bytes, what: str) -> dict:
+    """A request body as a JSON object, bounded before parsing: at most :data:`MAX_MESSAGE_BYTES` bytes and
+    :data:`MAX_NESTING` levels (the parser recurses per level); anything else is one-line :class:`ProtocolError`."""
     if not isinstance(body, (bytes, bytearray, memoryview)):
         _fail(f"{what} must be bytes")
+    body = bytes(body)
     if len(body) > MAX_MESSAGE_BYTES:
         _fail(f"{what} is larger than the node accepts", bytes=len(body), limit=MAX_MESSAGE_BYTES)
+    depth = nesting_depth(body)
+    if depth > MAX_NESTING:
+        _fail(f"{what} is nested deeper than the node accepts", depth=depth, limit=MAX_NESTING)
     try:
-        obj = json.loads(bytes(body).decode("utf-8") or "{}", parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        obj = json.loads(body.decode("utf-8") or "{}", parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError) as e:
         raise ProtocolError(f"{what} is not valid JSON: {e}"[:200]) from None
     if not isinstance(obj, dict):
         _fail(f"{what} must be a JSON object")
     return obj
+
+
+#: JSON string literals (escapes included), whose brackets do not nest.
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def nesting_depth(body: bytes) -> int:
+    """How deep ``[``/``{`` nest in a JSON text, outside strings (one regex pass and one cumulative sum, no parse;
+    an unterminated string counts as text, which the parser then refuses)."""
+    text = np.frombuffer(_JSON_STRING.sub(b'""', body), dtype=np.uint8)
+    step = (text == ord("[")).astype(np.int32) + (text == ord("{")) - (text == ord("]")) - (text == ord("}"))
+    return int(np.cumsum(step).max(initial=0))
+
+
+def parse_request(body: bytes, what: str = "request") -> dict:
+    """A bounded JSON object of a request (extensions' tickets and bodies); see :func:`decode_action`."""
+    return _parse(body, what)
 
 
 def _no_constant(name: str) -> None:
@@ -472,7 +497,8 @@ def _to_torch(arr: np.ndarray, dtype: str):
 
 
 __all__ = [
-    "ACTION_DECODERS", "HEADER_JOB", "HEADER_TOKEN", "KIND_DECODED", "KIND_RAW", "MAX_BATCH_BYTES",
+    "ACTION_DECODERS", "HEADER_JOB", "HEADER_TOKEN", "KIND_DECODED", "KIND_RAW", "MAX_BATCH_BYTES", "MAX_NESTING",
+    "nesting_depth", "parse_request",
     "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode_action", "decode_blocks", "decode_ticket",
     "decode_tensors",
     "encode_raw", "encode_tensors", "encode_ticket", "raw_samples", "encode_deferred", "deferred_positions",

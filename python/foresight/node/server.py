@@ -18,9 +18,11 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Any, Callable
@@ -28,16 +30,21 @@ from typing import Any, Callable
 import pyarrow.flight as flight
 
 from foresight.errors import ForesightError, NodeError, ProtocolError
-from foresight.node.auth import HeaderMiddlewareFactory
+from foresight.node.auth import Admission, HeaderMiddlewareFactory, caller_of, cluster_job
 from foresight.node.guard import CpuGuard
 from foresight.node.jobs import NodeJob, spec_digest
 from foresight.node.limits import WorkLimits
 from foresight.node.metrics import NodeMetrics
-from foresight.node.protocol import ACTION_DECODERS, PROTOCOL_VERSION, decode_action, decode_ticket
+from foresight.node.protocol import (ACTION_DECODERS, PROTOCOL_VERSION, decode_action, decode_ticket,
+                                     parse_request)
 from foresight.node.queue import Scheduler
 from foresight.node.root_index import Changes, RootIndex, scan_root
 
 log = logging.getLogger("foresight.node")
+#: Default seconds streams in flight may run on after :meth:`NodeServer.stop` (SIGTERM) before they are cancelled.
+DEFAULT_SHUTDOWN_GRACE_S = 10.0
+#: Seconds :meth:`NodeServer.stop` waits for gRPC to wind down once the streams left were cancelled.
+CANCEL_WAIT_S = 5.0
 
 
 class NodeServer(flight.FlightServerBase):
@@ -51,6 +58,8 @@ class NodeServer(flight.FlightServerBase):
         node_id: name in the cluster (default: host-port).
         max_jobs: jobs registered at once; max_queue_bytes: cap of any job's queue; max_lead: cap of its lead.
         cpu_threshold: CPU percent (sustained) above which the node serves raw bytes (default 80; 0 = always raw).
+        cpu_measure: whose CPU that is: ``process`` (the node's process tree, default), ``cgroup`` or ``machine``
+            (see :mod:`foresight.node.guard`).
         decode_threads: threads of each job's decode pool (default: CPU count); workers: step-preparing threads.
         served_shards: ``fingerprint -> shard list or None (all)``; the cluster's placement when in a cluster.
         job_idle_s: a job not heard from for this long is dropped (frees its slot and memory).
@@ -60,6 +69,12 @@ class NodeServer(flight.FlightServerBase):
         rescan_s: how often the root is rescanned for datasets added, removed or repacked (0: only when a job
             registers a dataset the node does not know or whose manifest changed); a job whose dataset changed
             is refused from then on (:mod:`foresight.node.root_index`).
+        shutdown_grace_s: on :meth:`stop`, how long streams in flight may run on (new calls are refused meanwhile);
+            then they are cancelled: :meth:`stop` returns within ``shutdown_grace_s + CANCEL_WAIT_S``.
+        admission: ``"open"`` (a job without an issued token is bound by its first caller's token) or ``"issued"``
+            (only tokens issued in the cluster admit); issued_tokens: ``job -> sha256 of its issued token or None``
+            (:meth:`Cluster.job_token_digest`); see :class:`~foresight.node.auth.Admission`.
+        max_jobs_per_caller: distinct jobs one caller may have registered at once (default ``max_jobs // 2``).
     """
 
     def __init__(self, root: str, *, location: str = "grpc://127.0.0.1:0", tls: tuple[str, str] | None = None,
@@ -67,7 +82,10 @@ class NodeServer(flight.FlightServerBase):
                  max_queue_bytes: int = 1 << 30, max_lead: int = 8, cpu_threshold: float = 80.0,
                  guard_interval: float = 0.5, decode_threads: int | None = None, workers: int = 1,
                  served_shards: Callable[[str], Any] | None = None, job_idle_s: float = 600.0,
-                 max_plan_bytes: int = 256 << 20, limits: WorkLimits | None = None, rescan_s: float = 10.0) -> None:
+                 max_plan_bytes: int = 256 << 20, limits: WorkLimits | None = None, rescan_s: float = 10.0,
+                 shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, admission: str = "open",
+                 issued_tokens: Callable[[str], str | None] | None = None, max_jobs_per_caller: int | None = None,
+                 cpu_measure: str = "process") -> None:
         from foresight.node.auth import read_pem
 
         if not os.path.isdir(root):
@@ -85,13 +103,16 @@ class NodeServer(flight.FlightServerBase):
         self.node_id = node_id or f"{os.uname().nodename}-{self.port}"
         self.instance = f"{os.getpid()}-{time.time_ns()}"  # changes on restart: clients re-register
         self.max_jobs, self.max_queue_bytes, self.max_lead = int(max_jobs), int(max_queue_bytes), int(max_lead)
+        self.admission = Admission(admission, issued=issued_tokens)
+        self.max_jobs_per_caller = max(1, self.max_jobs // 2 if max_jobs_per_caller is None else max_jobs_per_caller)
+        self._callers: dict[str, tuple[str, str]] = {}  # node job id -> (caller, cluster job)
         self.decode_threads = decode_threads
         self.job_idle_s = float(job_idle_s)
         self.max_plan_bytes = int(max_plan_bytes)
         self.limits = limits or WorkLimits()
         self.served_shards = served_shards or (lambda fingerprint: None)
         self.metrics = NodeMetrics()
-        self.guard = CpuGuard(cpu_threshold, interval=guard_interval).start()
+        self.guard = CpuGuard(cpu_threshold, interval=guard_interval, measure=cpu_measure).start()
         self.index = RootIndex(self.root)
         self.rescan_s = float(rescan_s)
         self._last_scan = time.monotonic()
@@ -104,6 +125,10 @@ class NodeServer(flight.FlightServerBase):
         self._engines: list = []
         self._draining = threading.Event()
         self._stopped = threading.Event()
+        self.shutdown_grace_s = float(shutdown_grace_s)
+        self._streams = 0  # DoGet streams between their call and their last batch (or their cancellation)
+        self._streams_cond = threading.Condition()
+        self._cancel = threading.Event()
         self._actions: dict[str, tuple[Callable, Callable, bool]] = {}
         self._puts: dict[str, Callable] = {}
         self._gets: dict[str, Callable] = {}
@@ -119,7 +144,7 @@ class NodeServer(flight.FlightServerBase):
         self._janitor.start()
         log.info("node serving", extra={"node": self.node_id, "location": self.location, "root": self.root,
                                         "datasets": len(self.datasets), "plans": len(self.plans),
-                                        "cpu_threshold": cpu_threshold})
+                                        "cpu_threshold": cpu_threshold, "cpu_measure": cpu_measure})
 
     @property
     def datasets(self) -> dict[str, dict]:
@@ -198,9 +223,9 @@ class NodeServer(flight.FlightServerBase):
 
     def do_action(self, context, action):
         name = action.type
-        try:
-            if self._draining.is_set() and name not in ("health", "status"):
-                raise flight.FlightUnavailableError("foresight: node is shutting down")
+        if self._draining.is_set() and name not in ("health", "status"):
+            raise flight.FlightUnavailableError("foresight: node is shutting down")
+        with _one_line_errors(self, "action", action=name[:40]):
             entry = self._actions.get(name)
             if entry is None:
                 raise ProtocolError(f"unknown action; known: {sorted(self._actions)}", action=name[:40])
@@ -209,23 +234,16 @@ class NodeServer(flight.FlightServerBase):
             if scoped:
                 self.authorize(context, req["job"])
             result = handler(context, req)
-        except ForesightError as e:
-            self.metrics.refusals.labels(type(e).__name__).inc()
-            log.info("request refused", extra={"action": name, "error": str(e)})
-            raise flight.FlightServerError(f"foresight: {e}") from None
         yield flight.Result(json.dumps(result, default=str).encode())
 
     def do_get(self, context, ticket):
         if self._draining.is_set():
             raise flight.FlightUnavailableError("foresight: node is shutting down")
-        handler = self._gets.get(_ticket_kind(ticket.ticket)) if self._gets else None
-        if handler is not None:
-            try:
-                return handler(context, json.loads(ticket.ticket))
-            except ForesightError as e:
-                self.metrics.refusals.labels(type(e).__name__).inc()
-                raise flight.FlightServerError(f"foresight: {e}") from None
-        try:
+        with _one_line_errors(self, "stream"), self._stream_starting() as started:
+            kind = _ticket_kind(ticket.ticket) if self._gets else None
+            handler = self._gets.get(kind) if kind is not None else None
+            if handler is not None:
+                return handler(context, parse_request(ticket.ticket, "ticket"))
             t = decode_ticket(ticket.ticket)
             job = self.authorize(context, t["job"])
             if job.refused is not None:
@@ -239,29 +257,29 @@ class NodeServer(flight.FlightServerBase):
             part = q.take(t["step"], lambda s: self._produce(job, s, self._engine()))
             self.scheduler.wake()
             self._queue_metrics(q)
-        except ForesightError as e:
-            self.metrics.refusals.labels(type(e).__name__).inc()
-            log.info("stream refused", extra={"error": str(e)})
-            raise flight.FlightServerError(f"foresight: {e}") from None
+            stream = flight.GeneratorStream(part.schema, _CountedStream(self, part.batches))
+            started()
         self.metrics.served(job.job, part.kind, nbytes=part.nbytes, samples=part.samples)
         self.metrics.copied.inc(part.copied_bytes)
-        return flight.RecordBatchStream(_table(part))
+        return stream
 
     def do_put(self, context, descriptor, reader, writer):
         kind = descriptor.path[0].decode("utf-8", "replace") if descriptor.path else ""
         handler = self._puts.get(kind)
         if handler is None:
-            raise flight.FlightServerError(f"foresight: no DoPut for {kind!r}; known: {sorted(self._puts)}")
+            raise flight.FlightServerError(f"foresight: no DoPut for {kind[:40]!r}; known: {sorted(self._puts)}")
         if self._draining.is_set():
             raise flight.FlightUnavailableError("foresight: node is shutting down")
-        return handler(context, descriptor, reader, writer)
+        with _one_line_errors(self, "upload", kind=kind[:40]):
+            return handler(context, descriptor, reader, writer)
 
     # -- actions ------------------------------------------------------------------------------------------
     def _health(self, context, req: dict) -> dict:
         return {"ok": not self._draining.is_set(), "node": self.node_id, "instance": self.instance,
                 "version": PROTOCOL_VERSION, "location": self.location, "datasets": self.datasets,
                 "plans": self.plans, "cpu_percent": self.guard.cpu_percent, "guard": self.guard.engaged,
-                "jobs": len(self._jobs), "max_jobs": self.max_jobs}
+                "cpu_measure": self.guard.measure,
+                "jobs": len(self._jobs), "max_jobs": self.max_jobs, "streams": self._streams}
 
     def _status(self, context, req: dict) -> dict:
         self.metrics.cpu.set(self.guard.cpu_percent)
@@ -274,7 +292,7 @@ class NodeServer(flight.FlightServerBase):
                 live = {"queue_depth": len(q.ready), "lead": q.lead(), "queue_bytes": q.nbytes, "progress": q.progress}
             jobs[job_id] = dict(snap["jobs"].get(job_id, {"fallback_rate": 0.0}), **live)
         snap.update(jobs=jobs, node=self.node_id, instance=self.instance, location=self.location,
-                    max_jobs=self.max_jobs)
+                    max_jobs=self.max_jobs, streams=self._streams, cpu_measure=self.guard.measure)
         return snap
 
     def _register_job(self, context, req: dict) -> dict:
@@ -288,14 +306,28 @@ class NodeServer(flight.FlightServerBase):
             self.metrics.refusals.labels("token").inc()
             raise flight.FlightUnauthenticatedError("foresight: register_job needs the job header and a token "
                                                     "of at least 8 characters")
+        name, caller = cluster_job(req["job"], req["rank"]), caller_of(context)
+        try:
+            issued = self.admission.check(name, token)
+        except flight.FlightError:
+            self.metrics.refusals.labels("token").inc()
+            raise
         with self._jobs_lock:
             old = self._jobs.get(req["job"])
-            if old is not None and not old.check_token(token):
+            if old is not None and not old.check_token(token) and not issued:
                 self.metrics.refusals.labels("token").inc()
                 raise flight.FlightUnauthenticatedError(f"foresight: job {req['job']!r} is registered with "
                                                         "another token")
             if old is None and len(self._jobs) >= self.max_jobs:
                 raise ProtocolError("node has as many jobs as it accepts", max_jobs=self.max_jobs)
+            theirs = {n for j, (c, n) in self._callers.items() if c == caller and j != req["job"]}
+            if name not in theirs and len(theirs) >= self.max_jobs_per_caller:
+                self.metrics.refusals.labels("caller_limit").inc()
+                raise ProtocolError("caller has as many jobs registered as one caller may",
+                                    caller=caller, max_jobs_per_caller=self.max_jobs_per_caller)
+        if old is not None and not old.check_token(token):
+            log.info("job re-attached with its issued token; the earlier registration is dropped",
+                     extra={"job": req["job"]})
         if old is not None:  # re-registration (client restart): start over at its step
             self._drop_job(req["job"])
         if self.index.stale(req["datasets"]):  # a dataset added or repacked since the last scan: see it now
@@ -308,6 +340,7 @@ class NodeServer(flight.FlightServerBase):
                 job.close()
                 raise ProtocolError("node has as many jobs as it accepts", max_jobs=self.max_jobs)
             self._jobs[job.job] = job
+            self._callers[job.job] = (caller, name)
         q = self.scheduler.add(job)
         with q.cond:
             q.set_progress(req["step"] - 1)
@@ -353,6 +386,7 @@ class NodeServer(flight.FlightServerBase):
     def _drop_job(self, job_id: str) -> None:
         with self._jobs_lock:
             job = self._jobs.pop(job_id, None)
+            self._callers.pop(job_id, None)
         q = self.scheduler.remove(job_id)
         if q is not None:
             with q.cond:  # wait for workers preparing its steps before closing its files
@@ -427,13 +461,69 @@ class NodeServer(flight.FlightServerBase):
                 self._drop_job(j)
 
     # -- lifetime -----------------------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Refuse new calls, let in-flight streams finish, then stop (idempotent; safe from any thread)."""
+    @contextlib.contextmanager
+    def _stream_starting(self):
+        """Count a DoGet from its call on; ``started()`` hands the count to its :class:`_CountedStream` (which
+        gives it back at the stream's end), else it is given back when the call fails."""
+        with self._streams_cond:
+            self._streams += 1
+        handed = []
+        try:
+            yield lambda: handed.append(True)
+        finally:
+            if not handed:
+                self._stream_ended()
+
+    def _stream_ended(self) -> None:
+        with self._streams_cond:
+            self._streams -= 1
+            self._streams_cond.notify_all()
+
+    def _cut_connections(self) -> int:
+        """Shut down the sockets of this server's client connections (Flight offers no per-call cancel): gRPC sees
+        them close, cancels their calls and unblocks writes stuck on a reader that stopped reading."""
+        import psutil
+
+        cut = 0
+        for c in psutil.Process().net_connections(kind="tcp"):
+            if c.laddr and c.laddr.port == self.port and c.raddr and c.fd >= 0:
+                try:
+                    with socket.socket(fileno=os.dup(c.fd)) as sock:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    cut += 1
+                except OSError:  # closed meanwhile
+                    pass
+        return cut
+
+    def stop(self) -> bool:
+        """Refuse new calls; let streams in flight run for up to ``shutdown_grace_s``; cancel those still running
+        (log line "cancelling in-flight streams"); free everything. Returns within ``shutdown_grace_s +
+        CANCEL_WAIT_S``: True when gRPC shut down, False when it did not within that bound (the caller exits
+        anyway). Idempotent; safe from any thread."""
         if self._draining.is_set():
-            return
+            self._stopped.wait(self.shutdown_grace_s + CANCEL_WAIT_S)
+            return self._stopped.is_set()
         self._draining.set()
-        log.info("node draining", extra={"node": self.node_id})
-        self.shutdown()  # waits for in-flight calls
+        deadline = time.monotonic() + self.shutdown_grace_s
+        log.info("node draining", extra={"node": self.node_id, "streams": self._streams,
+                                         "grace_s": self.shutdown_grace_s})
+        with self._streams_cond:  # the listener stays open meanwhile: new callers hear "shutting down"
+            self._streams_cond.wait_for(lambda: self._streams == 0, timeout=self.shutdown_grace_s)
+        grpc_stop = threading.Thread(target=self.shutdown, name="foresight-node-shutdown", daemon=True)
+        grpc_stop.start()
+        grpc_stop.join(max(0.0, deadline - time.monotonic()))
+        if grpc_stop.is_alive():
+            self._cancel.set()  # streams between two batches end at the next one
+            streams = self._streams
+            cut = self._cut_connections()
+            log.warning("shutdown grace over; cancelling in-flight streams",
+                        extra={"node": self.node_id, "streams": streams, "connections_cut": cut,
+                               "grace_s": self.shutdown_grace_s})
+            self.metrics.refusals.labels("cancelled_at_shutdown").inc(streams)
+            grpc_stop.join(CANCEL_WAIT_S)
+        clean = not grpc_stop.is_alive()
+        if not clean:
+            log.error("gRPC did not shut down after cancelling streams", extra={"node": self.node_id})
         self.scheduler.close()
         for job_id in list(self._jobs):
             self._drop_job(job_id)
@@ -445,7 +535,8 @@ class NodeServer(flight.FlightServerBase):
             except Exception:  # engines of finished threads may already be closed
                 pass
         self._stopped.set()
-        log.info("node stopped", extra={"node": self.node_id})
+        log.info("node stopped", extra={"node": self.node_id, "clean": clean})
+        return clean
 
     def wait_stopped(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
@@ -457,15 +548,62 @@ class NodeServer(flight.FlightServerBase):
         self.stop()
 
 
+class _CountedStream:
+    """The record batches of one DoGet, counted in the server's in-flight streams until the last one is taken,
+    the stream is dropped (client gone, call cancelled) or the server cancels it at shutdown."""
+
+    def __init__(self, server: NodeServer, batches: list) -> None:
+        self._server, self._batches, self._open = server, iter(batches), True
+
+    def __iter__(self) -> "_CountedStream":
+        return self
+
+    def __next__(self):
+        if self._server._cancel.is_set():
+            self._end()
+            raise flight.FlightCancelledError("foresight: node shut down; stream cancelled")
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self._end()
+            raise
+
+    def _end(self) -> None:
+        if self._open:
+            self._open = False
+            self._server._stream_ended()
+
+    def __del__(self) -> None:
+        self._end()
+
+
 def _ticket_kind(body: bytes) -> str | None:
-    """The ``kind`` of a JSON ticket registered with :meth:`NodeServer.register_get` (None for step tickets)."""
+    """The ``kind`` of a JSON ticket registered with :meth:`NodeServer.register_get` (None for step tickets).
+    Parsed with the same bounds as every request (size, nesting): a hostile ticket is a ProtocolError."""
     if not body.startswith(b'{"kind"'):  # step tickets start with "job": skip parsing them twice
         return None
-    try:
-        kind = json.loads(body).get("kind")
-    except ValueError:
-        return None
+    kind = parse_request(body, "ticket").get("kind")
     return kind if isinstance(kind, str) else None
+
+
+@contextlib.contextmanager
+def _one_line_errors(server: NodeServer, what: str, **context: Any):
+    """Every failure of a request as one line to its caller: the project's errors (bad request, refusal) as
+    ``foresight: <message>``; Flight's own (auth, unavailable) as they are; anything else (a bug) logged with its
+    traceback, counted as ``internal`` and answered ``foresight: internal error (<type>)``, never a traceback."""
+    try:
+        yield
+    except flight.FlightError:
+        raise
+    except ForesightError as e:
+        server.metrics.refusals.labels(type(e).__name__).inc()
+        log.info(f"{what} refused", extra=dict(context, error=str(e)[:300]))
+        raise flight.FlightServerError(f"foresight: {e}"[:1000]) from None
+    except Exception as e:
+        server.metrics.refusals.labels("internal").inc()
+        log.exception(f"{what} failed inside the node", extra=context)
+        raise flight.FlightServerError(f"foresight: internal error ({type(e).__name__}); see the node's log") \
+            from None
 
 
 def _warm_up() -> None:
@@ -474,12 +612,6 @@ def _warm_up() -> None:
     import foresight.loader  # noqa: F401
     import foresight.media  # noqa: F401
     import foresight.plan  # noqa: F401
-
-
-def _table(part) -> Any:
-    import pyarrow as pa
-
-    return pa.Table.from_batches(part.batches, schema=part.schema)
 
 
 __all__ = ["NodeServer", "scan_root"]
