@@ -38,12 +38,7 @@ def parser_of(path: tuple[str, ...]) -> argparse.ArgumentParser:
     return parser
 
 
-# node/cli.py's options are documented by the storage node's owners; listed, not yet required.
-NODE_PENDING = pytest.mark.xfail(reason="node/cli.py: options without help", strict=False)
-
-
-@pytest.mark.parametrize("path", [pytest.param(p, marks=NODE_PENDING if p[:1] == ("node",) and len(p) > 1 else (),
-                                               id=" ".join(p)) for p in commands()])
+@pytest.mark.parametrize("path", [pytest.param(p, id=" ".join(p)) for p in commands()])
 def test_every_option_has_help_and_the_help_is_plain_text(path):
     parser = parser_of(path)
     missing = [a.option_strings or a.dest for a in parser._actions

@@ -27,30 +27,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="node_command", metavar="ACTION", required=True)
     s = sub.add_parser("serve", help="serve a data root over Arrow Flight (foreground; SIGTERM stops it cleanly)")
     s.add_argument("--root", required=True, help="data root: datasets and plans are named relative to it")
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=0, help="0 picks a free port (see --ready-file)")
-    s.add_argument("--node-id", default=None)
+    s.add_argument("--node-id", default=None,
+                   help="this node's name in etcd and metrics (default: hostname and port)")
     s.add_argument("--etcd", default=None, help="etcd endpoint(s), comma-separated; none: a single node")
     s.add_argument("--ttl", type=int, default=10, help="lease TTL in seconds (a dead node drops out within it)")
-    s.add_argument("--tls-cert", default=None)
-    s.add_argument("--tls-key", default=None)
+    s.add_argument("--tls-cert", default=None, help="PEM certificate: serve grpc+tls (with --tls-key)")
+    s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     s.add_argument("--client-ca", default=None, help="require client certificates signed by this CA (mutual TLS)")
-    s.add_argument("--max-jobs", type=int, default=8)
+    s.add_argument("--max-jobs", type=int, default=8, help="jobs registered at once (more are refused)")
     s.add_argument("--max-jobs-per-caller", type=int, default=None,
                    help="distinct jobs one caller (TLS identity, else host) may register at once (default: half of "
                         "--max-jobs)")
     s.add_argument("--admission", choices=("open", "issued"), default="open",
                    help="issued: only jobs whose token was issued in etcd (node job-token) register; open: a job "
                         "with no issued token is bound by its first caller's token (default %(default)s)")
-    s.add_argument("--max-queue-bytes", type=int, default=1 << 30)
-    s.add_argument("--max-lead", type=int, default=8)
+    s.add_argument("--max-queue-bytes", type=int, default=1 << 30,
+                   help="bytes of prepared steps one job's queue may hold (a job asking more gets this)")
+    s.add_argument("--max-lead", type=int, default=8,
+                   help="steps a job may have prepared ahead of the step it asks for")
     s.add_argument("--cpu-threshold", type=float, default=80.0, help="percent; 0 = always raw")
     s.add_argument("--cpu-measure", choices=("process", "cgroup", "machine"), default="process",
                    help="whose CPU the guard measures: the node's process tree, its cgroup, or the whole machine "
                         "(default %(default)s)")
-    s.add_argument("--decode-threads", type=int, default=None)
+    s.add_argument("--decode-threads", type=int, default=None,
+                   help="threads of each job's decode pool (default: the CPU count)")
     s.add_argument("--workers", type=int, default=1, help="threads preparing steps ahead")
-    s.add_argument("--job-idle-s", type=float, default=600.0)
+    s.add_argument("--job-idle-s", type=float, default=600.0,
+                   help="a job not heard from for this many seconds is dropped, freeing its slot and memory")
     s.add_argument("--max-plan-bytes", type=int, default=256 << 20, help="largest plan a client may upload")
     s.add_argument("--rescan-s", type=float, default=10.0,
                    help="rescan the root for datasets added, removed or repacked every this many seconds (0: only "
@@ -68,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--metrics-host", default="127.0.0.1",
                    help="address /metrics listens on (0.0.0.0: every interface, for a Prometheus on another host)")
     s.add_argument("--ready-file", default=None, help="write {node, location, metrics_port, pid} here when serving")
-    s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-level", default="INFO", help="JSON log lines at this level (DEBUG, INFO, WARNING, ERROR)")
     s.add_argument("--service-limit", default=None,
                    help="checkpoint reads this node serves per second, BYTES[K|M|G][:REQUESTS] (e.g. 64M:500)")
     s.add_argument("--replica-quota", default="64G:4096",
@@ -76,13 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--safe-readers", type=int, default=None, help="concurrent readers one replica serves well")
     _add_replication_arguments(s)
     st = sub.add_parser("status", help="per node and job: queue depth, lead, bytes, fallbacks; CPU")
-    st.add_argument("--etcd", default=None)
+    st.add_argument("--etcd", default=None, help="etcd endpoint(s), comma-separated: every registered node")
     st.add_argument("--node", action="append", default=None, help="node location (repeatable) instead of etcd")
-    st.add_argument("--tls-root", default=None)
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--tls-root", default=None, help="PEM CA that signed the nodes' certificates (grpc+tls)")
+    st.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     p = sub.add_parser("place", help="place a dataset's shards on nodes and record it in etcd")
     p.add_argument("dataset", help="the dataset directory (read for its fingerprint and shard count)")
-    p.add_argument("--etcd", required=True)
+    p.add_argument("--etcd", required=True, help="etcd endpoint(s), comma-separated")
     p.add_argument("--nodes", default=None, help="comma-separated node ids (default: live nodes holding it)")
     t = sub.add_parser("job-token", help="issue (or rotate) a job's token in etcd and print it; nodes admit the "
                                          "job's registrations only with it")
@@ -102,7 +107,7 @@ def _add_replication_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--route", action="append", default=[], metavar="SITE=URL",
                    help="Flight endpoint (e.g. a WAN gateway) of another site's node; others are found in etcd")
     g.add_argument("--replication-token", default="", help="shared by the sites of one deployment")
-    g.add_argument("--replication-unit-mib", type=int, default=32, help="transfer unit size (units.UNIT_BYTES)")
+    g.add_argument("--replication-unit-mib", type=int, default=32, help="transfer unit size in MiB (large tensors are cut into units; small ones packed)")
     g.add_argument("--replication-unit-bytes", type=int, default=None, help=argparse.SUPPRESS)  # tests: tiny units
     g.add_argument("--replication-streams", type=int, default=2, help="units in flight per sender")
     g.add_argument("--replication-ttl", type=int, default=3600, help="seconds a received replica stays registered")
