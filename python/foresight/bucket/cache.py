@@ -1,0 +1,241 @@
+"""The local cache of a bucket dataset: sparse shard files with the objects' own layout, and which samples they hold.
+
+Each shard object has a local file of its full size (sparse: only fetched bytes take disk space). A sample is
+the unit of presence, because it is the unit the map checksums: ``present`` is one byte per sample (global id) in
+``.foresight-cache/present``, mapped shared, so every process of the host sees the same index.
+
+Safety under concurrent processes (ranks of one host, restarts):
+
+- one fetch per byte per host: a process takes POSIX record locks (``fcntl.lockf``) on the index bytes of the
+  samples it is about to fetch, in ascending order (no lock cycle between processes), re-reads the index under them
+  and fetches only what is still missing; a second process wanting the same samples waits, then finds them present;
+- never a torn sample marked present: bytes are written, checked against the map's xxh3 (the project's
+  :func:`~foresight.checksum.xxh3_many`, one native call), flushed with ``fdatasync``, and only then marked; a
+  process killed before that leaves its samples unmarked, its locks vanish with it, and the next reader refetches;
+- eviction clears a sample's mark first, then punches the whole 4 KiB blocks inside its extent out of the file
+  (``fallocate(PUNCH_HOLE)``: blocks shared with a neighbour stay, so a neighbour's bytes never change).
+
+Within one process a lock serialises :meth:`SampleCache.ensure` (the GETs of one call already run concurrently).
+
+Example::
+
+    cache = SampleCache(local_dir, fetcher, refs, shard_paths, lookup, checksums)
+    cache.ensure(np.array([3, 17, 42]))      # fetched (coalesced) unless present; marked after fdatasync
+    cache.evict(np.array([17]))              # unmarked, then its blocks punched out
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import fcntl
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from foresight.checksum import xxh3_many
+from foresight.errors import BucketError
+from foresight.format.types import Extents
+
+from .fetch import ObjectRef, RangedFetcher
+
+log = logging.getLogger("foresight.bucket")
+
+__all__ = ["SampleCache", "CacheStats", "punch_hole", "INDEX_DIR"]
+
+INDEX_DIR = ".foresight-cache"
+BLOCK = 4096
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def punch_hole(fd: int, offset: int, length: int) -> int:
+    """Free the whole ``BLOCK``-sized blocks inside ``[offset, offset + length)`` of ``fd`` (size unchanged);
+    the bytes read back as zeros. Returns the bytes punched (0 when no whole block lies inside)."""
+    start = -(-offset // BLOCK) * BLOCK
+    end = (offset + length) // BLOCK * BLOCK
+    if end <= start:
+        return 0
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, start, end - start) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
+    return end - start
+
+
+@dataclass
+class CacheStats:
+    """What the cache did since it was opened: samples found present (hits) or fetched (misses), refetches of
+    corrupt entries, evictions."""
+
+    hits: int = 0
+    misses: int = 0
+    fetched_bytes: int = 0
+    corrupt: int = 0
+    evicted: int = 0
+    evicted_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def _runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique ``ids`` as runs of consecutive values: (starts, lengths)."""
+    if not ids.size:
+        return ids, ids
+    cut = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = ids[np.r_[0, cut]]
+    ends = ids[np.r_[cut - 1, ids.size - 1]] + 1
+    return starts, ends - starts
+
+
+class SampleCache:
+    """Which samples of a dataset are in its local sparse files, and fetching/evicting them (see the module doc).
+
+    ``lookup(ids) -> Extents`` and ``checksums`` (uint64 per sample) come from the dataset's maps; ``refs[s]``
+    is the object behind ``shard_paths[s]``.
+    """
+
+    def __init__(self, local_dir: str, fetcher: RangedFetcher, refs: Sequence[ObjectRef], shard_paths: Sequence[str],
+                 lookup: Callable[[np.ndarray], Extents], checksums: np.ndarray) -> None:
+        self.local_dir = local_dir
+        self.fetcher = fetcher
+        self.refs = list(refs)
+        self.lookup = lookup
+        self.checksums = np.asarray(checksums, dtype=np.uint64)
+        self.num_samples = len(self.checksums)
+        self.stats = CacheStats()
+        self._lock = threading.Lock()
+        index_path = os.path.join(local_dir, INDEX_DIR, "present")
+        self._index_fd = os.open(index_path, os.O_RDWR)
+        if os.fstat(self._index_fd).st_size != self.num_samples:
+            os.close(self._index_fd)
+            raise BucketError(f"cache index holds {os.fstat(self._index_fd).st_size} entries, the dataset "
+                              f"{self.num_samples}", "checksum", path=index_path)
+        self.present = np.memmap(index_path, dtype=np.uint8, mode="r+", shape=(self.num_samples,)) \
+            if self.num_samples else np.zeros(0, np.uint8)
+        self._fds = [os.open(p, os.O_RDWR) for p in shard_paths]
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        if self._index_fd >= 0:
+            os.close(self._index_fd)
+            self._index_fd = -1
+        self.present = np.zeros(0, np.uint8)
+
+    # -- locks on index bytes --------------------------------------------------------------------------------------
+    def _lock_runs(self, ids: np.ndarray) -> list[tuple[int, int]]:
+        held = []
+        try:
+            for start, n in zip(*_runs(ids)):
+                fcntl.lockf(self._index_fd, fcntl.LOCK_EX, int(n), int(start), os.SEEK_SET)
+                held.append((int(start), int(n)))
+        except BaseException:
+            self._unlock(held)
+            raise
+        return held
+
+    def _unlock(self, held: list[tuple[int, int]]) -> None:
+        for start, n in held:
+            fcntl.lockf(self._index_fd, fcntl.LOCK_UN, n, start, os.SEEK_SET)
+
+    # -- the public operations -------------------------------------------------------------------------------------
+    def cached_bytes(self) -> int:
+        """Bytes of the samples marked present (the budget's measure)."""
+        ids = np.flatnonzero(self.present)
+        return int(self.lookup(ids).length.sum()) if ids.size else 0
+
+    def ensure(self, ids: np.ndarray) -> int:
+        """Make every sample of ``ids`` present (fetching the missing ones in coalesced GETs); returns how many
+        were fetched. Raises :class:`BucketError` naming the object when a fetched sample's xxh3 differs from the
+        map's (the object changed under the same ETag, or the store returned wrong bytes): nothing is marked."""
+        ids = np.unique(np.asarray(ids, dtype=np.int64))
+        with self._lock:
+            missing = ids[self.present[ids] == 0]
+            self.stats.hits += int(ids.size - missing.size)
+            if not missing.size:
+                return 0
+            held = self._lock_runs(missing)
+            try:
+                missing = missing[self.present[missing] == 0]  # another process may have fetched them meanwhile
+                if missing.size:
+                    self._fetch(missing)
+                return int(missing.size)
+            finally:
+                self._unlock(held)
+
+    def _fetch(self, ids: np.ndarray) -> None:
+        ext = self.lookup(ids)
+        got = self.fetcher.fetch(self.refs, ext.shard, ext.offset, ext.length)
+        tr = got.transfers
+        sums = xxh3_many(got.region, tr.x_dest, ext.length)
+        bad = np.flatnonzero(sums != self.checksums[ids])
+        if bad.size:
+            i = int(bad[0])
+            raise BucketError(f"sample {int(ids[i])} fetched with xxh3 {int(sums[i]):016x}, the map says "
+                              f"{int(self.checksums[ids[i]]):016x} ({bad.size} samples differ)", "checksum",
+                              object=str(self.refs[int(ext.shard[i])].url), offset=int(ext.offset[i]))
+        touched = np.unique(tr.t_file)
+        for k in range(tr.io_count):  # a loop over coalesced transfers (MiB each), not samples
+            dest = int(tr.t_dest[k])
+            os.pwrite(self._fds[int(tr.t_file[k])], memoryview(got.region[dest:dest + int(tr.t_length[k])]),
+                      int(tr.t_offset[k]))
+        for s in touched:
+            os.fdatasync(self._fds[int(s)])
+        self.present[ids] = 1
+        self.stats.misses += int(ids.size)
+        self.stats.fetched_bytes += int(tr.read_bytes)
+
+    def evict(self, ids: np.ndarray) -> int:
+        """Unmark ``ids`` and punch their blocks out of the sparse files; returns the sample bytes evicted."""
+        ids = np.unique(np.asarray(ids, dtype=np.int64))
+        with self._lock:
+            ids = ids[self.present[ids] != 0]
+            if not ids.size:
+                return 0
+            held = self._lock_runs(ids)
+            try:
+                self.present[ids] = 0
+                ext = self.lookup(ids)
+                for s, off, n in zip(ext.shard.tolist(), ext.offset.tolist(), ext.length.tolist()):
+                    punch_hole(self._fds[s], off, n)  # one syscall per sample: there is no batched fallocate
+                nbytes = int(ext.length.sum())
+                self.stats.evicted += int(ids.size)
+                self.stats.evicted_bytes += nbytes
+                return nbytes
+            finally:
+                self._unlock(held)
+
+    def scrub(self, ids: np.ndarray | None = None) -> np.ndarray:
+        """Re-hash the present samples of ``ids`` (all present ones by default) from the local files and unmark
+        those whose bytes no longer match the map (a disk or a hand corrupted them): the next :meth:`ensure`
+        refetches them. Returns the ids found corrupt (each logged once, counted in ``stats.corrupt``)."""
+        ids = np.flatnonzero(self.present) if ids is None else np.unique(np.asarray(ids, dtype=np.int64))
+        with self._lock:
+            ids = ids[self.present[ids] != 0]
+            if not ids.size:
+                return ids
+            ext = self.lookup(ids)
+            region = np.empty(int(ext.length.sum()), dtype=np.uint8)
+            dest = np.r_[0, np.cumsum(ext.length)[:-1]].astype(np.int64)
+            for s, off, n, d in zip(ext.shard.tolist(), ext.offset.tolist(), ext.length.tolist(), dest.tolist()):
+                got = os.preadv(self._fds[s], [memoryview(region[d:d + n])], off)
+                if got != n:
+                    region[d + got:d + n] = 0
+            bad = ids[xxh3_many(region, dest, ext.length) != self.checksums[ids]]
+            if bad.size:
+                held = self._lock_runs(bad)
+                try:
+                    self.present[bad] = 0
+                finally:
+                    self._unlock(held)
+                self.stats.corrupt += int(bad.size)
+                log.warning("bucket cache: %d corrupt samples in %s (first id %d): unmarked, refetched on next use",
+                            bad.size, self.local_dir, int(bad[0]))
+            return bad

@@ -1,0 +1,108 @@
+"""A dataset packed here, uploaded to a real SeaweedFS, opened as s3:// through a local cache, read by the Loader:
+every batch equal to the local copy's; the cache's index, restarts and cross-process use."""
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from foresight.bucket import BucketDataset
+from foresight.bucket.upload import upload_dataset
+from foresight.format import DatasetWriter, open_dataset
+from foresight.loader import Loader
+from foresight.plan import build_plan
+from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
+
+
+def _bytes_dataset(path, *, n=120, seed=1, shard_bytes=200_000):
+    rng = np.random.default_rng(seed)
+    with DatasetWriter(str(path), align=4096, shard_bytes=shard_bytes) as w:
+        for _ in range(n):
+            w.add(rng.integers(0, 256, size=int(rng.integers(1, 9000)), dtype=np.uint8).tobytes(), modality="bytes")
+    return open_dataset(str(path))
+
+
+def _token_dataset(path, *, docs=300, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 200, size=docs)
+    tokens = rng.integers(0, 60000, size=int(lengths.sum())).astype(np.uint16)
+    with DatasetWriter(str(path), align=0, token_dtype="uint16", shard_bytes=40_000) as w:
+        w.add_many(tokens, lengths, modality="tokens")
+    return open_dataset(str(path))
+
+
+def _batches(ds, plan, key):
+    with Loader(ds, plan, prefetch=2) as loader:
+        return {b.step: _copy(b, key) for b in loader}
+
+
+def _copy(batch, key):
+    if key == "tokens":
+        return batch["tokens"].numpy().copy()
+    data = batch["data"].numpy()
+    return [data[o:o + n].tobytes() for o, n in zip(batch["offsets"].numpy(), batch["lengths"].numpy())]
+
+
+@pytest.mark.parametrize("kind", ["bytes", "tokens"])
+def test_loader_reads_the_bucket_dataset_like_the_local_one(s3_env, tmp_path, kind):
+    if kind == "bytes":
+        local = _bytes_dataset(tmp_path / "local")
+        plan = build_plan([(local, 1.0)], seed=3, global_batch_size=10, num_steps=15)
+    else:
+        local = _token_dataset(tmp_path / "local")
+        plan = build_plan([(local, 1.0)], seed=7, global_batch_size=8, seq_len=32, num_steps=12)
+    assert len(local.shard_paths) > 1
+    url = f"s3://loader/{kind}"
+    upload_dataset(local.path, url)
+    ds = open_dataset(url, cache_dir=tmp_path / "cache")
+    try:
+        assert isinstance(ds, BucketDataset) and ds.fingerprint == local.fingerprint
+        assert not ds.cache.present.any()  # nothing fetched before the plan asks
+        want = _batches(local, plan, kind)
+        got = _batches(ds, plan, kind)
+        assert sorted(got) == sorted(want) == list(range(plan.num_steps))
+        for step in want:
+            assert np.array_equal(got[step], want[step]) if kind == "tokens" else got[step] == want[step]
+        st = ds.cache.stats
+        used = np.unique(np.asarray(plan.pieces(0, plan.num_steps * plan.global_batch_size).sample))
+        assert st.misses == len(used) and int(ds.cache.present.sum()) == len(used)
+        assert ds.fetcher.stats.requests < st.misses  # coalesced: fewer GETs than samples
+        # a second pass is all hits: no request
+        before = ds.fetcher.stats.requests
+        assert _batches(ds, plan, kind).keys() == want.keys()
+        assert ds.fetcher.stats.requests == before
+    finally:
+        ds.close()
+
+
+def test_cache_is_kept_across_restarts_and_shared_by_processes(s3_env, tmp_path):
+    local = _bytes_dataset(tmp_path / "local", n=60)
+    upload_dataset(local.path, "s3://loader/shared")
+    cache = tmp_path / "cache"
+    with open_dataset("s3://loader/shared", cache_dir=cache) as ds:
+        ds.lookup(np.arange(0, 30))
+        assert int(ds.cache.present.sum()) == 30
+    # another process (what a DataLoader worker or a second rank is) sees the same index: it fetches only the rest
+    code = ("import pickle, sys, numpy as np\n"
+            "ds = pickle.loads(sys.stdin.buffer.read())\n"
+            "ds.lookup(np.arange(60))\n"
+            "print(ds.cache.stats.misses, ds.cache.stats.hits, type(ds).__name__)\n")
+    with open_dataset("s3://loader/shared", cache_dir=cache) as ds:
+        blob = pickle.dumps(ds)
+        out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, check=True, timeout=120)
+        assert out.stdout.split() == [b"30", b"30", b"BucketDataset"]
+        assert int(ds.cache.present.sum()) == 60
+        for i in range(60):
+            assert ds.read(i) == local.read(i)
+
+
+def test_open_dataset_needs_a_cache_dir(monkeypatch):
+    monkeypatch.delenv("FORESIGHT_BUCKET_CACHE", raising=False)
+    with pytest.raises(ValueError, match="FORESIGHT_BUCKET_CACHE"):
+        open_dataset("s3://loader/x")
+    with pytest.raises(TypeError):
+        open_dataset(os.getcwd(), cache_dir="/tmp")
