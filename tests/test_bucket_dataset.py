@@ -6,6 +6,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -106,3 +107,69 @@ def test_open_dataset_needs_a_cache_dir(monkeypatch):
         open_dataset("s3://loader/x")
     with pytest.raises(TypeError):
         open_dataset(os.getcwd(), cache_dir="/tmp")
+
+
+def test_two_processes_wanting_the_same_samples_fetch_them_once(s3_env, tmp_path):
+    """A holds the record locks of samples 0-39 mid-fetch; B, wanting 20-59, blocks on them (seen in /proc/locks),
+    then finds 20-39 present once A marks them, and fetches only 40-59."""
+    local = _bytes_dataset(tmp_path / "local", n=60)
+    upload_dataset(local.path, "s3://loader/once")
+    cache = tmp_path / "cache"
+    open_dataset("s3://loader/once", cache_dir=cache).close()  # laid out once, before the race
+    hold = ("import os, time, numpy as np\n"
+            "from foresight.format import open_dataset\n"
+            "ds = open_dataset('s3://loader/once', cache_dir=os.environ['CACHE'])\n"
+            "sync = os.fdatasync\n"
+            "def held(fd):\n"
+            "    open(os.environ['HOLDING'], 'w').close()\n"
+            "    for _ in range(1200):\n"
+            "        if os.path.exists(os.environ['GO']): break\n"
+            "        time.sleep(0.05)\n"
+            "    sync(fd)\n"
+            "os.fdatasync = held\n"
+            "print(ds.cache.ensure(np.arange(int(os.environ['LO']), int(os.environ['HI']))))\n")
+    env = dict(os.environ, CACHE=str(cache), HOLDING=str(tmp_path / "holding"), GO=str(tmp_path / "go"))
+    a = subprocess.Popen([sys.executable, "-c", hold], env=dict(env, LO="0", HI="40"), stdout=subprocess.PIPE)
+    b = None
+    try:
+        for _ in range(1200):
+            if (tmp_path / "holding").exists() or a.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert (tmp_path / "holding").exists()
+        plain = hold.replace("os.fdatasync = held\n", "")
+        b = subprocess.Popen([sys.executable, "-c", plain], env=dict(env, LO="20", HI="60"), stdout=subprocess.PIPE)
+        for _ in range(1200):  # B's lock request waits behind A's: /proc/locks shows it with "->"
+            if any(line.split()[5] == str(b.pid) for line in _proc_locks() if "->" in line) or b.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert b.poll() is None, "B finished while A held the locks"
+        (tmp_path / "go").touch()
+        out_a, _ = a.communicate(timeout=120)
+        out_b, _ = b.communicate(timeout=120)
+        assert (a.returncode, b.returncode) == (0, 0)
+        assert (int(out_a), int(out_b)) == (40, 20)  # 20-39 fetched once, by A
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    with open_dataset("s3://loader/once", cache_dir=cache) as ds:
+        assert ds.cache.present.all() and all(ds.read(i) == local.read(i) for i in range(60))
+
+
+def _proc_locks() -> list[str]:
+    with open("/proc/locks") as f:
+        return [line for line in f if len(line.split()) > 5]
+
+
+def test_large_fetches_are_cut_into_chunks(s3_env, tmp_path, monkeypatch):
+    import foresight.bucket.cache as cache_module
+
+    local = _bytes_dataset(tmp_path / "local", n=40)
+    upload_dataset(local.path, "s3://loader/chunks")
+    monkeypatch.setattr(cache_module, "FETCH_CHUNK", 20_000)
+    with open_dataset("s3://loader/chunks", cache_dir=tmp_path / "cache") as ds:
+        assert ds.cache.ensure(np.arange(40)) == 40
+        assert ds.fetcher.stats.requests >= int(local.sample_bytes().sum()) // 20_000
+        assert all(ds.read(i) == local.read(i) for i in range(40))

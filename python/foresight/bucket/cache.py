@@ -15,7 +15,8 @@ Safety under concurrent processes (ranks of one host, restarts):
 - eviction clears a sample's mark first, then punches the whole 4 KiB blocks inside its extent out of the file
   (``fallocate(PUNCH_HOLE)``: blocks shared with a neighbour stay, so a neighbour's bytes never change).
 
-Within one process a lock serialises :meth:`SampleCache.ensure` (the GETs of one call already run concurrently).
+Within one process a lock serialises fetches (the GETs of one fetch already run concurrently); a lookup whose
+samples are all present takes no lock.
 
 Example::
 
@@ -47,6 +48,7 @@ log = logging.getLogger("foresight.bucket")
 __all__ = ["SampleCache", "CacheStats", "punch_hole", "INDEX_DIR"]
 
 INDEX_DIR = ".foresight-cache"
+FETCH_CHUNK = 256 << 20  # bytes of samples fetched (and held in memory) at once
 BLOCK = 4096
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -110,12 +112,14 @@ class SampleCache:
         self.num_samples = len(self.checksums)
         self.stats = CacheStats()
         self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
         index_path = os.path.join(local_dir, INDEX_DIR, "present")
         self._index_fd = os.open(index_path, os.O_RDWR)
-        if os.fstat(self._index_fd).st_size != self.num_samples:
+        entries = os.fstat(self._index_fd).st_size
+        if entries != self.num_samples:
             os.close(self._index_fd)
-            raise BucketError(f"cache index holds {os.fstat(self._index_fd).st_size} entries, the dataset "
-                              f"{self.num_samples}", "checksum", path=index_path)
+            raise BucketError(f"cache index holds {entries} entries, the dataset {self.num_samples}", "checksum",
+                              path=index_path)
         self.present = np.memmap(index_path, dtype=np.uint8, mode="r+", shape=(self.num_samples,)) \
             if self.num_samples else np.zeros(0, np.uint8)
         self._fds = [os.open(p, os.O_RDWR) for p in shard_paths]
@@ -156,16 +160,20 @@ class SampleCache:
         were fetched. Raises :class:`BucketError` naming the object when a fetched sample's xxh3 differs from the
         map's (the object changed under the same ETag, or the store returned wrong bytes): nothing is marked."""
         ids = np.unique(np.asarray(ids, dtype=np.int64))
-        with self._lock:
-            missing = ids[self.present[ids] == 0]
+        missing = ids[self.present[ids] == 0]
+        with self._stats_lock:
             self.stats.hits += int(ids.size - missing.size)
-            if not missing.size:
-                return 0
+        if not missing.size:  # the common case, without waiting for another thread's fetch of other samples
+            return 0
+        with self._lock:
             held = self._lock_runs(missing)
             try:
-                missing = missing[self.present[missing] == 0]  # another process may have fetched them meanwhile
-                if missing.size:
-                    self._fetch(missing)
+                missing = missing[self.present[missing] == 0]  # another thread or process may have fetched them
+                ext = self.lookup(missing)
+                # chunks of at most FETCH_CHUNK bytes: one fetch's bytes are held in memory until written
+                chunk = np.cumsum(ext.length) // FETCH_CHUNK
+                for part in np.split(missing, np.flatnonzero(np.diff(chunk)) + 1) if missing.size else []:
+                    self._fetch(part)
                 return int(missing.size)
             finally:
                 self._unlock(held)
@@ -189,8 +197,9 @@ class SampleCache:
         for s in touched:
             os.fdatasync(self._fds[int(s)])
         self.present[ids] = 1
-        self.stats.misses += int(ids.size)
-        self.stats.fetched_bytes += int(tr.read_bytes)
+        with self._stats_lock:
+            self.stats.misses += int(ids.size)
+            self.stats.fetched_bytes += int(tr.read_bytes)
 
     def evict(self, ids: np.ndarray) -> int:
         """Unmark ``ids`` and punch their blocks out of the sparse files; returns the sample bytes evicted."""
