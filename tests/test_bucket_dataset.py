@@ -173,3 +173,21 @@ def test_large_fetches_are_cut_into_chunks(s3_env, tmp_path, monkeypatch):
         assert ds.cache.ensure(np.arange(40)) == 40
         assert ds.fetcher.stats.requests >= int(local.sample_bytes().sum()) // 20_000
         assert all(ds.read(i) == local.read(i) for i in range(40))
+
+
+def test_a_plan_over_a_bucket_dataset_reopens_it_through_the_bucket(s3_env, tmp_path):
+    """sources.json records the cache directory; opening it again must go through the bucket (the sparse files
+    alone would read unfetched bytes as zeros)."""
+    local = _bytes_dataset(tmp_path / "local", n=50)
+    upload_dataset(local.path, "s3://loader/planned")
+    with open_dataset("s3://loader/planned", cache_dir=tmp_path / "cache") as ds:
+        plan = build_plan([(ds, 1.0)], seed=2, global_batch_size=5, num_steps=6)
+        plan.save(str(tmp_path / "plan"))
+        assert not ds.cache.present.any()
+        again = open_dataset(ds.path)
+        assert isinstance(again, BucketDataset) and str(again.url) == "s3://loader/planned"
+        again.close()
+    with Loader(str(tmp_path / "plan")) as loader:
+        assert isinstance(loader.datasets[0], BucketDataset)
+        got = {b.step: _copy(b, "bytes") for b in loader}
+    assert got == _batches(local, plan, "bytes")

@@ -38,7 +38,7 @@ from .config import open_store
 from .fetch import ObjectRef, RangedFetcher, RetryPolicy
 from .url import BucketURL
 
-__all__ = ["open_bucket_dataset", "BucketDataset", "local_dir_of"]
+__all__ = ["open_bucket_dataset", "BucketDataset", "local_dir_of", "is_cache_dir", "reopen_cache_dir"]
 
 STATE_NAME = "state.json"  # written last: its presence marks a complete layout
 
@@ -46,6 +46,29 @@ STATE_NAME = "state.json"  # written last: its presence marks a complete layout
 def local_dir_of(url: BucketURL, cache_dir: str | os.PathLike) -> str:
     """Where ``url``'s dataset is mirrored under ``cache_dir``: ``cache_dir/bucket/prefix``."""
     return os.path.join(os.path.abspath(os.fspath(cache_dir)), url.bucket, *url.prefix.split("/"))
+
+
+def is_cache_dir(path: str) -> bool:
+    """Whether ``path`` is a bucket dataset's cache directory (its sparse files must never be read as a plain
+    local dataset: bytes not fetched read as zeros)."""
+    return os.path.isfile(os.path.join(path, INDEX_DIR, STATE_NAME))
+
+
+def reopen_cache_dir(path: str, **kwargs: Any) -> "BucketDataset":
+    """Open the bucket dataset whose cache directory is ``path`` (what ``open_dataset(path)`` does for one: a plan's
+    recorded location, a search hit), through its bucket URL and the same cache."""
+    state_path = os.path.join(path, INDEX_DIR, STATE_NAME)
+    try:
+        with open(state_path, "rb") as f:
+            url = BucketURL.parse(json.loads(f.read())["url"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BucketError(f"cache state unreadable: {type(e).__name__}", "checksum", path=state_path) from None
+    root = os.path.abspath(path)
+    for _ in range(1 + (len(url.prefix.split("/")) if url.prefix else 0)):
+        root = os.path.dirname(root)
+    if local_dir_of(url, root) != os.path.abspath(path):
+        raise BucketError(f"cache directory is not where {url} is cached under any root", "checksum", path=path)
+    return open_bucket_dataset(url, root, **kwargs)
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -90,7 +113,7 @@ def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef) -> dic
         f.truncate(manifest.num_samples)
     _write_atomic(os.path.join(local, MANIFEST_NAME), raw)
     fsync_dir(local)
-    state = {"manifest": _ref_json(manifest_ref), "shards": [_ref_json(r) for r in shard_refs]}
+    state = {"url": str(fetcher.url), "manifest": _ref_json(manifest_ref), "shards": [_ref_json(r) for r in shard_refs]}
     _write_atomic(os.path.join(index_dir, STATE_NAME), json.dumps(state).encode())
     return state
 

@@ -52,9 +52,17 @@ def open_dataset(path: str | os.PathLike, *, fingerprint: str = "index", cache_d
             raise ValueError(f"{path}: a bucket dataset is read through a local cache: pass cache_dir= "
                              "or set FORESIGHT_BUCKET_CACHE (a node-local directory)")
         return open_bucket_dataset(path, cache_dir, **bucket_options)
-    if cache_dir is not None or bucket_options:
-        raise TypeError(f"cache_dir and bucket options apply to s3:// datasets only, not {path!r}")
+    if cache_dir is not None:
+        raise TypeError(f"cache_dir applies to s3:// datasets only, not {path!r}")
     recover_overwrite(path, has_manifest)  # a pack --overwrite that crashed between its renames
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, ".foresight-cache", "state.json")):
+            # a bucket dataset's cache (a plan's recorded location): through its bucket, never its sparse files alone
+            from foresight.bucket.dataset import reopen_cache_dir
+
+            return reopen_cache_dir(path, **bucket_options)
+    if bucket_options:
+        raise TypeError(f"{', '.join(sorted(bucket_options))}: options of s3:// datasets only, not {path!r}")
     if os.path.isdir(path):
         return ShardedDataset(path)
     prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
