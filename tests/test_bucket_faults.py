@@ -3,6 +3,7 @@ or corrupt in the bucket, missing objects, buckets and wrong keys, a corrupt cac
 between writing a sample into the cache and marking it."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import subprocess
@@ -20,6 +21,7 @@ from foresight.errors import BucketError
 from foresight.format import DatasetWriter, open_dataset
 from foresight.loader import Loader
 from foresight.plan import build_plan
+from full_disk import full_disk  # noqa: F401  (fixture)
 from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
 
 PATIENT = RetryPolicy(attempts=100, budget_s=120, base_s=0.05, max_backoff_s=0.5)
@@ -170,3 +172,40 @@ def test_process_killed_between_write_and_mark_leaves_no_torn_entry(s3_env, tmp_
         ds.lookup(np.arange(20))  # its record locks died with it: no wait, a clean refetch
         assert ds.cache.stats.misses == 20
         assert all(ds.read(i) == local.read(i) for i in range(20))
+
+
+def test_server_down_past_the_retry_budget_names_the_object(s3_env, tmp_path, local):
+    upload_dataset(local.path, "s3://faults/down")
+    ds = open_dataset("s3://faults/down", cache_dir=tmp_path / "cache",
+                      retry=RetryPolicy(attempts=3, budget_s=30, base_s=0.01, max_backoff_s=0.05))
+    try:
+        s3_env.stop()
+        with pytest.raises(BucketError) as e:
+            ds.lookup(np.array([0]))
+        text = str(e.value)
+        assert e.value.reason == "unavailable" and "after 3 attempts" in text and "s3://faults/down/" in text
+        assert "\n" not in text and s3_env.secret_key not in text
+        assert ds.fetcher.stats.retries == 2 and not ds.cache.present.any()
+    finally:
+        s3_env.start()
+        ds.close()
+
+
+def test_full_cache_disk_fails_clearly_and_frees_what_it_wrote(s3_env, full_disk):
+    rng = np.random.default_rng(8)
+    path = full_disk.parent / "big"
+    with DatasetWriter(str(path), align=4096, shard_bytes=1 << 20) as w:
+        for _ in range(120):
+            w.add(rng.integers(0, 256, size=int(rng.integers(9000, 16000)), dtype=np.uint8).tobytes(),
+                  modality="bytes")
+    big = open_dataset(str(path))
+    upload_dataset(big.path, "s3://faults/full")
+    with open_dataset("s3://faults/full", cache_dir=full_disk) as ds:  # the 1 MiB disk holds maps, not the data
+        with pytest.raises(BucketError) as e:
+            ds.lookup(np.arange(120))
+        assert e.value.reason == "cache_full" and str(full_disk) in str(e.value)
+        assert not ds.cache.present.any()
+        ds.lookup(np.arange(10))  # the failed fetch gave its blocks back: a smaller one fits
+        assert all(ds.read(i) == big.read(i) for i in range(10))
+    del ds, e  # the maps and the index are mapped from the small disk until collected (it is unmounted next)
+    gc.collect()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import fcntl
 import logging
 import os
@@ -189,13 +190,20 @@ class SampleCache:
             raise BucketError(f"sample {int(ids[i])} fetched with xxh3 {int(sums[i]):016x}, the map says "
                               f"{int(self.checksums[ids[i]]):016x} ({bad.size} samples differ)", "checksum",
                               object=str(self.refs[int(ext.shard[i])].url), offset=int(ext.offset[i]))
-        touched = np.unique(tr.t_file)
-        for k in range(tr.io_count):  # a loop over coalesced transfers (MiB each), not samples
-            dest = int(tr.t_dest[k])
-            os.pwrite(self._fds[int(tr.t_file[k])], memoryview(got.region[dest:dest + int(tr.t_length[k])]),
-                      int(tr.t_offset[k]))
-        for s in touched:
-            os.fdatasync(self._fds[int(s)])
+        try:
+            for k in range(tr.io_count):  # a loop over coalesced transfers (MiB each), not samples
+                dest = int(tr.t_dest[k])
+                os.pwrite(self._fds[int(tr.t_file[k])], memoryview(got.region[dest:dest + int(tr.t_length[k])]),
+                          int(tr.t_offset[k]))
+            for s in np.unique(tr.t_file).tolist():
+                os.fdatasync(self._fds[s])
+        except OSError as e:  # a full or failing cache disk: give back what this fetch allocated, mark nothing
+            for s, off, n in zip(ext.shard.tolist(), ext.offset.tolist(), ext.length.tolist()):
+                punch_hole(self._fds[s], off, n)
+            full = e.errno == errno.ENOSPC
+            raise BucketError(f"cannot write the cache: {e.strerror}" + (" (lower the prefetcher's budget_bytes "
+                              "or free the disk)" if full else ""), "cache_full" if full else "cache",
+                              path=self.local_dir) from None
         self.present[ids] = 1
         with self._stats_lock:
             self.stats.misses += int(ids.size)
