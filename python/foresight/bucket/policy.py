@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Accesses", "plan_accesses", "NextUse", "eviction_order", "replay", "ReplayResult", "compare_policies", "NEVER"]
+__all__ = ["Accesses", "plan_accesses", "NextUse", "eviction_order", "replay", "ReplayResult", "compare_policies",
+           "NEVER"]
 
 NEVER = np.iinfo(np.int64).max
 
