@@ -70,8 +70,10 @@ def test_loader_reads_the_bucket_dataset_like_the_local_one(s3_env, tmp_path, ki
             assert np.array_equal(got[step], want[step]) if kind == "tokens" else got[step] == want[step]
         st = ds.cache.stats
         used = np.unique(np.asarray(plan.pieces(0, plan.num_steps * plan.global_batch_size).sample))
-        assert st.misses == len(used) and int(ds.cache.present.sum()) == len(used)
-        assert ds.fetcher.stats.requests < st.misses  # coalesced: fewer GETs than samples
+        assert ds.cache.present[used].all()
+        assert st.misses + st.gap_samples == int(ds.cache.present.sum())  # gaps fetched whole are kept
+        assert st.fetched_bytes <= sum(os.path.getsize(p) for p in local.shard_paths)  # no byte fetched twice
+        assert ds.fetcher.stats.requests < st.misses + st.gap_samples  # coalesced: fewer GETs than samples
         # a second pass is all hits: no request
         before = ds.fetcher.stats.requests
         assert _batches(ds, plan, kind).keys() == want.keys()
@@ -191,3 +193,18 @@ def test_a_plan_over_a_bucket_dataset_reopens_it_through_the_bucket(s3_env, tmp_
         assert isinstance(loader.datasets[0], BucketDataset)
         got = {b.step: _copy(b, "bytes") for b in loader}
     assert got == _batches(local, plan, "bytes")
+
+
+def test_gaps_never_refetch_present_samples_and_keep_absent_ones(s3_env, tmp_path):
+    local = _bytes_dataset(tmp_path / "local", n=20, shard_bytes=1 << 30)  # one shard
+    upload_dataset(local.path, "s3://loader/gaps")
+    with open_dataset("s3://loader/gaps", cache_dir=tmp_path / "cache") as ds:
+        req = ds.fetcher.stats.requests
+        ds.cache.ensure(np.array([5]))
+        ds.cache.ensure(np.array([0, 10]))  # 5 lies between and is present: two GETs, no gap kept
+        assert ds.fetcher.stats.requests - req == 3 and ds.cache.stats.gap_samples == 0
+        assert ds.cache.present.nonzero()[0].tolist() == [0, 5, 10]
+        ds.cache.ensure(np.array([11, 15]))  # one GET; 12-14 came whole inside it: checked and kept
+        assert ds.fetcher.stats.requests - req == 4 and ds.cache.stats.gap_samples == 3
+        assert ds.cache.present.nonzero()[0].tolist() == [0, 5, 10, 11, 12, 13, 14, 15]
+        assert all(ds.read(i) == local.read(i) for i in (0, 5, 10, 11, 12, 13, 14, 15))

@@ -103,3 +103,23 @@ def test_prefetcher_under_a_budget_gives_the_local_batches(s3_env, tmp_path, mul
         assert allocated < sum(os.path.getsize(p) for p in local.shard_paths)
     finally:
         ds.close()
+
+
+def test_prefetcher_fetches_no_more_than_lru_would(s3_env, tmp_path, multi_epoch):
+    """At one budget, the runtime prefetcher (furthest next use, its lookahead window pinned) fetches at most what
+    LRU's replay fetches, and at least what the offline optimum's does."""
+    local, plan = multi_epoch
+    upload_dataset(local.path, "s3://policy/versus")
+    with open_dataset("s3://policy/versus", cache_dir=tmp_path / "cache") as ds:
+        sizes = ds.sample_bytes()
+        budget = int(sizes.sum() * 0.5)
+        with PlanPrefetcher(ds, plan, lookahead=4, budget_bytes=budget) as pf, \
+                Loader(ds, plan, prefetch=2, on_step=pf.on_step) as loader:
+            for _ in loader:
+                pass
+        assert pf.error is None
+        fetched = ds.cache.stats.misses + ds.cache.stats.gap_samples  # by the prefetcher, on demand, or as gaps
+        res = compare_policies(pf.acc, sizes, budget_bytes=budget, window=len(pf.acc))
+        lru_misses = res["lru"].accesses - res["lru"].hits
+        best = res["optimum"].accesses - res["optimum"].hits
+        assert best <= fetched <= lru_misses

@@ -9,6 +9,9 @@ Safety under concurrent processes (ranks of one host, restarts):
 - one fetch per byte per host: a process takes POSIX record locks (``fcntl.lockf``) on the index bytes of the
   samples it is about to fetch, in ascending order (no lock cycle between processes), re-reads the index under them
   and fetches only what is still missing; a second process wanting the same samples waits, then finds them present;
+- coalescing runs only between samples that are absent: a present sample is never fetched again as part of a gap
+  (nor its bytes rewritten while another process reads them); an absent sample that a transfer holds whole (a gap)
+  is checked and marked too, when no other process holds its lock;
 - never a torn sample marked present: bytes are written, checked against the map's xxh3 (the project's
   :func:`~foresight.checksum.xxh3_many`, one native call), flushed with ``fdatasync``, and only then marked; a
   process killed before that leaves its samples unmarked, its locks vanish with it, and the next reader refetches;
@@ -72,11 +75,12 @@ def punch_hole(fd: int, offset: int, length: int) -> int:
 
 @dataclass
 class CacheStats:
-    """What the cache did since it was opened: samples found present (hits) or fetched (misses), refetches of
-    corrupt entries, evictions."""
+    """What the cache did since it was opened: samples found present (hits) or fetched (misses), samples fetched
+    whole inside a coalesced gap and kept (``gap_samples``), corrupt entries found, evictions."""
 
     hits: int = 0
     misses: int = 0
+    gap_samples: int = 0
     fetched_bytes: int = 0
     corrupt: int = 0
     evicted: int = 0
@@ -112,6 +116,7 @@ class SampleCache:
         self.checksums = np.asarray(checksums, dtype=np.uint64)
         self.num_samples = len(self.checksums)
         self.stats = CacheStats()
+        self.max_gap: int | None = None  # the coalescer's gap for fetches that name none (None: the fetcher's)
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()
         index_path = os.path.join(local_dir, INDEX_DIR, "present")
@@ -156,9 +161,9 @@ class SampleCache:
         ids = np.flatnonzero(self.present)
         return int(self.lookup(ids).length.sum()) if ids.size else 0
 
-    def ensure(self, ids: np.ndarray) -> int:
-        """Make every sample of ``ids`` present (fetching the missing ones in coalesced GETs); returns how many
-        were fetched. Raises :class:`BucketError` naming the object when a fetched sample's xxh3 differs from the
+    def ensure(self, ids: np.ndarray, *, max_gap: int | None = None) -> int:
+        """Make every sample of ``ids`` present (fetching the missing ones in coalesced GETs; ``max_gap`` overrides
+        the fetcher's for this call); returns how many were fetched. Raises :class:`BucketError` naming the object when a fetched sample's xxh3 differs from the
         map's (the object changed under the same ETag, or the store returned wrong bytes): nothing is marked."""
         ids = np.unique(np.asarray(ids, dtype=np.int64))
         missing = ids[self.present[ids] == 0]
@@ -174,39 +179,99 @@ class SampleCache:
                 # chunks of at most FETCH_CHUNK bytes: one fetch's bytes are held in memory until written
                 chunk = np.cumsum(ext.length) // FETCH_CHUNK
                 for part in np.split(missing, np.flatnonzero(np.diff(chunk)) + 1) if missing.size else []:
-                    self._fetch(part)
+                    self._fetch(part, self.max_gap if max_gap is None else max_gap)
                 return int(missing.size)
             finally:
                 self._unlock(held)
 
-    def _fetch(self, ids: np.ndarray) -> None:
+    def _segments(self, ids: np.ndarray, shard: np.ndarray) -> np.ndarray:
+        """A run id per sample of ``ids`` (sorted, missing): a new run at each shard change and wherever a present
+        sample lies between two neighbours. Coalescing within runs only never fetches a present sample again as
+        part of a gap (its bytes are here already; a reader may be reading them)."""
+        if ids.size < 2:
+            return np.zeros(ids.size, dtype=np.int32)
+        lo = int(ids[0])
+        before = np.cumsum(self.present[lo:int(ids[-1]) + 1], dtype=np.int64)  # present samples in [lo, id]
+        a, b = ids[:-1], ids[1:]
+        between = before[b - lo - 1] - before[a - lo]  # present samples strictly between neighbours (both missing)
+        cut = (between > 0) | (shard[1:] != shard[:-1])
+        return np.concatenate(([0], np.cumsum(cut))).astype(np.int32)
+
+    @staticmethod
+    def _gaps_inside(ids: np.ndarray, seg: np.ndarray, length: np.ndarray, tr) -> tuple[np.ndarray, np.ndarray]:
+        """Samples between two neighbours of ``ids`` that one transfer holds whole (fetched anyway as its gap):
+        their ids, and the transfer of each."""
+        if ids.size < 2 or not tr.io_count:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        k = np.searchsorted(tr.t_dest, tr.x_dest, side="right") - 1
+        a, b = ids[:-1], ids[1:]
+        pair = (seg[1:] == seg[:-1]) & (k[1:] == k[:-1]) & (b > a + 1) & (length[1:] > 0) & (length[:-1] > 0)
+        counts = (b - a - 1)[pair]
+        if not counts.size:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        first = np.repeat(a[pair] + 1, counts)
+        step = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        return first + step, np.repeat(k[:-1][pair], counts)
+
+    def _lock_free_runs(self, ids: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """Lock what of ``ids`` no other process holds (never waits); returns the ids locked and the locks."""
+        held, got = [], np.zeros(ids.size, dtype=bool)
+        starts, counts = _runs(ids)
+        offsets = np.searchsorted(ids, starts)
+        for start, n, at in zip(starts.tolist(), counts.tolist(), offsets.tolist()):
+            try:
+                fcntl.lockf(self._index_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, n, start, os.SEEK_SET)
+            except OSError:
+                continue  # another process is fetching or evicting them: leave them to it
+            held.append((start, n))
+            got[at:at + n] = True
+        return ids[got], held
+
+    def _fetch(self, ids: np.ndarray, max_gap: int | None = None) -> None:
         ext = self.lookup(ids)
-        got = self.fetcher.fetch(self.refs, ext.shard, ext.offset, ext.length)
+        seg = self._segments(ids, ext.shard)
+        seg_shard = ext.shard[np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])]
+        got = self.fetcher.fetch(self.refs, seg, ext.offset, ext.length, ref_of_file=seg_shard, max_gap=max_gap)
         tr = got.transfers
-        sums = xxh3_many(got.region, tr.x_dest, ext.length)
-        bad = np.flatnonzero(sums != self.checksums[ids])
+        gap, gap_k = self._gaps_inside(ids, seg, ext.length, tr)
+        gap_ext = self.lookup(gap)
+        check = np.concatenate((ids, gap))
+        where = np.concatenate((tr.x_dest, tr.t_dest[gap_k] + gap_ext.offset - tr.t_offset[gap_k]))
+        lengths = np.concatenate((ext.length, gap_ext.length))
+        sums = xxh3_many(got.region, where, lengths)
+        bad = np.flatnonzero(sums != self.checksums[check])
         if bad.size:
             i = int(bad[0])
-            raise BucketError(f"sample {int(ids[i])} fetched with xxh3 {int(sums[i]):016x}, the map says "
-                              f"{int(self.checksums[ids[i]]):016x} ({bad.size} samples differ)", "checksum",
-                              object=str(self.refs[int(ext.shard[i])].url), offset=int(ext.offset[i]))
+            shard = int(ext.shard[i] if i < ids.size else gap_ext.shard[i - ids.size])
+            offset = int(ext.offset[i] if i < ids.size else gap_ext.offset[i - ids.size])
+            raise BucketError(f"sample {int(check[i])} fetched with xxh3 {int(sums[i]):016x}, the map says "
+                              f"{int(self.checksums[check[i]]):016x} ({bad.size} samples differ)", "checksum",
+                              object=str(self.refs[shard].url), offset=offset)
+        extra, extra_held = self._lock_free_runs(gap)
         try:
-            for k in range(tr.io_count):  # a loop over coalesced transfers (MiB each), not samples
-                dest = int(tr.t_dest[k])
-                os.pwrite(self._fds[int(tr.t_file[k])], memoryview(got.region[dest:dest + int(tr.t_length[k])]),
-                          int(tr.t_offset[k]))
-            for s in np.unique(tr.t_file).tolist():
-                os.fdatasync(self._fds[s])
-        except OSError as e:  # a full or failing cache disk: give back what this fetch allocated, mark nothing
-            for s, off, n in zip(ext.shard.tolist(), ext.offset.tolist(), ext.length.tolist()):
-                punch_hole(self._fds[s], off, n)
-            full = e.errno == errno.ENOSPC
-            raise BucketError(f"cannot write the cache: {e.strerror}" + (" (lower the prefetcher's budget_bytes "
-                              "or free the disk)" if full else ""), "cache_full" if full else "cache",
-                              path=self.local_dir) from None
-        self.present[ids] = 1
+            try:
+                for k in range(tr.io_count):  # a loop over coalesced transfers (MiB each), not samples
+                    dest = int(tr.t_dest[k])
+                    os.pwrite(self._fds[int(seg_shard[tr.t_file[k]])],
+                              memoryview(got.region[dest:dest + int(tr.t_length[k])]), int(tr.t_offset[k]))
+                for s in np.unique(seg_shard[tr.t_file]).tolist():
+                    os.fdatasync(self._fds[s])
+            except OSError as e:  # a full or failing cache disk: give back what this fetch allocated, mark nothing
+                mine = np.concatenate((ids, extra))
+                back = self.lookup(mine[self.present[mine] == 0])
+                for s, off, n in zip(back.shard.tolist(), back.offset.tolist(), back.length.tolist()):
+                    punch_hole(self._fds[s], off, n)
+                full = e.errno == errno.ENOSPC
+                raise BucketError(f"cannot write the cache: {e.strerror}" + (" (lower the prefetcher's "
+                                  "budget_bytes or free the disk)" if full else ""), "cache_full" if full else "cache",
+                                  path=self.local_dir) from None
+            self.present[ids] = 1
+            self.present[extra] = 1  # fetched whole as gaps, checked: present too (the plan uses them later)
+        finally:
+            self._unlock(extra_held)
         with self._stats_lock:
             self.stats.misses += int(ids.size)
+            self.stats.gap_samples += int(extra.size)
             self.stats.fetched_bytes += int(tr.read_bytes)
 
     def evict(self, ids: np.ndarray) -> int:

@@ -227,17 +227,22 @@ class RangedFetcher:
         return data
 
     # -- many extents ----------------------------------------------------------------------------------------------
-    def fetch(self, refs: Sequence[ObjectRef], file: np.ndarray, offset: np.ndarray,
-              length: np.ndarray) -> Fetched:
-        """The bytes of every extent (``file[i]`` indexes ``refs``), in coalesced ranged GETs run concurrently."""
+    def fetch(self, refs: Sequence[ObjectRef], file: np.ndarray, offset: np.ndarray, length: np.ndarray, *,
+              ref_of_file: np.ndarray | None = None, max_gap: int | None = None) -> Fetched:
+        """The bytes of every extent, in coalesced ranged GETs run concurrently. ``file[i]`` indexes ``refs``, or
+        with ``ref_of_file`` a group of extents (``ref_of_file[file[i]]`` indexes ``refs``) that is coalesced on
+        its own: extents of different groups are never merged, even in one object. ``max_gap`` overrides the
+        fetcher's for this call."""
         sizes = np.array([r.size for r in refs], dtype=np.int64)
-        tr = coalesce(file, offset, length, max_gap=self.max_gap, max_transfer=self.max_transfer, align=1,
-                      file_sizes=sizes)
+        ref_of_file = np.arange(len(refs)) if ref_of_file is None else np.asarray(ref_of_file, dtype=np.int64)
+        gap = self.max_gap if max_gap is None else int(max_gap)
+        tr = coalesce(file, offset, length, max_gap=gap, max_transfer=self.max_transfer, align=1,
+                      file_sizes=sizes[ref_of_file])
         region = np.empty(tr.total_bytes, dtype=np.uint8)
 
         def one(k: int) -> None:
             start, n = int(tr.t_offset[k]), int(tr.t_length[k])
-            data = self._get_range(refs[int(tr.t_file[k])], start, start + n)
+            data = self._get_range(refs[int(ref_of_file[tr.t_file[k]])], start, start + n)
             dest = int(tr.t_dest[k])
             region[dest:dest + n] = np.frombuffer(data, dtype=np.uint8)
 

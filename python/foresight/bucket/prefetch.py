@@ -1,7 +1,8 @@
 """Plan-driven prefetch into a bucket dataset's cache, ``lookahead`` steps ahead, evicting by the plan's future.
 
 A background thread walks the plan's steps (this rank's share, in the loader's order) and makes each step's
-samples present ``lookahead`` steps before the loader gets there (one coalesced fetch per step). Under a byte
+samples present up to ``lookahead`` steps before the loader gets there (one coalesced fetch per ``group_steps``
+steps). Under a byte
 budget it first evicts the cached samples whose next use in the plan is furthest (never used again first;
 :func:`~foresight.bucket.policy.eviction_order`, the same ranking the replays use), never one used by a step from
 the consumer's position up to ``lookahead`` steps past it: the loader's in-flight steps are among those, so a read
@@ -40,13 +41,26 @@ __all__ = ["PlanPrefetcher"]
 
 class PlanPrefetcher(Closing):
     """Fetch ``lookahead`` steps ahead of the consumer; evict furthest-next-use under ``budget_bytes`` (None: no
-    eviction). ``horizon`` limits how far ahead the policy looks (None: the whole plan, Belady's choice)."""
+    eviction). ``horizon`` limits how far ahead the policy looks (None: the whole plan, Belady's choice).
+    ``group_steps`` (``lookahead // 2``) steps are fetched together, once all of them are inside the window: more
+    samples per coalesced fetch, so more of them share a GET. ``max_gap`` is the coalescer's gap for these fetches
+    (None: 0 under a budget, where gap bytes would mostly be evicted unused; the fetcher's own otherwise)."""
 
     def __init__(self, ds: BucketDataset, plan: Any, *, dataset: int = 0, rank: int = 0, world_size: int = 1,
                  start_step: int = 0, end_step: int | None = None, step_stride: int = 1, lookahead: int = 8,
-                 budget_bytes: int | None = None, horizon: int | None = None) -> None:
+                 budget_bytes: int | None = None, horizon: int | None = None,
+                 group_steps: int | None = None, max_gap: int | None = None) -> None:
         if lookahead < 1:
             raise ValueError(f"lookahead must be >= 1, got {lookahead}")
+        group_steps = max(1, lookahead // 2) if group_steps is None else int(group_steps)
+        if not 1 <= group_steps <= lookahead:
+            raise ValueError(f"group_steps must be in [1, lookahead={lookahead}], got {group_steps}")
+        self.group_steps = group_steps
+        # Under a budget, bytes fetched as a gap are samples the plan may not reach before they are evicted
+        # (measured: 2.1x the plan's bytes at a 10% budget with 1 MiB gaps, 0.95x with none, the optimum 0.93x).
+        self.max_gap = (0 if budget_bytes is not None else None) if max_gap is None else int(max_gap)
+        self._demand_gap = ds.cache.max_gap
+        ds.cache.max_gap = self.max_gap  # the loader's own (demand) fetches follow the same rule while this runs
         self.ds = ds
         self.cache = ds.cache
         self.acc = plan_accesses(plan, dataset, rank=rank, world_size=world_size, start_step=start_step,
@@ -86,23 +100,27 @@ class PlanPrefetcher(Closing):
             self._stop = True
             self._cv.notify_all()
         thread.join()
+        self.cache.max_gap = self._demand_gap
 
     # -- the prefetch thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
+        acc = self.acc
         try:
-            for k in range(len(self.acc)):
-                with self._cv:
-                    while not self._stop and k > self._consumed + self.lookahead:
+            for k in range(0, len(acc), self.group_steps):
+                end = min(k + self.group_steps, len(acc))
+                with self._cv:  # the whole group inside the window: the consumer is at end - 1 - lookahead or later
+                    while not self._stop and end - 1 > self._consumed + self.lookahead:
                         self._cv.wait()
                     if self._stop:
                         return
                     consumed = self._consumed
-                ids = self.acc.of(k)
+                uses = acc.ids[acc.ptr[k]:acc.ptr[end]]
+                ids = np.unique(uses)
                 if self.budget_bytes is not None:
                     self._make_room(k, consumed, ids)
-                fetched = self.cache.ensure(ids)
-                self._last_use[ids] = k
-                self.stats["prefetched_steps"] += 1
+                fetched = self.cache.ensure(ids, max_gap=self.max_gap)  # one coalesced fetch for the group's steps
+                self._last_use[uses] = np.repeat(np.arange(k, end), np.diff(acc.ptr[k:end + 1]))
+                self.stats["prefetched_steps"] += end - k
                 self.stats["fetched_samples"] += fetched
                 if self.budget_bytes is not None:
                     used = self.cache.cached_bytes()
