@@ -163,8 +163,9 @@ class SampleCache:
 
     def ensure(self, ids: np.ndarray, *, max_gap: int | None = None) -> int:
         """Make every sample of ``ids`` present (fetching the missing ones in coalesced GETs; ``max_gap`` overrides
-        the fetcher's for this call); returns how many were fetched. Raises :class:`BucketError` naming the object when a fetched sample's xxh3 differs from the
-        map's (the object changed under the same ETag, or the store returned wrong bytes): nothing is marked."""
+        the cache's and the fetcher's for this call); returns how many were fetched. Raises :class:`BucketError`
+        naming the object when a fetched sample's xxh3 differs from the map's (the object changed under the same
+        ETag, or the store returned wrong bytes): nothing of that fetch is marked."""
         ids = np.unique(np.asarray(ids, dtype=np.int64))
         missing = ids[self.present[ids] == 0]
         with self._stats_lock:
