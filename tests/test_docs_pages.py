@@ -100,7 +100,7 @@ def test_every_cli_command_parses(page):
             pytest.fail(f"docs/{page}: {line.strip()!r} does not parse: {err.getvalue().strip() or e}")
 
 
-@pytest.mark.parametrize("page", ["node.md"])
+@pytest.mark.parametrize("page", ["node.md", "buckets.md"])
 def test_imports_of_text_blocks_exist(page):
     imports = 0
     for block in _blocks(page, "text"):
@@ -136,7 +136,7 @@ def _anchors(markdown: Path) -> set[str]:
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
 
 
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize("page", PAGES + ("buckets.md",))
 def test_relative_links_resolve(page):
     text = re.sub(r"^```.*?^```", "", (DOCS / page).read_text(), flags=re.S | re.M)
     links = re.findall(r"\]\(([^)\s]+)\)", text)

@@ -59,6 +59,20 @@ class IOEngineError(ForesightError, OSError):
         return str(self.args[0])
 
 
+class BucketError(ForesightError, OSError):
+    """An object store could not serve an object (missing, access denied, changed since it was opened, still failing
+    after the retry budget) or its local cache could not take it. ``reason`` is one of ``not_found``, ``denied``,
+    ``changed``, ``unavailable``, ``checksum`` (an object's bytes), ``cache_full``, ``cache``; the message names the
+    object (``s3://bucket/key``) or the cache directory and never holds a credential."""
+
+    def __init__(self, message: str, reason: str, **context: Any) -> None:
+        ForesightError.__init__(self, message, **context)
+        self.reason = reason
+
+    def __str__(self) -> str:  # OSError's own would print its args tuple
+        return str(self.args[0])
+
+
 class DecodeError(ForesightError, ValueError):
     """Media bytes could not be decoded (corrupt, truncated, unsupported)."""
 
@@ -103,6 +117,7 @@ __all__ = [
     "PlanError",
     "IOEngineError",
     "DecodeError",
+    "BucketError",
     "CheckpointError",
     "StaleBatchError",
     "DecodeTimeoutError",

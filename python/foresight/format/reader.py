@@ -29,8 +29,13 @@ from .types import Dataset, Extents, Modality
 __all__ = ["open_dataset", "ShardedDataset"]
 
 
-def open_dataset(path: str | os.PathLike, *, fingerprint: str = "index") -> Dataset:
+def open_dataset(path: str | os.PathLike, *, fingerprint: str = "index", cache_dir: str | os.PathLike | None = None,
+                 **bucket_options: Any) -> Dataset:
     """Open a foresight dataset directory (with ``manifest.json``) or a Megatron-LM ``.idx``/``.bin`` prefix.
+
+    ``s3://bucket/prefix`` opens a foresight dataset in a bucket through a local cache under ``cache_dir``
+    (or ``$FORESIGHT_BUCKET_CACHE``): see :func:`foresight.bucket.open_bucket_dataset`, which takes
+    ``bucket_options`` (``options``, ``concurrency``, ``max_gap``, ``max_transfer``, ``retry``).
 
     ``fingerprint="content"`` makes a Megatron dataset's fingerprint cover every byte of its ``.bin`` (see
     :class:`MegatronDataset`); a foresight directory's fingerprint always does (its manifest holds each shard's xxh3).
@@ -39,7 +44,25 @@ def open_dataset(path: str | os.PathLike, *, fingerprint: str = "index") -> Data
     path = os.fspath(path)
     if fingerprint not in ("index", "content"):
         raise ValueError(f"fingerprint must be 'index' or 'content', got {fingerprint!r}")
+    if path.startswith("s3://"):
+        from foresight.bucket import open_bucket_dataset
+
+        cache_dir = cache_dir or os.environ.get("FORESIGHT_BUCKET_CACHE")
+        if not cache_dir:
+            raise ValueError(f"{path}: a bucket dataset is read through a local cache: pass cache_dir= "
+                             "or set FORESIGHT_BUCKET_CACHE (a node-local directory)")
+        return open_bucket_dataset(path, cache_dir, **bucket_options)
+    if cache_dir is not None:
+        raise TypeError(f"cache_dir applies to s3:// datasets only, not {path!r}")
     recover_overwrite(path, has_manifest)  # a pack --overwrite that crashed between its renames
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, ".foresight-cache", "state.json")):
+            # a bucket dataset's cache (a plan's recorded location): through its bucket, never its sparse files alone
+            from foresight.bucket.dataset import reopen_cache_dir
+
+            return reopen_cache_dir(path, **bucket_options)
+    if bucket_options:
+        raise TypeError(f"{', '.join(sorted(bucket_options))}: options of s3:// datasets only, not {path!r}")
     if os.path.isdir(path):
         return ShardedDataset(path)
     prefix = path[:-4] if path.endswith((".idx", ".bin")) else path

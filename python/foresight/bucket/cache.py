@@ -1,0 +1,331 @@
+"""The local cache of a bucket dataset: sparse shard files with the objects' own layout, and which samples they hold.
+
+Each shard object has a local file of its full size (sparse: only fetched bytes take disk space). A sample is
+the unit of presence, because it is the unit the map checksums: ``present`` is one byte per sample (global id) in
+``.foresight-cache/present``, mapped shared, so every process of the host sees the same index.
+
+Safety under concurrent processes (ranks of one host, restarts):
+
+- one fetch per byte per host: a process takes POSIX record locks (``fcntl.lockf``) on the index bytes of the
+  samples it is about to fetch, in ascending order (no lock cycle between processes), re-reads the index under them
+  and fetches only what is still missing; a second process wanting the same samples waits, then finds them present;
+- coalescing runs only between samples that are absent: a present sample is never fetched again as part of a gap
+  (nor its bytes rewritten while another process reads them); an absent sample that a transfer holds whole (a gap)
+  is checked and marked too, when no other process holds its lock;
+- never a torn sample marked present: bytes are written, checked against the map's xxh3 (the project's
+  :func:`~foresight.checksum.xxh3_many`, one native call), flushed with ``fdatasync``, and only then marked; a
+  process killed before that leaves its samples unmarked, its locks vanish with it, and the next reader refetches;
+- eviction clears a sample's mark first, then punches the whole 4 KiB blocks inside its extent out of the file
+  (``fallocate(PUNCH_HOLE)``: blocks shared with a neighbour stay, so a neighbour's bytes never change).
+
+Within one process a lock serialises fetches (the GETs of one fetch already run concurrently); a lookup whose
+samples are all present takes no lock.
+
+Example::
+
+    cache = SampleCache(local_dir, fetcher, refs, shard_paths, lookup, checksums)
+    cache.ensure(np.array([3, 17, 42]))      # fetched (coalesced) unless present; marked after fdatasync
+    cache.evict(np.array([17]))              # unmarked, then its blocks punched out
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from foresight.checksum import xxh3_many
+from foresight.errors import BucketError
+from foresight.format.types import Extents
+
+from .fetch import ObjectRef, RangedFetcher
+
+log = logging.getLogger("foresight.bucket")
+
+__all__ = ["SampleCache", "CacheStats", "punch_hole", "INDEX_DIR"]
+
+INDEX_DIR = ".foresight-cache"
+FETCH_CHUNK = 256 << 20  # bytes of samples fetched (and held in memory) at once
+BLOCK = 4096
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def punch_hole(fd: int, offset: int, length: int) -> int:
+    """Free the whole ``BLOCK``-sized blocks inside ``[offset, offset + length)`` of ``fd`` (size unchanged);
+    the bytes read back as zeros. Returns the bytes punched (0 when no whole block lies inside)."""
+    start = -(-offset // BLOCK) * BLOCK
+    end = (offset + length) // BLOCK * BLOCK
+    if end <= start:
+        return 0
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, start, end - start) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
+    return end - start
+
+
+@dataclass
+class CacheStats:
+    """What the cache did since it was opened: samples found present (hits) or fetched (misses), samples fetched
+    whole inside a coalesced gap and kept (``gap_samples``), corrupt entries found, evictions."""
+
+    hits: int = 0
+    misses: int = 0
+    gap_samples: int = 0
+    fetched_bytes: int = 0
+    corrupt: int = 0
+    evicted: int = 0
+    evicted_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def _runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted unique ``ids`` as runs of consecutive values: (starts, lengths)."""
+    if not ids.size:
+        return ids, ids
+    cut = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = ids[np.r_[0, cut]]
+    ends = ids[np.r_[cut - 1, ids.size - 1]] + 1
+    return starts, ends - starts
+
+
+class SampleCache:
+    """Which samples of a dataset are in its local sparse files, and fetching/evicting them (see the module doc).
+
+    ``lookup(ids) -> Extents`` and ``checksums`` (uint64 per sample) come from the dataset's maps; ``refs[s]``
+    is the object behind ``shard_paths[s]``.
+    """
+
+    def __init__(self, local_dir: str, fetcher: RangedFetcher, refs: Sequence[ObjectRef], shard_paths: Sequence[str],
+                 lookup: Callable[[np.ndarray], Extents], checksums: np.ndarray) -> None:
+        self.local_dir = local_dir
+        self.fetcher = fetcher
+        self.refs = list(refs)
+        self.lookup = lookup
+        self.checksums = np.asarray(checksums, dtype=np.uint64)
+        self.num_samples = len(self.checksums)
+        self.stats = CacheStats()
+        self.max_gap: int | None = None  # the coalescer's gap for fetches that name none (None: the fetcher's)
+        self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        index_path = os.path.join(local_dir, INDEX_DIR, "present")
+        self._index_fd = os.open(index_path, os.O_RDWR)
+        entries = os.fstat(self._index_fd).st_size
+        if entries != self.num_samples:
+            os.close(self._index_fd)
+            raise BucketError(f"cache index holds {entries} entries, the dataset {self.num_samples}", "checksum",
+                              path=index_path)
+        self.present = np.memmap(index_path, dtype=np.uint8, mode="r+", shape=(self.num_samples,)) \
+            if self.num_samples else np.zeros(0, np.uint8)
+        self._fds = [os.open(p, os.O_RDWR) for p in shard_paths]
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        if self._index_fd >= 0:
+            os.close(self._index_fd)
+            self._index_fd = -1
+        self.present = np.zeros(0, np.uint8)
+
+    # -- locks on index bytes --------------------------------------------------------------------------------------
+    def _lock_runs(self, ids: np.ndarray) -> list[tuple[int, int]]:
+        held = []
+        try:
+            for start, n in zip(*_runs(ids)):
+                fcntl.lockf(self._index_fd, fcntl.LOCK_EX, int(n), int(start), os.SEEK_SET)
+                held.append((int(start), int(n)))
+        except BaseException:
+            self._unlock(held)
+            raise
+        return held
+
+    def _unlock(self, held: list[tuple[int, int]]) -> None:
+        for start, n in held:
+            fcntl.lockf(self._index_fd, fcntl.LOCK_UN, n, start, os.SEEK_SET)
+
+    # -- the public operations -------------------------------------------------------------------------------------
+    def cached_bytes(self) -> int:
+        """Bytes of the samples marked present (the budget's measure)."""
+        ids = np.flatnonzero(self.present)
+        return int(self.lookup(ids).length.sum()) if ids.size else 0
+
+    def ensure(self, ids: np.ndarray, *, max_gap: int | None = None) -> int:
+        """Make every sample of ``ids`` present (fetching the missing ones in coalesced GETs; ``max_gap`` overrides
+        the cache's and the fetcher's for this call); returns how many were fetched. Raises :class:`BucketError`
+        naming the object when a fetched sample's xxh3 differs from the map's (the object changed under the same
+        ETag, or the store returned wrong bytes): nothing of that fetch is marked."""
+        ids = np.unique(np.asarray(ids, dtype=np.int64))
+        missing = ids[self.present[ids] == 0]
+        with self._stats_lock:
+            self.stats.hits += int(ids.size - missing.size)
+        if not missing.size:  # the common case, without waiting for another thread's fetch of other samples
+            return 0
+        with self._lock:
+            held = self._lock_runs(missing)
+            try:
+                missing = missing[self.present[missing] == 0]  # another thread or process may have fetched them
+                ext = self.lookup(missing)
+                # chunks of at most FETCH_CHUNK bytes: one fetch's bytes are held in memory until written
+                chunk = np.cumsum(ext.length) // FETCH_CHUNK
+                for part in np.split(missing, np.flatnonzero(np.diff(chunk)) + 1) if missing.size else []:
+                    self._fetch(part, self.max_gap if max_gap is None else max_gap)
+                return int(missing.size)
+            finally:
+                self._unlock(held)
+
+    def _segments(self, ids: np.ndarray, shard: np.ndarray) -> np.ndarray:
+        """A run id per sample of ``ids`` (sorted, missing): a new run at each shard change and wherever a present
+        sample lies between two neighbours. Coalescing within runs only never fetches a present sample again as
+        part of a gap (its bytes are here already; a reader may be reading them)."""
+        if ids.size < 2:
+            return np.zeros(ids.size, dtype=np.int32)
+        lo = int(ids[0])
+        before = np.cumsum(self.present[lo:int(ids[-1]) + 1], dtype=np.int64)  # present samples in [lo, id]
+        a, b = ids[:-1], ids[1:]
+        between = before[b - lo - 1] - before[a - lo]  # present samples strictly between neighbours (both missing)
+        cut = (between > 0) | (shard[1:] != shard[:-1])
+        return np.concatenate(([0], np.cumsum(cut))).astype(np.int32)
+
+    @staticmethod
+    def _gaps_inside(ids: np.ndarray, seg: np.ndarray, length: np.ndarray, tr) -> tuple[np.ndarray, np.ndarray]:
+        """Samples between two neighbours of ``ids`` that one transfer holds whole (fetched anyway as its gap):
+        their ids, and the transfer of each."""
+        if ids.size < 2 or not tr.io_count:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        k = np.searchsorted(tr.t_dest, tr.x_dest, side="right") - 1
+        a, b = ids[:-1], ids[1:]
+        pair = (seg[1:] == seg[:-1]) & (k[1:] == k[:-1]) & (b > a + 1) & (length[1:] > 0) & (length[:-1] > 0)
+        counts = (b - a - 1)[pair]
+        if not counts.size:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        first = np.repeat(a[pair] + 1, counts)
+        step = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        return first + step, np.repeat(k[:-1][pair], counts)
+
+    def _lock_free_runs(self, ids: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """Lock what of ``ids`` no other process holds (never waits); returns the ids locked and the locks."""
+        held, got = [], np.zeros(ids.size, dtype=bool)
+        starts, counts = _runs(ids)
+        offsets = np.searchsorted(ids, starts)
+        for start, n, at in zip(starts.tolist(), counts.tolist(), offsets.tolist()):
+            try:
+                fcntl.lockf(self._index_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, n, start, os.SEEK_SET)
+            except OSError:
+                continue  # another process is fetching or evicting them: leave them to it
+            held.append((start, n))
+            got[at:at + n] = True
+        return ids[got], held
+
+    def _fetch(self, ids: np.ndarray, max_gap: int | None = None) -> None:
+        ext = self.lookup(ids)
+        seg = self._segments(ids, ext.shard)
+        seg_shard = ext.shard[np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])]
+        got = self.fetcher.fetch(self.refs, seg, ext.offset, ext.length, ref_of_file=seg_shard, max_gap=max_gap)
+        tr = got.transfers
+        gap, gap_k = self._gaps_inside(ids, seg, ext.length, tr)
+        gap_ext = self.lookup(gap)
+        check = np.concatenate((ids, gap))
+        where = np.concatenate((tr.x_dest, tr.t_dest[gap_k] + gap_ext.offset - tr.t_offset[gap_k]))
+        lengths = np.concatenate((ext.length, gap_ext.length))
+        sums = xxh3_many(got.region, where, lengths)
+        bad = np.flatnonzero(sums != self.checksums[check])
+        if bad.size:
+            i = int(bad[0])
+            shard = int(ext.shard[i] if i < ids.size else gap_ext.shard[i - ids.size])
+            offset = int(ext.offset[i] if i < ids.size else gap_ext.offset[i - ids.size])
+            raise BucketError(f"sample {int(check[i])} fetched with xxh3 {int(sums[i]):016x}, the map says "
+                              f"{int(self.checksums[check[i]]):016x} ({bad.size} samples differ)", "checksum",
+                              object=str(self.refs[shard].url), offset=offset)
+        extra, extra_held = self._lock_free_runs(gap)
+        try:
+            try:
+                for k in range(tr.io_count):  # a loop over coalesced transfers (MiB each), not samples
+                    dest = int(tr.t_dest[k])
+                    os.pwrite(self._fds[int(seg_shard[tr.t_file[k]])],
+                              memoryview(got.region[dest:dest + int(tr.t_length[k])]), int(tr.t_offset[k]))
+                for s in np.unique(seg_shard[tr.t_file]).tolist():
+                    os.fdatasync(self._fds[s])
+            except OSError as e:  # a full or failing cache disk: give back what this fetch allocated, mark nothing
+                mine = np.concatenate((ids, extra))
+                back = self.lookup(mine[self.present[mine] == 0])
+                for s, off, n in zip(back.shard.tolist(), back.offset.tolist(), back.length.tolist()):
+                    punch_hole(self._fds[s], off, n)
+                full = e.errno == errno.ENOSPC
+                raise BucketError(f"cannot write the cache: {e.strerror}" + (" (lower the prefetcher's "
+                                  "budget_bytes or free the disk)" if full else ""), "cache_full" if full else "cache",
+                                  path=self.local_dir) from None
+            self.present[ids] = 1
+            self.present[extra] = 1  # fetched whole as gaps, checked: present too (the plan uses them later)
+        finally:
+            self._unlock(extra_held)
+        with self._stats_lock:
+            self.stats.misses += int(ids.size)
+            self.stats.gap_samples += int(extra.size)
+            self.stats.fetched_bytes += int(tr.read_bytes)
+
+    def evict(self, ids: np.ndarray) -> int:
+        """Unmark ``ids`` and punch their blocks out of the sparse files; returns the sample bytes evicted."""
+        ids = np.unique(np.asarray(ids, dtype=np.int64))
+        with self._lock:
+            ids = ids[self.present[ids] != 0]
+            if not ids.size:
+                return 0
+            held = self._lock_runs(ids)
+            try:
+                self.present[ids] = 0
+                ext = self.lookup(ids)
+                for s, off, n in zip(ext.shard.tolist(), ext.offset.tolist(), ext.length.tolist()):
+                    punch_hole(self._fds[s], off, n)  # one syscall per sample: there is no batched fallocate
+                nbytes = int(ext.length.sum())
+                self.stats.evicted += int(ids.size)
+                self.stats.evicted_bytes += nbytes
+                return nbytes
+            finally:
+                self._unlock(held)
+
+    def scrub(self, ids: np.ndarray | None = None) -> np.ndarray:
+        """Re-hash the present samples of ``ids`` (all present ones by default) from the local files and unmark
+        those whose bytes no longer match the map (a disk or a hand corrupted them): the next :meth:`ensure`
+        refetches them. Returns the ids found corrupt (each logged once, counted in ``stats.corrupt``)."""
+        from foresight.io import IOEngine
+
+        ids = np.flatnonzero(self.present) if ids is None else np.unique(np.asarray(ids, dtype=np.int64))
+        with self._lock:
+            ids = ids[self.present[ids] != 0]
+            if not ids.size:
+                return ids
+            ext = self.lookup(ids)
+            fds = np.asarray(self._fds, dtype=np.int32)[ext.shard]
+            chunk = np.cumsum(ext.length) // FETCH_CHUNK
+            bad_parts = []
+            with IOEngine(backend="auto") as engine:  # one batched read per chunk (GIL released), never per sample
+                for part in np.split(np.arange(ids.size), np.flatnonzero(np.diff(chunk)) + 1):
+                    lengths = ext.length[part]
+                    dest = np.r_[0, np.cumsum(lengths)[:-1]].astype(np.int64)
+                    region = np.zeros(int(lengths.sum()) + 1, dtype=np.uint8)
+                    engine.read_batch(fds[part], ext.offset[part], lengths,
+                                      (region.ctypes.data + dest).astype(np.uint64), allow_eof=True)
+                    bad_parts.append(ids[part][xxh3_many(region, dest, lengths) != self.checksums[ids[part]]])
+            bad = np.concatenate(bad_parts)
+            if bad.size:
+                held = self._lock_runs(bad)
+                try:
+                    self.present[bad] = 0
+                finally:
+                    self._unlock(held)
+                self.stats.corrupt += int(bad.size)
+                log.warning("bucket cache: %d corrupt samples in %s (first id %d): unmarked, refetched on next use",
+                            bad.size, self.local_dir, int(bad[0]))
+            return bad

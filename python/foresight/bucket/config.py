@@ -1,0 +1,116 @@
+"""Where a bucket's endpoint and credentials come from, and the client built from them (obstore's S3Store).
+
+The standard places, most specific first: keyword ``options`` (obstore's S3 config keys), the ``AWS_*``
+environment variables (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ...:
+read by obstore itself), then the profile ``AWS_PROFILE`` (or ``default``) of ``~/.aws/config`` and
+``~/.aws/credentials`` (``AWS_CONFIG_FILE`` / ``AWS_SHARED_CREDENTIALS_FILE`` move them). obstore reads no profile
+files, so the profile's keys (``endpoint_url``, ``region``, ``aws_access_key_id``, ``aws_secret_access_key``,
+``aws_session_token``) are passed to it here; the environment still wins over them, as with the AWS CLI.
+
+Example::
+
+    store = open_store(BucketURL.parse("s3://data/wiki"))      # AWS_ENDPOINT_URL=http://127.0.0.1:8333 ...
+    obstore.get_range(store, "wiki/manifest.json", start=0, length=100)
+
+:func:`redact` removes every credential value known here from a text (error messages of the client may quote
+request details); foresight's own messages never include them in the first place.
+"""
+from __future__ import annotations
+
+import configparser
+import datetime
+import os
+from typing import Any
+
+from .url import BucketURL
+
+__all__ = ["open_store", "resolve_options", "redact"]
+
+# A profile's key -> obstore's S3 config key.
+_PROFILE_KEYS = {
+    "endpoint_url": "endpoint",
+    "region": "region",
+    "aws_access_key_id": "access_key_id",
+    "aws_secret_access_key": "secret_access_key",
+    "aws_session_token": "session_token",
+}
+# The environment variable that overrides each of them (obstore reads these itself).
+_ENV_OF = {
+    "endpoint": ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT"),
+    "region": ("AWS_REGION", "AWS_DEFAULT_REGION"),
+    "access_key_id": ("AWS_ACCESS_KEY_ID",),
+    "secret_access_key": ("AWS_SECRET_ACCESS_KEY",),
+    "session_token": ("AWS_SESSION_TOKEN", "AWS_TOKEN"),
+}
+_SECRET_KEYS = ("secret_access_key", "session_token")
+
+
+def _profile_options() -> dict[str, str]:
+    """The profile's keys from ``~/.aws/config`` (``[profile NAME]`` or ``[default]``) and ``~/.aws/credentials``."""
+    name = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE") or "default"
+    home = os.path.expanduser("~")
+    files = (
+        (os.environ.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config"),
+         "default" if name == "default" else f"profile {name}"),
+        (os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials"), name),
+    )
+    out: dict[str, str] = {}
+    for path, section in files:
+        parser = configparser.RawConfigParser()
+        try:
+            parser.read(path)
+        except configparser.Error as e:  # a malformed file is named, its content is not quoted (it holds keys)
+            raise ValueError(f"cannot parse AWS config file {path}: {type(e).__name__}") from None
+        if parser.has_section(section):
+            for key, value in parser.items(section):
+                if key in _PROFILE_KEYS and value.strip():
+                    out[_PROFILE_KEYS[key]] = value.strip()
+    return out
+
+
+def resolve_options(options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The S3 config passed to obstore: ``options``, then the profile's keys the environment does not set.
+
+    The environment itself is left to obstore (it reads ``AWS_*`` on its own); only ``allow_http`` is derived
+    here, for an ``http://`` endpoint (loopback test servers, on-premises gateways).
+    """
+    merged: dict[str, Any] = {}
+    for key, value in _profile_options().items():
+        if not any(os.environ.get(var) for var in _ENV_OF[key]):
+            merged[key] = value
+    merged.update(options or {})
+    endpoint = merged.get("endpoint") or next(
+        (os.environ[v] for v in _ENV_OF["endpoint"] if os.environ.get(v)), "")
+    if endpoint.startswith("http://"):
+        merged.setdefault("client_options", {}).setdefault("allow_http", True)
+    merged.setdefault("region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+    return merged
+
+
+def open_store(url: BucketURL, options: dict[str, Any] | None = None, *, timeout_s: float = 30.0):
+    """An obstore ``S3Store`` for ``url.bucket`` (path-style requests; the client's own retries off: the fetcher
+    retries with its own budget, so that one layer counts attempts and names the object when it gives up)."""
+    from obstore.store import S3Store
+
+    opts = resolve_options(options)
+    client_options = dict(opts.pop("client_options", {}))
+    client_options.setdefault("timeout", f"{timeout_s}s")
+    client_options.setdefault("connect_timeout", "5s")
+    opts.setdefault("virtual_hosted_style_request", False)
+    return S3Store(url.bucket, config=opts, client_options=client_options,
+                   retry_config={"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=1)})
+
+
+def redact(text: str, options: dict[str, Any] | None = None) -> str:
+    """``text`` with every secret value from ``options``, the environment and the profile replaced by ``***``."""
+    secrets = []
+    for key in _SECRET_KEYS:
+        secrets += [os.environ.get(v, "") for v in _ENV_OF[key]]
+    try:
+        profile = _profile_options()
+    except ValueError:
+        profile = {}
+    secrets += [profile.get(k, "") for k in _SECRET_KEYS] + [str((options or {}).get(k, "")) for k in _SECRET_KEYS]
+    for value in sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True):
+        text = text.replace(value, "***")
+    return text

@@ -1,0 +1,210 @@
+"""A dataset packed here, uploaded to a real SeaweedFS, opened as s3:// through a local cache, read by the Loader:
+every batch equal to the local copy's; the cache's index, restarts and cross-process use."""
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from foresight.bucket import BucketDataset
+from foresight.bucket.upload import upload_dataset
+from foresight.format import DatasetWriter, open_dataset
+from foresight.loader import Loader
+from foresight.plan import build_plan
+from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
+
+
+def _bytes_dataset(path, *, n=120, seed=1, shard_bytes=200_000):
+    rng = np.random.default_rng(seed)
+    with DatasetWriter(str(path), align=4096, shard_bytes=shard_bytes) as w:
+        for _ in range(n):
+            w.add(rng.integers(0, 256, size=int(rng.integers(1, 9000)), dtype=np.uint8).tobytes(), modality="bytes")
+    return open_dataset(str(path))
+
+
+def _token_dataset(path, *, docs=300, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 200, size=docs)
+    tokens = rng.integers(0, 60000, size=int(lengths.sum())).astype(np.uint16)
+    with DatasetWriter(str(path), align=0, token_dtype="uint16", shard_bytes=40_000) as w:
+        w.add_many(tokens, lengths, modality="tokens")
+    return open_dataset(str(path))
+
+
+def _batches(ds, plan, key):
+    with Loader(ds, plan, prefetch=2) as loader:
+        return {b.step: _copy(b, key) for b in loader}
+
+
+def _copy(batch, key):
+    if key == "tokens":
+        return batch["tokens"].numpy().copy()
+    data = batch["data"].numpy()
+    return [data[o:o + n].tobytes() for o, n in zip(batch["offsets"].numpy(), batch["lengths"].numpy())]
+
+
+@pytest.mark.parametrize("kind", ["bytes", "tokens"])
+def test_loader_reads_the_bucket_dataset_like_the_local_one(s3_env, tmp_path, kind):
+    if kind == "bytes":
+        local = _bytes_dataset(tmp_path / "local")
+        plan = build_plan([(local, 1.0)], seed=3, global_batch_size=10, num_steps=15)
+    else:
+        local = _token_dataset(tmp_path / "local")
+        plan = build_plan([(local, 1.0)], seed=7, global_batch_size=8, seq_len=32, num_steps=12)
+    assert len(local.shard_paths) > 1
+    url = f"s3://loader/{kind}"
+    upload_dataset(local.path, url)
+    ds = open_dataset(url, cache_dir=tmp_path / "cache")
+    try:
+        assert isinstance(ds, BucketDataset) and ds.fingerprint == local.fingerprint
+        assert not ds.cache.present.any()  # nothing fetched before the plan asks
+        want = _batches(local, plan, kind)
+        got = _batches(ds, plan, kind)
+        assert sorted(got) == sorted(want) == list(range(plan.num_steps))
+        for step in want:
+            assert np.array_equal(got[step], want[step]) if kind == "tokens" else got[step] == want[step]
+        st = ds.cache.stats
+        used = np.unique(np.asarray(plan.pieces(0, plan.num_steps * plan.global_batch_size).sample))
+        assert ds.cache.present[used].all()
+        assert st.misses + st.gap_samples == int(ds.cache.present.sum())  # gaps fetched whole are kept
+        assert st.fetched_bytes <= sum(os.path.getsize(p) for p in local.shard_paths)  # no byte fetched twice
+        assert ds.fetcher.stats.requests < st.misses + st.gap_samples  # coalesced: fewer GETs than samples
+        # a second pass is all hits: no request
+        before = ds.fetcher.stats.requests
+        assert _batches(ds, plan, kind).keys() == want.keys()
+        assert ds.fetcher.stats.requests == before
+    finally:
+        ds.close()
+
+
+def test_cache_is_kept_across_restarts_and_shared_by_processes(s3_env, tmp_path):
+    local = _bytes_dataset(tmp_path / "local", n=60)
+    upload_dataset(local.path, "s3://loader/shared")
+    cache = tmp_path / "cache"
+    with open_dataset("s3://loader/shared", cache_dir=cache) as ds:
+        ds.lookup(np.arange(0, 30))
+        assert int(ds.cache.present.sum()) == 30
+    # another process (what a DataLoader worker or a second rank is) sees the same index: it fetches only the rest
+    code = ("import pickle, sys, numpy as np\n"
+            "ds = pickle.loads(sys.stdin.buffer.read())\n"
+            "ds.lookup(np.arange(60))\n"
+            "print(ds.cache.stats.misses, ds.cache.stats.hits, type(ds).__name__)\n")
+    with open_dataset("s3://loader/shared", cache_dir=cache) as ds:
+        blob = pickle.dumps(ds)
+        out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, check=True, timeout=120)
+        assert out.stdout.split() == [b"30", b"30", b"BucketDataset"]
+        assert int(ds.cache.present.sum()) == 60
+        for i in range(60):
+            assert ds.read(i) == local.read(i)
+
+
+def test_open_dataset_needs_a_cache_dir(monkeypatch):
+    monkeypatch.delenv("FORESIGHT_BUCKET_CACHE", raising=False)
+    with pytest.raises(ValueError, match="FORESIGHT_BUCKET_CACHE"):
+        open_dataset("s3://loader/x")
+    with pytest.raises(TypeError):
+        open_dataset(os.getcwd(), cache_dir="/tmp")
+
+
+def test_two_processes_wanting_the_same_samples_fetch_them_once(s3_env, tmp_path):
+    """A holds the record locks of samples 0-39 mid-fetch; B, wanting 20-59, blocks on them (seen in /proc/locks),
+    then finds 20-39 present once A marks them, and fetches only 40-59."""
+    local = _bytes_dataset(tmp_path / "local", n=60)
+    upload_dataset(local.path, "s3://loader/once")
+    cache = tmp_path / "cache"
+    open_dataset("s3://loader/once", cache_dir=cache).close()  # laid out once, before the race
+    hold = ("import os, time, numpy as np\n"
+            "from foresight.format import open_dataset\n"
+            "ds = open_dataset('s3://loader/once', cache_dir=os.environ['CACHE'])\n"
+            "sync = os.fdatasync\n"
+            "def held(fd):\n"
+            "    open(os.environ['HOLDING'], 'w').close()\n"
+            "    for _ in range(1200):\n"
+            "        if os.path.exists(os.environ['GO']): break\n"
+            "        time.sleep(0.05)\n"
+            "    sync(fd)\n"
+            "os.fdatasync = held\n"
+            "print(ds.cache.ensure(np.arange(int(os.environ['LO']), int(os.environ['HI']))))\n")
+    env = dict(os.environ, CACHE=str(cache), HOLDING=str(tmp_path / "holding"), GO=str(tmp_path / "go"))
+    a = subprocess.Popen([sys.executable, "-c", hold], env=dict(env, LO="0", HI="40"), stdout=subprocess.PIPE)
+    b = None
+    try:
+        for _ in range(1200):
+            if (tmp_path / "holding").exists() or a.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert (tmp_path / "holding").exists()
+        plain = hold.replace("os.fdatasync = held\n", "")
+        b = subprocess.Popen([sys.executable, "-c", plain], env=dict(env, LO="20", HI="60"), stdout=subprocess.PIPE)
+        for _ in range(1200):  # B's lock request waits behind A's: /proc/locks shows it with "->"
+            if any(line.split()[5] == str(b.pid) for line in _proc_locks() if "->" in line) or b.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert b.poll() is None, "B finished while A held the locks"
+        (tmp_path / "go").touch()
+        out_a, _ = a.communicate(timeout=120)
+        out_b, _ = b.communicate(timeout=120)
+        assert (a.returncode, b.returncode) == (0, 0)
+        assert (int(out_a), int(out_b)) == (40, 20)  # 20-39 fetched once, by A
+    finally:
+        for p in (a, b):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    with open_dataset("s3://loader/once", cache_dir=cache) as ds:
+        assert ds.cache.present.all() and all(ds.read(i) == local.read(i) for i in range(60))
+
+
+def _proc_locks() -> list[str]:
+    with open("/proc/locks") as f:
+        return [line for line in f if len(line.split()) > 5]
+
+
+def test_large_fetches_are_cut_into_chunks(s3_env, tmp_path, monkeypatch):
+    import foresight.bucket.cache as cache_module
+
+    local = _bytes_dataset(tmp_path / "local", n=40)
+    upload_dataset(local.path, "s3://loader/chunks")
+    monkeypatch.setattr(cache_module, "FETCH_CHUNK", 20_000)
+    with open_dataset("s3://loader/chunks", cache_dir=tmp_path / "cache") as ds:
+        assert ds.cache.ensure(np.arange(40)) == 40
+        assert ds.fetcher.stats.requests >= int(local.sample_bytes().sum()) // 20_000
+        assert all(ds.read(i) == local.read(i) for i in range(40))
+
+
+def test_a_plan_over_a_bucket_dataset_reopens_it_through_the_bucket(s3_env, tmp_path):
+    """sources.json records the cache directory; opening it again must go through the bucket (the sparse files
+    alone would read unfetched bytes as zeros)."""
+    local = _bytes_dataset(tmp_path / "local", n=50)
+    upload_dataset(local.path, "s3://loader/planned")
+    with open_dataset("s3://loader/planned", cache_dir=tmp_path / "cache") as ds:
+        plan = build_plan([(ds, 1.0)], seed=2, global_batch_size=5, num_steps=6)
+        plan.save(str(tmp_path / "plan"))
+        assert not ds.cache.present.any()
+        again = open_dataset(ds.path)
+        assert isinstance(again, BucketDataset) and str(again.url) == "s3://loader/planned"
+        again.close()
+    with Loader(str(tmp_path / "plan")) as loader:
+        assert isinstance(loader.datasets[0], BucketDataset)
+        got = {b.step: _copy(b, "bytes") for b in loader}
+    assert got == _batches(local, plan, "bytes")
+
+
+def test_gaps_never_refetch_present_samples_and_keep_absent_ones(s3_env, tmp_path):
+    local = _bytes_dataset(tmp_path / "local", n=20, shard_bytes=1 << 30)  # one shard
+    upload_dataset(local.path, "s3://loader/gaps")
+    with open_dataset("s3://loader/gaps", cache_dir=tmp_path / "cache") as ds:
+        req = ds.fetcher.stats.requests
+        ds.cache.ensure(np.array([5]))
+        ds.cache.ensure(np.array([0, 10]))  # 5 lies between and is present: two GETs, no gap kept
+        assert ds.fetcher.stats.requests - req == 3 and ds.cache.stats.gap_samples == 0
+        assert ds.cache.present.nonzero()[0].tolist() == [0, 5, 10]
+        ds.cache.ensure(np.array([11, 15]))  # one GET; 12-14 came whole inside it: checked and kept
+        assert ds.fetcher.stats.requests - req == 4 and ds.cache.stats.gap_samples == 3
+        assert ds.cache.present.nonzero()[0].tolist() == [0, 5, 10, 11, 12, 13, 14, 15]
+        assert all(ds.read(i) == local.read(i) for i in (0, 5, 10, 11, 12, 13, 14, 15))

@@ -1,0 +1,214 @@
+"""Faults of the bucket tier against a real SeaweedFS: the server killed mid-epoch and restarted, objects replaced
+or corrupt in the bucket, missing objects, buckets and wrong keys, a corrupt cache file, and a process killed
+between writing a sample into the cache and marking it."""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import obstore
+import pytest
+
+from foresight.bucket import BucketURL, RetryPolicy
+from foresight.bucket.config import open_store
+from foresight.bucket.upload import upload_dataset
+from foresight.errors import BucketError
+from foresight.format import DatasetWriter, open_dataset
+from foresight.loader import Loader
+from foresight.plan import build_plan
+from full_disk import full_disk  # noqa: F401  (fixture)
+from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
+
+PATIENT = RetryPolicy(attempts=100, budget_s=120, base_s=0.05, max_backoff_s=0.5)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    rng = np.random.default_rng(5)
+    path = tmp_path_factory.mktemp("faults") / "d"
+    with DatasetWriter(str(path), align=4096, shard_bytes=120_000) as w:
+        for _ in range(64):
+            w.add(rng.integers(0, 256, size=int(rng.integers(100, 7000)), dtype=np.uint8).tobytes(), modality="bytes")
+    return open_dataset(str(path))
+
+
+def _samples(batch):
+    data = batch["data"].numpy()
+    return [data[o:o + n].tobytes() for o, n in zip(batch["offsets"].numpy(), batch["lengths"].numpy())]
+
+
+def test_server_killed_mid_epoch_then_restarted(s3_env, tmp_path, local, caplog):
+    upload_dataset(local.path, "s3://faults/restart")
+    plan = build_plan([(local, 1.0)], seed=9, global_batch_size=8, num_steps=16)
+    with Loader(local, plan) as loader:
+        want = {b.step: _samples(b) for b in loader}
+    # no gap merging: each step fetches its own samples only, so the steps after the kill still need the server
+    ds = open_dataset("s3://faults/restart", cache_dir=tmp_path / "cache", retry=PATIENT, max_gap=0)
+    restarted = threading.Event()
+    absent_at_kill = []
+
+    def restart_once_a_request_failed():
+        for _ in range(600):  # bounded: 60 s of polls
+            if ds.fetcher.stats.retries:
+                break
+            threading.Event().wait(0.1)
+        s3_env.start()
+        restarted.set()
+
+    def on_step(info):
+        if info["step"] == 3 and s3_env.proc is not None:
+            s3_env.stop()  # SIGKILL, mid-epoch: later steps' samples are not cached yet
+            absent_at_kill.append(int((ds.cache.present == 0).sum()))
+            threading.Thread(target=restart_once_a_request_failed, daemon=True).start()
+
+    got = {}
+    try:
+        with caplog.at_level(logging.WARNING, logger="foresight.bucket"), \
+                Loader(ds, plan, prefetch=1, on_step=on_step) as loader:
+            for b in loader:
+                got[b.step] = _samples(b)
+        assert absent_at_kill[0] > 0 and restarted.wait(60)
+        assert got == want  # nothing repeated, lost or changed
+        assert ds.fetcher.stats.retries >= 1
+        assert any("retry" in r.getMessage() for r in caplog.records)
+        assert not any(s3_env.secret_key in r.getMessage() for r in caplog.records)
+    finally:
+        if s3_env.proc is None:
+            s3_env.start()
+        ds.close()
+
+
+def test_object_replaced_after_the_plan_was_built_is_refused(s3_env, tmp_path, local):
+    url = BucketURL.parse("s3://faults/replaced")
+    upload_dataset(local.path, url)
+    ds = open_dataset(str(url), cache_dir=tmp_path / "cache")
+    try:
+        plan = build_plan([(ds, 1.0)], seed=1, global_batch_size=8, num_steps=4)
+        shard = os.path.basename(ds.shard_paths[0])
+        with open(os.path.join(local.path, shard), "rb") as f:
+            data = bytearray(f.read())
+        data[10] ^= 0xFF
+        obstore.put(open_store(url), url.key(shard), bytes(data))  # same size, new ETag
+        with pytest.raises(BucketError) as e:
+            with Loader(ds, plan) as loader:
+                for _ in loader:
+                    pass
+        assert e.value.reason == "changed" and f"{url}/{shard}" in str(e.value)
+        assert not ds.cache.present[:ds.manifest.shards[0].num_samples].any()  # nothing of it marked
+    finally:
+        ds.close()
+
+
+def test_object_whose_bytes_do_not_match_the_map_is_refused(s3_env, tmp_path, local):
+    """A shard uploaded with wrong bytes (same size, so the ETag is all the client sees): the map's xxh3 catches it."""
+    url = BucketURL.parse("s3://faults/corrupt-object")
+    upload_dataset(local.path, url)
+    shard = os.path.basename(local.shard_paths[0])
+    with open(local.shard_paths[0], "rb") as f:
+        data = bytearray(f.read())
+    ext = local.lookup(np.array([2]))
+    data[int(ext.offset[0])] ^= 0x01
+    obstore.put(open_store(url), url.key(shard), bytes(data))  # before the dataset is opened: its ETag is recorded
+    with open_dataset(str(url), cache_dir=tmp_path / "cache") as ds:
+        ds.lookup(np.array([0, 1]))  # the other samples of the object are fine
+        with pytest.raises(BucketError) as e:
+            ds.lookup(np.array([2, 3]))
+        assert e.value.reason == "checksum" and f"{url}/{shard}" in str(e.value) and "sample 2" in str(e.value)
+        assert ds.cache.present[[0, 1]].all() and not ds.cache.present[[2, 3]].any()
+
+
+def test_missing_dataset_bucket_and_wrong_keys_at_open(s3_env, tmp_path, local, monkeypatch):
+    upload_dataset(local.path, "s3://faults/keys")
+    quick = RetryPolicy(attempts=2, budget_s=5)
+    cases = [("s3://faults/nothing-here", "object not found", "s3://faults/nothing-here/manifest.json"),
+             ("s3://no-bucket-of-ours/x", "bucket not found", "no-bucket-of-ours")]
+    for url, what, named in cases:
+        with pytest.raises(BucketError) as e:
+            open_dataset(url, cache_dir=tmp_path / "cache", retry=quick)
+        text = str(e.value)
+        assert what in text and named in text and "\n" not in text and s3_env.secret_key not in text
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-right-secret-42")
+    with pytest.raises(BucketError) as e:
+        open_dataset("s3://faults/keys", cache_dir=tmp_path / "cache2", retry=quick)
+    text = str(e.value)
+    assert e.value.reason == "denied" and "\n" not in text
+    assert "not-the-right-secret-42" not in text and s3_env.secret_key not in text
+
+
+def test_corrupt_cache_file_is_detected_and_refetched(s3_env, tmp_path, local):
+    upload_dataset(local.path, "s3://faults/scrub")
+    with open_dataset("s3://faults/scrub", cache_dir=tmp_path / "cache") as ds:
+        ids = np.arange(10)
+        ds.lookup(ids)
+        ext = ds.lookup(np.array([4]))
+        with open(ds.shard_paths[int(ext.shard[0])], "r+b") as f:  # a bad disk block, a stray write
+            f.seek(int(ext.offset[0]) + 1)
+            f.write(b"\x00\xff")
+        assert ds.cache.scrub().tolist() == [4] and ds.cache.stats.corrupt == 1
+        before = ds.cache.stats.misses
+        ds.lookup(ids)
+        assert ds.cache.stats.misses == before + 1
+        assert all(ds.read(i) == local.read(i) for i in ids.tolist())
+        assert ds.cache.scrub().size == 0
+
+
+def test_process_killed_between_write_and_mark_leaves_no_torn_entry(s3_env, tmp_path, local):
+    upload_dataset(local.path, "s3://faults/torn")
+    cache = tmp_path / "cache"
+    # the child dies (os._exit, as a SIGKILL would leave it) after writing samples into the sparse file, before the
+    # fdatasync that precedes marking them present
+    code = ("import os, numpy as np\n"
+            "from foresight.format import open_dataset\n"
+            "ds = open_dataset('s3://faults/torn', cache_dir=os.environ['CACHE'])\n"
+            "os.fdatasync = lambda fd: os._exit(9)\n"
+            "ds.lookup(np.arange(20))\n")
+    child = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, CACHE=str(cache)), timeout=120,
+                           capture_output=True)
+    assert child.returncode == 9, child.stderr.decode()[-2000:]
+    with open_dataset("s3://faults/torn", cache_dir=cache) as ds:
+        assert not ds.cache.present.any()  # written but never marked: not served
+        ds.lookup(np.arange(20))  # its record locks died with it: no wait, a clean refetch
+        assert ds.cache.stats.misses == 20
+        assert all(ds.read(i) == local.read(i) for i in range(20))
+
+
+def test_server_down_past_the_retry_budget_names_the_object(s3_env, tmp_path, local):
+    upload_dataset(local.path, "s3://faults/down")
+    ds = open_dataset("s3://faults/down", cache_dir=tmp_path / "cache",
+                      retry=RetryPolicy(attempts=3, budget_s=30, base_s=0.01, max_backoff_s=0.05))
+    try:
+        s3_env.stop()
+        with pytest.raises(BucketError) as e:
+            ds.lookup(np.array([0]))
+        text = str(e.value)
+        assert e.value.reason == "unavailable" and "after 3 attempts" in text and "s3://faults/down/" in text
+        assert "\n" not in text and s3_env.secret_key not in text
+        assert ds.fetcher.stats.retries == 2 and not ds.cache.present.any()
+    finally:
+        s3_env.start()
+        ds.close()
+
+
+def test_full_cache_disk_fails_clearly_and_frees_what_it_wrote(s3_env, full_disk):
+    rng = np.random.default_rng(8)
+    path = full_disk.parent / "big"
+    with DatasetWriter(str(path), align=4096, shard_bytes=1 << 20) as w:
+        for _ in range(120):
+            w.add(rng.integers(0, 256, size=int(rng.integers(9000, 16000)), dtype=np.uint8).tobytes(),
+                  modality="bytes")
+    big = open_dataset(str(path))
+    upload_dataset(big.path, "s3://faults/full")
+    with open_dataset("s3://faults/full", cache_dir=full_disk) as ds:  # the 1 MiB disk holds maps, not the data
+        with pytest.raises(BucketError) as e:
+            ds.lookup(np.arange(120))
+        assert e.value.reason == "cache_full" and str(full_disk) in str(e.value)
+        assert not ds.cache.present.any()
+        ds.lookup(np.arange(10))  # the failed fetch gave its blocks back: a smaller one fits
+        assert all(ds.read(i) == big.read(i) for i in range(10))
+    del ds, e  # the maps and the index are mapped from the small disk until collected (it is unmounted next)
+    gc.collect()

@@ -1,0 +1,125 @@
+"""Eviction by the plan's future: replays of LRU, the windowed policy and the offline optimum on real plans, and
+the runtime prefetcher over a real SeaweedFS bucket under a byte budget."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+
+from foresight.bucket.policy import NEVER, Accesses, NextUse, compare_policies, plan_accesses, replay
+from foresight.bucket.prefetch import PlanPrefetcher
+from foresight.bucket.upload import upload_dataset
+from foresight.format import DatasetWriter, open_dataset
+from foresight.loader import Loader
+from foresight.plan import build_plan
+from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
+
+
+def _dataset(path, n=80, seed=2):
+    rng = np.random.default_rng(seed)
+    with DatasetWriter(str(path), align=4096, shard_bytes=150_000) as w:
+        for _ in range(n):
+            w.add(rng.integers(0, 256, size=int(rng.integers(100, 6000)), dtype=np.uint8).tobytes(), modality="bytes")
+    return open_dataset(str(path))
+
+
+@pytest.fixture(scope="module")
+def multi_epoch(tmp_path_factory):
+    ds = _dataset(tmp_path_factory.mktemp("pol") / "d")
+    plan = build_plan([(ds, 1.0)], seed=4, global_batch_size=8, num_steps=60)  # 6 epochs of 80 samples
+    return ds, plan
+
+
+def test_next_use_is_the_first_later_step():
+    acc = Accesses(np.arange(4), np.array([0, 2, 3, 5, 6]), np.array([1, 2, 2, 1, 3, 1]))
+    nxt = NextUse(acc)
+    assert nxt.after(np.array([1, 2, 3, 9]), 0).tolist() == [0, 0, 2, NEVER]
+    assert nxt.after(np.array([1, 2, 3]), 1).tolist() == [2, 1, 2]
+    assert nxt.after(np.array([1, 2, 3]), 3).tolist() == [3, NEVER, NEVER]
+
+
+def test_plan_accesses_are_each_steps_distinct_samples(multi_epoch):
+    ds, plan = multi_epoch
+    acc = plan_accesses(plan)
+    assert len(acc) == plan.num_steps
+    for k in (0, 17, 59):
+        start, stop = plan.rank_items(k, 0, 1)
+        assert acc.of(k).tolist() == sorted(set(np.asarray(plan.pieces(start, stop).sample).tolist()))
+    half = plan_accesses(plan, rank=1, world_size=2, start_step=10, step_stride=5)
+    assert half.steps.tolist() == list(range(10, 60, 5)) and half.of(0).size <= 4
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.3, 0.6])
+def test_window_covering_the_plan_is_the_optimum_and_beats_lru(multi_epoch, fraction):
+    ds, plan = multi_epoch
+    acc = plan_accesses(plan)
+    sizes = ds.sample_bytes()
+    budget = int(sizes.sum() * fraction)
+    res = compare_policies(acc, sizes, budget_bytes=budget, window=len(acc))
+    assert dataclasses.astuple(res["window"])[1:] == dataclasses.astuple(res["optimum"])[1:]
+    assert res["optimum"].hits >= res["lru"].hits
+    assert res["optimum"].hits > res["lru"].hits or fraction > 0.5
+    short = replay(acc, sizes, budget_bytes=budget, policy="window", window=4)
+    assert res["optimum"].hits >= short.hits
+    # every access is counted once; nothing is a hit on the first epoch
+    assert res["lru"].accesses == res["optimum"].accesses == int(np.diff(acc.ptr).sum())
+    assert res["optimum"].fetched_bytes == res["optimum"].access_bytes - res["optimum"].hit_bytes
+
+
+def test_an_unlimited_budget_hits_everything_after_first_use(multi_epoch):
+    ds, plan = multi_epoch
+    acc = plan_accesses(plan)
+    sizes = ds.sample_bytes()
+    for policy in ("lru", "optimum"):
+        r = replay(acc, sizes, budget_bytes=int(sizes.sum()), policy=policy)
+        assert r.accesses - r.hits == np.unique(acc.ids).size
+
+
+def test_prefetcher_under_a_budget_gives_the_local_batches(s3_env, tmp_path, multi_epoch):
+    local, plan = multi_epoch
+    upload_dataset(local.path, "s3://policy/ds")
+    ds = open_dataset("s3://policy/ds", cache_dir=tmp_path / "cache")
+    sizes = ds.sample_bytes()
+    budget = int(sizes.sum() * 0.4)
+    try:
+        with Loader(local, plan) as loader:
+            want = {b.step: [b["data"].numpy()[o:o + n].tobytes() for o, n in
+                             zip(b["offsets"].numpy(), b["lengths"].numpy())] for b in loader}
+        with PlanPrefetcher(ds, plan, lookahead=4, budget_bytes=budget) as pf, \
+                Loader(ds, plan, prefetch=2, on_step=pf.on_step) as loader:
+            got = {b.step: [b["data"].numpy()[o:o + n].tobytes() for o, n in
+                            zip(b["offsets"].numpy(), b["lengths"].numpy())] for b in loader}
+        assert got == want
+        assert pf.error is None and pf.stats["prefetched_steps"] == plan.num_steps
+        assert pf.stats["evicted_samples"] > 0 and ds.cache.stats.evicted == pf.stats["evicted_samples"]
+        # the budget holds whenever the pinned window fits in it
+        window_bytes = max(int(sizes[np.unique(pf.acc.ids[pf.acc.ptr[k]:pf.acc.ptr[min(k + 6, len(pf.acc))]])].sum())
+                           for k in range(len(pf.acc)))
+        assert pf.stats["max_cached_bytes"] <= max(budget, window_bytes) + int(sizes.max()) * 8
+        # evicted blocks are really gone from the sparse files (fewer allocated bytes than the dataset)
+        allocated = sum(os.stat(p).st_blocks * 512 for p in ds.shard_paths)
+        assert allocated < sum(os.path.getsize(p) for p in local.shard_paths)
+    finally:
+        ds.close()
+
+
+def test_prefetcher_fetches_no_more_than_lru_would(s3_env, tmp_path, multi_epoch):
+    """At one budget, the runtime prefetcher (furthest next use, its lookahead window pinned) fetches at most what
+    LRU's replay fetches, and at least what the offline optimum's does."""
+    local, plan = multi_epoch
+    upload_dataset(local.path, "s3://policy/versus")
+    with open_dataset("s3://policy/versus", cache_dir=tmp_path / "cache") as ds:
+        sizes = ds.sample_bytes()
+        budget = int(sizes.sum() * 0.5)
+        with PlanPrefetcher(ds, plan, lookahead=4, budget_bytes=budget) as pf, \
+                Loader(ds, plan, prefetch=2, on_step=pf.on_step) as loader:
+            for _ in loader:
+                pass
+        assert pf.error is None
+        fetched = ds.cache.stats.misses + ds.cache.stats.gap_samples  # by the prefetcher, on demand, or as gaps
+        res = compare_policies(pf.acc, sizes, budget_bytes=budget, window=len(pf.acc))
+        lru_misses = res["lru"].accesses - res["lru"].hits
+        best = res["optimum"].accesses - res["optimum"].hits
+        assert best <= fetched <= lru_misses

@@ -1,0 +1,117 @@
+"""The object-store tier's basics against a real SeaweedFS on loopback: the server fixture, the client, URLs,
+credentials from the standard places, the coalesced ranged fetcher and its one-line errors."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import obstore
+import pytest
+
+from foresight.bucket import BucketURL, RangedFetcher, RetryPolicy
+from foresight.bucket.config import open_store, resolve_options
+from foresight.errors import BucketError
+from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
+
+PAYLOAD = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+
+
+def test_put_then_ranged_get(s3_env):
+    url = BucketURL.parse("s3://smoke/objects")
+    store = open_store(url)
+    obstore.put(store, url.key("blob.bin"), PAYLOAD)
+    got = obstore.get_range(store, url.key("blob.bin"), start=1000, length=5000)
+    assert bytes(got) == PAYLOAD[1000:6000]
+
+
+def test_fetch_coalesces_extents_into_few_gets(s3_env):
+    url = BucketURL.parse("s3://smoke/coalesce")
+    store = open_store(url)
+    obstore.put(store, url.key("blob.bin"), PAYLOAD)
+    with RangedFetcher(store, url, max_gap=1 << 20, max_transfer=1 << 20) as fetcher:
+        ref = fetcher.head("blob.bin")
+        assert ref.size == len(PAYLOAD) and ref.etag
+        offsets = np.arange(0, len(PAYLOAD) - 4096, 64 << 10)
+        lengths = np.full(len(offsets), 4096)
+        before = fetcher.stats.requests
+        got = fetcher.fetch([ref], np.zeros(len(offsets), np.int32), offsets, lengths)
+        for i, off in enumerate(offsets.tolist()):
+            assert got.view(i).tobytes() == PAYLOAD[off:off + 4096]
+        # 48 extents 64 KiB apart in 3 MiB: 1 MiB transfers, so 3 GETs instead of 48
+        assert fetcher.stats.requests - before == got.transfers.io_count == 3
+
+
+def test_url_parsing():
+    u = BucketURL.parse("s3://data/wiki/v1/")
+    assert (u.bucket, u.prefix, u.key("m.json"), str(u.child("x"))) == ("data", "wiki/v1", "wiki/v1/m.json",
+                                                                        "s3://data/wiki/v1/x")
+    assert BucketURL.parse("s3://data").key("m") == "m"
+    for bad in ("/local/path", "s3://Bad_Bucket/x", "s3://b", "s3://key:secret@data/x", "s3://data/a//b"):
+        with pytest.raises(ValueError):
+            BucketURL.parse(bad)
+
+
+def test_profile_from_aws_config_files(tmp_path, monkeypatch, seaweed):
+    """~/.aws/config + credentials of AWS_PROFILE reach the client when the environment does not set them."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    env = seaweed.env()
+    (tmp_path / "config").write_text(f"[profile lake]\nendpoint_url = {env['AWS_ENDPOINT_URL']}\n"
+                                     "region = us-east-1\n")
+    (tmp_path / "credentials").write_text(f"[lake]\naws_access_key_id = {env['AWS_ACCESS_KEY_ID']}\n"
+                                          f"aws_secret_access_key = {env['AWS_SECRET_ACCESS_KEY']}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_PROFILE", "lake")
+    opts = resolve_options()
+    assert opts["endpoint"] == env["AWS_ENDPOINT_URL"] and opts["client_options"]["allow_http"]
+    url = BucketURL.parse("s3://smoke/profile")
+    store = open_store(url)
+    obstore.put(store, url.key("p.bin"), b"profile")
+    assert bytes(obstore.get(store, url.key("p.bin")).bytes()) == b"profile"
+    # the environment wins over the profile, as with the AWS CLI
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "from-the-environment")
+    assert "secret_access_key" not in resolve_options()
+
+
+def _one_line_error(excinfo, *secrets):
+    text = str(excinfo.value)
+    assert "\n" not in text and len(text) < 400
+    for secret in secrets:
+        assert secret not in text
+    return text
+
+
+def test_missing_object_bucket_and_wrong_keys_fail_in_one_line(s3_env):
+    secret = s3_env.secret_key
+    url = BucketURL.parse("s3://smoke/errors")
+    store = open_store(url)
+    obstore.put(store, url.key("here.bin"), b"x" * 10)
+    fetcher = RangedFetcher(store, url, retry=RetryPolicy(attempts=2, budget_s=5))
+    with pytest.raises(BucketError) as e:
+        fetcher.head("absent.bin")
+    assert e.value.reason == "not_found"
+    assert "object not found" in _one_line_error(e, secret) and "s3://smoke/errors/absent.bin" in str(e.value)
+    nobucket = BucketURL.parse("s3://no-such-bucket/x")
+    with pytest.raises(BucketError) as e:
+        RangedFetcher(open_store(nobucket), nobucket).head("m.json")
+    assert "bucket not found" in _one_line_error(e, secret) and "no-such-bucket" in str(e.value)
+    wrong = "wrong-secret-value-1234"
+    os.environ["AWS_SECRET_ACCESS_KEY"] = wrong  # s3_env's monkeypatch restores it
+    with pytest.raises(BucketError) as e:
+        RangedFetcher(open_store(url), url).head("here.bin")
+    assert e.value.reason == "denied"
+    assert "access denied" in _one_line_error(e, secret, wrong)
+
+
+def test_replaced_object_is_refused_by_name(s3_env):
+    url = BucketURL.parse("s3://smoke/replaced")
+    store = open_store(url)
+    obstore.put(store, url.key("obj.bin"), PAYLOAD[:100000])
+    with RangedFetcher(store, url) as fetcher:
+        ref = fetcher.head("obj.bin")
+        obstore.put(store, url.key("obj.bin"), PAYLOAD[1:100001])  # same size, other bytes
+        with pytest.raises(BucketError) as e:
+            fetcher.fetch([ref], np.zeros(1, np.int32), np.array([0]), np.array([100]))
+    assert e.value.reason == "changed" and "s3://smoke/replaced/obj.bin" in str(e.value)
