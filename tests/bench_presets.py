@@ -21,11 +21,19 @@ RESULTS_ENV = "FORESIGHT_BENCH_RESULTS"  # bench/common.py: where RESULTS points
 
 
 def load_bench(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}_for_tests", BENCH / f"{name}.py")
+    """``bench/<name>.py`` as a module (once per test process; its ``main`` is not run)."""
+    module_name = f"_bench_{name}_for_tests"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses look their module up there
     sys.path.insert(0, str(BENCH))  # it imports common (and report) from its own folder
     try:
         spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
     finally:
         sys.path.remove(str(BENCH))
     return module
