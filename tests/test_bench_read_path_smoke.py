@@ -5,9 +5,11 @@ import json
 
 import pytest
 from bench_presets import run_bench
+from installed import require
 
 
 def test_read_path_smoke(tmp_path):
+    require("fio")  # an anchor scripts/setup.sh installs: its rows must be there
     proc, results = run_bench("read_path", "--smoke", results=tmp_path / "results", timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "read path" in proc.stdout and "targets" in proc.stdout
@@ -18,6 +20,7 @@ def test_read_path_smoke(tmp_path):
             "memmap-block"} <= methods
     # every anchor comes from a printed sweep of its knobs; block-local rows are only compared with block anchors
     sweep = result["anchor_sweep"]
+    assert any(r["anchor"] == "fio" for r in sweep)
     assert {"batched", "workers", "prefetch_factor"} <= set(next(r for r in sweep if r["anchor"] == "torch-dl"))
     assert any(r["direct"] for r in sweep if r["anchor"] == "torch-dl" and r["mode"] == "cold")
     assert all(r["config"] for r in result["rows"] if r["method"].startswith(("torch-dl", "memmap")))

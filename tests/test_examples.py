@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from installed import require
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -77,8 +77,7 @@ def test_media_node_pushdown_and_raw_fallback_match_host_decode(tmp_path):
 
 
 def test_replicate_and_merge_at_the_evaluation_site(tmp_path):
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd is not installed (scripts/setup.sh installs etcd-server)")
+    require("etcd")
     proc = example("replicate_and_merge.py", "--smoke", "--out", str(tmp_path))
     assert "ready at eval-b" in proc.stdout
     assert f"from eval-b:{tmp_path}/eval-site/vlm/step-00000004" in proc.stdout  # the local replica was merged
@@ -86,8 +85,7 @@ def test_replicate_and_merge_at_the_evaluation_site(tmp_path):
 
 
 def test_restart_with_hints_spreads_reads_and_restores(tmp_path):
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd is not installed (scripts/setup.sh installs etcd-server)")
+    require("etcd")
     proc = example("restart_with_hints.py", "--smoke", "--out", str(tmp_path))
     assert "hint .metadata: 64 readers -> 4 copies" in proc.stdout  # ceil(64 / 16 safe readers), on 4 nodes
     assert "failed 0" in proc.stdout
