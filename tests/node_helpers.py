@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
+from process_diagnostics import kill_and_reap, stop
 
 from foresight.media import FrameSampling, TransformSpec
 
@@ -72,24 +72,23 @@ class NodeProc:
             return f.read().decode(errors="replace")
 
     def terminate(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        """SIGTERM and the exit code; a node still running ``timeout`` s later is killed and reported, never left
+        behind."""
         try:
-            return self.proc.wait(timeout=timeout)
+            return stop(self.proc, f"node {self.node_id_or_name}", grace=timeout)
         finally:
             self._log.close()
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            try:
-                self.proc.wait(timeout=60)  # a SIGKILLed process that is not reaped is stuck in the kernel: say so
-            except subprocess.TimeoutExpired:
-                from process_diagnostics import kernel_state
+        """SIGKILL; a node not reaped within 60 s is stuck in the kernel: the error says where."""
+        try:
+            kill_and_reap(self.proc, f"node {self.node_id_or_name}")
+        finally:
+            self._log.close()
 
-                raise RuntimeError(f"node pid {self.proc.pid} did not die within 60 s of SIGKILL:\n"
-                                   + "\n".join(kernel_state(self.proc.pid))) from None
-        self._log.close()
+    @property
+    def node_id_or_name(self) -> str:
+        return getattr(self, "node_id", None) or os.path.basename(self.log_path).removesuffix(".log")
 
 
 def host_reference(ds, plan, *, seed: int = 9, rank: int = 0, world_size: int = 1) -> list[dict]:

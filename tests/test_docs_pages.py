@@ -20,13 +20,13 @@ import io
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from bench_presets import load_bench, load_run_all
+from process_diagnostics import kill_and_reap
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -52,9 +52,7 @@ def _run_script(script: str, cwd: Path) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         rc = -1
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the script if it hung; a node it started and never stopped
-        proc.wait()
+        kill_and_reap(proc, "the page's script", group=True)  # if it hung; a node it started and never stopped
     text = (cwd / "page.out").read_text()
     return rc, text if rc != -1 else f"still running after {RUN_TIMEOUT_S} s\n{text}"
 
