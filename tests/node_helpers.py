@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
-from process_diagnostics import kill_and_reap, stop
+from process_diagnostics import kernel_state, kill_and_reap, stop
 
 from foresight.media import FrameSampling, TransformSpec
 
@@ -50,7 +51,7 @@ class NodeProc:
             os.unlink(self.ready_file)
         self._log = open(self.log_path, "ab")
         path = os.pathsep.join([os.path.abspath("python"), os.environ.get("PYTHONPATH", "")])
-        env = dict(os.environ, PYTHONPATH=path)
+        env = dict(os.environ, PYTHONPATH=path, PYTHONFAULTHANDLER="1")  # SIGABRT prints every thread's stack
         self.proc = subprocess.Popen([PY, "-m", "foresight", "node", "serve", "--root", root, "--ready-file",
                                       self.ready_file, "--decode-threads", "2", *args],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)
@@ -58,9 +59,16 @@ class NodeProc:
         while not os.path.exists(self.ready_file):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"node exited at start ({self.proc.returncode}): {self.log()[-2000:]}")
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline:  # where it waits, taken before the kill: the question a hang asks
+                state = "\n".join(kernel_state(self.proc.pid))
+                self.proc.send_signal(signal.SIGABRT)  # its Python threads' stacks go to the log (faulthandler)
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass  # stuck in the kernel: the state above says where; SIGKILL next
                 self.kill()
-                raise RuntimeError(f"node not ready in {timeout}s: {self.log()[-2000:]}")
+                raise RuntimeError(f"node not ready in {timeout}s; where it was:\n{state}\nits log (with the "
+                                   f"threads' stacks at SIGABRT): {self.log()[-6000:]}")
             time.sleep(0.1)
         with open(self.ready_file) as f:
             self.info = json.load(f)
