@@ -39,6 +39,9 @@ import foresight.checkpoint as fc
 import torch
 import torch.distributed.checkpoint as dcp
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import RESULTS  # noqa: E402
+
 MiB = 1 << 20
 GiB = 1 << 30
 SMALL_TENSORS = 4000
@@ -413,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", type=int, default=SMALL_TENSORS, help="number of small tensors")
     ap.add_argument("--dir", default="/var/tmp/foresight-bench-checkpoint",
                     help="scratch directory on the disk under test (removed afterwards)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=str(RESULTS), help="where the JSON and PNG go (default: common.RESULTS)")
     ap.add_argument("--no-drop-caches", action="store_true", help="do not drop the page cache before restores")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, two runs: checks the bench still works")
     ap.add_argument("--dcp-threads", default="1,2,4,8", help="FileSystemWriter thread counts to sweep")

@@ -17,8 +17,9 @@ one FFmpeg thread; "threads" is the number of samples decoded at once (a thread 
 frames are checked against a reference decode from the start, by timestamp and by pixels, at native
 resolution; and every frame of the timed 224x224 output (the last repeat's) is checked for identity against the
 reference frames resized alike: it must be closer to the frame it names than to that frame's neighbours. A method
-whose package is unavailable is listed as such in the tables, never silently dropped. torchcodec needs FFmpeg shared libraries: we point it at the ones inside the PyAV wheel
-(symlinks with the plain sonames + LD_LIBRARY_PATH, set by re-executing this script).
+whose package is unavailable is listed as such in the tables, never silently dropped. torchcodec needs FFmpeg shared
+libraries: we point it at the ones inside the running venv's PyAV wheel (symlinks with the plain sonames in a directory
+of this run under TMPDIR, + LD_LIBRARY_PATH, set by re-executing this script; the directory goes when the run ends).
 
 Usage::
 
@@ -28,12 +29,15 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import atexit
 import concurrent.futures as cf
 import glob
 import io
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -70,21 +74,45 @@ def _av_libs() -> str:
     return os.path.realpath(os.path.join(os.path.dirname(av.__file__), "..", "av.libs"))
 
 
-def _ensure_torchcodec_env() -> None:
-    """Re-exec with LD_LIBRARY_PATH pointing at PyAV's FFmpeg under plain sonames, once."""
-    if os.environ.get("FORESIGHT_BENCH_TC_ENV"):
-        return
-    links = Path("/tmp/foresight_tc_ffmpeg")
-    links.mkdir(exist_ok=True)
-    for path in glob.glob(os.path.join(_av_libs(), "lib*.so*")):
+TC_ENV = "FORESIGHT_BENCH_TC_ENV"  # set in the re-executed process: the run's FFmpeg link directory
+
+
+def ffmpeg_links(links: Path) -> Path:
+    """Symlinks under FFmpeg's plain sonames (``libavcodec.so.62``) to the running venv's PyAV copies, in ``links``.
+
+    A link already there that names another file (another venv's FFmpeg, or nothing: a dangling link) is replaced
+    atomically, so a stale directory can neither fail the run nor load the wrong libraries.
+
+    Example::
+
+        ffmpeg_links(Path(tempfile.mkdtemp()))  # then LD_LIBRARY_PATH=<that dir> for torchcodec
+    """
+    links.mkdir(parents=True, exist_ok=True)
+    for path in sorted(glob.glob(os.path.join(_av_libs(), "lib*.so*"))):
         base = os.path.basename(path)  # libavcodec-5e6b81c2.so.62.28.102 -> libavcodec.so.62
         name, _, ver = base.partition(".so.")
         if not ver or not name.startswith(("libav", "libsw")):
             continue
         link = links / f"{name.split('-')[0]}.so.{ver.split('.')[0]}"
-        if not link.exists():
-            link.symlink_to(path)
-    env = dict(os.environ, FORESIGHT_BENCH_TC_ENV="1")
+        if os.path.islink(link) and os.readlink(link) == path:
+            continue
+        tmp = links / f".{link.name}.{os.getpid()}.tmp"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(path)
+        os.replace(tmp, link)
+    return links
+
+
+def _ensure_torchcodec_env() -> None:
+    """Re-exec with LD_LIBRARY_PATH pointing at PyAV's FFmpeg under plain sonames, once. The links live in a
+    directory of this run (under TMPDIR), removed when the re-executed bench exits."""
+    if os.environ.get(TC_ENV):
+        links = Path(os.environ[TC_ENV])
+        if links.name.startswith("foresight-tc-ffmpeg-"):  # ours: made for this run just before the re-exec
+            atexit.register(shutil.rmtree, links, ignore_errors=True)
+        return
+    links = ffmpeg_links(Path(tempfile.mkdtemp(prefix="foresight-tc-ffmpeg-")))
+    env = dict(os.environ, **{TC_ENV: str(links)})
     env["LD_LIBRARY_PATH"] = ":".join(p for p in (str(links), _av_libs(), env.get("LD_LIBRARY_PATH")) if p)
     os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
@@ -388,7 +416,7 @@ def main() -> None:
     payload = {"bench": "decode", "smoke": smoke, "machine": machine(), "anchors": anchors, "skipped": skipped,
                "task": "8 frames evenly over a 4 s window at a random start, resized to 224x224",
                "samples_per_run": n_samples, "repeats": repeats, "rows": rows, "summary": summary, "cpu_summary": cpu_rows,
-               "load_average": os.getloadavg(),
+               "load_average": os.getloadavg(), "ffmpeg_links": os.environ.get(TC_ENV),
                "correctness": checks, "scaling": sweep}
     name = "decode_smoke" if smoke else "decode"
     path = write_results(name, payload)

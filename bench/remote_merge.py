@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from common import evict_file, machine, print_table  # noqa: E402
+from common import RESULTS, evict_file, machine, print_table  # noqa: E402
 
 NAME = "lm/step-00000100"
 
@@ -204,7 +204,7 @@ def main() -> int:
     ap.add_argument("--unit-sweep", default="1,4,16,32,64", help="unit sizes (MiB) to time; empty: skip")
     ap.add_argument("--sweep-mib", type=int, default=512, help="checkpoint size for the unit sweep")
     ap.add_argument("--dir", default="/var/tmp/foresight-bench-remote-merge")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=str(RESULTS), help="where the JSON and PNG go (default: common.RESULTS)")
     a = ap.parse_args()
     if a.smoke:
         a.small, a.large, a.large_mib, a.bulk_mib, a.unit_mib, a.mbit = 60, 6, 0.5, 24, 1, 200.0

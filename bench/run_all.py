@@ -7,9 +7,10 @@ Presets:
 * ``full``: the sizes and repeats the published figures need (>= 4 GiB datasets, >= 3 runs, full sweeps): hours.
 * ``smoke``: every bench's ``--smoke`` run, seconds each, into a scratch directory (what CI runs); no BENCHMARKS.md.
 
-Each bench runs as its own process; its result JSON is copied to ``bench/reference/<preset>/`` and its plot to
-``docs/bench/`` (both committed), and BENCHMARKS.md is rendered from those files alone (``bench/report.py``), so every
-figure in it traces to a committed run. ``--render`` re-renders BENCHMARKS.md from the committed files.
+Each bench runs as its own process, writing into a fresh directory of this run (``FORESIGHT_BENCH_RESULTS``); its
+result JSON is copied to ``bench/reference/<preset>/`` and its plot to ``docs/bench/`` (both committed), and
+BENCHMARKS.md is rendered from those files alone (``bench/report.py``), so every figure in it traces to a committed run.
+``--render`` re-renders BENCHMARKS.md from the committed files.
 
 Usage::
 
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import RESULTS, machine  # noqa: E402
+from common import RESULTS_ENV, machine  # noqa: E402
 from report import headlines, render, replace_headlines  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
@@ -62,28 +63,35 @@ PRESETS: dict[str, dict[str, list[str]]] = {
 }
 
 
-def newest_outputs(name: str, since: float, suffix: str) -> list[Path]:
-    found = [p for p in RESULTS.glob(f"{name}*{suffix}") if p.stat().st_mtime >= since]
+def outputs(results_dir: Path, name: str, suffix: str) -> list[Path]:
+    """What one bench wrote into the fresh results directory it ran with, oldest first."""
+    found = list(results_dir.glob(f"{name}*{suffix}"))
     return sorted(found, key=lambda p: p.stat().st_mtime)
 
 
-def run_one(name: str, preset: str, log_dir: Path) -> tuple[dict | None, list[Path], str, float, str | None]:
+def run_one(name: str, preset: str, log_dir: Path,
+            results_dir: Path) -> tuple[dict | None, list[Path], str, float, str | None]:
+    """Run one bench with ``FORESIGHT_BENCH_RESULTS=results_dir`` (a directory of this run only, so a file an
+    earlier run left can never stand in for this one's), and read its result back from there."""
     script = BENCH / f"{name}.py"
     args = PRESETS[name][preset]
     command = " ".join(["python", f"bench/{name}.py", *[a if a else "''" for a in args]])
     if not script.exists():
         return None, [], command, 0.0, "not present in this checkout"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, **{RESULTS_ENV: str(results_dir)})
     t0 = time.time()
     with open(log_dir / f"{name}.log", "w") as log:
-        proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              env=env)
     elapsed = time.time() - t0
     if proc.returncode != 0:
         tail = (log_dir / f"{name}.log").read_text().strip().splitlines()[-3:]
         return None, [], command, elapsed, f"exit {proc.returncode}: {' | '.join(tail)[-300:]}"
-    jsons = newest_outputs(name, t0, ".json")
+    jsons = outputs(results_dir, name, ".json")
     if not jsons:
         return None, [], command, elapsed, "wrote no result JSON"
-    return json.loads(jsons[-1].read_text()), newest_outputs(name, t0, ".png"), command, elapsed, None
+    return json.loads(jsons[-1].read_text()), outputs(results_dir, name, ".png"), command, elapsed, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,9 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = ref / "logs" if not smoke else scratch
         log_dir.mkdir(parents=True, exist_ok=True)
         index["machine"] = machine()
+        results_root = Path(tempfile.mkdtemp(prefix="foresight-run-all-results-"))
         for name in names:
             print(f"run_all: {name} ({args.preset}) ...", flush=True)
-            payload, pngs, command, elapsed, failure = run_one(name, args.preset, log_dir)
+            payload, pngs, command, elapsed, failure = run_one(name, args.preset, log_dir, results_root / name)
             entry = {"command": command, "elapsed_s": round(elapsed, 1), "failure": failure,
                      "finished": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "plots": []}
             if payload is not None:
@@ -127,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                     entry["plots"].append(dest)
             index["benches"][name] = entry
             print(f"run_all: {name} {'FAILED: ' + failure if failure else 'done'} in {elapsed:.0f} s", flush=True)
+        shutil.rmtree(results_root, ignore_errors=True)  # what mattered was copied to the reference directory
         index_path.write_text(json.dumps(index, indent=1))
 
     results = {}

@@ -9,6 +9,7 @@ import sys
 import time
 
 import numpy as np
+from process_diagnostics import kernel_state, kill_and_reap, stop
 
 from foresight.media import FrameSampling, TransformSpec
 
@@ -80,7 +81,7 @@ class NodeProc:
             os.unlink(self.ready_file)
         self._log = open(self.log_path, "ab")
         path = os.pathsep.join([os.path.abspath("python"), os.environ.get("PYTHONPATH", "")])
-        env = dict(os.environ, PYTHONPATH=path)
+        env = dict(os.environ, PYTHONPATH=path, PYTHONFAULTHANDLER="1")  # SIGABRT prints every thread's stack
         self.proc = subprocess.Popen([PY, "-m", "foresight", "node", "serve", "--root", root, "--ready-file",
                                       self.ready_file, "--decode-threads", "2", *args],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env)
@@ -88,9 +89,16 @@ class NodeProc:
         while not os.path.exists(self.ready_file):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"node exited at start ({self.proc.returncode}): {self.log()[-2000:]}")
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline:  # where it waits, taken before the kill: the question a hang asks
+                state = "\n".join(kernel_state(self.proc.pid))
+                self.proc.send_signal(signal.SIGABRT)  # its Python threads' stacks go to the log (faulthandler)
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass  # stuck in the kernel: the state above says where; SIGKILL next
                 self.kill()
-                raise RuntimeError(f"node not ready in {timeout}s: {self.log()[-2000:]}")
+                raise RuntimeError(f"node not ready in {timeout}s; where it was:\n{state}\nits log (with the "
+                                   f"threads' stacks at SIGABRT): {self.log()[-6000:]}")
             time.sleep(0.1)
         with open(self.ready_file) as f:
             self.info = json.load(f)
@@ -102,24 +110,23 @@ class NodeProc:
             return f.read().decode(errors="replace")
 
     def terminate(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        """SIGTERM and the exit code; a node still running ``timeout`` s later is killed and reported, never left
+        behind."""
         try:
-            return self.proc.wait(timeout=timeout)
+            return stop(self.proc, f"node {self.node_id_or_name}", grace=timeout)
         finally:
             self._log.close()
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            try:
-                self.proc.wait(timeout=60)  # a SIGKILLed process that is not reaped is stuck in the kernel: say so
-            except subprocess.TimeoutExpired:
-                from process_diagnostics import kernel_state
+        """SIGKILL; a node not reaped within 60 s is stuck in the kernel: the error says where."""
+        try:
+            kill_and_reap(self.proc, f"node {self.node_id_or_name}")
+        finally:
+            self._log.close()
 
-                raise RuntimeError(f"node pid {self.proc.pid} did not die within 60 s of SIGKILL:\n"
-                                   + "\n".join(kernel_state(self.proc.pid))) from None
-        self._log.close()
+    @property
+    def node_id_or_name(self) -> str:
+        return getattr(self, "node_id", None) or os.path.basename(self.log_path).removesuffix(".log")
 
 
 def host_reference(ds, plan, *, seed: int = 9, rank: int = 0, world_size: int = 1) -> list[dict]:

@@ -2,18 +2,15 @@
 from __future__ import annotations
 
 import os
-import shutil
 import time
 
-import pytest
-
 from foresight.checkpoint.replicate.testbed import EtcdServer, SiteProcess
+from installed import require
 
 
 class Etcd(EtcdServer):
     def __init__(self, data_dir: str) -> None:
-        if shutil.which("etcd") is None:
-            pytest.skip("etcd is not installed (scripts/setup.sh installs etcd-server)")
+        require("etcd")  # a failed set-up fails the test, never skips it
         super().__init__(data_dir)
 
 

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench_presets import run_bench
 
 
-def test_plan_build_bench_smoke():
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plan_build.py"), "--smoke",
-                          "--impls", "foresight,foresight-block,numpy,foresight-compact"],
-                         capture_output=True, text=True, timeout=300, check=False)
+def test_plan_build_bench_smoke(tmp_path):
+    res, results = run_bench("plan_build", "--smoke", "--impls", "foresight,foresight-block,numpy,foresight-compact",
+                             results=tmp_path / "results")
     assert res.returncode == 0, res.stderr + res.stdout
     assert "plan build" in res.stdout
-    doc = json.loads(Path(ROOT, "bench", "results", "plan_build_smoke.json").read_text())
+    doc = json.loads((results / "plan_build_smoke.json").read_text())
     assert doc["machine"]["cpus"] == os.cpu_count()
     rows = {(r["kind"], r["impl"]): r for r in doc["rows"]}
     for kind in ("tokens", "media"):

@@ -2,19 +2,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_presets import run_bench
 
 
 def test_bench_pushdown_smoke(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "pushdown.py"), "--smoke", "--data-dir", str(tmp_path)],
-                          check=False, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc, results = run_bench("pushdown", "--smoke", "--data-dir", str(tmp_path / "data"),
+                              results=tmp_path / "results", timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "pushdown bench" in proc.stdout
-    result = json.loads((ROOT / "bench" / "results" / "pushdown_smoke.json").read_text())
+    result = json.loads((results / "pushdown_smoke.json").read_text())
     assert {r["scenario"] for r in result["rows"]} == {"idle", "shared"}
     assert result["calibration"]["decode_step_s"] > 0 and result["compute_s"] > 0  # the compute step was calibrated
     for scenario in ("idle", "shared"):

@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
-import pytest
+from installed import require
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "remote_merge.py")
 
 
-@pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (scripts/setup.sh installs it)")
 def test_remote_merge_bench_smoke(tmp_path):
+    require("etcd")
     out = tmp_path / "results"
     proc = subprocess.run([sys.executable, BENCH, "--smoke", "--out", str(out), "--dir", str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=600)

@@ -5,12 +5,14 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import foresight.checkpoint as fc
 import pytest
 import torch
 from foresight.checkpoint import store
 from foresight.errors import CheckpointError
+from process_diagnostics import kill_and_reap, reap, wait_for_lines
 
 _HOLDER = """
 import sys
@@ -23,9 +25,16 @@ ck.close()
 
 
 def _start_holder(*roots: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, *roots], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready", f"holder exited with {proc.wait()}"
+    """A process holding the roots' lock until its stdin is closed (it only reads stdin: that pipe cannot fill)."""
+    output = Path(roots[0]).parent / f"holder-{os.path.basename(roots[0])}.out"
+    with open(output, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _HOLDER, *roots], stdin=subprocess.PIPE, stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_lines(proc, output, {"ready"}, what="the lock holder")
+    except BaseException:
+        kill_and_reap(proc, "the lock holder")
+        raise
     return proc
 
 
@@ -42,8 +51,7 @@ def test_second_process_on_the_same_root_gets_a_clear_error(tmp_path):
             fc.Checkpointer([other, root])
         store.RootLock(other).release()
     finally:
-        holder.kill()  # SIGKILL: the kernel drops the lock with the process
-        holder.wait()
+        kill_and_reap(holder, "the lock holder")  # SIGKILL: the kernel drops the lock with the process
     with fc.Checkpointer(root) as ck:
         ck.save({"w": torch.ones(3)}, 1).wait()
     assert fc.load(1, root=root).step == 1
@@ -58,7 +66,7 @@ def test_lock_released_by_close_and_held_within_a_process(tmp_path):
     ck.close()
     holder = _start_holder(root)  # another process can take it now
     holder.stdin.close()
-    assert holder.wait() == 0
+    assert reap(holder, "the lock holder", after="its stdin closed") == 0
     fc.Checkpointer(root).close()
 
 
@@ -70,25 +78,31 @@ child = os.fork()
 if child == 0:  # a DataLoader-style worker that outlives its parent
     time.sleep(3600)
     os._exit(0)
-print(child, flush=True)
+print(child)
+print("forked", flush=True)
 time.sleep(3600)
 """
 
 
 def test_forked_child_does_not_keep_a_killed_parents_lock(tmp_path):
     root = str(tmp_path)
-    parent = subprocess.Popen([sys.executable, "-c", _FORKING_HOLDER, root], stdout=subprocess.PIPE, text=True)
-    child = int(parent.stdout.readline())
+    output = tmp_path.parent / f"{tmp_path.name}-forking-holder.out"
+    with open(output, "w") as out:
+        parent = subprocess.Popen([sys.executable, "-c", _FORKING_HOLDER, root], stdout=out,
+                                  stderr=subprocess.STDOUT, text=True)
+    child = None
     try:
+        wait_for_lines(parent, output, {"forked"}, what="the forking holder")
+        child = int(output.read_text().split()[0])
         with pytest.raises(CheckpointError, match="in use"):
             fc.Checkpointer(root)
-        parent.kill()
-        parent.wait()
+        kill_and_reap(parent, "the forking holder")
         os.kill(child, 0)  # the child still runs, with its copy of the parent's descriptors
         fc.Checkpointer(root).close()
     finally:
-        parent.kill()
-        try:
-            os.kill(child, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_and_reap(parent, "the forking holder")
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)  # not our child (its parent's): init reaps it
+            except ProcessLookupError:
+                pass

@@ -10,6 +10,7 @@ import foresight.checkpoint as fc
 import pytest
 import torch
 from foresight.checkpoint import store
+from process_diagnostics import kill_and_reap, wait_for_lines
 
 
 def state(step: int) -> dict:
@@ -93,17 +94,14 @@ time.sleep(3600)
 
 def test_restart_resumes_a_drain_cut_short_by_sigkill(tmp_path):
     local, durable = str(tmp_path / "local"), str(tmp_path / "durable")
-    proc = subprocess.Popen([sys.executable, "-c", _STALLING_SAVER, local, durable],
-                            stdout=subprocess.PIPE, text=True)
+    output = tmp_path / "saver.out"  # a file, not a pipe: a bounded wait reads it, and says where a stuck saver waits
+    with open(output, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _STALLING_SAVER, local, durable], stdout=out,
+                                stderr=subprocess.STDOUT)
     try:
-        seen = set()
-        while seen != {"stalled", "committed"}:
-            line = proc.stdout.readline()
-            assert line, f"saver exited early with {proc.wait()}"
-            seen.add(line.strip())
+        wait_for_lines(proc, output, {"stalled", "committed"}, what="the saver", timeout=240)
     finally:
-        proc.kill()  # SIGKILL at the forced point: no atexit, no cleanup
-        proc.wait()
+        kill_and_reap(proc, "the saver")  # SIGKILL at the forced point: no atexit, no cleanup
     assert store.committed_steps(local) == [1, 2, 3]
     assert store.committed_steps(durable) == [1]  # the drain of 2 (and 3 behind it) was cut short
     assert any(n.startswith(".tmp-step-00000002") for n in os.listdir(durable))

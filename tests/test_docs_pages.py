@@ -5,6 +5,8 @@
   GPUs or several hosts are ``bash`` or ``text`` blocks and are not run, but: every ``foresight ...`` command in a
   ``bash`` block must parse with the real CLI parsers, and every ``from foresight... import`` in a ``text`` block
   must import.
+* Every ``python bench/<name>.py ...`` command of benchmarks.md (``bash`` blocks and inline code) parses with that
+  bench's own argument parser; each page must show at least one command of its kind.
 * Every ``bench/<name>.py`` the benchmarks page names exists, and every bench ``bench/run_all.py`` runs is named.
 * Every relative link of the three pages resolves (file, and heading anchor in a Markdown target).
 """
@@ -18,13 +20,13 @@ import io
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from bench_presets import load_run_all
+from bench_presets import load_bench, load_run_all
+from process_diagnostics import kill_and_reap
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -50,9 +52,7 @@ def _run_script(script: str, cwd: Path) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         rc = -1
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the script if it hung; a node it started and never stopped
-        proc.wait()
+        kill_and_reap(proc, "the page's script", group=True)  # if it hung; a node it started and never stopped
     text = (cwd / "page.out").read_text()
     return rc, text if rc != -1 else f"still running after {RUN_TIMEOUT_S} s\n{text}"
 
@@ -75,23 +75,72 @@ def _cli_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _foresight_commands(page: str) -> list[str]:
-    commands = []
-    for block in _blocks(page, "bash"):
-        for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
-            if words[:1] == ["foresight"]:
-                commands.append(line)
-    return commands
+# The commands each page must show: the CLI's on the guides, the benches' on the benchmarks page.
+PAGE_PROGRAM = {"loader.md": "foresight", "node.md": "foresight", "benchmarks.md": "python bench/"}
+
+
+def _runs_program(line: str, page: str) -> bool:
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError:  # prose in backticks with an odd quote: not a command
+        return False
+    if PAGE_PROGRAM[page] == "foresight":
+        return words[:1] == ["foresight"]
+    return len(words) >= 2 and words[0] == "python" and words[1].startswith("bench/")
+
+
+def _commands(page: str) -> list[str]:
+    """Lines of the page's ``bash`` blocks running its program; on the benchmarks page also inline code spans
+    (the table of benches names each bench's command in one)."""
+    lines = [line for block in _blocks(page, "bash") for line in block.replace("\\\n", " ").splitlines()]
+    if PAGE_PROGRAM[page] != "foresight":
+        outside_blocks = re.sub(r"^```.*?^```", "", (DOCS / page).read_text(), flags=re.S | re.M)
+        lines += re.findall(r"`([^`\n]+)`", outside_blocks)
+    return [line for line in lines if _runs_program(line, page)]
+
+
+class _Parsed(Exception):
+    """Raised by the patched ``parse_args`` once a bench's own parser accepted the arguments (nothing runs)."""
+
+
+def _bench_parse_error(line: str, monkeypatch) -> str | None:
+    """Parse ``python bench/<name>.py ARGS`` with the bench's own argparse parser (built in its ``main``, which
+    stops right after parsing); the parser's message if it refuses them."""
+    words = shlex.split(line, comments=True)
+    script = ROOT / words[1]
+    if not script.exists():
+        return f"{words[1]} does not exist"
+    module = load_bench(script.stem)
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        parse_args(self, args, namespace)
+        raise _Parsed
+
+    err = io.StringIO()
+    with monkeypatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+        m.setattr(sys, "argv", [words[1], *words[2:]])
+        try:
+            with contextlib.redirect_stderr(err):
+                module.main()
+        except _Parsed:
+            return None
+        except SystemExit as e:
+            return err.getvalue().strip() or f"exit {e.code}"
+    return "its main() returned without parsing arguments"
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_every_cli_command_parses(page):
+def test_every_cli_command_parses(page, monkeypatch):
+    commands = _commands(page)
+    assert commands, f"{page} shows no {PAGE_PROGRAM[page]!r} command"
     parser = _cli_parser()
-    commands = _foresight_commands(page)
-    if page != "benchmarks.md":
-        assert commands, f"{page} shows no foresight command"
     for line in commands:
+        if PAGE_PROGRAM[page] != "foresight":
+            problem = _bench_parse_error(line, monkeypatch)
+            assert problem is None, f"docs/{page}: {line.strip()!r} does not parse: {problem}"
+            continue
         err = io.StringIO()
         try:
             with contextlib.redirect_stderr(err):

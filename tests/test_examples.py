@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from installed import require
+from process_diagnostics import kill_and_reap
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -18,15 +19,23 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"))
 
 def run(argv: list[str], timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
     """Run an example in a session of its own, so that a hung one is killed with the nodes, etcd and ranks it
-    started (a bound for a hung test, not a timing assertion)."""
-    proc = subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{argv} still running after {timeout} s\n{out[-3000:]}\n{err[-6000:]}") from None
+    started (a bound for a hung test, not a timing assertion). Its output goes to files, not pipes: a node it left
+    running would hold a pipe open, and reading to its end would wait for that node."""
+    with tempfile.TemporaryDirectory(prefix="foresight-example-") as logs:
+        out_path, err_path = Path(logs, "stdout"), Path(logs, "stderr")
+        with open(out_path, "w") as out_file, open(err_path, "w") as err_file:
+            proc = subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=out_file, stderr=err_file, text=True,
+                                    start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+            hung = False
+        except subprocess.TimeoutExpired:
+            hung = True
+        finally:
+            kill_and_reap(proc, f"example {argv}", group=True)  # and whatever it left running
+        out, err = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+    if hung:
+        raise AssertionError(f"{argv} still running after {timeout} s\n{out[-3000:]}\n{err[-6000:]}")
     if check and proc.returncode != 0:
         raise AssertionError(f"{argv} exited {proc.returncode}\n{out[-3000:]}\n{err[-6000:]}")
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
@@ -99,8 +108,7 @@ def test_media_node_pushdown_and_raw_fallback_match_host_decode(tmp_path):
 
 
 def test_replicate_and_merge_at_the_evaluation_site(tmp_path):
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd is not installed (scripts/setup.sh installs etcd-server)")
+    require("etcd")
     proc = example("replicate_and_merge.py", "--smoke", "--out", str(tmp_path))
     assert "ready at eval-b" in proc.stdout
     assert f"from eval-b:{tmp_path}/eval-site/vlm/step-00000004" in proc.stdout  # the local replica was merged
@@ -108,8 +116,7 @@ def test_replicate_and_merge_at_the_evaluation_site(tmp_path):
 
 
 def test_restart_with_hints_spreads_reads_and_restores(tmp_path):
-    if shutil.which("etcd") is None:
-        pytest.skip("etcd is not installed (scripts/setup.sh installs etcd-server)")
+    require("etcd")
     proc = example("restart_with_hints.py", "--smoke", "--out", str(tmp_path))
     assert "hint .metadata: 64 readers -> 4 copies" in proc.stdout  # ceil(64 / 16 safe readers), on 4 nodes
     assert "failed 0" in proc.stdout

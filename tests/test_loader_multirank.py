@@ -11,6 +11,7 @@ import numpy as np
 
 from foresight.format import DatasetWriter, open_dataset
 from foresight.plan import build_plan, load_plan
+from process_diagnostics import kill_and_reap
 
 WORKER = textwrap.dedent(
     """
@@ -61,7 +62,12 @@ def test_ranks_cover_every_sample_of_every_step_once(tmp_path):
                           str(out), str(r), str(world)], env=env)
         for r in range(world)
     ]
-    codes = [p.wait(timeout=300) for p in procs]
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:  # a rank that hung (its peers then wait in the rendezvous) is killed, not left behind
+        for rank, p in enumerate(procs):
+            if p.poll() is None:
+                kill_and_reap(p, f"rank {rank}")
     assert codes == [0] * world
     gathered = json.loads(out.read_text())
     for step in range(plan.num_steps):

@@ -19,6 +19,7 @@ import pytest
 from foresight.media import probe_media, video_pts
 from foresight.media.reference import decode_all
 from foresight.media.video import DecodeReport, decode_video
+from installed import require_file
 from test_media_video_robust import check_rows
 
 DOC = Path("/usr/share/doc/opencv-doc")
@@ -34,9 +35,7 @@ FILES = {
 
 def _read(name: str) -> bytes:
     rel, cut = FILES[name]
-    path = DOC / rel
-    if not path.exists():
-        pytest.skip(f"{path} is missing: apt-get install opencv-doc (scripts/setup.sh does)")
+    path = require_file(DOC / rel, "opencv-doc")
     data = path.read_bytes()
     if path.suffix == ".gz":
         data = gzip.decompress(data)

@@ -10,19 +10,25 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 
 import av
 import numpy as np
 import pytest
+from installed import require
 from foresight.errors import DecodeError
 from foresight.media import probe_media, video_pts
 from foresight.media.reference import decode_all, frames_shown_at
 from foresight.media.synth import drop_avi_index, ffmpeg_cli, make_video, remux, with_not_coded_vop
 from foresight.media.video import DecodeReport, decode_video
 
-needs_ffmpeg = pytest.mark.skipif(shutil.which("ffmpeg") is None,
-                                  reason="the ffmpeg command-line tool is missing (scripts/setup.sh installs it)")
+
+
+@pytest.fixture
+def _ffmpeg_installed() -> None:
+    require("ffmpeg")  # the command-line tool scripts/setup.sh installs: missing fails, never skips
+
+
+needs_ffmpeg = pytest.mark.usefixtures("_ffmpeg_installed")
 
 
 def _lavfi(seconds: float = 4, fps: int = 25) -> list[str]:
@@ -37,8 +43,7 @@ def _cut_avi(avi: bytes, fraction: float = 0.7) -> bytes:
 @pytest.fixture(scope="module")
 def clips() -> dict[str, tuple[bytes, bytes]]:
     """name -> (file bytes, bytes of the intact file whose full decode is the truth)."""
-    if shutil.which("ffmpeg") is None:
-        pytest.skip("the ffmpeg command-line tool is missing (scripts/setup.sh installs it)")
+    require("ffmpeg")
     h264 = ffmpeg_cli([*_lavfi(), "-c:v", "libx264", "-g", "25", "-bf", "2", "-movflags", "+faststart"],
                       out_format="mp4")
     mkv = remux(h264, container="matroska")

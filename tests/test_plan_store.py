@@ -14,6 +14,7 @@ from foresight.errors import FormatError, PlanError
 from foresight.plan import ARRAY_DTYPES, ArraySource, Plan, build_plan, load_plan
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from process_diagnostics import kill_and_reap, wait_for_lines
 
 BUILD_SCRIPT = """
 import sys, numpy as np
@@ -212,15 +213,18 @@ print("saved", flush=True)
 
 @pytest.mark.parametrize("delay", [0.0, 0.05, 0.2])
 def test_killed_save_leaves_no_plan_that_reads_as_complete(tmp_path, delay):
-    import signal
     import time
 
     out = str(tmp_path / "plan")
-    proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, out], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "saving"
-    time.sleep(delay)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    output = tmp_path / "saver.out"
+    with open(output, "w") as child_out:
+        proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, out], stdout=child_out,
+                                stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_lines(proc, output, {"saving"}, what="the plan saver")
+        time.sleep(delay)  # where in the save the kill lands (not a timing assertion)
+    finally:
+        kill_and_reap(proc, "the plan saver")
     if os.path.exists(out):  # the rename happened before the kill: then it is whole
         assert load_plan(out).num_items == 3_000_000
     else:

@@ -30,11 +30,22 @@ def test_hints_from_a_dcp_checkpoint_cover_every_file(dcp_ckpt):
     validate_hints(hints.values(), known=files, ttl_s=600)
 
 
-def test_replicated_readers_follow_the_data_parallel_group(dcp_ckpt):
-    hints = {h.path: h for h in derive_dcp_hints(str(dcp_ckpt), world_size=64, replicated_readers=8)}
+def test_replicated_readers_follow_the_data_parallel_group(dcp_ckpt, tmp_path):
+    # whole tensors alone: a file is read by the data-parallel group, not by every rank
+    tensors = tmp_path / "tensors"
+    dcp.save({"emb": torch.randn(64, 8), "bias": torch.zeros(4)}, storage_writer=ForesightStorageWriter(tensors))
+    hints = {h.path: h for h in derive_dcp_hints(str(tensors), world_size=64, replicated_readers=8)}
     data = next(h for p, h in hints.items() if p != ".metadata")
-    assert data.readers == 64  # the bytes item (extra state) is read by every rank
+    assert data.readers == 8 and data.hot_bytes == (64 * 8 + 4) * 4  # every tensor byte is read by those 8
     assert hints[".metadata"].readers == 64
+    # with bytes items (extra state) in the same file: every rank reads the file, but only those items' bytes are
+    # hot for all 64; the tensors' bytes (read by 8) are not, as they are when all 64 ranks read the tensors too
+    def mixed(replicated: int):
+        hints = derive_dcp_hints(str(dcp_ckpt), world_size=64, replicated_readers=replicated)
+        return next(h for h in hints if h.path != ".metadata")
+
+    assert mixed(8).readers == mixed(64).readers == 64
+    assert mixed(8).hot_bytes == mixed(64).hot_bytes - (64 * 8 + 4) * 4 > 0
 
 
 @pytest.mark.parametrize("offset,length,dim0,world,expected", [

@@ -116,17 +116,34 @@ def test_replica_counts_follow_the_formula_and_the_node_cap(etcd, nodes, ckpt):
             assert open(os.path.join(n.root, ".replicas", "jobA", "step-1", f), "rb").read() == want[f]
 
 
+def _hinted(etcd, nodes, ckpt, name, job, **hint):
+    """Each test's own checkpoint: base copies on n0 and n1, hinted for 1024 ranks, every copy made."""
+    _place(ckpt, name, nodes[:2], job)
+    set_replication_hints(name, etcd=etcd, job=job, token=TOKEN, ttl_s=600, checkpoint_dir=ckpt, world_size=1024,
+                          **hint)
+    return wait_for_replicas(name, etcd=etcd, job=job, token=TOKEN, timeout=120)
+
+
+def _stats(nodes):
+    return [json.loads(list(flight.FlightClient(n.location).do_action(flight.Action("replicas.stats", b"{}")))[0]
+                       .body.to_pybytes()) for n in nodes]
+
+
 def test_reads_spread_over_every_copy_and_return_the_checkpoint_bytes(etcd, nodes, ckpt):
-    name, job = "jobA/step-1", "jobA"
-    wait_for_replicas(name, etcd=etcd, job=job, token=TOKEN, timeout=120)
+    name, job = "jobR/step-1", "jobR"
+    placed = _hinted(etcd, nodes, ckpt, name, job, replicated_readers=128)
+    assert sorted(placed["files"][".metadata"]["copies"]) == ["n0", "n1", "n2", "n3"]
     want = _files(ckpt)
-    with ReplicaReader(etcd, job=job, token=TOKEN) as reader, cf.ThreadPoolExecutor(8) as pool:
-        wait_for(lambda: (lambda loads: len(loads) >= 4 and not any(loads.values()))(reader.refresh_loads(force=True)),
-                 timeout=30, what="the nodes advertising no reads (the copies are made)")
-        got = list(pool.map(lambda _: reader.read(name, ".metadata"), range(64)))
-        assert all(g == want[".metadata"] for g in got)
-        assert set(reader.stats["by_node"]) == {"n0", "n1", "n2", "n3"}  # the hinted copies took readers too
-        assert reader.stats["verify_failures"] == 0
+    try:
+        with ReplicaReader(etcd, job=job, token=TOKEN) as reader, cf.ThreadPoolExecutor(8) as pool:
+            wait_for(lambda: (lambda loads: len(loads) >= 4 and not any(loads.values()))(
+                reader.refresh_loads(force=True)), timeout=30, what="the nodes advertising no reads (copies made)")
+            got = list(pool.map(lambda _: reader.read(name, ".metadata"), range(64)))
+            assert all(g == want[".metadata"] for g in got)
+            assert set(reader.stats["by_node"]) == {"n0", "n1", "n2", "n3"}  # the hinted copies took readers too
+            assert reader.stats["verify_failures"] == 0
+    finally:
+        release_replication_hints(name, etcd=etcd, job=job, token=TOKEN)
 
 
 def test_bad_hints_and_bad_callers_are_refused_with_the_reason(etcd, nodes, ckpt):
@@ -231,9 +248,11 @@ def test_a_node_dying_mid_storm_leaves_its_readers_on_the_other_copies(etcd, nod
 
 
 def test_release_ends_a_hint_at_once(etcd, nodes, ckpt):
-    name, job = "jobA/step-1", "jobA"
+    name, job = "jobL/step-1", "jobL"
+    placed = _hinted(etcd, nodes, ckpt, name, job)
+    assert placed["done"] == 4 and _hinted_on(nodes, name)  # both files copied to n2 and n3
+    before = sum(s["reclaimed"] for s in _stats(nodes))
     assert release_replication_hints(name, etcd=etcd, job=job, token=TOKEN)["released"]
     wait_for(lambda: not _hinted_on(nodes, name), timeout=60, what="released copies deleted")
-    stats = [json.loads(list(flight.FlightClient(n.location).do_action(flight.Action("replicas.stats", b"{}")))[0]
-                        .body.to_pybytes()) for n in nodes]
-    assert sum(s["reclaimed"] for s in stats) >= 3 and all(s["inflight"] == 0 for s in stats)
+    stats = _stats(nodes)
+    assert sum(s["reclaimed"] for s in stats) - before >= placed["done"] and all(s["inflight"] == 0 for s in stats)

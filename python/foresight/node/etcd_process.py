@@ -60,14 +60,22 @@ class EtcdProcess:
             time.sleep(0.2)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        """SIGTERM, 10 s to exit, then SIGKILL; an etcd still not reaped 60 s later is stuck in the kernel, and is
+        reported instead of waited on forever."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    try:
+                        self.proc.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        raise NodeError("etcd did not exit within 60 s of SIGKILL", pid=self.proc.pid,
+                                        log=self.log_path) from None
+        finally:
+            self._log.close()
 
     def __enter__(self) -> "EtcdProcess":
         return self

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 from foresight.errors import ProtocolError
 
@@ -40,19 +41,26 @@ def parse_amounts(text: str | None, what: str = "limit") -> tuple[float, float]:
 
 
 class TokenBucket:
-    """Tokens at ``rate`` per second with a burst of ``rate * burst_s``; ``take(n)`` sleeps until they are due."""
+    """Tokens at ``rate`` per second with a burst of ``rate * burst_s``; ``take(n)`` sleeps until they are due.
 
-    def __init__(self, rate: float, *, burst_s: float = 0.05) -> None:
+    Example::
+
+        bucket = TokenBucket(100.0, burst_s=0.0)
+        bucket.reserve(100), bucket.reserve(100)   # (1.0, 2.0): one second of tokens each, in arrival order
+    """
+
+    def __init__(self, rate: float, *, burst_s: float = 0.05, clock: Callable[[], float] = time.monotonic) -> None:
         if rate <= 0:
             raise ProtocolError(f"token bucket rate {rate!r} must be > 0")
         self.rate, self.burst_s = float(rate), float(burst_s)
+        self._clock = clock  # seconds; injectable so the arithmetic is checked on a clock the caller controls
         self._next = 0.0  # theoretical arrival time (GCRA): when every token reserved so far is due
         self._lock = threading.Lock()
         self.waited_s = 0.0  # total time callers slept (how much the limit bit)
 
     def reserve(self, n: float) -> float:
         """Reserve ``n`` tokens; the seconds to wait before using them (0 when the burst covers them)."""
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             self._next = max(self._next, now) + n / self.rate
             delay = max(0.0, self._next - self.burst_s - now)

@@ -26,6 +26,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stop_process(proc: subprocess.Popen, what: str, grace: float) -> None:
+    """SIGTERM and ``grace`` s to exit (0: SIGKILL at once), then SIGKILL; one still not reaped 60 s after SIGKILL
+    is stuck in the kernel: RuntimeError naming it, never an endless wait."""
+    if proc.poll() is None and grace > 0:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{what} (pid {proc.pid}) did not exit within 60 s of SIGKILL") from None
+
+
 class EtcdServer:
     """A single-member etcd (Debian ``etcd-server``) on loopback, its data in ``data_dir``."""
 
@@ -54,10 +72,11 @@ class EtcdServer:
         raise RuntimeError(f"etcd did not start (see {data_dir}.log)")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-        self._log.close()
+        """SIGTERM, 10 s to exit, then SIGKILL (never left running); bounded waits throughout."""
+        try:
+            _stop_process(self.proc, "etcd", grace=10)
+        finally:
+            self._log.close()
 
     def __enter__(self) -> EtcdServer:
         return self
@@ -111,20 +130,16 @@ class SiteProcess:
 
     def kill(self) -> None:
         """SIGKILL: the site dies mid-whatever (tests of cut transfers)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
+        try:
+            _stop_process(self.proc, f"site {self.site}", grace=0)
+        finally:
+            self._log.close()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        try:
+            _stop_process(self.proc, f"site {self.site}", grace=60)
+        finally:
+            self._log.close()
 
     def __enter__(self) -> SiteProcess:
         return self

@@ -99,6 +99,11 @@ async def _serve(listen_port: int, target: tuple[str, int], one_way: float, bps:
     server = await asyncio.start_server(handle, "127.0.0.1", listen_port)
     port = server.sockets[0].getsockname()[1]
     print(f"READY {port}", flush=True)
+    # the parent reads only that line and closes its end: whatever is printed later must neither fill a pipe nobody
+    # drains (blocking the link) nor die of SIGPIPE
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
     async with server:
         await server.serve_forever()
 
@@ -113,9 +118,10 @@ class WanLink:
             [sys.executable, "-m", "foresight.checkpoint.replicate.wan", "--target", f"{target[0]}:{target[1]}",
              "--rtt-ms", str(rtt_ms), "--mbit", str(mbit)], stdout=subprocess.PIPE, text=True)
         line = self._proc.stdout.readline()
+        self._proc.stdout.close()  # the proxy prints nothing after READY (its stdout goes to /dev/null then)
         if not line.startswith("READY "):
             self._proc.kill()
-            raise RuntimeError(f"WAN proxy did not start (exit {self._proc.wait()})")
+            raise RuntimeError(f"WAN proxy did not start (exit {self._proc.wait(60)})")
         self.port = int(line.split()[1])
 
     @property
@@ -129,9 +135,7 @@ class WanLink:
                 self._proc.wait(10)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
-                self._proc.wait()
-        if self._proc.stdout:
-            self._proc.stdout.close()
+                self._proc.wait(60)
 
     def __enter__(self) -> WanLink:
         return self
