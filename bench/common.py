@@ -1,10 +1,16 @@
 """Shared bench helpers: machine description, medians, result files, cache control.
 
+Result files (JSON, PNG) go to ``RESULTS``: ``bench/results`` unless ``FORESIGHT_BENCH_RESULTS`` names another
+directory, so a run (the smoke tests, ``run_all.py``) can collect its own files from a fresh directory instead of
+reading whatever an earlier run left in the checkout.
+
 Example::
 
     from common import machine, median_of, write_results
     t = median_of(lambda: work(), runs=5)
     write_results("read_path", {"machine": machine(), "rows": rows})
+
+    FORESIGHT_BENCH_RESULTS=/tmp/run1 python bench/decode.py --smoke   # -> /tmp/run1/decode_smoke.json
 """
 from __future__ import annotations
 
@@ -17,7 +23,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS_ENV = "FORESIGHT_BENCH_RESULTS"
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get(RESULTS_ENV) or DEFAULT_RESULTS).resolve()
 
 
 def machine() -> dict:
