@@ -10,17 +10,21 @@ data file of the replicated tensors: every rank reads them) and its own shard fi
 Side by side, each on a fresh placement of the same files on the same nodes (one checkpoint name per mode):
 
 * ``default``: the 3 base copies only;
-* ``reactive``: the storage side notices the hot files once ``safe readers`` ranks have read them (after the storm
-  started) and then hints them: copies land mid-storm;
-* ``uniform``: every file to 5 copies (2 extra; capped by the nodes), placed when the restart is declared;
+* ``reactive``: the storage side notices a hot file once ``safe readers`` ranks have read it (after the storm
+  started), watches the load for ``--detect-s`` more, then replicates the files that crossed the line: copies land
+  mid-storm;
+* ``uniform``: every file on 5 copies (2 extra, capped by the nodes), made when the checkpoint was written (HDFS's
+  replication factor raised): no placement on the restore's clock, but 2 extra copies of every byte;
 * ``host cache``: a per-host read-through cache alone (:class:`~foresight.checkpoint.host_share.HostShare`: the
   ranks of a host read each hot file once), base copies only;
 * ``hints``: replication hints for the hot files (``ceil(readers / safe readers)`` copies) when the restart is
   declared;
 * ``foresight``: hints for one reader per host (``ranks_per_host``) plus the per-host sharing.
 
-Placement is inside every total: the hint (or the uniform copies) is sent at the storm's start and readers see the
-copies as they land (copy lists refreshed every ``--refresh-s``); ``place s`` says when the last copy landed.
+Placement is inside every hinted total: the clock starts when the hint is sent, the ranks are
+released once the copies are placed (``place s``), so the copies do not queue behind the storm's reads at the nodes'
+service limits. Reactive copies land mid-storm (one thread of the process re-reads the copy list every
+``--refresh-s`` for the ranks).
 
 Layouts (``--layouts``), each scaled down by keeping its ratios (hot bytes : per-rank bytes, ranks per host, readers
 per safe reader); nodes, ranks and the per-node limit set the absolute time:
@@ -28,8 +32,8 @@ per safe reader); nodes, ranks and the per-node limit set the absolute time:
 * ``fsdp7b``: a 7B-parameter model with Adam under FSDP at 2,048 ranks, 8 ranks per host. Per rank: fp32 parameters
   plus the two moments, 12 bytes x 7.0e9 / 2048 = 41 MB. Hot: DCP's ``.metadata`` (every rank reads it whole, in
   ``dcp.load``'s local step), which lists each chunk of each sharded tensor: 291 parameters x 3 (parameter and two
-  moments) x 2,048 chunks x 179 bytes (measured: pickled chunk and storage entries of this module's writer) = 320 MB,
-  plus the replicated ``step`` scalars (bytes). Hot : per-rank = 8 : 1, kept here as 256 KiB : 32 KiB.
+  moments) x 2,048 chunks x 179 bytes (measured: a pickled chunk entry and storage entry of foresight's DCP writer)
+  = 320 MB, plus the replicated ``step`` scalars (bytes). Hot : per-rank = 8 : 1, kept here as 256 KiB : 32 KiB.
 * ``shards16k``: the earlier bed: 128 KiB of replicated tensors, 16 KiB per-rank shards.
 
 Safe readers per copy scale with the ranks (64 at 2,048 ranks). Reported per mode: total loading time (storm start
@@ -218,33 +222,37 @@ class Placement:
 
 class Detector:
     """Reactive replication: counts the reads of each file; once one file reached ``threshold`` readers, it watches
-    ``threshold`` more reads, then hints the files that reached ``threshold`` (one hint per checkpoint), as a
-    storage system reacting to load would."""
+    for ``window_s`` more (a monitoring interval), then hints the files that reached ``threshold`` (one hint per
+    checkpoint), as a storage system reacting to load would."""
 
-    def __init__(self, placement: Placement, hot_hints: dict, threshold: int) -> None:
-        self.placement, self.hot_hints, self.threshold = placement, hot_hints, threshold
+    def __init__(self, placement: Placement, hot_hints: dict, threshold: int, window_s: float) -> None:
+        self.placement, self.hot_hints, self.threshold, self.window_s = placement, hot_hints, threshold, window_s
         self.counts: dict[str, int] = {}
         self._lock = threading.Lock()
         self._reads = 0
-        self._window_end: int | None = None
+        self._timer: threading.Timer | None = None
         self.fired_after_reads: int | None = None
 
     def saw(self, file: str) -> None:
         with self._lock:
             self._reads += 1
             self.counts[file] = self.counts.get(file, 0) + 1
-            if self.fired_after_reads is not None:
-                return
-            if self._window_end is None:
-                if self.counts[file] >= self.threshold:
-                    self._window_end = self._reads + self.threshold
-                return
-            if self._reads < self._window_end:
-                return
+            if self._timer is None and self.counts[file] >= self.threshold:
+                self._timer = threading.Timer(self.window_s, self._fire)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
             self.fired_after_reads = self._reads
             seen = [self.hot_hints[f] for f, c in self.counts.items() if f in self.hot_hints and c >= self.threshold]
         self.placement.hints = seen
         self.placement.start()
+
+    def join(self) -> None:
+        if self._timer is not None:
+            self._timer.join()
+        self.placement.join()
 
 
 def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot: list[str], *,
@@ -260,9 +268,19 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
     lock = threading.Lock()
     shares = ([HostShare(name, directory=str(share_root / f"host-{r // per_host:04d}")) for r in range(ranks)]
               if share_root is not None else None)  # each rank joins before the first read, as at a restart
-    with ReplicaReader(etcd, job=JOB, token=TOKEN, refresh_s=args.refresh_s) as replicas:
+    with ReplicaReader(etcd, job=JOB, token=TOKEN, refresh_s=3600) as replicas:
         replicas.copies(name)  # the copy list once, as each rank's loader would have it before the storm
         gate = threading.Event()
+        done = threading.Event()
+
+        def refresh() -> None:
+            """One thread re-reads the copy list (the ranks share it), so copies placed mid-storm take readers
+            without every rank asking etcd at once."""
+            while not done.wait(args.refresh_s):
+                try:
+                    replicas.copies(name, force=True)
+                except Exception as e:  # etcd slow under the storm: keep the list we have, say so
+                    print(f"  copy-list refresh failed: {str(e)[:120]}", flush=True)
 
         def rank(r: int) -> tuple[float, float]:
             reader = SharedReplicaReader(replicas, shares[r], hot=hot) if shares else replicas
@@ -278,13 +296,25 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
                 reads.extend(mine)
             return mine[0][2], mine[-1][3]
 
+        refresher = None
+        if detector is not None:
+            refresher = threading.Thread(target=refresh, name="storm-copy-list", daemon=True)
         with cf.ThreadPoolExecutor(args.threads) as pool:
             futures = [pool.submit(rank, r) for r in range(ranks)]
             t0 = time.perf_counter()
-            if placement is not None:
+            if placement is not None:  # the copies are placed first, inside the total, on idle nodes
                 placement.start()
+                placement.join()
+                replicas.copies(name, force=True)
+            if refresher is not None:
+                refresher.start()
             gate.set()
-            spans = [f.result() for f in futures]
+            try:
+                spans = [f.result() for f in futures]
+            finally:
+                done.set()
+        if refresher is not None:
+            refresher.join()
         total = max(end for _, end in spans) - t0
         stats = dict(replicas.stats)
     host_fetches = hosts * len(hot) * per_host  # without sharing every rank fetches every hot file
@@ -317,13 +347,24 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
                    copy_failures=(placement.placed or {}).get("failed"),
                    files=[{k: f[k] for k in ("path", "size", "readers", "wanted", "replicas", "capped_by")}
                           for f in (placement.plan or {}).get("files", [])][:4])
-    if detector is not None:
-        out["detected_after_reads"] = detector.fired_after_reads
     return out
 
 
+def release(cluster: Cluster, name: str, timeout: float = 300.0) -> None:
+    """End a mode's hint and wait until the nodes reclaimed its copies: a node checks each copy it holds against
+    etcd every second, so copies left from one mode would slow the next one's nodes."""
+    from foresight.checkpoint.hint_client import release_replication_hints
+
+    release_replication_hints(name, etcd=cluster.etcd.endpoint, job=JOB, token=TOKEN)
+    deadline = time.monotonic() + timeout
+    while any(s["hinted_copies"] for s in cluster.stats().values()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"hinted copies of {name} not reclaimed within {timeout} s")
+        time.sleep(0.2)
+
+
 def run_layout(cluster: Cluster, args: argparse.Namespace, layout: str, work: Path, seq: list[int]) -> dict:
-    from foresight.checkpoint.hints import FileHint, derive_dcp_hints
+    from foresight.checkpoint.hints import derive_dcp_hints
 
     sizes = {k: max(1, int(v * args.scale)) for k, v in LAYOUTS[layout].items()}
     src, shards = write_checkpoint(work / f"ckpt-{layout}", args.ranks, sizes["replicated_kib"], sizes["shard_kib"])
@@ -335,28 +376,32 @@ def run_layout(cluster: Cluster, args: argparse.Namespace, layout: str, work: Pa
     for mode in args.modes:
         seq[0] += 1
         name = f"{JOB}/{layout}-{mode}-{seq[0]}"
-        place_default(cluster, src, name)
+        copies = min(5, args.nodes) if mode == "uniform" else 3
+        place_default(cluster, src, name, replicas=copies)
         placement = detector = share_root = None
         if mode == "hints":
             placement = Placement(etcd, name, hot_hints)
         elif mode == "foresight":
             placement = Placement(etcd, name, hot_hints, ranks_per_host=args.ranks_per_host)
-        elif mode == "uniform":  # every file to 5 copies: readers that the planner turns into exactly 5
-            placement = Placement(etcd, name, [FileHint(f, os.path.getsize(src / f), 5 * args.safe_readers,
-                                                        os.path.getsize(src / f)) for f in sorted(os.listdir(src))])
         elif mode == "reactive":
             placement = Placement(etcd, name, [])
-            detector = Detector(placement, {h.path: h for h in hot_hints}, args.safe_readers)
+            detector = Detector(placement, {h.path: h for h in hot_hints}, args.safe_readers, args.detect_s)
         if mode in ("host_cache", "foresight"):
             share_root = work / f"shares-{layout}-{mode}"
             share_root.mkdir()
         r = storm(etcd, name, args, shards, hot, share_root=share_root,
                   placement=None if mode == "reactive" else placement, detector=detector)
         if detector is not None:
-            placement.join()
-            r.update(copy_bytes=(placement.plan or {}).get("copy_bytes", 0), place_s=placement.place_s,
+            detector.join()  # the hint may land after a short storm: counted all the same
+            r.update(detected_after_reads=detector.fired_after_reads, place_s=placement.place_s,
+                     copy_bytes=(placement.plan or {}).get("copy_bytes", 0),
                      new_replicas=(placement.plan or {}).get("new_replicas", 0), placement_error=placement.error)
+        if mode == "uniform":  # the extra copies were made when the checkpoint was written, off the restore's clock
+            r.update(copy_bytes=(copies - 3) * sum(os.path.getsize(src / f) for f in os.listdir(src)),
+                     new_replicas=(copies - 3) * len(os.listdir(src)))
         results[mode] = r
+        if placement is not None and placement.plan is not None:
+            release(cluster, name)
         print(f"  {layout} {mode:>10}: {r['total_s']:.2f} s, {r['bytes_per_host'] / 1024:.0f} KiB/host from the "
               f"nodes, +{r['copy_bytes'] / 1024:.0f} KiB copied", flush=True)
         if share_root is not None:
@@ -461,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--safe-readers", type=int, default=None,
                     help=f"readers one copy serves well (default: {REAL_SAFE_READERS} at {REAL_RANKS} ranks, scaled)")
     ap.add_argument("--refresh-s", type=float, default=0.25, help="how often readers re-read the copy list")
+    ap.add_argument("--detect-s", type=float, default=0.5,
+                    help="reactive mode: how long the storage side watches the load before it replicates")
     ap.add_argument("--dir", default=None, help="scratch directory (default: the system's temp directory)")
     ap.add_argument("--out", default=str(RESULTS), help="where the JSON and PNG go")
     args = ap.parse_args(argv)
@@ -493,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     payload = {"title": "Restart storm: six ways to serve a synchronized restore's hot checkpoint files",
                "machine": machine(), **res, "report": report(res),
-               "notes": ["total = storm start (hints and copies sent then) to the last rank done; slowest rank = its "
+               "notes": ["total = the hint or copies sent (placed before the ranks are released; else the storm start) "
+                         "to the last rank done; slowest rank = its "
                          "first read to its last; each node behind a token-bucket service limit; KiB/host = bytes "
                          "the nodes served / hosts; hot reads/host = hot-file fetches from the nodes per host"]}
     if out == RESULTS:

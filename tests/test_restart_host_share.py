@@ -201,7 +201,7 @@ def test_a_fetcher_killed_mid_write_is_taken_over_and_never_leaves_a_torn_file(t
         _wait_file(str(tmp_path / "stall.json.half"))
         share_dir = [d for d in (tmp_path / "shm").iterdir() if d.is_dir()][0]
         assert not (share_dir / "hot.bin").exists()  # half written: only under its temp name
-        assert [p.name for p in share_dir.iterdir() if p.name.startswith(".tmp-hot.bin-")]
+        assert [p.name for p in share_dir.iterdir() if p.name.startswith(".tmp-") and p.name.endswith("-hot.bin")]
         waiter = _start("file", waiter_args)
         _wait_file(waiter_args["out"] + ".ready")
         assert waiter.poll() is None  # waiting on the fetch of the process that holds the lock
@@ -217,6 +217,51 @@ def test_a_fetcher_killed_mid_write_is_taken_over_and_never_leaves_a_torn_file(t
     assert out["sha"] == _sha(str(data))
     assert out["stats"]["takeovers"] == 1 and out["stats"]["fetched"] == 1
     assert out["stats_after_close"]["cleaned"] == 1  # the killed process's lock went with it: the waiter was last
+    assert os.listdir(tmp_path / "shm") == []
+
+
+def test_a_stuck_fetch_times_out_naming_the_file_and_its_holder(tmp_path):
+    import pytest
+
+    from foresight.checkpoint.host_share import HostShare
+    from foresight.errors import CheckpointError
+
+    data = tmp_path / "hot.bin"
+    data.write_bytes(os.urandom(1 << 20))
+    common = {"file": str(data), "dir": str(tmp_path / "shm"), "key": "stuck", "go": str(tmp_path / "go")}
+    open(common["go"], "w").close()
+    staller = _start("stall", dict(common, out=str(tmp_path / "stall.json")))
+    try:
+        _wait_file(str(tmp_path / "stall.json.half"))
+        with HostShare("stuck", directory=common["dir"], timeout=0.2) as share:
+            with pytest.raises(CheckpointError, match=f"hot.bin.*holder_pid={staller.pid}"):
+                share.get("hot.bin", 1 << 20, lambda buf: None)
+    finally:
+        staller.kill()
+        staller.wait()
+
+
+def test_a_damaged_shared_copy_is_fetched_again(tmp_path):
+    from foresight.checkpoint.host_share import HostShare, xxh3_check
+    from foresight.checksum import file_xxh3
+
+    data = tmp_path / "hot.bin"
+    data.write_bytes(os.urandom(100000))
+    check = xxh3_check(100000, file_xxh3(data), file="hot.bin")
+    reads = []
+
+    def fill(buf):
+        reads.append(1)
+        buf[:] = data.read_bytes()
+
+    with HostShare("dmg", directory=str(tmp_path / "shm")) as first:
+        assert bytes(first.get("hot.bin", 100000, fill, check)) == data.read_bytes()
+        copy = [p for p in (tmp_path / "shm").rglob("hot.bin")][0]
+        with open(copy, "r+b") as f:  # a byte flipped in the host's copy
+            f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+        with HostShare("dmg", directory=str(tmp_path / "shm")) as second:  # another rank of the host
+            assert bytes(second.get("hot.bin", 100000, fill, check)) == data.read_bytes()
+            assert second.stats["bad_copies"] == 1 and second.stats["fetched"] == 1 and len(reads) == 2
     assert os.listdir(tmp_path / "shm") == []
 
 

@@ -402,16 +402,18 @@ class ForesightStorageReader(_DirectoryCheckpoint, StorageReader):
                 self.shared_files = hot_files(metadata)
 
     def _shared_metadata(self, path: str) -> memoryview:
-        """``.metadata`` through the host share: one read per host (it names no checksum of itself: the share's
-        copy is checked by unpickling it with the allow-list, as a direct read is)."""
-        size = os.stat(path).st_size
+        """``.metadata`` through the host share: one read per host. It records no checksum of itself, so the shared
+        copy's name carries the file's inode, size and mtime: a copy left from another version is never used."""
+        st = os.stat(path)
+        size = st.st_size
 
         def fill(buf: memoryview) -> None:
             with open(path, "rb", buffering=0) as f:
                 if f.readinto(buf) != size:
                     raise CheckpointError("DCP metadata changed size while read", path=path)
 
-        return self.host_share.get_or_read(os.path.relpath(path, self.path), size, fill)
+        version = f"@{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
+        return self.host_share.get_or_read(os.path.relpath(path, self.path) + version, size, fill)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

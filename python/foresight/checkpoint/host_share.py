@@ -3,7 +3,7 @@
 At a synchronized restart every rank reads the same hot files (the DCP ``.metadata``, the replicated tensors).
 With 8 ranks per host, 7 of every 8 of those reads cross the network for bytes the host already has. A
 :class:`HostShare` elects, per file, one process of the host to fetch it (an ``flock`` on ``<file>.lock`` in a
-host-local directory, ``/dev/shm`` by default: no daemon) into ``.tmp-<file>-<pid>``; it verifies the bytes and
+host-local directory, ``/dev/shm`` by default: no daemon) into ``.tmp-<pid>-<thread>-<file>``; it verifies the bytes and
 renames the file into place, the rename being the completion marker. The other processes wait for that name and map
 the file (copy-on-write, so tensors can view it), verifying it as the fetcher did. A fetcher killed mid-write
 releases its lock with its death and never renamed its torn file, so the next waiter takes the lock, removes the
@@ -67,8 +67,10 @@ def xxh3_check(size: int, xxh3: int | str, *, file: str) -> Callable[[memoryview
 
 
 def _safe(name: str) -> str:
-    """A file name for ``name`` (checkpoint files may sit in sub-directories)."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    """A file name for ``name`` (checkpoint files may sit in sub-directories); names that had to change carry a
+    digest of the original, so two names never share a file."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    return safe if safe == name else f"{safe}-{hashlib.sha256(name.encode()).hexdigest()[:12]}"
 
 
 class HostShare:
@@ -230,7 +232,8 @@ class HostShare:
                check: Callable[[memoryview], None] | None) -> memoryview:
         """Elected (``lock_fd`` held): fill a temp file, verify it, rename it into place."""
         os.pwrite(lock_fd, f"{os.getpid():<31}\n".encode(), 0)  # who holds it, for a timeout's message
-        stale = [f for f in os.listdir(self.dir) if f.startswith(f".tmp-{os.path.basename(final)}-")]
+        torn = re.compile(rf"\.tmp-\d+-\d+-{re.escape(os.path.basename(final))}")
+        stale = [f for f in os.listdir(self.dir) if torn.fullmatch(f)]
         for f in stale:  # torn by a fetcher that died: its lock went with it
             os.unlink(os.path.join(self.dir, f))
         if stale:
@@ -241,7 +244,7 @@ class HostShare:
         if st.f_bavail * st.f_frsize < size:
             raise ShareSpaceError("no room in the host share for the file", file=name, path=self.dir, size=size,
                                   free=st.f_bavail * st.f_frsize)
-        tmp = os.path.join(self.dir, f".tmp-{os.path.basename(final)}-{os.getpid()}-{threading.get_ident()}")
+        tmp = os.path.join(self.dir, f".tmp-{os.getpid()}-{threading.get_ident()}-{os.path.basename(final)}")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
