@@ -1,33 +1,57 @@
-"""Restart storm bench: a synchronized restore of thousands of ranks, default 3 replicas vs replication hints.
+"""Restart storm bench: a synchronized restore of thousands of ranks, six ways to serve its hot files.
 
 Several storage-node processes run on this machine (``foresight node serve --etcd``), each behind a per-node
 service limit (token buckets on bytes and requests: one node serves a bounded load, as a real disk or NIC does).
 A checkpoint lies on them HDFS-style: every file on 3 nodes chosen at random. Then a restore storm: ``--ranks``
 simulated ranks (a thread pool of readers sharing one :class:`~foresight.checkpoint.hint_client.ReplicaReader`,
-all released at once) each read the checkpoint's ``.metadata``, the data file of the replicated tensors (a DCP
-checkpoint of whole tensors: every rank reads it) and its own shard file, every file verified by xxh3.
+all released at once), ``--ranks-per-host`` to a host, each read the checkpoint's hot files (``.metadata`` and the
+data file of the replicated tensors: every rank reads them) and its own shard file, every file verified by xxh3.
 
-Side by side in one run, on the same nodes and files:
+Side by side, each on a fresh placement of the same files on the same nodes (one checkpoint name per mode):
 
 * ``default``: the 3 base copies only;
-* ``hinted``: after ``set_replication_hints`` (derived from the DCP checkpoint and the world size), the hot files
-  are copied node to node to ``ceil(readers / safe readers)`` nodes (capped by the nodes), then the same storm.
+* ``reactive``: the storage side notices a hot file once ``safe readers`` ranks have read it (after the storm
+  started), watches the load for ``--detect-s`` more, then replicates the files that crossed the line: copies land
+  mid-storm;
+* ``uniform``: every file on 5 copies (2 extra, capped by the nodes), made when the checkpoint was written (HDFS's
+  replication factor raised): no placement on the restore's clock, but 2 extra copies of every byte;
+* ``host cache``: a per-host read-through cache alone (:class:`~foresight.checkpoint.host_share.HostShare`: the
+  ranks of a host read each hot file once), base copies only;
+* ``hints``: replication hints for the hot files (``ceil(readers / safe readers)`` copies) when the restart is
+  declared;
+* ``foresight``: hints for one reader per host (``ranks_per_host``) plus the per-host sharing.
 
-Reported: total checkpoint loading time (storm start -> last rank done), the slowest rank's time (its first read
-to its last), the share of read time spent in the slowest 5% of reads, the hot files' share, reads per node, and
-what the replicas cost (bytes copied, copies, time from the hint to the last copy placed).
+Placement is inside every hinted total: the clock starts when the hint is sent, the ranks are
+released once the copies are placed (``place s``), so the copies do not queue behind the storm's reads at the nodes'
+service limits. Reactive copies land mid-storm (one thread of the process re-reads the copy list every
+``--refresh-s`` for the ranks).
+
+Layouts (``--layouts``), each scaled down by keeping its ratios (hot bytes : per-rank bytes, ranks per host, readers
+per safe reader); nodes, ranks and the per-node limit set the absolute time:
+
+* ``fsdp7b``: a 7B-parameter model with Adam under FSDP at 2,048 ranks, 8 ranks per host. Per rank: fp32 parameters
+  plus the two moments, 12 bytes x 7.0e9 / 2048 = 41 MB. Hot: DCP's ``.metadata`` (every rank reads it whole, in
+  ``dcp.load``'s local step), which lists each chunk of each sharded tensor: 291 parameters x 3 (parameter and two
+  moments) x 2,048 chunks x 179 bytes (measured: a pickled chunk entry and storage entry of foresight's DCP writer)
+  = 320 MB, plus the replicated ``step`` scalars (bytes). Hot : per-rank = 8 : 1, kept here as 256 KiB : 32 KiB.
+* ``shards16k``: the earlier bed: 128 KiB of replicated tensors, 16 KiB per-rank shards.
+
+Safe readers per copy scale with the ranks (64 at 2,048 ranks). Reported per mode: total loading time (storm start
+-> last rank done, placement included), slowest and median rank, the slowest 5% of reads' share, bytes and hot-file
+reads from the nodes per host, extra bytes copied between nodes, host-local bytes, and the placement time.
 
 Usage::
 
-    python bench/restart_storm.py                  # 12 nodes, 2048 ranks (about two minutes on a quiet machine)
-    python bench/restart_storm.py --quick          # 8 nodes, 2048 ranks, smaller files
-    python bench/restart_storm.py --smoke          # 4 nodes, 256 ranks: checks the bench works (seconds)
+    python bench/restart_storm.py                  # 12 nodes, 1024 ranks
+    python bench/restart_storm.py --quick          # 8 nodes, 512 ranks
+    python bench/restart_storm.py --smoke          # 4 nodes, 64 ranks: checks the bench works (seconds)
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
 import json
+import math
 import os
 import random
 import shutil
@@ -46,12 +70,16 @@ sys.path.insert(0, str(REPO / "python"))
 from common import RESULTS, machine, print_table, write_results  # noqa: E402
 
 JOB, TOKEN = "storm", "storm-token-0001"
-NAME = f"{JOB}/step-00000100"
+MODES = ["default", "reactive", "uniform", "host_cache", "hints", "foresight"]
+LABELS = {"default": "default 3 copies", "reactive": "reactive replication", "uniform": "uniform 5 copies",
+          "host_cache": "per-host cache alone", "hints": "hints alone", "foresight": "foresight (hints + host share)"}
+LAYOUTS = {"fsdp7b": dict(replicated_kib=256, shard_kib=32), "shards16k": dict(replicated_kib=128, shard_kib=16)}
 PRESETS = {
-    "smoke": dict(nodes=4, ranks=256, replicated_kib=64, shard_kib=8, limit="2M:200", threads=64),
-    "quick": dict(nodes=8, ranks=2048, replicated_kib=128, shard_kib=16, limit="4M:200", threads=256),
-    "full": dict(nodes=12, ranks=2048, replicated_kib=256, shard_kib=32, limit="4M:200", threads=256),
+    "smoke": dict(nodes=4, ranks=64, limit="2M:200", threads=64, layouts="fsdp7b,shards16k", scale=1 / 4),
+    "quick": dict(nodes=8, ranks=512, limit="4M:200", threads=256, layouts="fsdp7b,shards16k", scale=1.0),
+    "full": dict(nodes=12, ranks=1024, limit="4M:200", threads=256, layouts="fsdp7b,shards16k", scale=1.0),
 }
+REAL_RANKS, REAL_SAFE_READERS = 2048, 64
 
 
 # -- cluster ---------------------------------------------------------------------------------------------------
@@ -125,7 +153,7 @@ def write_checkpoint(work: Path, ranks: int, replicated_kib: int, shard_kib: int
 
     from foresight.checkpoint.dcp import ForesightStorageWriter
 
-    src = work / "ckpt"
+    src = work
     elems = replicated_kib * 1024 // 4
     state = {"embed": torch.randn(elems // 2), "norm": torch.randn(elems - elems // 2)}
     dcp.save(state, storage_writer=ForesightStorageWriter(src))
@@ -138,7 +166,7 @@ def write_checkpoint(work: Path, ranks: int, replicated_kib: int, shard_kib: int
     return src, shards
 
 
-def place_default(cluster: Cluster, src: Path, replicas: int = 3, seed: int = 1) -> dict[str, list[str]]:
+def place_default(cluster: Cluster, src: Path, name: str, replicas: int = 3, seed: int = 1) -> dict[str, list[str]]:
     """Every file on ``replicas`` nodes chosen at random (HDFS's default placement), then published there."""
     from foresight.checkpoint.hint_client import publish_checkpoint
 
@@ -146,123 +174,295 @@ def place_default(cluster: Cluster, src: Path, replicas: int = 3, seed: int = 1)
     where: dict[str, list[str]] = {}
     for f in sorted(os.listdir(src)):
         for i in rng.sample(range(len(cluster.roots)), replicas):
-            d = cluster.roots[i] / JOB / "step-00000100"
+            d = cluster.roots[i].joinpath(*name.split("/"))
             d.mkdir(parents=True, exist_ok=True)
             shutil.copy(src / f, d / f)  # each node its own file, as on separate disks
             where.setdefault(f, []).append(cluster.nodes[i]["node"])
     for n, root in zip(cluster.nodes, cluster.roots):
-        if (root / JOB).exists():
-            publish_checkpoint(n["location"], NAME, job=JOB, token=TOKEN)
+        if root.joinpath(*name.split("/")).exists():
+            publish_checkpoint(n["location"], name, job=JOB, token=TOKEN)
     return where
 
 
 # -- the storm -------------------------------------------------------------------------------------------------
-def storm(etcd: str, ranks: int, shards: list[str], hot: list[str], threads: int) -> dict:
+class Placement:
+    """Copies asked for at the storm's start (``hints``, ``uniform``) or once hot files are seen (``reactive``),
+    sent from a thread of their own so the storm never waits for them; when the last copy landed."""
+
+    def __init__(self, etcd: str, name: str, hints: list, *, ranks_per_host: int = 1) -> None:
+        self.etcd, self.name, self.hints, self.ranks_per_host = etcd, name, hints, ranks_per_host
+        self.plan: dict | None = None
+        self.placed: dict | None = None
+        self.error: str | None = None
+        self.t0 = 0.0
+        self.place_s: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="storm-placement", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from foresight.checkpoint.hint_client import set_replication_hints, wait_for_replicas
+
+        try:
+            self.plan = set_replication_hints(self.name, etcd=self.etcd, job=JOB, token=TOKEN, ttl_s=600,
+                                              hints=self.hints, ranks_per_host=self.ranks_per_host)
+            self.placed = wait_for_replicas(self.name, etcd=self.etcd, job=JOB, token=TOKEN, timeout=600,
+                                            poll_s=0.05)
+            self.place_s = time.perf_counter() - self.t0
+        except Exception as e:  # reported in the results: the storm itself falls back to the base copies
+            self.error = str(e)[:300]
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout=600)
+
+
+class Detector:
+    """Reactive replication: counts the reads of each file; once one file reached ``threshold`` readers, it watches
+    for ``window_s`` more (a monitoring interval), then hints the files that reached ``threshold`` (one hint per
+    checkpoint), as a storage system reacting to load would."""
+
+    def __init__(self, placement: Placement, hot_hints: dict, threshold: int, window_s: float) -> None:
+        self.placement, self.hot_hints, self.threshold, self.window_s = placement, hot_hints, threshold, window_s
+        self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._reads = 0
+        self._timer: threading.Timer | None = None
+        self.fired_after_reads: int | None = None
+
+    def saw(self, file: str) -> None:
+        with self._lock:
+            self._reads += 1
+            self.counts[file] = self.counts.get(file, 0) + 1
+            if self._timer is None and self.counts[file] >= self.threshold:
+                self._timer = threading.Timer(self.window_s, self._fire)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            self.fired_after_reads = self._reads
+            seen = [self.hot_hints[f] for f, c in self.counts.items() if f in self.hot_hints and c >= self.threshold]
+        self.placement.hints = seen
+        self.placement.start()
+
+    def join(self) -> None:
+        if self._timer is not None:
+            self._timer.join()
+        self.placement.join()
+
+
+def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot: list[str], *,
+          share_root: Path | None = None, placement: Placement | None = None,
+          detector: Detector | None = None) -> dict:
     """All ranks released at once; each reads the hot files then its own shard. Per-read and per-rank times."""
     from foresight.checkpoint.hint_client import ReplicaReader
+    from foresight.checkpoint.host_share import HostShare, SharedReplicaReader
 
+    ranks, per_host = args.ranks, args.ranks_per_host
+    hosts = math.ceil(ranks / per_host)
     reads: list[tuple[int, str, float, float]] = []
     lock = threading.Lock()
-    with ReplicaReader(etcd, job=JOB, token=TOKEN, refresh_s=600) as reader:
-        reader.copies(NAME)  # the copy list once, as each rank's loader would have it before the storm
+    shares = ([HostShare(name, directory=str(share_root / f"host-{r // per_host:04d}")) for r in range(ranks)]
+              if share_root is not None else None)  # each rank joins before the first read, as at a restart
+    with ReplicaReader(etcd, job=JOB, token=TOKEN, refresh_s=3600) as replicas:
+        replicas.copies(name)  # the copy list once, as each rank's loader would have it before the storm
         gate = threading.Event()
+        done = threading.Event()
+
+        def refresh() -> None:
+            """One thread re-reads the copy list (the ranks share it), so copies placed mid-storm take readers
+            without every rank asking etcd at once."""
+            while not done.wait(args.refresh_s):
+                try:
+                    replicas.copies(name, force=True)
+                except Exception as e:  # etcd slow under the storm: keep the list we have, say so
+                    print(f"  copy-list refresh failed: {str(e)[:120]}", flush=True)
 
         def rank(r: int) -> tuple[float, float]:
+            reader = SharedReplicaReader(replicas, shares[r], hot=hot) if shares else replicas
             gate.wait()
             mine = []
             for f in [*hot, shards[r]]:
+                if detector is not None:
+                    detector.saw(f)
                 t = time.perf_counter()
-                reader.read(NAME, f)
+                reader.read(name, f)
                 mine.append((r, f, t, time.perf_counter()))
             with lock:
                 reads.extend(mine)
             return mine[0][2], mine[-1][3]
 
-        with cf.ThreadPoolExecutor(threads) as pool:
+        refresher = None
+        if detector is not None:
+            refresher = threading.Thread(target=refresh, name="storm-copy-list", daemon=True)
+        with cf.ThreadPoolExecutor(args.threads) as pool:
             futures = [pool.submit(rank, r) for r in range(ranks)]
             t0 = time.perf_counter()
+            if placement is not None:  # the copies are placed first, inside the total, on idle nodes
+                placement.start()
+                placement.join()
+                replicas.copies(name, force=True)
+            if refresher is not None:
+                refresher.start()
             gate.set()
-            spans = [f.result() for f in futures]
+            try:
+                spans = [f.result() for f in futures]
+            finally:
+                done.set()
+        if refresher is not None:
+            refresher.join()
         total = max(end for _, end in spans) - t0
-        stats = dict(reader.stats)
+        stats = dict(replicas.stats)
+    host_fetches = hosts * len(hot) * per_host  # without sharing every rank fetches every hot file
+    local_bytes = 0
+    if shares is not None:
+        host_fetches = sum(s.stats["fetched"] for s in shares)
+        local_bytes = sum(s.stats["fetched_bytes"] for s in shares)
+        for s in shares:
+            s.close()
+        left = [p for p in share_root.iterdir() if any(p.iterdir())]
+        if left:
+            raise RuntimeError(f"host shares left files behind: {left[:3]}")
+    if placement is not None:
+        placement.join()
     durations = sorted((end - start for _, _, start, end in reads), reverse=True)
     worst = durations[: max(1, len(durations) // 20)]
-    hot_time = sum(end - start for _, f, start, end in reads if f in hot)
     rank_times = sorted(end - start for start, end in spans)
-    return {"total_s": total, "slowest_rank_s": rank_times[-1], "median_rank_s": statistics.median(rank_times),
-            "p99_rank_s": rank_times[int(0.99 * (len(rank_times) - 1))],
-            "slowest_5pct_share": sum(worst) / sum(durations), "hot_share": hot_time / sum(durations),
-            "reads": len(reads), "retries": stats["retries"], "verify_failures": stats["verify_failures"],
-            "reads_by_node": dict(sorted(stats["by_node"].items()))}
+    out = {"total_s": total, "slowest_rank_s": rank_times[-1], "median_rank_s": statistics.median(rank_times),
+           "p99_rank_s": rank_times[int(0.99 * (len(rank_times) - 1))],
+           "slowest_5pct_share": sum(worst) / sum(durations), "reads": len(reads),
+           "node_reads": stats["reads"], "node_bytes": stats["bytes"], "bytes_per_host": stats["bytes"] / hosts,
+           "hot_reads_per_host": host_fetches / hosts, "host_local_bytes": local_bytes,
+           "retries": stats["retries"], "verify_failures": stats["verify_failures"],
+           "reads_by_node": dict(sorted(stats["by_node"].items())), "copy_bytes": 0, "new_replicas": 0,
+           "place_s": None, "placement_error": None}
+    if placement is not None:
+        out.update(copy_bytes=(placement.plan or {}).get("copy_bytes", 0),
+                   new_replicas=(placement.plan or {}).get("new_replicas", 0), place_s=placement.place_s,
+                   placement_error=placement.error,
+                   copy_failures=(placement.placed or {}).get("failed"),
+                   files=[{k: f[k] for k in ("path", "size", "readers", "wanted", "replicas", "capped_by")}
+                          for f in (placement.plan or {}).get("files", [])][:4])
+    return out
+
+
+def release(cluster: Cluster, name: str, timeout: float = 300.0) -> None:
+    """End a mode's hint and wait until the nodes reclaimed its copies: a node checks each copy it holds against
+    etcd every second, so copies left from one mode would slow the next one's nodes."""
+    from foresight.checkpoint.hint_client import release_replication_hints
+
+    release_replication_hints(name, etcd=cluster.etcd.endpoint, job=JOB, token=TOKEN)
+    deadline = time.monotonic() + timeout
+    while any(s["hinted_copies"] for s in cluster.stats().values()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"hinted copies of {name} not reclaimed within {timeout} s")
+        time.sleep(0.2)
+
+
+def run_layout(cluster: Cluster, args: argparse.Namespace, layout: str, work: Path, seq: list[int]) -> dict:
+    from foresight.checkpoint.hints import derive_dcp_hints
+
+    sizes = {k: max(1, int(v * args.scale)) for k, v in LAYOUTS[layout].items()}
+    src, shards = write_checkpoint(work / f"ckpt-{layout}", args.ranks, sizes["replicated_kib"], sizes["shard_kib"])
+    hot_hints = derive_dcp_hints(str(src), args.ranks)  # .metadata and the data file; shards are not in it
+    hosts = math.ceil(args.ranks / args.ranks_per_host)
+    hot = [h.path for h in hot_hints]
+    etcd = cluster.etcd.endpoint
+    results: dict[str, dict] = {}
+    for mode in args.modes:
+        seq[0] += 1
+        name = f"{JOB}/{layout}-{mode}-{seq[0]}"
+        copies = min(5, args.nodes) if mode == "uniform" else 3
+        place_default(cluster, src, name, replicas=copies)
+        placement = detector = share_root = None
+        if mode == "hints":
+            placement = Placement(etcd, name, hot_hints)
+        elif mode == "foresight":
+            placement = Placement(etcd, name, hot_hints, ranks_per_host=args.ranks_per_host)
+        elif mode == "reactive":
+            placement = Placement(etcd, name, [])
+            detector = Detector(placement, {h.path: h for h in hot_hints}, args.safe_readers, args.detect_s)
+        if mode in ("host_cache", "foresight"):
+            share_root = work / f"shares-{layout}-{mode}"
+            share_root.mkdir()
+        r = storm(etcd, name, args, shards, hot, share_root=share_root,
+                  placement=None if mode == "reactive" else placement, detector=detector)
+        if detector is not None:
+            detector.join()  # the hint may land after a short storm: counted all the same
+            r.update(detected_after_reads=detector.fired_after_reads, place_s=placement.place_s,
+                     copy_bytes=(placement.plan or {}).get("copy_bytes", 0),
+                     new_replicas=(placement.plan or {}).get("new_replicas", 0), placement_error=placement.error)
+        if mode == "uniform":  # the extra copies were made when the checkpoint was written, off the restore's clock
+            r.update(copy_bytes=(copies - 3) * sum(os.path.getsize(src / f) for f in os.listdir(src)),
+                     new_replicas=(copies - 3) * len(os.listdir(src)))
+        results[mode] = r
+        if placement is not None and placement.plan is not None:
+            release(cluster, name)
+        print(f"  {layout} {mode:>10}: {r['total_s']:.2f} s, {r['bytes_per_host'] / 1024:.0f} KiB/host from the "
+              f"nodes, +{r['copy_bytes'] / 1024:.0f} KiB copied", flush=True)
+        if share_root is not None:
+            shutil.rmtree(share_root, ignore_errors=True)
+    d = results["default"]["total_s"]
+    for r in results.values():
+        r["reduction"] = 1 - r["total_s"] / d
+    best_other = min((m for m in results if m not in ("default", "foresight")),
+                     key=lambda m: results[m]["total_s"], default=None)
+    return {"sizes": sizes, "hot": hot, "hot_bytes": sum(h.size for h in hot_hints), "hosts": hosts,
+            "ckpt_bytes": sum(os.path.getsize(src / f) for f in os.listdir(src)),
+            "shard_bytes": sizes["shard_kib"] * 1024, "modes": results, "best_alternative": best_other,
+            "foresight_vs_best_alternative": (results["foresight"]["total_s"] / results[best_other]["total_s"]
+                                              if best_other and "foresight" in results else None)}
 
 
 def run(args: argparse.Namespace) -> dict:
-    from foresight.checkpoint.hint_client import set_replication_hints, wait_for_replicas
-    from foresight.checkpoint.hints import derive_dcp_hints
-
     work = Path(tempfile.mkdtemp(prefix="restart-storm-", dir=args.dir))
     cluster = None
     try:
         t = time.perf_counter()
         cluster = Cluster(work, args.nodes, args.limit, args.safe_readers)
-        src, shards = write_checkpoint(work, args.ranks, args.replicated_kib, args.shard_kib)
         cluster.wait_ready()
-        dcp_files = derive_dcp_hints(str(src), args.ranks)  # .metadata and the data file; shards are not in it
-        hot = [h.path for h in dcp_files]
-        where = place_default(cluster, src)
-        setup_s = time.perf_counter() - t
-        print(f"restart_storm: {args.nodes} nodes, {args.ranks} ranks, limit {args.limit}/node; "
-              f"hot files {hot} on {[where[h] for h in hot]}; set-up {setup_s:.1f} s", flush=True)
-        results = {}
-        results["default"] = storm(cluster.etcd.endpoint, args.ranks, shards, hot, args.threads)
-        print(f"  default: {results['default']['total_s']:.2f} s", flush=True)
-        t = time.perf_counter()
-        plan = set_replication_hints(NAME, etcd=cluster.etcd.endpoint, job=JOB, token=TOKEN, ttl_s=600,
-                                     checkpoint_dir=str(src), world_size=args.ranks, hints=dcp_files)
-        placed = wait_for_replicas(NAME, etcd=cluster.etcd.endpoint, job=JOB, token=TOKEN, timeout=300)
-        place_s = time.perf_counter() - t
-        results["hinted"] = storm(cluster.etcd.endpoint, args.ranks, shards, hot, args.threads)
-        print(f"  hinted:  {results['hinted']['total_s']:.2f} s", flush=True)
+        print(f"restart_storm: {args.nodes} nodes, {args.ranks} ranks ({args.ranks_per_host} per host), limit "
+              f"{args.limit}/node, safe readers {args.safe_readers}; set-up {time.perf_counter() - t:.1f} s",
+              flush=True)
+        seq = [0]
+        layouts = {layout: run_layout(cluster, args, layout, work, seq) for layout in args.layouts}
         node_stats = cluster.stats()
     finally:
         if cluster is not None:
             cluster.close()
         shutil.rmtree(work, ignore_errors=True)
-    d, h = results["default"], results["hinted"]
-    cost = {"copy_bytes": plan["copy_bytes"], "new_replicas": plan["new_replicas"], "place_s": place_s,
-            "copy_failures": placed["failed"],
-            "files": [{k: f[k] for k in ("path", "size", "readers", "wanted", "replicas", "capped_by")}
-                      for f in plan["files"]]}
-    return {"config": {k: getattr(args, k) for k in ("nodes", "ranks", "replicated_kib", "shard_kib", "limit",
-                                                       "threads", "safe_readers", "preset")},
-            "default": d, "hinted": h, "replicas": cost, "base_placement": {f: where[f] for f in hot},
-            "reduction": 1 - h["total_s"] / d["total_s"],
-            "slowest_rank_reduction": 1 - h["slowest_rank_s"] / d["slowest_rank_s"],
+    return {"config": {k: getattr(args, k) for k in ("nodes", "ranks", "ranks_per_host", "limit", "threads",
+                                                       "safe_readers", "refresh_s", "scale", "layouts", "modes",
+                                                       "preset")},
+            "layouts": layouts,
             "node_stats": {n: {k: s[k] for k in ("reads", "bytes", "copies_made", "reclaimed")}
                            for n, s in node_stats.items()}}
 
 
 # -- output ----------------------------------------------------------------------------------------------------
 def report(res: dict) -> list[dict]:
-    d, h, c = res["default"], res["hinted"], res["replicas"]
-    rows = [[name, f"{r['total_s']:.2f}", f"{r['slowest_rank_s']:.2f}", f"{r['median_rank_s']:.2f}",
-             f"{100 * r['slowest_5pct_share']:.1f}%", f"{100 * r['hot_share']:.1f}%", len(r["reads_by_node"]),
-             r["retries"]] for name, r in (("default 3 replicas", d), ("hinted", h))]
-    rows.append(["reduction", f"{100 * res['reduction']:.1f}%", f"{100 * res['slowest_rank_reduction']:.1f}%",
-                 "", "", "", "", ""])
     cfg = res["config"]
-    return [
-        {"title": f"restore storm: {cfg['ranks']} ranks, {cfg['nodes']} nodes at {cfg['limit']} (bytes/s:requests/s) "
-                  "each", "header": ["replication", "total s", "slowest rank s", "median rank s",
-                                     "slowest 5% reads' share", "hot files' share", "nodes serving", "retries"],
-         "rows": rows},
-        {"title": "what the hinted replicas cost", "header": ["file", "bytes", "readers", "wanted", "replicas",
-                                                              "capped by"],
-         "rows": [[f["path"], f["size"], f["readers"], f["wanted"], f["replicas"], f["capped_by"] or "-"]
-                  for f in c["files"]]
-                 + [["total", c["copy_bytes"], "", "", f"+{c['new_replicas']} copies",
-                     f"placed in {c['place_s']:.2f} s"]]},
-    ]
+    tables = []
+    for layout, lr in res["layouts"].items():
+        rows = []
+        for mode, r in lr["modes"].items():
+            rows.append([LABELS[mode], f"{r['total_s']:.2f}", f"{100 * r['reduction']:.1f}%",
+                         f"{r['slowest_rank_s']:.2f}", f"{r['median_rank_s']:.2f}",
+                         f"{r['bytes_per_host'] / 1024:.0f}", f"{r['hot_reads_per_host']:.1f}",
+                         f"{r['copy_bytes'] / 1024:.0f}", f"{r['host_local_bytes'] / 1024:.0f}",
+                         "-" if r["place_s"] is None else f"{r['place_s']:.2f}", r["retries"]])
+        tables.append({"title": f"{layout}: {cfg['ranks']} ranks ({cfg['ranks_per_host']} per host), hot "
+                                f"{lr['hot_bytes'] // 1024} KiB + {lr['shard_bytes'] // 1024} KiB per rank, "
+                                f"{cfg['nodes']} nodes at {cfg['limit']} (bytes/s:requests/s) each",
+                       "header": ["mode", "total s", "vs default", "slowest rank s", "median rank s",
+                                  "KiB/host from nodes", "hot reads/host", "extra KiB copied", "host-local KiB",
+                                  "place s", "retries"],
+                       "rows": rows})
+    return tables
 
 
 def plot(res: dict, path: Path) -> None:
@@ -271,26 +471,21 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = ["default", "hinted"]
-    x = range(len(names))
-    for j, (key, label) in enumerate([("total_s", "total loading"), ("slowest_rank_s", "slowest rank"),
-                                      ("median_rank_s", "median rank")]):
-        a.bar([i + (j - 1) * 0.27 for i in x], [res[n][key] for n in names], 0.27, label=label)
-    a.set_xticks(list(x))
-    a.set_xticklabels(["default 3 replicas", f"hinted (+{res['replicas']['new_replicas']} copies)"])
-    a.set_ylabel("seconds")
-    a.set_title(f"{res['config']['ranks']} ranks: {100 * res['reduction']:.0f}% less loading time")
-    a.legend(fontsize=8)
-    nodes = sorted(set(res["default"]["reads_by_node"]) | set(res["hinted"]["reads_by_node"]))
-    for j, n in enumerate(names):
-        b.bar([i + (j - 0.5) * 0.4 for i in range(len(nodes))], [res[n]["reads_by_node"].get(k, 0) for k in nodes],
-              0.4, label=n)
-    b.set_xticks(range(len(nodes)))
-    b.set_xticklabels(nodes, rotation=45, fontsize=7)
-    b.set_ylabel("reads served")
-    b.set_title("reads per node")
-    b.legend(fontsize=8)
+    layouts = list(res["layouts"])
+    fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.5), squeeze=False)
+    for ax, layout in zip(axes[0], layouts):
+        modes = res["layouts"][layout]["modes"]
+        names = list(modes)
+        ax.bar(range(len(names)), [modes[m]["total_s"] for m in names],
+               color=["tab:gray" if m == "default" else "tab:green" if m == "foresight" else "tab:blue"
+                      for m in names])
+        for i, m in enumerate(names):
+            ax.text(i, modes[m]["total_s"], f"+{modes[m]['copy_bytes'] / 1048576:.1f} MiB", ha="center",
+                    va="bottom", fontsize=7)
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels([LABELS[m] for m in names], rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("total loading time, s (placement included)")
+        ax.set_title(f"{layout}: {res['config']['ranks']} ranks; labels: extra bytes copied", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -298,15 +493,21 @@ def plot(res: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="4 nodes, 256 ranks: checks the bench works")
-    ap.add_argument("--quick", action="store_true", help="8 nodes, 2048 ranks, smaller files")
+    ap.add_argument("--smoke", action="store_true", help="4 nodes, 64 ranks: checks the bench works")
+    ap.add_argument("--quick", action="store_true", help="8 nodes, 512 ranks")
     ap.add_argument("--nodes", type=int, default=None)
     ap.add_argument("--ranks", type=int, default=None)
-    ap.add_argument("--replicated-kib", type=int, default=None, help="size of the replicated tensors' data file")
-    ap.add_argument("--shard-kib", type=int, default=None, help="size of each rank's own shard file")
+    ap.add_argument("--ranks-per-host", type=int, default=8)
+    ap.add_argument("--layouts", default=None, help=f"comma-separated, of {sorted(LAYOUTS)}")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES} (default first)")
+    ap.add_argument("--scale", type=float, default=None, help="multiplies the layouts' file sizes")
     ap.add_argument("--limit", default=None, help="per-node service limit BYTES[K|M|G]:REQUESTS per second")
     ap.add_argument("--threads", type=int, default=None, help="reader threads (ranks in flight at once)")
-    ap.add_argument("--safe-readers", type=int, default=64, help="readers one replica serves well (the planner's)")
+    ap.add_argument("--safe-readers", type=int, default=None,
+                    help=f"readers one copy serves well (default: {REAL_SAFE_READERS} at {REAL_RANKS} ranks, scaled)")
+    ap.add_argument("--refresh-s", type=float, default=0.25, help="how often readers re-read the copy list")
+    ap.add_argument("--detect-s", type=float, default=0.5,
+                    help="reactive mode: how long the storage side watches the load before it replicates")
     ap.add_argument("--dir", default=None, help="scratch directory (default: the system's temp directory)")
     ap.add_argument("--out", default=str(RESULTS), help="where the JSON and PNG go")
     args = ap.parse_args(argv)
@@ -314,21 +515,35 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.safe_readers is None:
+        args.safe_readers = max(1, round(REAL_SAFE_READERS * args.ranks / REAL_RANKS))
+    args.layouts = [x for x in str(args.layouts).split(",") if x]
+    args.modes = [x for x in str(args.modes).split(",") if x]
+    bad = sorted(set(args.layouts) - set(LAYOUTS)) + sorted(set(args.modes) - set(MODES))
+    if bad or "default" not in args.modes:
+        ap.error(f"unknown layouts/modes {bad}, or no default mode to compare with")
     res = run(args)
-    d, h = res["default"], res["hinted"]
     for t in report(res):
         print()
         print_table([dict(zip(t["header"], r)) for r in t["rows"]], t["header"], t["title"])
-    print(f"\nloading-time reduction {100 * res['reduction']:.1f}% (paper: 40.8%, target >= 50%); "
-          f"verify failures {d['verify_failures'] + h['verify_failures']}")
+    print()
+    for layout, lr in res["layouts"].items():
+        f = lr["modes"].get("foresight")
+        if f is not None:
+            print(f"{layout}: foresight loading-time reduction {100 * f['reduction']:.1f}% vs the default (paper: "
+                  f"40.8%, target >= 50%); {lr['foresight_vs_best_alternative']:.2f}x the best alternative "
+                  f"({lr['best_alternative']})")
+    failures = sum(r["verify_failures"] for lr in res["layouts"].values() for r in lr["modes"].values())
+    print(f"verify failures {failures}")
     suffix = "" if args.preset == "full" else f"_{args.preset}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"title": "Restart storm: hot checkpoint files replicated ahead of a synchronized restore",
+    payload = {"title": "Restart storm: six ways to serve a synchronized restore's hot checkpoint files",
                "machine": machine(), **res, "report": report(res),
-               "notes": ["total = storm start to the last rank done; slowest rank = its first read to its last; "
-                         "slowest 5% reads' share = their part of all read time (paper: stragglers 67.97% of the "
-                         "waiting); each node behind a token-bucket service limit"]}
+               "notes": ["total = the hint or copies sent (placed before the ranks are released; else the storm start) "
+                         "to the last rank done; slowest rank = its "
+                         "first read to its last; each node behind a token-bucket service limit; KiB/host = bytes "
+                         "the nodes served / hosts; hot reads/host = hot-file fetches from the nodes per host"]}
     if out == RESULTS:
         path = write_results(f"restart_storm{suffix}", payload)
     else:

@@ -33,12 +33,19 @@ import os
 import pickle
 import threading
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -339,11 +346,19 @@ class ForesightStorageReader(_DirectoryCheckpoint, StorageReader):
         path: the checkpoint directory.
         verify: check each item's xxh3 (a mismatch raises CheckpointError naming file, item and offset).
         max_gap: extents closer than this are read as one request (the gap bytes are read and dropped).
+        host_share: a :class:`~foresight.checkpoint.host_share.HostShare`: ``.metadata`` and the hot files (those
+            whose bytes are mostly items every rank reads: whole tensors, bytes items; or ``shared_files``) are
+            read once per host and mapped by the host's other ranks, every item verified by each of them.
+        shared_files: the data files to share (relative paths); default: derived from the metadata.
     """
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = True, direct: bool = True,
-                 max_gap: int = 1 << 20, io_threads: int = 4) -> None:
+                 max_gap: int = 1 << 20, io_threads: int = 4, host_share: Any = None,
+                 shared_files: Collection[str] | None = None) -> None:
         super().__init__()
+        self.host_share = host_share
+        self.shared_files = None if shared_files is None else set(shared_files)
+        self._items_by_file: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self.path = os.fspath(path)
         self.verify = verify
         self.direct = direct
@@ -362,8 +377,11 @@ class ForesightStorageReader(_DirectoryCheckpoint, StorageReader):
         """``.metadata``, or with ``rank=r`` the ``__r.metadata`` of a save with ``use_collectives=False``."""
         path = os.path.join(self.path, metadata_name(kwargs.get("rank")))
         try:
-            with open(path, "rb") as f:
-                metadata = load_dcp_metadata(f, source=path)
+            if self.host_share is not None:
+                metadata = load_dcp_metadata(io.BytesIO(self._shared_metadata(path)), source=path)
+            else:
+                with open(path, "rb") as f:
+                    metadata = load_dcp_metadata(f, source=path)
         except FileNotFoundError as e:
             raise CheckpointError("no DCP metadata: checkpoint missing or incomplete", path=path) from e
         if getattr(metadata, "storage_meta", None) is None:
@@ -378,6 +396,24 @@ class ForesightStorageReader(_DirectoryCheckpoint, StorageReader):
         if error is not None:
             raise error
         self.storage_data = metadata.storage_data
+        if self.host_share is not None:
+            self._items_by_file = _items_by_file(metadata)
+            if self.shared_files is None:
+                self.shared_files = hot_files(metadata)
+
+    def _shared_metadata(self, path: str) -> memoryview:
+        """``.metadata`` through the host share: one read per host. It records no checksum of itself, so the shared
+        copy's name carries the file's inode, size and mtime: a copy left from another version is never used."""
+        st = os.stat(path)
+        size = st.st_size
+
+        def fill(buf: memoryview) -> None:
+            with open(path, "rb", buffering=0) as f:
+                if f.readinto(buf) != size:
+                    raise CheckpointError("DCP metadata changed size while read", path=path)
+
+        version = f"@{st.st_ino}-{st.st_size}-{st.st_mtime_ns}"
+        return self.host_share.get_or_read(os.path.relpath(path, self.path) + version, size, fill)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -402,6 +438,11 @@ class ForesightStorageReader(_DirectoryCheckpoint, StorageReader):
     def _read_file(self, fio: FileIO, rel: str, reqs: list[Any], planner: LoadPlanner) -> None:
         path = os.path.join(self.path, rel)
         infos = {id(r): self.storage_data[r.storage_index] for r in reqs}
+        if self.host_share is not None and rel in (self.shared_files or ()):
+            # every item of the file was verified by the share's check
+            self._load_items(path, self._shared_file(fio, rel), infos, reqs, planner, lambda offset: offset,
+                             verify=False)
+            return
         uniq = sorted({(i.offset, i.length) for i in infos.values()})
         # coalesce the aligned extents: closer than max_gap -> one large read (gap bytes read and dropped)
         runs: list[list[int]] = []
@@ -434,12 +475,49 @@ class ForesightStorageReader(_DirectoryCheckpoint, StorageReader):
             run = int(np.searchsorted(run_starts, offset, side="right")) - 1
             return int(buf_pos[run] + offset - run_starts[run])
 
+        self._load_items(path, buf, infos, reqs, planner, where)
+
+    def _shared_file(self, fio: FileIO, rel: str) -> torch.Tensor:
+        """The whole file through the host share: fetched by one process of the host, every item of it verified
+        by the fetcher before it is published and by each process that maps it."""
+        path = os.path.join(self.path, rel)
+        try:
+            size = os.stat(path).st_size
+        except OSError as e:
+            raise CheckpointError(f"DCP data file missing: {e.strerror}", path=path) from e
+        none = np.zeros(0, np.int64)
+        offsets, lengths, sums = self._items_by_file.get(rel, (none, none, none.astype(np.uint64)))
+        if len(offsets) and size < int((offsets + lengths).max()):
+            raise CheckpointError("DCP data file is truncated", path=path, size=size,
+                                  needed=int((offsets + lengths).max()))
+
+        def fill(buf: memoryview) -> None:
+            fd, _ = fio.open(path, direct=self.direct and size % ALIGN == 0)
+            try:
+                fio.read(fd, buf, path=path)
+            finally:
+                os.close(fd)
+
+        def check(buf: memoryview) -> None:
+            if self.verify and len(offsets):
+                bad = np.flatnonzero(xxh3_many(buf, offsets, lengths) != sums)
+                if len(bad):
+                    raise CheckpointError("DCP item checksum mismatch: data file is corrupt", path=path,
+                                          offset=int(offsets[bad[0]]), corrupt_items=len(bad))
+
+        view = self.host_share.get_or_read(rel, size, fill, check)
+        return torch.frombuffer(view, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+
+    def _load_items(self, path: str, buf: torch.Tensor, infos: dict[int, Any], reqs: list[Any],
+                    planner: LoadPlanner, where: Any, *, verify: bool = True) -> None:
+        """Verify each item (once) and hand it to the planner; ``where(offset)`` is its position in ``buf``."""
+        mv = memoryview(buf.numpy())
         verified: set[int] = set()
         for req in reqs:
             info = infos[id(req)]
             pos = where(info.offset)
             raw = buf[pos:pos + info.length]
-            if self.verify and info.offset not in verified:
+            if verify and self.verify and info.offset not in verified:
                 got = int(xxh3_many(mv, np.array([pos]), np.array([info.length]))[0])
                 if got != info.xxh3:
                     raise CheckpointError("DCP item checksum mismatch: data file is corrupt", path=path,
@@ -465,4 +543,26 @@ class ForesightStorageReader(_DirectoryCheckpoint, StorageReader):
             planner.commit_tensor(req, target)
 
 
-__all__ = ["ForesightStorageInfo", "ForesightStorageReader", "ForesightStorageWriter"]
+def _items_by_file(metadata: Metadata) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per data file: (offsets, lengths, xxh3) of every item in it (one batch check per shared file)."""
+    per: dict[str, list[tuple[int, int, int]]] = {}
+    for info in metadata.storage_data.values():
+        per.setdefault(info.relative_path, []).append((info.offset, info.length, info.xxh3))
+    return {rel: (np.array([o for o, _, _ in v], np.int64), np.array([n for _, n, _ in v], np.int64),
+                  np.array([h for _, _, h in v], np.uint64)) for rel, v in per.items()}
+
+
+def hot_files(metadata: Metadata) -> set[str]:
+    """Data files whose bytes are mostly items every rank that loads them reads (bytes items, tensors saved whole,
+    as :func:`foresight.checkpoint.hot_layout.read_by_every_rank` puts them in a file of their own)."""
+    hot: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        md = metadata.state_dict_metadata.get(index.fqn)
+        whole = isinstance(md, BytesStorageMetadata) or (isinstance(md, TensorStorageMetadata) and len(md.chunks) == 1)
+        total[info.relative_path] = total.get(info.relative_path, 0) + info.length
+        hot[info.relative_path] = hot.get(info.relative_path, 0) + (info.length if whole else 0)
+    return {rel for rel, n in total.items() if n and 2 * hot[rel] >= n}
+
+
+__all__ = ["ForesightStorageInfo", "ForesightStorageReader", "ForesightStorageWriter", "hot_files"]

@@ -18,6 +18,7 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import threading
@@ -79,10 +80,12 @@ def publish_checkpoint(node: str, checkpoint: str, *, job: str, token: str) -> d
 def set_replication_hints(checkpoint: str, *, job: str, token: str, ttl_s: float, etcd: str | None = None,
                           node: str | None = None, checkpoint_dir: str | None = None, world_size: int | None = None,
                           replicated_readers: int | None = None, hints: Sequence[FileHint] | None = None,
-                          allow_partial: bool = False, prefix: str | None = None) -> dict:
+                          allow_partial: bool = False, prefix: str | None = None, ranks_per_host: int = 1) -> dict:
     """Declare the files a restart of ``world_size`` ranks will read from ``checkpoint`` (named ``<job>/...``).
 
     Hints come from ``checkpoint_dir`` (a local copy of the DCP checkpoint) and ``world_size``, or from ``hints``.
+    With ``ranks_per_host`` > 1 the ranks of a host share their reads (:mod:`foresight.checkpoint.host_share`):
+    a file read by at least that many ranks has one reader per host, ``ceil(readers / ranks_per_host)``.
     Returns the node's plan: per file the readers, replicas wanted and placed, new nodes, the cap that bit and
     the bytes the file granularity copies in vain; ``copy_bytes`` and ``new_replicas`` in total.
     Refused (``pyarrow.flight.FlightServerError`` naming the reason) for unknown files, sizes that differ,
@@ -92,6 +95,11 @@ def set_replication_hints(checkpoint: str, *, job: str, token: str, ttl_s: float
         if checkpoint_dir is None or world_size is None:
             raise ValueError("give hints=, or checkpoint_dir= and world_size= to derive them")
         hints = derive_dcp_hints(checkpoint_dir, world_size, replicated_readers=replicated_readers)
+    if ranks_per_host < 1:
+        raise ValueError(f"ranks_per_host {ranks_per_host} < 1")
+    if ranks_per_host > 1:
+        hints = [dataclasses.replace(h, readers=-(-h.readers // ranks_per_host)) if h.readers >= ranks_per_host
+                 else h for h in hints]
     body = {"job": job, "checkpoint": checkpoint, "ttl_s": ttl_s, "files": [h.to_dict() for h in hints],
             "allow_partial": allow_partial}
     return _cluster_action("set_replication_hints", body, job=job, token=token, etcd=etcd, node=node, prefix=prefix)
