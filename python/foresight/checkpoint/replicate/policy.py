@@ -8,6 +8,11 @@ disk (the training site's node starts sending units while the writer is still co
 does not name are not sent, unless :meth:`Replication.urgent` asks for one (an anomaly: evaluate now), which
 also raises the priority of a transfer already in flight.
 
+A replica is an extra: the hooks never raise. When the node cannot be reached (down, restarting), the hook logs a
+warning, counts it in ``stats["hook_failures"]`` and keeps the step pending; pending steps are retried (started
+from their committed directory, then committed) at the next hook, in :meth:`Replication.wait`, by
+:meth:`Replication.retry_pending`, and every ``retry_every_s`` by a background thread.
+
 The checkpoint directory must lie under the training site's node ``--root`` (the node reads the data files
 itself and refuses paths outside its root); the replica's name is ``<job>/<directory name>``.
 
@@ -26,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -35,6 +41,9 @@ from foresight.checkpoint import store
 from foresight.checkpoint.replicate.scheduler import priority_of
 from foresight.checkpoint.replicate.units import check_name
 from foresight.errors import CheckpointError
+
+log = logging.getLogger("foresight.replicate")
+RETRY_EVERY_S = 30.0  # a save whose replication could not be started is retried this often (in the background)
 
 
 @dataclass
@@ -48,6 +57,12 @@ class Replication:
     importance: float = 1.0
     token: str = ""
     unit_bytes: int | None = None
+    retry_every_s: float = RETRY_EVERY_S
+    stats: dict[str, int] = field(default_factory=lambda: {"hook_failures": 0, "retried": 0}, repr=False)
+    _pending: dict[int, str] = field(default_factory=dict, repr=False)  # step -> what the node still lacks
+    _retry_thread: Any = field(default=None, repr=False)
+    _hook_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)  # hooks vs the retry thread
+    _closed: threading.Event = field(default_factory=threading.Event, repr=False)
     _started: dict[int, str] = field(default_factory=dict, repr=False)
     _paths: dict[int, str] = field(default_factory=dict, repr=False)
     _sizes: dict[int, int] = field(default_factory=dict, repr=False)
@@ -72,38 +87,105 @@ class Replication:
         with self._lock:
             if self._client is None:
                 self._client = flight.connect(self.node)
+            client = self._client
         try:
-            return call(self.node, action, {**body, "token": self.token}, client=self._client)
+            return call(self.node, action, {**body, "token": self.token}, client=client)
         except flight.FlightError as e:
+            if isinstance(e, flight.FlightUnavailableError):  # a fresh channel next time (no reconnect back-off)
+                with self._lock:
+                    if self._client is client:
+                        self._client = None
+                client.close()
             raise CheckpointError(f"replication {action} failed: {e}", node=self.node) from e
 
     def _priority(self, step: int, severity: float = 0.0) -> float:
         return priority_of(model_bytes=self._sizes.get(step, 0), importance=self.importance, severity=severity)
 
-    # -- hooks called by the writer --------------------------------------------------------------
+    # -- hooks called by the writer (never raise: a replica is an extra) --------------------------------
     def data_written(self, step: int, directory: str, *, nbytes: int = 0, leaf: str | None = None) -> None:
         """The data files of ``step`` are written in ``directory`` (not yet committed)."""
         self._sizes[step] = nbytes
         if not self.wants(step):
             return
+        self.retry_pending()
         name = self.name(step, leaf)
-        self._call("replicate.start", {"name": name, "src": os.path.abspath(directory), "site": self.site,
-                                       "priority": self._priority(step), "unit_bytes": self.unit_bytes})
         self._started[step] = name
+        try:
+            self._start(step, os.path.abspath(directory))
+        except CheckpointError as e:
+            self._failed("data_written", step, "start", e)
 
     def committed(self, step: int, path: str) -> None:
         """``step`` is committed at ``path``: the replica may be published once its units arrived."""
         self._paths[step] = os.path.abspath(path)
         for old in sorted(self._paths)[:-8]:  # remember a few recent steps for urgent evaluations
             del self._paths[old]
-        name = self._started.get(step)
-        if name is not None:
-            self._call("replicate.commit", {"name": name, "path": self._paths[step]})
+        with self._hook_lock:
+            if step not in self._started:
+                return
+            need = self._pending.get(step, "commit")
+            try:
+                if need == "start":  # the node missed the start (or lost it restarting): send the committed dir
+                    try:
+                        self._start(step, self._paths[step])
+                    except CheckpointError as e:
+                        if "already in progress" not in str(e):
+                            raise  # else the node has it: committing is what it lacked
+                self._call("replicate.commit", {"name": self._started[step], "path": self._paths[step]})
+                self._pending.pop(step, None)
+            except CheckpointError as e:
+                self._failed("committed", step, need, e)
 
     def aborted(self, step: int) -> None:
         name = self._started.pop(step, None)
+        self._pending.pop(step, None)
         if name is not None:
-            self._call("replicate.abort", {"name": name})
+            try:
+                self._call("replicate.abort", {"name": name})
+            except CheckpointError as e:  # the node never heard of it, or is down: nothing will be published
+                self._failed("aborted", step, None, e)
+
+    def _start(self, step: int, directory: str) -> None:
+        self._call("replicate.start", {"name": self._started[step], "src": directory, "site": self.site,
+                                       "priority": self._priority(step), "unit_bytes": self.unit_bytes})
+
+    def _failed(self, hook: str, step: int, need: str | None, e: Exception) -> None:
+        """Report a hook the node did not take (log line + ``stats``); keep the step for a later retry."""
+        with self._lock:
+            self.stats["hook_failures"] += 1
+            if need is not None:
+                self._pending[step] = need
+        log.warning("replication hook failed; the save goes on, the replica will be retried",
+                    extra={"hook": hook, "step": step, "node": self.node, "error": str(e)[:300]})
+        if need is not None:
+            self._ensure_retry_thread()
+
+    def retry_pending(self) -> int:
+        """Retry the steps the node missed (committed ones are started and committed again); returns how many
+        are still pending."""
+        with self._hook_lock:
+            for step in sorted(self._pending):
+                path = self._paths.get(step)
+                if path is None:
+                    continue  # not committed yet: its ``committed`` hook starts it
+                self._pending[step] = "start"  # the node may have restarted and lost the transfer: send it whole
+                with self._lock:
+                    self.stats["retried"] += 1
+                self.committed(step, path)
+            return len(self._pending)
+
+    def _ensure_retry_thread(self) -> None:
+        with self._lock:
+            if self._retry_thread is not None and self._retry_thread.is_alive():
+                return
+            self._retry_thread = threading.Thread(target=self._retry_loop, name="foresight-replication-retry",
+                                                  daemon=True)
+            self._retry_thread.start()
+
+    def _retry_loop(self) -> None:
+        while not self._closed.wait(self.retry_every_s):
+            if not self.retry_pending():
+                return
 
     # -- API for the training loop ---------------------------------------------------------------
     def urgent(self, step: int, severity: float = 1.0) -> str:
@@ -121,6 +203,7 @@ class Replication:
                                        "unit_bytes": self.unit_bytes})
         self._started[step] = name
         self._call("replicate.commit", {"name": name, "path": path})
+        self._pending.pop(step, None)
         return name
 
     def wait(self, step: int, timeout: float | None = None) -> dict[str, Any]:
@@ -128,9 +211,12 @@ class Replication:
         name = self._started.get(step)
         if name is None:
             raise CheckpointError("step is not being replicated", step=step)
+        if step in self._pending:
+            self.retry_pending()
         return self._call("replicate.wait", {"name": name, "timeout": timeout})
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             if self._client is not None:
                 self._client.close()
@@ -152,6 +238,7 @@ def _dcp_writer_class() -> type:
             self.replicate, self.step = replicate, step
 
         def finish(self, metadata: Any, results: Any) -> None:
+            # the hooks never raise: a replication node that is down never fails the save (see Replication)
             leaf = os.path.basename(os.path.normpath(self.path))
             nbytes = sum(wr.size_in_bytes for wrs in results for wr in wrs)
             self.replicate.data_written(self.step, self.path, nbytes=nbytes, leaf=leaf)

@@ -25,6 +25,8 @@ Example::
 """
 from __future__ import annotations
 
+import functools
+import hmac
 import json
 import logging
 import os
@@ -54,7 +56,10 @@ from foresight.errors import CheckpointError, ForesightError, ProtocolError
 
 log = logging.getLogger("foresight.replicate")
 SCHEMA = pa.schema([("data", pa.binary())])
-RETRIES = 5  # 0.5 + 1 + 2 + 4 s of back-off: rides over a node restart
+RETRY_S = 60.0  # how long a sender waits for a site that is down or restarting before the transfer fails
+BACKOFF = (0.25, 4.0)  # first and longest pause between attempts (doubling)
+# a site whose node answers but has not mounted replication yet (it is starting): wait for it like for one down
+_NOT_MOUNTED = ("no DoPut for 'replica.", "unknown action")
 
 
 def binary_batch(view: memoryview) -> pa.RecordBatch:
@@ -78,6 +83,7 @@ class Transfer:
     acked: set[int] = field(default_factory=set)
     skip: set[int] | None = None  # units the receiver already holds (resume)
     bytes_sent: int = 0
+    units_put: int = 0  # units that went on the wire (a resumed transfer skips those the site holds)
     path: str | None = None  # the published replica
     ready_at: float | None = None
     error: str | None = None
@@ -93,13 +99,15 @@ class ReplicationService:
         routes: ``{site: flight endpoint}`` of the other sites' nodes (a WAN gateway address, say); sites not
             listed are looked up in etcd.
         replica_ttl: seconds a received replica stays registered (its etcd lease).
+        retry_s: how long a sender waits (retrying with back-off) for a site that is down or still starting;
+            after a restart the transfer resumes with the units the site has not journaled.
         streams: units in flight at once per sender (the WAN link stays busy during each unit's round trip).
     """
 
     def __init__(self, site: str, root: str, *, etcd: str | None = None, routes: dict[str, str] | None = None,
                  endpoint: str = "", token: str = "", unit_bytes: int = UNIT_BYTES, streams: int = 2,
-                 replica_ttl: int = 3600, fifo: bool = False) -> None:
-        self.site, self.root, self.token = site, os.path.realpath(root), token
+                 replica_ttl: int = 3600, fifo: bool = False, retry_s: float = RETRY_S) -> None:
+        self.site, self.root, self.token, self.retry_s = site, os.path.realpath(root), token, float(retry_s)
         self.endpoint, self.routes, self.unit_bytes, self.replica_ttl = endpoint, dict(routes or {}), unit_bytes, replica_ttl
         os.makedirs(self.root, exist_ok=True)
         self.resolver = None
@@ -110,6 +118,7 @@ class ReplicationService:
         self.lane = PriorityLane(fifo=fifo)
         self.transfers: dict[str, Transfer] = {}
         self.sent_log: list[tuple[str, int]] = []
+        self.retries = 0  # attempts repeated because a site was down or starting
         self._lock = threading.Condition()
         self._clients: dict[str, flight.FlightClient] = {}
         self._workers = [threading.Thread(target=self._send_loop, name=f"foresight-repl-send-{i}", daemon=True)
@@ -130,17 +139,25 @@ class ReplicationService:
 
     # -- registry for a node daemon --------------------------------------------------------------
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
-        return {
-            "replication.ping": lambda b: {"site": self.site},
+        """Every action but ``replication.ping`` (which tells only the site's name) checks the token first."""
+        control = {
             "replicate.start": self.start, "replicate.commit": self.commit, "replicate.abort": self.abort,
             "replicate.urgent": self.urgent, "replicate.wait": self.wait, "replicate.pause": self.pause,
             "replicate.resume": self.resume, "replicate.log": lambda b: {"sent": self.sent_log},
             "replica.status": self.replica_status,
         }
+        out: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"replication.ping": lambda b: {"site": self.site}}
+        for name, fn in control.items():
+            out[name] = functools.partial(self._checked, fn)
+        return out
+
+    def _checked(self, fn: Callable[[dict[str, Any]], dict[str, Any]], body: dict[str, Any]) -> dict[str, Any]:
+        self.check_token(body)
+        return fn(body)
 
     def check_token(self, body: dict[str, Any]) -> None:
         """Sites of one deployment share a replication token (node-to-node calls carry no job)."""
-        if self.token and body.get("token") != self.token:
+        if self.token and not hmac.compare_digest(str(body.get("token", "")).encode(), self.token.encode()):
             raise ProtocolError("bad or missing replication token")
 
     def mount(self, server: Any) -> None:
@@ -213,7 +230,8 @@ class ReplicationService:
             raise CheckpointError("timed out waiting for the replica", name=t.name)
         if t.error:
             raise CheckpointError(f"replication failed: {t.error}", name=t.name, site=t.site)
-        return {"path": t.path, "units": len(t.units), "bytes_sent": t.bytes_sent, "started": t.started,
+        return {"path": t.path, "units": len(t.units), "bytes_sent": t.bytes_sent, "units_put": t.units_put,
+                "started": t.started,
                 "status_at": t.status_at,
                 "committed_at": t.committed_at, "ready_at": t.ready_at}
 
@@ -252,25 +270,35 @@ class ReplicationService:
                 c = self._clients[endpoint] = flight.connect(endpoint)
         return c
 
-    def _retrying(self, site: str, fn: Callable[[flight.FlightClient], Any]) -> Any:
-        """``fn(client)``; a site that is unreachable for a moment (restarting) is retried on a fresh channel."""
-        for attempt in range(RETRIES):
+    def _retrying(self, site: str, fn: Callable[[flight.FlightClient, int], Any]) -> Any:
+        """``fn(client, attempt)``; a site that is down or still starting (restarting) is waited for, with
+        back-off, for up to ``retry_s``, each attempt on a fresh channel."""
+        deadline = time.monotonic() + self.retry_s
+        pause = BACKOFF[0]
+        attempt = 0
+        while True:
             client = self._client(site)
             try:
-                return fn(client)
-            except flight.FlightUnavailableError as e:
-                log.warning("site unreachable, retrying", extra={"site": site, "attempt": attempt, "error": str(e)})
+                return fn(client, attempt)
+            except (flight.FlightUnavailableError, flight.FlightServerError) as e:
+                if isinstance(e, flight.FlightServerError) and not any(m in str(e) for m in _NOT_MOUNTED):
+                    raise  # a refusal (bad token, bad unit): retrying cannot help
                 with self._lock:
                     for k, c in list(self._clients.items()):
                         if c is client:
                             del self._clients[k]
-                if attempt == RETRIES - 1:
+                if time.monotonic() + pause > deadline:
                     raise
-                time.sleep(0.5 * 2 ** attempt)
+                log.warning("site unreachable or starting, retrying",
+                            extra={"site": site, "attempt": attempt, "error": str(e)[:200]})
+                self.retries += 1
+                time.sleep(pause)
+                pause = min(pause * 2, BACKOFF[1])
+                attempt += 1
 
     def _call(self, site: str, action: str, body: dict[str, Any]) -> dict[str, Any]:
         data = json.dumps({**body, "token": self.token}).encode()
-        res = self._retrying(site, lambda c: list(c.do_action(flight.Action(action, data))))
+        res = self._retrying(site, lambda c, attempt: list(c.do_action(flight.Action(action, data))))
         return json.loads(res[0].body.to_pybytes()) if res else {}
 
     def _send_loop(self) -> None:
@@ -305,7 +333,14 @@ class ReplicationService:
     def _send_unit(self, t: Transfer, unit: Unit) -> None:
         body, digest = read_unit(t.fds[unit.file], unit)
         cmd = {"op": "replica.unit", "name": t.name, "header": unit.header(digest), "token": self.token}
-        def put(client: flight.FlightClient) -> None:
+
+        def put(client: flight.FlightClient, attempt: int) -> bool:
+            if attempt:  # the site came back (restarted?): resume by unit, from what it journaled
+                done = set(self._call(t.site, "replica.status", {"name": t.name})["units"])
+                with self._lock:
+                    t.skip = (t.skip or set()) | done
+                if unit.id in done:
+                    return False
             writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.unit", json.dumps(cmd)), SCHEMA)
             mv = memoryview(body)
             for pos in range(0, len(mv), WIRE_CHUNK):
@@ -313,9 +348,11 @@ class ReplicationService:
             writer.done_writing()
             reader.read()  # the receiver's ack: the unit verified and is on its disk
             writer.close()
+            return True
 
-        self._retrying(t.site, put)
-        t.bytes_sent += len(body)
+        if self._retrying(t.site, put):
+            t.bytes_sent += len(body)
+            t.units_put += 1
 
     def _maybe_publish(self, t: Transfer) -> None:
         with self._lock:
@@ -328,7 +365,7 @@ class ReplicationService:
                    "files": [[n, len(t.meta[n])] for n in names], "token": self.token}
             body = b"".join(t.meta[n] for n in names)  # index + COMMIT, or DCP .metadata: any size
 
-            def put(client: flight.FlightClient) -> dict[str, Any]:
+            def put(client: flight.FlightClient, attempt: int) -> dict[str, Any]:
                 writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.commit", json.dumps(cmd)),
                                                SCHEMA)
                 mv = memoryview(body)
