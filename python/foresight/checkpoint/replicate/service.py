@@ -2,8 +2,9 @@
 
 The same handlers run on every site's node; which role they play depends on the call:
 
-- training site (sender): ``replicate.start`` (the data files are written: cut them into units, queue them in
-  the :class:`~.scheduler.PriorityLane`), ``replicate.commit`` (the source committed: the replica may now be
+- training site (sender): ``replicate.start`` (the data files are written, or being written with their sizes
+  declared: cut them into units, queue those written in the :class:`~.scheduler.PriorityLane`),
+  ``replicate.written`` (a writer's progress: the units it completed leave now), ``replicate.commit`` (the source committed: the replica may now be
   published), ``replicate.abort``, ``replicate.urgent`` (raise a transfer's priority), ``replicate.wait``,
   ``replicate.pause``/``replicate.resume`` (``{"units": n}`` lets exactly n more units go: throttling, and a
   deterministic order for tests), ``replicate.log`` (units in the order they went on the wire);
@@ -84,6 +85,10 @@ class Transfer:
     skip: set[int] | None = None  # units the receiver already holds (resume)
     bytes_sent: int = 0
     units_put: int = 0  # units that went on the wire (a resumed transfer skips those the site holds)
+    held: list[Unit] = field(default_factory=list)  # units whose bytes the writer has not written yet
+    written: dict[str, int] = field(default_factory=dict)  # bytes written so far per file (a save in progress)
+    written_at: float | None = None  # when the last unit's bytes were written (all units released)
+    bytes_left_at_commit: int | None = None  # bytes not yet acknowledged by the site at the source commit
     path: str | None = None  # the published replica
     ready_at: float | None = None
     error: str | None = None
@@ -141,7 +146,8 @@ class ReplicationService:
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         """Every action but ``replication.ping`` (which tells only the site's name) checks the token first."""
         control = {
-            "replicate.start": self.start, "replicate.commit": self.commit, "replicate.abort": self.abort,
+            "replicate.start": self.start, "replicate.written": self.written, "replicate.commit": self.commit,
+            "replicate.abort": self.abort,
             "replicate.urgent": self.urgent, "replicate.wait": self.wait, "replicate.pause": self.pause,
             "replicate.resume": self.resume, "replicate.log": lambda b: {"sent": self.sent_log},
             "replica.status": self.replica_status,
@@ -182,22 +188,51 @@ class ReplicationService:
 
     # -- sender ----------------------------------------------------------------------------------
     def start(self, b: dict[str, Any]) -> dict[str, Any]:
-        """The data files of ``b["name"]`` are written in ``b["src"]``: queue their units for ``b["site"]``."""
+        """Queue the units of ``b["name"]``'s data files in ``b["src"]`` for ``b["site"]``.
+
+        Without ``files`` the data files are complete. With ``files`` (``[[name, size], ...]``, declared by a
+        writer that is still writing) only units inside ``written`` (``{file: bytes written}``) leave now; the
+        rest leave as :meth:`written` reports their bytes (send while saving)."""
         name, src = check_name(b["name"]), self._under_root(b["src"])
-        units = plan_units(data_files(src), int(b.get("unit_bytes") or self.unit_bytes))
+        declared = b.get("files")
+        listed = [(check_file_name(str(f)), int(n)) for f, n in declared] if declared is not None else data_files(src)
+        units = plan_units(listed, int(b.get("unit_bytes") or self.unit_bytes))
         # open now: the writer renames the directory at its commit, open descriptors survive that
         fds = {f: os.open(os.path.join(src, f), os.O_RDONLY | os.O_CLOEXEC) for f in {u.file for u in units}}
         t = Transfer(name, b["site"], src, float(b.get("priority", 1.0)), units, fds)
+        t.written = dict(listed) if declared is None else {}
+        t.held = list(units)
         with self._lock:
             old = self.transfers.get(name)
             if old is not None and not old.done.is_set():
                 self._close_fds(t)
                 raise CheckpointError("replication of this checkpoint is already in progress", name=name)
             self.transfers[name] = t
-        self.lane.add(name, units, t.priority)
+        self._release(t, b.get("written") or {})
         if not units:
             self._maybe_publish(t)
         return {"units": len(units), "bytes": sum(u.length for u in units)}
+
+    def written(self, b: dict[str, Any]) -> dict[str, Any]:
+        """The writer of ``b["name"]`` has written ``b["written"]`` (``{file: bytes}``): those units may leave."""
+        t = self._transfer(b["name"])
+        if not isinstance(b["written"], dict):
+            raise ProtocolError("written must map file names to byte counts", name=t.name)
+        return {"released": self._release(t, b["written"]), "held": len(t.held)}
+
+    def _release(self, t: Transfer, written: dict[str, Any]) -> int:
+        """Move the held units now fully written to the lane (in file order); returns how many."""
+        with self._lock:
+            for f, n in written.items():
+                t.written[check_file_name(str(f))] = max(int(n), t.written.get(str(f), 0))
+            ready = [u for u in t.held if u.offset + u.length <= t.written.get(u.file, 0)]
+            if not ready or t.done.is_set():
+                return 0
+            t.held = [u for u in t.held if u.offset + u.length > t.written.get(u.file, 0)]
+            if not t.held:
+                t.written_at = time.time()
+        self.lane.add(t.name, ready, t.priority)
+        return len(ready)
 
     def commit(self, b: dict[str, Any]) -> dict[str, Any]:
         """The source of ``b["name"]`` committed at ``b["path"]``: register it; publish the replica when sent."""
@@ -205,6 +240,11 @@ class ReplicationService:
         path = self._under_root(b["path"])
         t.meta = meta_files(path)
         t.committed_at = time.time()
+        with self._lock:
+            t.bytes_left_at_commit = sum(u.length for u in t.units if u.id not in t.acked)
+            unreported = {u.file: u.file_size for u in t.held}
+        if unreported:  # the writer committed without reporting every byte: committed means all are written
+            self._release(t, unreported)
         if self.resolver is not None:
             self.resolver.register(t.name, path, self.endpoint, source=True)
         self._maybe_publish(t)
@@ -231,7 +271,7 @@ class ReplicationService:
         if t.error:
             raise CheckpointError(f"replication failed: {t.error}", name=t.name, site=t.site)
         return {"path": t.path, "units": len(t.units), "bytes_sent": t.bytes_sent, "units_put": t.units_put,
-                "started": t.started,
+                "started": t.started, "written_at": t.written_at, "bytes_left_at_commit": t.bytes_left_at_commit,
                 "status_at": t.status_at,
                 "committed_at": t.committed_at, "ready_at": t.ready_at}
 
@@ -472,7 +512,8 @@ def call(endpoint: str, action: str, body: dict[str, Any] | None = None, *, clie
 
 
 _REQUIRED = {
-    "replication.ping": (), "replicate.start": ("name", "src", "site"), "replicate.commit": ("name", "path"),
+    "replication.ping": (), "replicate.start": ("name", "src", "site"), "replicate.written": ("name", "written"),
+    "replicate.commit": ("name", "path"),
     "replicate.abort": ("name",), "replicate.urgent": ("name", "priority"), "replicate.wait": ("name",),
     "replicate.pause": (), "replicate.resume": (), "replicate.log": (), "replica.status": ("name",),
 }
