@@ -267,3 +267,19 @@ def test_checkpointer_sends_while_saving(sites):
     assert info["bytes_left_at_commit"] == 0 and info["written_at"] <= info["committed_at"]
     assert rep.stats["hook_failures"] == 0
     rep.close()
+
+
+def test_a_window_of_units_shares_one_acknowledgement_and_one_sync_per_file(sites):
+    tr, ev = sites["train"], sites["eval"]
+    before = ev.call("replicate.log")["received"]
+    rep = Replication(every=1, site="eval-b", node=tr.url, job="window1")
+    phases = write_checkpoint_phases(os.path.join(tr.root, "window1"), 1, 12 * UNIT)
+    rep.data_written(1, next(phases), nbytes=12 * UNIT)
+    final = next(phases)
+    rep.committed(1, final)
+    info = rep.wait(1, timeout=60)
+    assert files_of(info["path"]) == files_of(final) and info["units_put"] == 12
+    after = ev.call("replicate.log")["received"]
+    # 12 units in one stream: one acknowledgement, one sync of the data file and one of the journal (was 12 and 24)
+    assert {k: after[k] - before[k] for k in after} == {"windows": 1, "units": 12, "syncs": 2}
+    rep.close()

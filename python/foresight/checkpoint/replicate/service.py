@@ -59,6 +59,8 @@ log = logging.getLogger("foresight.replicate")
 SCHEMA = pa.schema([("data", pa.binary())])
 RETRY_S = 60.0  # how long a sender waits for a site that is down or restarting before the transfer fails
 BACKOFF = (0.25, 4.0)  # first and longest pause between attempts (doubling)
+WINDOW_BYTES = 64 << 20  # a sender's window: units sent back to back under one acknowledgement (one sync per file)
+WINDOW_UNITS = 64
 # a site whose node answers but has not mounted replication yet (it is starting): wait for it like for one down
 _NOT_MOUNTED = ("no DoPut for 'replica.", "unknown action")
 
@@ -124,8 +126,9 @@ class ReplicationService:
         self.transfers: dict[str, Transfer] = {}
         self.sent_log: list[tuple[str, int]] = []
         self.retries = 0  # attempts repeated because a site was down or starting
+        self.received = {"windows": 0, "units": 0, "syncs": 0}  # as a receiving site
         self._lock = threading.Condition()
-        self._clients: dict[str, flight.FlightClient] = {}
+        self._clients: dict[tuple[str, int], flight.FlightClient] = {}
         self._workers = [threading.Thread(target=self._send_loop, name=f"foresight-repl-send-{i}", daemon=True)
                          for i in range(streams)]
         for w in self._workers:
@@ -149,7 +152,7 @@ class ReplicationService:
             "replicate.start": self.start, "replicate.written": self.written, "replicate.commit": self.commit,
             "replicate.abort": self.abort,
             "replicate.urgent": self.urgent, "replicate.wait": self.wait, "replicate.pause": self.pause,
-            "replicate.resume": self.resume, "replicate.log": lambda b: {"sent": self.sent_log},
+            "replicate.resume": self.resume, "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received},
             "replica.status": self.replica_status,
         }
         out: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"replication.ping": lambda b: {"site": self.site}}
@@ -172,6 +175,7 @@ class ReplicationService:
             server.register_action(name, _decoder(name), _clear_errors(lambda context, req, fn=fn: fn(req)),
                                    job_scoped=False)
         server.register_put("replica.unit", _clear_errors(self._put_unit))
+        server.register_put("replica.units", _clear_errors(self._put_units))
         server.register_put("replica.commit", _clear_errors(self._put_commit))
         for kind in ("ckpt.read", "ckpt.file", "ckpt.list"):
             server.register_get(kind, _clear_errors(lambda context, ticket: self.do_get(ticket)))
@@ -304,10 +308,12 @@ class ReplicationService:
             endpoint = _site_endpoint(self.resolver, site)
         if endpoint is None:
             raise CheckpointError("no route to site", site=site)
+        key = (endpoint, threading.get_ident())  # a connection per sending thread: each its own TCP flow control
         with self._lock:
-            c = self._clients.get(endpoint)
+            c = self._clients.get(key)
             if c is None:
-                c = self._clients[endpoint] = flight.connect(endpoint)
+                c = self._clients[key] = flight.connect(endpoint, generic_options=[
+                    ("grpc.use_local_subchannel_pool", 1)])  # gRPC would share one connection among them
         return c
 
     def _retrying(self, site: str, fn: Callable[[flight.FlightClient, int], Any]) -> Any:
@@ -347,6 +353,8 @@ class ReplicationService:
             if item is None:
                 return
             name, unit = item
+            # a window: this transfer's next units, sent back to back in one stream under one acknowledgement
+            units = [unit, *self.lane.take(name, max(1, min(WINDOW_UNITS, WINDOW_BYTES // max(1, unit.length))) - 1)]
             with self._lock:
                 t = self.transfers.get(name)
             if t is None or t.done.is_set():
@@ -355,11 +363,13 @@ class ReplicationService:
                 if t.skip is None:
                     t.skip = set(self._call(t.site, "replica.status", {"name": name})["units"])
                     t.status_at = time.time()
-                if unit.id not in t.skip:
-                    self._send_unit(t, unit)
+                todo = [u for u in units if u.id not in t.skip]
+                if todo:
+                    self._send_window(t, todo)
                 with self._lock:
-                    t.acked.add(unit.id)
-                    self.sent_log.append((name, unit.id, time.time()))
+                    now = time.time()
+                    t.acked.update(u.id for u in units)
+                    self.sent_log.extend((name, u.id, now) for u in units)
                 self._maybe_publish(t)
             except Exception as e:  # noqa: BLE001 - recorded on the transfer, raised by replicate.wait
                 if t.done.is_set():
@@ -370,29 +380,41 @@ class ReplicationService:
                 self._close_fds(t)
                 t.done.set()
 
-    def _send_unit(self, t: Transfer, unit: Unit) -> None:
-        body, digest = read_unit(t.fds[unit.file], unit)
-        cmd = {"op": "replica.unit", "name": t.name, "header": unit.header(digest), "token": self.token}
+    def _send_window(self, t: Transfer, units: list[Unit]) -> None:
+        """``units`` back to back in one ``DoPut replica.units``; the site verifies each, makes them durable
+        together (one sync per file) and acknowledges them at once: one round trip per window, not per unit."""
+        cmd = {"op": "replica.units", "name": t.name, "token": self.token}
 
-        def put(client: flight.FlightClient, attempt: int) -> bool:
+        def put(client: flight.FlightClient, attempt: int) -> list[Unit]:
+            todo = units
             if attempt:  # the site came back (restarted?): resume by unit, from what it journaled
                 done = set(self._call(t.site, "replica.status", {"name": t.name})["units"])
                 with self._lock:
                     t.skip = (t.skip or set()) | done
-                if unit.id in done:
-                    return False
-            writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.unit", json.dumps(cmd)), SCHEMA)
-            mv = memoryview(body)
-            for pos in range(0, len(mv), WIRE_CHUNK):
-                writer.write_batch(binary_batch(mv[pos:pos + WIRE_CHUNK]))
+                todo = [u for u in units if u.id not in done]
+                if not todo:
+                    return []
+            writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.units", json.dumps(cmd)), SCHEMA)
+            for u in todo:
+                body, digest = read_unit(t.fds[u.file], u)
+                mv = memoryview(body)
+                header = pa.py_buffer(json.dumps(u.header(digest)).encode())
+                for pos in range(0, max(len(mv), 1), WIRE_CHUNK):
+                    batch = binary_batch(mv[pos:pos + WIRE_CHUNK])
+                    if pos == 0:
+                        writer.write_with_metadata(batch, header)
+                    else:
+                        writer.write_batch(batch)
             writer.done_writing()
-            reader.read()  # the receiver's ack: the unit verified and is on its disk
-            writer.close()
-            return True
+            answer = _ack(writer, reader)  # verified and durable at the site
+            if sorted(answer["units"]) != sorted(u.id for u in todo):
+                raise CheckpointError("site acknowledged other units than sent", name=t.name,
+                                      sent=len(todo), acked=len(answer["units"]))
+            return todo
 
-        if self._retrying(t.site, put):
-            t.bytes_sent += len(body)
-            t.units_put += 1
+        sent = self._retrying(t.site, put)
+        t.bytes_sent += sum(u.length for u in sent)
+        t.units_put += len(sent)
 
     def _maybe_publish(self, t: Transfer) -> None:
         with self._lock:
@@ -412,9 +434,7 @@ class ReplicationService:
                 for pos in range(0, max(len(mv), 1), WIRE_CHUNK):
                     writer.write_batch(binary_batch(mv[pos:pos + WIRE_CHUNK]))
                 writer.done_writing()
-                answer = reader.read()
-                writer.close()
-                return json.loads(answer.to_pybytes())
+                return _ack(writer, reader)
 
             res = self._retrying(t.site, put)
             t.path, t.ready_at = res["path"], time.time()
@@ -432,6 +452,18 @@ class ReplicationService:
         self.check_token(cmd)
         ReplicaBuilder(self.root, check_name(cmd["name"])).write_unit(cmd["header"], _chunks(reader))
         writer.write(pa.py_buffer(b"{}"))
+
+    def _put_units(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        """A window of units back to back (each opened by a JSON header in its first batch's metadata)."""
+        cmd = _command(descriptor)
+        self.check_token(cmd)
+        rb = ReplicaBuilder(self.root, check_name(cmd["name"]))
+        done, syncs = rb.write_units(_unit_parts(reader))
+        with self._lock:
+            self.received["windows"] += 1
+            self.received["units"] += len(done)
+            self.received["syncs"] += syncs
+        writer.write(pa.py_buffer(json.dumps({"units": done}).encode()))
 
     def _put_commit(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
         """The source committed and every unit arrived: verify, publish by rename, register under the TTL."""
@@ -570,3 +602,29 @@ def _chunks(reader: Any) -> Any:
         offs = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + len(col) + 1]
         if len(col):
             yield memoryview(col.buffers()[2])[int(offs[0]):int(offs[-1])]
+
+
+def _ack(writer: Any, reader: Any) -> dict[str, Any]:
+    """The site's JSON answer to a DoPut. A stream the site dropped (it died or restarted) has none: its error
+    surfaces at close; a refusal stays a ``FlightServerError``, anything else means the site is unavailable."""
+    answer = reader.read()
+    try:
+        writer.close()
+    except flight.FlightServerError:
+        raise
+    except flight.FlightError as e:
+        raise flight.FlightUnavailableError(f"site dropped the stream: {e}") from e
+    if answer is None:
+        raise flight.FlightUnavailableError("site closed the stream without an answer")
+    return json.loads(answer.to_pybytes())
+
+
+def _unit_parts(reader: Any) -> Any:
+    """``(header or None, body bytes)`` per record batch of a ``replica.units`` stream."""
+    for chunk in reader:
+        header = json.loads(chunk.app_metadata.to_pybytes()) if chunk.app_metadata is not None else None
+        if header is not None and not isinstance(header, dict):
+            raise ProtocolError("unit header must be a JSON object")
+        col = chunk.data.column(0)
+        offs = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + len(col) + 1]
+        yield header, (memoryview(col.buffers()[2])[int(offs[0]):int(offs[-1])] if len(col) else b"")
