@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "remote_merge.py")
+BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+BENCH = os.path.join(BENCH_DIR, "remote_merge.py")
 
 
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="etcd is not installed (scripts/setup.sh installs it)")
@@ -66,3 +67,16 @@ def test_merges_are_checked_against_the_saved_state_and_a_reversed_shard_fails(t
     save_file(tensors, path)
     with pytest.raises(SystemExit, match=f"merged tensor '{name}' in .* differs from the saved state"):
         bench.check_merged(written, state)
+
+
+def test_replication_overlap_bench_smoke(tmp_path):
+    result = os.path.join(BENCH_DIR, "results", "replication_overlap_smoke.json")
+    if os.path.exists(result):
+        os.unlink(result)  # only this run's file counts
+    proc = subprocess.run([sys.executable, os.path.join(BENCH_DIR, "replication_overlap.py"), "--smoke", "--dir",
+                           str(tmp_path / "work")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "send while saving" in proc.stdout
+    (row,) = json.loads(open(result).read())["rows"]
+    assert 0 <= row["MiB_left_at_commit"] <= row["MiB"] and row["commit_to_ready_s"] > 0
+    assert not (tmp_path / "work").exists()

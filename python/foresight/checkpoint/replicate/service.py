@@ -2,13 +2,16 @@
 
 The same handlers run on every site's node; which role they play depends on the call:
 
-- training site (sender): ``replicate.start`` (the data files are written, or being written with their sizes
-  declared: cut them into units, queue those written in the :class:`~.scheduler.PriorityLane`),
-  ``replicate.written`` (a writer's progress: the units it completed leave now), ``replicate.commit`` (the source committed: the replica may now be
-  published), ``replicate.abort``, ``replicate.urgent`` (raise a transfer's priority), ``replicate.wait``,
+- training site (sender; every action but ``replication.ping`` checks the replication token):
+  ``replicate.start`` (the data files are written, or being written with their sizes declared: cut them into
+  units, queue those written in the :class:`~.scheduler.PriorityLane`), ``replicate.written`` (a writer's
+  progress: the units it completed leave now), ``replicate.commit`` (the source committed: the replica may now
+  be published), ``replicate.abort``, ``replicate.urgent`` (raise a transfer's priority), ``replicate.wait``,
   ``replicate.pause``/``replicate.resume`` (``{"units": n}`` lets exactly n more units go: throttling, and a
   deterministic order for tests), ``replicate.log`` (units in the order they went on the wire);
-- evaluation site (receiver): ``DoPut`` of ``replica.unit`` (one unit, in record batches), ``replica.status``
+- evaluation site (receiver): ``DoPut`` of ``replica.units`` (a window of units back to back, each opened by its
+  JSON header in the batch metadata; verified, synced once per file, journaled and acknowledged together; the
+  older ``replica.unit`` takes one), ``replica.status``
   (units already journaled: a resumed transfer skips them), ``DoPut`` of ``replica.commit`` (the source's index
   and COMMIT or ``.metadata``; verify every tensor, rename, register in etcd under the replica TTL);
 - any site: ``DoGet`` of ``ckpt.file`` / ``ckpt.read`` / ``ckpt.list`` (a small file; many byte ranges of one
@@ -152,7 +155,8 @@ class ReplicationService:
             "replicate.start": self.start, "replicate.written": self.written, "replicate.commit": self.commit,
             "replicate.abort": self.abort,
             "replicate.urgent": self.urgent, "replicate.wait": self.wait, "replicate.pause": self.pause,
-            "replicate.resume": self.resume, "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received},
+            "replicate.resume": self.resume,
+            "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received},
             "replica.status": self.replica_status,
         }
         out: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"replication.ping": lambda b: {"site": self.site}}
