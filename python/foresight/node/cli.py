@@ -112,6 +112,8 @@ def _add_replication_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replication-streams", type=int, default=2, help="units in flight per sender")
     g.add_argument("--replication-ttl", type=int, default=3600, help="seconds a received replica stays registered")
     g.add_argument("--replication-fifo", action="store_true", help="no priority lane: arrival order (a baseline)")
+    g.add_argument("--replication-retry-s", type=float, default=60.0,
+                   help="how long a sender waits for a site that is down or restarting")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -134,6 +136,9 @@ def _serve(args: argparse.Namespace) -> int:
         cluster = Cluster(args.etcd)
     elif args.admission == "issued":
         raise SystemExit("foresight node serve: --admission issued needs --etcd (tokens are issued there)")
+    from foresight.checkpoint.replicate.node_options import mount_from_args, prepare_from_args
+
+    replication = prepare_from_args(args)  # its slow imports before the node answers: mounted before serving
     server = NodeServer(
         args.root, location=f"{scheme}://{args.host}:{args.port}",
         tls=(args.tls_cert, args.tls_key) if args.tls_cert else None, client_ca=args.client_ca,
@@ -146,6 +151,7 @@ def _serve(args: argparse.Namespace) -> int:
         admission=args.admission, issued_tokens=cluster.job_token_digest if cluster else None,
         max_jobs_per_caller=args.max_jobs_per_caller)
     node_id_box.append(server.node_id)
+    mount_from_args(server, replication)
     metrics_port = (server.metrics.serve_http(args.metrics_port, args.metrics_host)
                     if args.metrics_port is not None else None)
     registration = None
@@ -158,9 +164,6 @@ def _serve(args: argparse.Namespace) -> int:
 
         registration = cluster.register_node(server.node_id, record, ttl=args.ttl)
     replicas = _mount_replicas(server, cluster, args)
-    from foresight.checkpoint.replicate.node_options import mount_from_args
-
-    replication = mount_from_args(server, args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -103,6 +103,21 @@ class PriorityLane:
             self._closed = True
             self._cv.notify_all()
 
+    def take(self, key: Hashable, n: int) -> list[Any]:
+        """Up to ``n`` more units of transfer ``key`` at once, within the budget (a sender's window: they share
+        one acknowledgement). Counts as part of the dispatch that popped the window's first unit."""
+        with self._cv:
+            e = self._entries.get(key)
+            if e is None or n <= 0:
+                return []
+            n = min(n, len(e.units), n if self._budget is None else self._budget)
+            if self._budget is not None:
+                self._budget -= n
+            out = [e.units.popleft() for _ in range(n)]
+            if not e.units:
+                del self._entries[key]
+            return out
+
     def pop(self, timeout: float | None = None) -> tuple[Hashable, Any] | None:
         """The next ``(key, unit)`` by effective priority; ``None`` when closed or on timeout."""
         with self._cv:
@@ -120,7 +135,7 @@ class PriorityLane:
                 e.credit = 0.0 if e is best else e.credit + self.aging
             if self._budget is not None:
                 self._budget -= 1
-            unit = best.units.popleft()
+            unit = best.units.popleft()  # (take() may add the rest of a window)
             if not best.units:
                 del self._entries[best.key]
             return best.key, unit

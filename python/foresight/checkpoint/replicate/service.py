@@ -2,12 +2,16 @@
 
 The same handlers run on every site's node; which role they play depends on the call:
 
-- training site (sender): ``replicate.start`` (the data files are written: cut them into units, queue them in
-  the :class:`~.scheduler.PriorityLane`), ``replicate.commit`` (the source committed: the replica may now be
-  published), ``replicate.abort``, ``replicate.urgent`` (raise a transfer's priority), ``replicate.wait``,
+- training site (sender; every action but ``replication.ping`` checks the replication token):
+  ``replicate.start`` (the data files are written, or being written with their sizes declared: cut them into
+  units, queue those written in the :class:`~.scheduler.PriorityLane`), ``replicate.written`` (a writer's
+  progress: the units it completed leave now), ``replicate.commit`` (the source committed: the replica may now
+  be published), ``replicate.abort``, ``replicate.urgent`` (raise a transfer's priority), ``replicate.wait``,
   ``replicate.pause``/``replicate.resume`` (``{"units": n}`` lets exactly n more units go: throttling, and a
   deterministic order for tests), ``replicate.log`` (units in the order they went on the wire);
-- evaluation site (receiver): ``DoPut`` of ``replica.unit`` (one unit, in record batches), ``replica.status``
+- evaluation site (receiver): ``DoPut`` of ``replica.units`` (a window of units back to back, each opened by its
+  JSON header in the batch metadata; verified, synced once per file, journaled and acknowledged together; the
+  older ``replica.unit`` takes one), ``replica.status``
   (units already journaled: a resumed transfer skips them), ``DoPut`` of ``replica.commit`` (the source's index
   and COMMIT or ``.metadata``; verify every tensor, rename, register in etcd under the replica TTL);
 - any site: ``DoGet`` of ``ckpt.file`` / ``ckpt.read`` / ``ckpt.list`` (a small file; many byte ranges of one
@@ -25,6 +29,8 @@ Example::
 """
 from __future__ import annotations
 
+import functools
+import hmac
 import json
 import logging
 import os
@@ -54,7 +60,12 @@ from foresight.errors import CheckpointError, ForesightError, ProtocolError
 
 log = logging.getLogger("foresight.replicate")
 SCHEMA = pa.schema([("data", pa.binary())])
-RETRIES = 5  # 0.5 + 1 + 2 + 4 s of back-off: rides over a node restart
+RETRY_S = 60.0  # how long a sender waits for a site that is down or restarting before the transfer fails
+BACKOFF = (0.25, 4.0)  # first and longest pause between attempts (doubling)
+WINDOW_BYTES = 64 << 20  # a sender's window: units sent back to back under one acknowledgement (one sync per file)
+WINDOW_UNITS = 64
+# a site whose node answers but has not mounted replication yet (it is starting): wait for it like for one down
+_NOT_MOUNTED = ("no DoPut for 'replica.", "unknown action")
 
 
 def binary_batch(view: memoryview) -> pa.RecordBatch:
@@ -78,6 +89,11 @@ class Transfer:
     acked: set[int] = field(default_factory=set)
     skip: set[int] | None = None  # units the receiver already holds (resume)
     bytes_sent: int = 0
+    units_put: int = 0  # units that went on the wire (a resumed transfer skips those the site holds)
+    held: list[Unit] = field(default_factory=list)  # units whose bytes the writer has not written yet
+    written: dict[str, int] = field(default_factory=dict)  # bytes written so far per file (a save in progress)
+    written_at: float | None = None  # when the last unit's bytes were written (all units released)
+    bytes_left_at_commit: int | None = None  # bytes not yet acknowledged by the site at the source commit
     path: str | None = None  # the published replica
     ready_at: float | None = None
     error: str | None = None
@@ -93,13 +109,15 @@ class ReplicationService:
         routes: ``{site: flight endpoint}`` of the other sites' nodes (a WAN gateway address, say); sites not
             listed are looked up in etcd.
         replica_ttl: seconds a received replica stays registered (its etcd lease).
+        retry_s: how long a sender waits (retrying with back-off) for a site that is down or still starting;
+            after a restart the transfer resumes with the units the site has not journaled.
         streams: units in flight at once per sender (the WAN link stays busy during each unit's round trip).
     """
 
     def __init__(self, site: str, root: str, *, etcd: str | None = None, routes: dict[str, str] | None = None,
                  endpoint: str = "", token: str = "", unit_bytes: int = UNIT_BYTES, streams: int = 2,
-                 replica_ttl: int = 3600, fifo: bool = False) -> None:
-        self.site, self.root, self.token = site, os.path.realpath(root), token
+                 replica_ttl: int = 3600, fifo: bool = False, retry_s: float = RETRY_S) -> None:
+        self.site, self.root, self.token, self.retry_s = site, os.path.realpath(root), token, float(retry_s)
         self.endpoint, self.routes, self.unit_bytes, self.replica_ttl = endpoint, dict(routes or {}), unit_bytes, replica_ttl
         os.makedirs(self.root, exist_ok=True)
         self.resolver = None
@@ -110,8 +128,10 @@ class ReplicationService:
         self.lane = PriorityLane(fifo=fifo)
         self.transfers: dict[str, Transfer] = {}
         self.sent_log: list[tuple[str, int]] = []
+        self.retries = 0  # attempts repeated because a site was down or starting
+        self.received = {"windows": 0, "units": 0, "syncs": 0}  # as a receiving site
         self._lock = threading.Condition()
-        self._clients: dict[str, flight.FlightClient] = {}
+        self._clients: dict[tuple[str, int], flight.FlightClient] = {}
         self._workers = [threading.Thread(target=self._send_loop, name=f"foresight-repl-send-{i}", daemon=True)
                          for i in range(streams)]
         for w in self._workers:
@@ -130,17 +150,27 @@ class ReplicationService:
 
     # -- registry for a node daemon --------------------------------------------------------------
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
-        return {
-            "replication.ping": lambda b: {"site": self.site},
-            "replicate.start": self.start, "replicate.commit": self.commit, "replicate.abort": self.abort,
+        """Every action but ``replication.ping`` (which tells only the site's name) checks the token first."""
+        control = {
+            "replicate.start": self.start, "replicate.written": self.written, "replicate.commit": self.commit,
+            "replicate.abort": self.abort,
             "replicate.urgent": self.urgent, "replicate.wait": self.wait, "replicate.pause": self.pause,
-            "replicate.resume": self.resume, "replicate.log": lambda b: {"sent": self.sent_log},
+            "replicate.resume": self.resume,
+            "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received},
             "replica.status": self.replica_status,
         }
+        out: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"replication.ping": lambda b: {"site": self.site}}
+        for name, fn in control.items():
+            out[name] = functools.partial(self._checked, fn)
+        return out
+
+    def _checked(self, fn: Callable[[dict[str, Any]], dict[str, Any]], body: dict[str, Any]) -> dict[str, Any]:
+        self.check_token(body)
+        return fn(body)
 
     def check_token(self, body: dict[str, Any]) -> None:
         """Sites of one deployment share a replication token (node-to-node calls carry no job)."""
-        if self.token and body.get("token") != self.token:
+        if self.token and not hmac.compare_digest(str(body.get("token", "")).encode(), self.token.encode()):
             raise ProtocolError("bad or missing replication token")
 
     def mount(self, server: Any) -> None:
@@ -149,6 +179,7 @@ class ReplicationService:
             server.register_action(name, _decoder(name), _clear_errors(lambda context, req, fn=fn: fn(req)),
                                    job_scoped=False)
         server.register_put("replica.unit", _clear_errors(self._put_unit))
+        server.register_put("replica.units", _clear_errors(self._put_units))
         server.register_put("replica.commit", _clear_errors(self._put_commit))
         for kind in ("ckpt.read", "ckpt.file", "ckpt.list"):
             server.register_get(kind, _clear_errors(lambda context, ticket: self.do_get(ticket)))
@@ -165,22 +196,51 @@ class ReplicationService:
 
     # -- sender ----------------------------------------------------------------------------------
     def start(self, b: dict[str, Any]) -> dict[str, Any]:
-        """The data files of ``b["name"]`` are written in ``b["src"]``: queue their units for ``b["site"]``."""
+        """Queue the units of ``b["name"]``'s data files in ``b["src"]`` for ``b["site"]``.
+
+        Without ``files`` the data files are complete. With ``files`` (``[[name, size], ...]``, declared by a
+        writer that is still writing) only units inside ``written`` (``{file: bytes written}``) leave now; the
+        rest leave as :meth:`written` reports their bytes (send while saving)."""
         name, src = check_name(b["name"]), self._under_root(b["src"])
-        units = plan_units(data_files(src), int(b.get("unit_bytes") or self.unit_bytes))
+        declared = b.get("files")
+        listed = [(check_file_name(str(f)), int(n)) for f, n in declared] if declared is not None else data_files(src)
+        units = plan_units(listed, int(b.get("unit_bytes") or self.unit_bytes))
         # open now: the writer renames the directory at its commit, open descriptors survive that
         fds = {f: os.open(os.path.join(src, f), os.O_RDONLY | os.O_CLOEXEC) for f in {u.file for u in units}}
         t = Transfer(name, b["site"], src, float(b.get("priority", 1.0)), units, fds)
+        t.written = dict(listed) if declared is None else {}
+        t.held = list(units)
         with self._lock:
             old = self.transfers.get(name)
             if old is not None and not old.done.is_set():
                 self._close_fds(t)
                 raise CheckpointError("replication of this checkpoint is already in progress", name=name)
             self.transfers[name] = t
-        self.lane.add(name, units, t.priority)
+        self._release(t, b.get("written") or {})
         if not units:
             self._maybe_publish(t)
         return {"units": len(units), "bytes": sum(u.length for u in units)}
+
+    def written(self, b: dict[str, Any]) -> dict[str, Any]:
+        """The writer of ``b["name"]`` has written ``b["written"]`` (``{file: bytes}``): those units may leave."""
+        t = self._transfer(b["name"])
+        if not isinstance(b["written"], dict):
+            raise ProtocolError("written must map file names to byte counts", name=t.name)
+        return {"released": self._release(t, b["written"]), "held": len(t.held)}
+
+    def _release(self, t: Transfer, written: dict[str, Any]) -> int:
+        """Move the held units now fully written to the lane (in file order); returns how many."""
+        with self._lock:
+            for f, n in written.items():
+                t.written[check_file_name(str(f))] = max(int(n), t.written.get(str(f), 0))
+            ready = [u for u in t.held if u.offset + u.length <= t.written.get(u.file, 0)]
+            if not ready or t.done.is_set():
+                return 0
+            t.held = [u for u in t.held if u.offset + u.length > t.written.get(u.file, 0)]
+            if not t.held:
+                t.written_at = time.time()
+        self.lane.add(t.name, ready, t.priority)
+        return len(ready)
 
     def commit(self, b: dict[str, Any]) -> dict[str, Any]:
         """The source of ``b["name"]`` committed at ``b["path"]``: register it; publish the replica when sent."""
@@ -188,6 +248,11 @@ class ReplicationService:
         path = self._under_root(b["path"])
         t.meta = meta_files(path)
         t.committed_at = time.time()
+        with self._lock:
+            t.bytes_left_at_commit = sum(u.length for u in t.units if u.id not in t.acked)
+            unreported = {u.file: u.file_size for u in t.held}
+        if unreported:  # the writer committed without reporting every byte: committed means all are written
+            self._release(t, unreported)
         if self.resolver is not None:
             self.resolver.register(t.name, path, self.endpoint, source=True)
         self._maybe_publish(t)
@@ -213,7 +278,8 @@ class ReplicationService:
             raise CheckpointError("timed out waiting for the replica", name=t.name)
         if t.error:
             raise CheckpointError(f"replication failed: {t.error}", name=t.name, site=t.site)
-        return {"path": t.path, "units": len(t.units), "bytes_sent": t.bytes_sent, "started": t.started,
+        return {"path": t.path, "units": len(t.units), "bytes_sent": t.bytes_sent, "units_put": t.units_put,
+                "started": t.started, "written_at": t.written_at, "bytes_left_at_commit": t.bytes_left_at_commit,
                 "status_at": t.status_at,
                 "committed_at": t.committed_at, "ready_at": t.ready_at}
 
@@ -246,31 +312,43 @@ class ReplicationService:
             endpoint = _site_endpoint(self.resolver, site)
         if endpoint is None:
             raise CheckpointError("no route to site", site=site)
+        key = (endpoint, threading.get_ident())  # a connection per sending thread: each its own TCP flow control
         with self._lock:
-            c = self._clients.get(endpoint)
+            c = self._clients.get(key)
             if c is None:
-                c = self._clients[endpoint] = flight.connect(endpoint)
+                c = self._clients[key] = flight.connect(endpoint, generic_options=[
+                    ("grpc.use_local_subchannel_pool", 1)])  # gRPC would share one connection among them
         return c
 
-    def _retrying(self, site: str, fn: Callable[[flight.FlightClient], Any]) -> Any:
-        """``fn(client)``; a site that is unreachable for a moment (restarting) is retried on a fresh channel."""
-        for attempt in range(RETRIES):
+    def _retrying(self, site: str, fn: Callable[[flight.FlightClient, int], Any]) -> Any:
+        """``fn(client, attempt)``; a site that is down or still starting (restarting) is waited for, with
+        back-off, for up to ``retry_s``, each attempt on a fresh channel."""
+        deadline = time.monotonic() + self.retry_s
+        pause = BACKOFF[0]
+        attempt = 0
+        while True:
             client = self._client(site)
             try:
-                return fn(client)
-            except flight.FlightUnavailableError as e:
-                log.warning("site unreachable, retrying", extra={"site": site, "attempt": attempt, "error": str(e)})
+                return fn(client, attempt)
+            except (flight.FlightUnavailableError, flight.FlightServerError) as e:
+                if isinstance(e, flight.FlightServerError) and not any(m in str(e) for m in _NOT_MOUNTED):
+                    raise  # a refusal (bad token, bad unit): retrying cannot help
                 with self._lock:
                     for k, c in list(self._clients.items()):
                         if c is client:
                             del self._clients[k]
-                if attempt == RETRIES - 1:
+                if time.monotonic() + pause > deadline:
                     raise
-                time.sleep(0.5 * 2 ** attempt)
+                log.warning("site unreachable or starting, retrying",
+                            extra={"site": site, "attempt": attempt, "error": str(e)[:200]})
+                self.retries += 1
+                time.sleep(pause)
+                pause = min(pause * 2, BACKOFF[1])
+                attempt += 1
 
     def _call(self, site: str, action: str, body: dict[str, Any]) -> dict[str, Any]:
         data = json.dumps({**body, "token": self.token}).encode()
-        res = self._retrying(site, lambda c: list(c.do_action(flight.Action(action, data))))
+        res = self._retrying(site, lambda c, attempt: list(c.do_action(flight.Action(action, data))))
         return json.loads(res[0].body.to_pybytes()) if res else {}
 
     def _send_loop(self) -> None:
@@ -279,6 +357,8 @@ class ReplicationService:
             if item is None:
                 return
             name, unit = item
+            # a window: this transfer's next units, sent back to back in one stream under one acknowledgement
+            units = [unit, *self.lane.take(name, max(1, min(WINDOW_UNITS, WINDOW_BYTES // max(1, unit.length))) - 1)]
             with self._lock:
                 t = self.transfers.get(name)
             if t is None or t.done.is_set():
@@ -287,11 +367,13 @@ class ReplicationService:
                 if t.skip is None:
                     t.skip = set(self._call(t.site, "replica.status", {"name": name})["units"])
                     t.status_at = time.time()
-                if unit.id not in t.skip:
-                    self._send_unit(t, unit)
+                todo = [u for u in units if u.id not in t.skip]
+                if todo:
+                    self._send_window(t, todo)
                 with self._lock:
-                    t.acked.add(unit.id)
-                    self.sent_log.append((name, unit.id, time.time()))
+                    now = time.time()
+                    t.acked.update(u.id for u in units)
+                    self.sent_log.extend((name, u.id, now) for u in units)
                 self._maybe_publish(t)
             except Exception as e:  # noqa: BLE001 - recorded on the transfer, raised by replicate.wait
                 if t.done.is_set():
@@ -302,20 +384,41 @@ class ReplicationService:
                 self._close_fds(t)
                 t.done.set()
 
-    def _send_unit(self, t: Transfer, unit: Unit) -> None:
-        body, digest = read_unit(t.fds[unit.file], unit)
-        cmd = {"op": "replica.unit", "name": t.name, "header": unit.header(digest), "token": self.token}
-        def put(client: flight.FlightClient) -> None:
-            writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.unit", json.dumps(cmd)), SCHEMA)
-            mv = memoryview(body)
-            for pos in range(0, len(mv), WIRE_CHUNK):
-                writer.write_batch(binary_batch(mv[pos:pos + WIRE_CHUNK]))
-            writer.done_writing()
-            reader.read()  # the receiver's ack: the unit verified and is on its disk
-            writer.close()
+    def _send_window(self, t: Transfer, units: list[Unit]) -> None:
+        """``units`` back to back in one ``DoPut replica.units``; the site verifies each, makes them durable
+        together (one sync per file) and acknowledges them at once: one round trip per window, not per unit."""
+        cmd = {"op": "replica.units", "name": t.name, "token": self.token}
 
-        self._retrying(t.site, put)
-        t.bytes_sent += len(body)
+        def put(client: flight.FlightClient, attempt: int) -> list[Unit]:
+            todo = units
+            if attempt:  # the site came back (restarted?): resume by unit, from what it journaled
+                done = set(self._call(t.site, "replica.status", {"name": t.name})["units"])
+                with self._lock:
+                    t.skip = (t.skip or set()) | done
+                todo = [u for u in units if u.id not in done]
+                if not todo:
+                    return []
+            writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.units", json.dumps(cmd)), SCHEMA)
+            for u in todo:
+                body, digest = read_unit(t.fds[u.file], u)
+                mv = memoryview(body)
+                header = pa.py_buffer(json.dumps(u.header(digest)).encode())
+                for pos in range(0, max(len(mv), 1), WIRE_CHUNK):
+                    batch = binary_batch(mv[pos:pos + WIRE_CHUNK])
+                    if pos == 0:
+                        writer.write_with_metadata(batch, header)
+                    else:
+                        writer.write_batch(batch)
+            writer.done_writing()
+            answer = _ack(writer, reader)  # verified and durable at the site
+            if sorted(answer["units"]) != sorted(u.id for u in todo):
+                raise CheckpointError("site acknowledged other units than sent", name=t.name,
+                                      sent=len(todo), acked=len(answer["units"]))
+            return todo
+
+        sent = self._retrying(t.site, put)
+        t.bytes_sent += sum(u.length for u in sent)
+        t.units_put += len(sent)
 
     def _maybe_publish(self, t: Transfer) -> None:
         with self._lock:
@@ -328,16 +431,14 @@ class ReplicationService:
                    "files": [[n, len(t.meta[n])] for n in names], "token": self.token}
             body = b"".join(t.meta[n] for n in names)  # index + COMMIT, or DCP .metadata: any size
 
-            def put(client: flight.FlightClient) -> dict[str, Any]:
+            def put(client: flight.FlightClient, attempt: int) -> dict[str, Any]:
                 writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.commit", json.dumps(cmd)),
                                                SCHEMA)
                 mv = memoryview(body)
                 for pos in range(0, max(len(mv), 1), WIRE_CHUNK):
                     writer.write_batch(binary_batch(mv[pos:pos + WIRE_CHUNK]))
                 writer.done_writing()
-                answer = reader.read()
-                writer.close()
-                return json.loads(answer.to_pybytes())
+                return _ack(writer, reader)
 
             res = self._retrying(t.site, put)
             t.path, t.ready_at = res["path"], time.time()
@@ -355,6 +456,18 @@ class ReplicationService:
         self.check_token(cmd)
         ReplicaBuilder(self.root, check_name(cmd["name"])).write_unit(cmd["header"], _chunks(reader))
         writer.write(pa.py_buffer(b"{}"))
+
+    def _put_units(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        """A window of units back to back (each opened by a JSON header in its first batch's metadata)."""
+        cmd = _command(descriptor)
+        self.check_token(cmd)
+        rb = ReplicaBuilder(self.root, check_name(cmd["name"]))
+        done, syncs = rb.write_units(_unit_parts(reader))
+        with self._lock:
+            self.received["windows"] += 1
+            self.received["units"] += len(done)
+            self.received["syncs"] += syncs
+        writer.write(pa.py_buffer(json.dumps({"units": done}).encode()))
 
     def _put_commit(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
         """The source committed and every unit arrived: verify, publish by rename, register under the TTL."""
@@ -435,7 +548,8 @@ def call(endpoint: str, action: str, body: dict[str, Any] | None = None, *, clie
 
 
 _REQUIRED = {
-    "replication.ping": (), "replicate.start": ("name", "src", "site"), "replicate.commit": ("name", "path"),
+    "replication.ping": (), "replicate.start": ("name", "src", "site"), "replicate.written": ("name", "written"),
+    "replicate.commit": ("name", "path"),
     "replicate.abort": ("name",), "replicate.urgent": ("name", "priority"), "replicate.wait": ("name",),
     "replicate.pause": (), "replicate.resume": (), "replicate.log": (), "replica.status": ("name",),
 }
@@ -492,3 +606,29 @@ def _chunks(reader: Any) -> Any:
         offs = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + len(col) + 1]
         if len(col):
             yield memoryview(col.buffers()[2])[int(offs[0]):int(offs[-1])]
+
+
+def _ack(writer: Any, reader: Any) -> dict[str, Any]:
+    """The site's JSON answer to a DoPut. A stream the site dropped (it died or restarted) has none: its error
+    surfaces at close; a refusal stays a ``FlightServerError``, anything else means the site is unavailable."""
+    answer = reader.read()
+    try:
+        writer.close()
+    except flight.FlightServerError:
+        raise
+    except flight.FlightError as e:
+        raise flight.FlightUnavailableError(f"site dropped the stream: {e}") from e
+    if answer is None:
+        raise flight.FlightUnavailableError("site closed the stream without an answer")
+    return json.loads(answer.to_pybytes())
+
+
+def _unit_parts(reader: Any) -> Any:
+    """``(header or None, body bytes)`` per record batch of a ``replica.units`` stream."""
+    for chunk in reader:
+        header = json.loads(chunk.app_metadata.to_pybytes()) if chunk.app_metadata is not None else None
+        if header is not None and not isinstance(header, dict):
+            raise ProtocolError("unit header must be a JSON object")
+        col = chunk.data.column(0)
+        offs = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + len(col) + 1]
+        yield header, (memoryview(col.buffers()[2])[int(offs[0]):int(offs[-1])] if len(col) else b"")
