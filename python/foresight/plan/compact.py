@@ -306,6 +306,18 @@ class CompactPlan(Plan):
         ptr, cols = self._run(int(start), int(stop), capacity=None)
         return Pieces(ptr, cols["piece_dataset"], cols["piece_sample"], cols["piece_offset"], cols["piece_length"])
 
+    def max_rank_pieces(self, end_step: int, world_size: int) -> int:
+        """An upper bound on the pieces of one rank's share of one step, without walking the plan: an item is
+        ``seq_len + 1`` tokens of one dataset's stream and every piece holds at least one token (documents of zero
+        tokens give none), so it has at most ``seq_len + 1`` pieces."""
+        if end_step < 1:
+            return 0
+        return (self.global_batch_size // world_size) * (self.seq_len + 1)
+
+    def leading_piece_lengths(self, limit: int = 1 << 20) -> np.ndarray:
+        """Piece lengths of the plan's first items (at most 65,536 of them, and ``limit`` pieces), computed."""
+        return self.pieces(0, min(self.num_items, 1 << 16)).length[:limit]
+
     def __getstate__(self) -> dict[str, Any]:
         # the kernel's arguments hold raw addresses of this process's token-count arrays: rebuilt where unpickled
         state = dict(self.__dict__, _kernel_args=None)
