@@ -163,6 +163,19 @@ def add_rows(uint64_t base, int code, int64_t count, int64_t[::1] totals) -> int
     return bad
 
 
+def min_positive_step(const int64_t[::1] a) -> int64_t:
+    """The smallest ``a[i] - a[i - 1]`` that is > 0 (the fewest tokens of a non-empty block, over a segment of
+    block prefix sums), or 0 if there is none."""
+    cdef Py_ssize_t i
+    cdef int64_t best = 0, d
+    with nogil:
+        for i in range(1, a.shape[0]):
+            d = a[i] - a[i - 1]
+            if d > 0 and (best == 0 or d < best):
+                best = d
+    return best
+
+
 def first_decrease(const int64_t[::1] a) -> int64_t:
     """The first index i with ``a[i] < a[i - 1]``, or -1 (one pass at memory speed)."""
     cdef Py_ssize_t i

@@ -322,12 +322,33 @@ class CompactPlan(Plan):
         return Pieces(ptr, cols["piece_dataset"], cols["piece_sample"], cols["piece_offset"], cols["piece_length"])
 
     def max_rank_pieces(self, end_step: int, world_size: int) -> int:
-        """An upper bound on the pieces of one rank's share of one step, without walking the plan: an item is
-        ``seq_len + 1`` tokens of one dataset's stream and every piece holds at least one token (documents of zero
-        tokens give none), so it has at most ``seq_len + 1`` pieces."""
+        """An upper bound on the pieces of one rank's share of one step, from the block summaries, without walking
+        the plan. A share of n items holds k <= n consecutive items of a dataset: ``R = k * seq_len + 1`` tokens of
+        its stream, which touch at most ``2 + ceil(R / t_min)`` non-empty blocks (``t_min``: the fewest tokens of a
+        non-empty block) of at most ``ceil(num_samples / blocks)`` documents each, plus one piece per item boundary
+        cutting a document; and never more than ``k * (seq_len + 1)`` (every piece holds a token)."""
         if end_step < 1:
             return 0
-        return (self.global_batch_size // world_size) * (self.seq_len + 1)
+        n, seq_len = self.global_batch_size // world_size, self.seq_len
+        bound = 0
+        for d, (info, src) in enumerate(zip(self.summary["datasets"], self.inputs["sources"])):
+            k = min(n, info["items"])
+            if k == 0:
+                continue
+            docs = -(-src["num_samples"] // info["blocks"])
+            blocks = 2 + -(-(k * seq_len + 1) // self._min_block_tokens(d))
+            bound += min(k * (seq_len + 1), blocks * docs + k)
+        return min(n * (seq_len + 1), bound)
+
+    def _min_block_tokens(self, d: int) -> int:
+        """Fewest tokens of a non-empty block of dataset d (its first epoch's segment of the prefix sums; cached)."""
+        cache = self._prefix_cache.setdefault("min_block_tokens", {})
+        if d not in cache:
+            infos = self.summary["datasets"]
+            base = sum(i["epochs_started"] * (i["blocks"] + 1) for i in infos[:d])
+            seg = self.arrays["block_prefix"][base : base + infos[d]["blocks"] + 1]
+            cache[d] = max(1, int(_engine.min_positive_step(seg)))
+        return cache[d]
 
     def leading_piece_lengths(self, limit: int = 1 << 20) -> np.ndarray:
         """Piece lengths of the plan's first items (at most 65,536 of them, and ``limit`` pieces), computed."""
