@@ -242,9 +242,11 @@ def scale_worker(n_seqs: int, workdir: str, smoke: bool) -> dict:
     rng = np.random.default_rng(7)
     lookups = 50 if smoke else 500
     # wall time, and this thread's CPU time: on a shared machine the wall time's tail is other processes' turns;
-    # then as many other random steps with the index advised MADV_RANDOM (no readahead around each page fault)
+    # then as many other random steps over a fresh mapping of the index advised MADV_RANDOM (no readahead around
+    # each page fault; fresh, as the first pass leaves most of the index mapped by fault-around)
     for suffix, advice in (("", None), ("_random", mmap.MADV_RANDOM)):
         if advice is not None:
+            opened.attach([MemmapSource(sizes_path, n_docs)])
             sizes = opened._args()[-1][0]
             advise(sizes, 0, sizes.shape[0], advice)
         wall, cpu = [], []
