@@ -243,8 +243,9 @@ def main() -> int:
                            scratch=args.scratch)
         print_table(scale, ["impl", "seqs", "docs", "build_s", "cpu_s", "build_mem_gib", "bytes_per_seq",
                             "file_bytes", "open_s", "open_verify_s", "step_ms_median", "step_ms_p99",
-                            "step_cpu_ms_median", "step_cpu_ms_p99", "window_seqs_per_s", "window_seqs_per_cpu_s",
-                            "generate_s", "note"],
+                            "step_cpu_ms_median", "step_cpu_ms_p99", "step_minflt", "step_majflt",
+                            "step_random_ms_median", "step_random_cpu_ms_median", "step_random_majflt",
+                            "window_seqs_per_s", "window_seqs_per_cpu_s", "generate_s", "note"],
                     title=f"\ncompact plan at scale (seq_len 8192, batch 512, documents 1..4095 tokens; "
                           f"{os.cpu_count()} cores, shared)")
     path = write_results("plan_build_smoke" if args.smoke else "plan_build",

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import resource
 import shutil
@@ -207,6 +208,7 @@ class AnonPeak:
 def scale_worker(n_seqs: int, workdir: str, smoke: bool) -> dict:
     """One size: build, save, open, look up, window. Runs in its own process."""
     from foresight.plan import build_plan, load_plan
+    from foresight.plan.compact import advise
 
     n_docs = n_seqs * SCALE_SEQ * 2 // (DOC_MAX + 1) + 4096
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -238,16 +240,29 @@ def scale_worker(n_seqs: int, workdir: str, smoke: bool) -> dict:
     out["bytes_per_seq"] = (files + memory) / out["seqs"]
     out["pieces_step0"] = int(first.item_ptr[-1])
     rng = np.random.default_rng(7)
-    # wall time, and this thread's CPU time: on a shared machine the wall time's tail is other processes' turns
-    wall, cpu = [], []
-    for step in rng.integers(0, opened.num_steps, 50 if smoke else 500):
-        t0, c0 = time.perf_counter(), time.thread_time()
-        opened.pieces(*opened.rank_items(int(step), 0, 1))
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.thread_time() - c0)
-    out["step_ms_median"], out["step_ms_p99"] = statistics.median(wall) * 1e3, float(np.percentile(wall, 99)) * 1e3
-    out["step_cpu_ms_median"] = statistics.median(cpu) * 1e3
-    out["step_cpu_ms_p99"] = float(np.percentile(cpu, 99)) * 1e3
+    lookups = 50 if smoke else 500
+    # wall time, and this thread's CPU time: on a shared machine the wall time's tail is other processes' turns;
+    # then as many other random steps over a fresh mapping of the index advised MADV_RANDOM (no readahead around
+    # each page fault; fresh, as the first pass leaves most of the index mapped by fault-around)
+    for suffix, advice in (("", None), ("_random", mmap.MADV_RANDOM)):
+        if advice is not None:
+            opened.attach([MemmapSource(sizes_path, n_docs)])
+            sizes = opened._args()[-1][0]
+            advise(sizes, 0, sizes.shape[0], advice)
+        wall, cpu = [], []
+        r0 = resource.getrusage(resource.RUSAGE_THREAD)
+        for step in rng.integers(0, opened.num_steps, lookups):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            opened.pieces(*opened.rank_items(int(step), 0, 1))
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
+        r1 = resource.getrusage(resource.RUSAGE_THREAD)
+        out[f"step{suffix}_ms_median"] = statistics.median(wall) * 1e3
+        out[f"step{suffix}_ms_p99"] = float(np.percentile(wall, 99)) * 1e3
+        out[f"step{suffix}_cpu_ms_median"] = statistics.median(cpu) * 1e3
+        out[f"step{suffix}_cpu_ms_p99"] = float(np.percentile(cpu, 99)) * 1e3
+        out[f"step{suffix}_minflt"] = (r1.ru_minflt - r0.ru_minflt) / lookups
+        out[f"step{suffix}_majflt"] = (r1.ru_majflt - r0.ru_majflt) / lookups
     window = min(opened.num_steps, 200 if smoke else WINDOW_STEPS)
     start = int(rng.integers(0, opened.num_steps - window + 1))
     t0, c0 = time.perf_counter(), time.thread_time()

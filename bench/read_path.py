@@ -210,6 +210,84 @@ def run_foresight(case: Case, cold: bool, *, shuffle: str = "global", backend: s
                                                    "h2d_s", "stall_s")})
 
 
+# -- tokens: the Loader over a compact plan beside its materialized form ------------------------------------------
+
+TOKEN_SEQ, TOKEN_BATCH = 2048, 64
+
+
+def ensure_token_dataset(root: Path, total_bytes: int):
+    """A uint16 token dataset of documents of 1..4095 tokens (mean 2,048), written once and reused."""
+    from foresight.format import DatasetWriter, open_dataset
+
+    path = root / f"tokens-{total_bytes // MiB}M"
+    if (path / "manifest.json").exists():
+        return open_dataset(str(path))
+    rng = np.random.default_rng(2048)
+    lengths = rng.integers(1, 4096, max(1, total_bytes // 4096))
+    with DatasetWriter(str(path), token_dtype="uint16", fsync=False, overwrite=True) as w:
+        for lo in range(0, len(lengths), 1 << 15):
+            part = lengths[lo : lo + (1 << 15)]
+            w.add_many(rng.integers(0, 65535, int(part.sum()), dtype=np.uint16), part, modality="tokens")
+    os.sync()
+    return open_dataset(str(path))
+
+
+def token_plans(ds, run_bytes: int) -> dict:
+    """``compact``: a compact plan; ``materialized``: the same items and pieces stored as arrays (format 1), so the
+    two rows differ only in how the loader gets a step's pieces."""
+    from foresight.plan import Plan, build_plan
+
+    steps = max(4, run_bytes // (TOKEN_BATCH * TOKEN_SEQ * 2))
+    compact = build_plan([(ds, 1.0)], seed=1, global_batch_size=TOKEN_BATCH, seq_len=TOKEN_SEQ, num_steps=steps,
+                         compact=True)
+    p = compact.pieces(0, compact.num_items)
+    arrays = {"item_ptr": p.item_ptr, "piece_dataset": p.dataset, "piece_sample": p.sample,
+              "piece_offset": p.offset, "piece_length": p.length}
+    materialized = Plan(inputs=compact.inputs, summary=dict(compact.summary, num_pieces=len(p.sample)), arrays=arrays)
+    return {"compact": compact, "materialized": materialized}
+
+
+def run_tokens(ds, plan, cold: bool) -> dict:
+    """Steady-state tokens per second of one Loader pass (from the first batch to the last)."""
+    from foresight.loader import Loader
+
+    meter = Meter()
+    with Loader([ds], plan, direct=cold, queue_depth=QUEUE_DEPTH, prefetch=PREFETCH) as loader:
+        it = iter(loader)
+        next(it)
+        meter.start()
+        rows = sum(int(batch["tokens"].shape[0]) for batch in it)
+        wall, cpu = meter.stop()
+    tokens = rows * TOKEN_SEQ
+    return {"tokens": tokens, "wall_s": wall, "cpu_s": cpu, "tokens_per_s": tokens / wall,
+            "cpu_s_per_gtoken": cpu / (tokens / 1e9)}
+
+
+def token_rows(root: Path, dataset_bytes: int, run_bytes: int, runs: int, modes: list[str],
+               cache: "CacheControl") -> list[dict]:
+    """Per mode, both plan kinds ``runs`` times, interleaved; medians and the compact / materialized ratio."""
+    ds = ensure_token_dataset(root, dataset_bytes)
+    plans = token_plans(ds, run_bytes)
+    rows = []
+    for mode in modes:
+        got: dict[str, list[dict]] = {k: [] for k in plans}
+        for _ in range(runs):
+            for kind, plan in plans.items():
+                for path in ds.shard_paths:
+                    cache.prepare(path, mode == "cold")
+                got[kind].append(run_tokens(ds, plan, mode == "cold"))
+        for kind, results in got.items():
+            rows.append({"mode": mode, "plan": kind, "runs": len(results),
+                         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in results),
+                         "cpu_s_per_gtoken": statistics.median(r["cpu_s_per_gtoken"] for r in results),
+                         "tokens_per_run": results[0]["tokens"]})
+        mat = next(r for r in rows if r["mode"] == mode and r["plan"] == "materialized")
+        for r in rows:
+            if r["mode"] == mode:
+                r["x_materialized"] = r["tokens_per_s"] / mat["tokens_per_s"]
+    return rows
+
+
 def methods(fio: bool, dl_cfg: dict, fio_cfg: dict | None) -> dict:
     """Name -> runner(case, cold). Anchors run in the configuration their sweep picked; ``-block`` rows (ours and
     the anchors') read the block-local plan's order, the others the global plan's."""
@@ -504,7 +582,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--clean", action="store_true", help="delete the cached datasets (alone: and exit)")
     ap.add_argument("--from-json", metavar="PATH", help="re-render tables, ratios and PNG from a saved result")
+    ap.add_argument("--tokens", action="store_true",
+                    help="only the token case: the Loader over a compact plan beside the same plan materialized "
+                         "(--dataset-gib of uint16 tokens, --run-mib per run; writes read_path_tokens.json)")
     args = ap.parse_args(argv)
+    if args.tokens:
+        return main_tokens(args)
     if args.from_json:
         payload = json.loads(Path(args.from_json).read_text())
         report(payload, "read_path_smoke" if payload.get("smoke") else "read_path")
@@ -582,6 +665,31 @@ def main(argv: list[str] | None = None) -> int:
     # a partial run (some sizes) keeps its own file, so it never replaces the full run's figures
     name = "read_path_smoke" if args.smoke else "read_path" + ("" if sizes == list(SIZES) else "_" + "_".join(sizes))
     report(payload, name)
+    return 0
+
+
+def main_tokens(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    tmp = tempfile.mkdtemp(prefix="foresight-read-tokens-") if args.smoke else None
+    root = Path(tmp) if tmp else Path(args.data_dir)
+    dataset_bytes = 8 * MiB if args.smoke else int(args.dataset_gib * GiB)
+    run_bytes = 2 * MiB if args.smoke else (args.run_mib or 256) * MiB
+    info = machine()
+    info["load_avg_start"] = os.getloadavg()
+    try:
+        rows = token_rows(root, dataset_bytes, run_bytes, 1 if args.smoke else args.runs, modes,
+                          CacheControl(global_drop=False))  # cold: evict the dataset's files only (a shared machine)
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    info["load_avg_end"] = os.getloadavg()
+    print_table(rows, ["mode", "plan", "runs", "tokens_per_s", "cpu_s_per_gtoken", "x_materialized"],
+                f"read path, tokens (seq_len {TOKEN_SEQ}, batch {TOKEN_BATCH}, {dataset_bytes // MiB} MiB dataset, "
+                f"{run_bytes // MiB} MiB per run): compact plan vs the same plan materialized")
+    out = write_results("read_path_tokens_smoke" if args.smoke else "read_path_tokens",
+                        {"machine": info, "smoke": args.smoke, "dataset_bytes": dataset_bytes, "run_bytes": run_bytes,
+                         "rows": rows})
+    print(f"wrote {out}")
     return 0
 
 

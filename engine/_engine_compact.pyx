@@ -104,15 +104,88 @@ def block_prefix(const int64_t[::1] totals, uint64_t key, int64_t[::1] out) -> N
     """``out[k + 1] = out[k] + totals[perm(k)]``, ``out[0] = 0``: the token prefix sums of the blocks
     in their permuted order (``perm`` is the bijection of [0, len(totals)) keyed by ``key``)."""
     cdef Py_ssize_t nb = totals.shape[0]
-    cdef Py_ssize_t k
+    cdef Py_ssize_t k, lo, hi
     cdef int64_t acc = 0
+    cdef uint64_t idx[BLOCK_BUFFER]
     if out.shape[0] != nb + 1:
         raise ValueError("block_prefix: out must have len(totals) + 1 entries")
     with nogil:
         out[0] = 0
-        for k in range(nb):
-            acc += totals[<Py_ssize_t>permute(k, nb, key)]
-            out[k + 1] = acc
+        # a batch of block ids first (pure arithmetic), then their totals in one gather loop whose cache misses
+        # the CPU overlaps (totals of a large corpus are far bigger than the cache)
+        lo = 0
+        while lo < nb:
+            hi = lo + BLOCK_BUFFER if lo + BLOCK_BUFFER < nb else nb
+            for k in range(lo, hi):
+                idx[k - lo] = permute(k, nb, key)
+            for k in range(lo, hi):
+                acc += totals[<Py_ssize_t>idx[k - lo]]
+                out[k + 1] = acc
+            lo = hi
+
+
+def add_rows(uint64_t base, int code, int64_t count, int64_t[::1] totals) -> int64_t:
+    """``totals[k % nb] += sizes[k]`` for the ``count`` token counts at address ``base`` (element type ``code``,
+    ``nb = len(totals)``; the first belongs to block 0): one chunk of whole rows of a dataset's counts. Tiled by
+    columns so each tile of ``totals`` stays in cache while the chunk's rows are added into it. Returns the
+    index of the first negative count, or -1."""
+    cdef int64_t nb = totals.shape[0]
+    cdef int64_t rows = (count + nb - 1) // nb if nb else 0
+    cdef int64_t c0, c1, r, c, row_end, v
+    cdef int64_t tile = 16384
+    cdef const void* p = <const void*>base
+    cdef int64_t bad = -1
+    if nb == 0:
+        return -1
+    with nogil:
+        c0 = 0
+        while c0 < nb:
+            c1 = c0 + tile if c0 + tile < nb else nb
+            for r in range(rows):
+                row_end = count - r * nb
+                if row_end <= c0:
+                    break
+                if row_end > c1:
+                    row_end = c1
+                if code == 0:
+                    for c in range(c0, row_end):
+                        totals[c] += (<const uint16_t*>p)[r * nb + c]
+                elif code == 2:
+                    for c in range(c0, row_end):
+                        totals[c] += (<const uint32_t*>p)[r * nb + c]
+                else:
+                    for c in range(c0, row_end):
+                        v = size_at(p, code, r * nb + c)
+                        if v < 0 and (bad < 0 or r * nb + c < bad):
+                            bad = r * nb + c
+                        totals[c] += v
+            c0 = c1
+    return bad
+
+
+def min_positive_step(const int64_t[::1] a) -> int64_t:
+    """The smallest ``a[i] - a[i - 1]`` that is > 0 (the fewest tokens of a non-empty block, over a segment of
+    block prefix sums), or 0 if there is none."""
+    cdef Py_ssize_t i
+    cdef int64_t best = 0, d
+    with nogil:
+        for i in range(1, a.shape[0]):
+            d = a[i] - a[i - 1]
+            if d > 0 and (best == 0 or d < best):
+                best = d
+    return best
+
+
+def first_decrease(const int64_t[::1] a) -> int64_t:
+    """The first index i with ``a[i] < a[i - 1]``, or -1 (one pass at memory speed)."""
+    cdef Py_ssize_t i
+    cdef int64_t found = -1
+    with nogil:
+        for i in range(1, a.shape[0]):
+            if a[i] < a[i - 1]:
+                found = i
+                break
+    return found
 
 
 cdef struct Cursor:

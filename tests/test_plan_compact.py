@@ -283,3 +283,26 @@ def test_cli_compact_and_inspect(tmp_path):
     sample, length = step["pieces"].index("sample"), step["pieces"].index("length")  # pieces are rows
     assert [pc[sample] for pc in step["items"][0]["pieces"]] == p.sample[: p.item_ptr[1]].tolist()
     assert all(sum(pc[length] for pc in i["pieces"]) == 33 for i in step["items"])
+
+
+@pytest.mark.parametrize("dtype", ["<u2", "<i4", "<u4", "<i8"])
+@pytest.mark.parametrize("n,nb", [(1, 1), (100, 7), (50_000, 20_000), (70_001, 33_000), (40_000, 40_000)])
+def test_block_totals_match_numpy(dtype, n, nb, monkeypatch):
+    from foresight.plan import compact
+
+    monkeypatch.setattr(compact, "_ROWS_BYTES", 3 * nb * np.dtype(dtype).itemsize)  # chunks of three rows
+    sizes = np.random.default_rng(n).integers(0, 5000, n).astype(dtype)
+    totals, total = compact.block_totals(sizes, nb, 0)
+    want = np.bincount(np.arange(n) % nb, weights=sizes.astype(np.float64), minlength=nb).astype(np.int64)
+    assert np.array_equal(totals, want) and total == int(sizes.sum(dtype=np.int64))
+    if np.dtype(dtype).kind == "i" and n > 1:
+        sizes[n - 2] = -1
+        with pytest.raises(PlanError, match="negative") as e:
+            compact.block_totals(sizes, nb, 3)
+        assert e.value.context["sample"] == n - 2 and e.value.context["source"] == 3
+
+
+def test_first_decrease():
+    assert _engine_compact.first_decrease(np.array([0, 1, 1, 5], np.int64)) == -1
+    assert _engine_compact.first_decrease(np.array([0, 3, 2, 1], np.int64)) == 2
+    assert _engine_compact.first_decrease(np.zeros(0, np.int64)) == -1

@@ -3,6 +3,7 @@ materialized form (tests/compact_reference.py), over a foresight dataset blended
 from __future__ import annotations
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -115,3 +116,64 @@ def test_verifying_loader_over_a_compact_plan(corpus):
         want = _batches(loader)
     with Loader([web], plan, verify=True) as loader:  # checksums of every sample a step reads
         assert _same(_batches(loader), want)
+
+
+def test_a_billion_sequence_plan_opens_and_loads_in_small_memory(tmp_path):
+    """A compact plan of 10^9 sequences (materialized: 8 GB of item_ptr alone) over a small Megatron corpus: the
+    loader sizes its slots from the plan's bound and reads its first batches without walking the plan."""
+    rng = np.random.default_rng(5)
+    docs = [rng.integers(0, 60000, int(k), dtype=np.uint16) for k in rng.integers(1, 1000, size=2000)]
+    write_megatron_dataset(str(tmp_path / "corpus"), docs, np.uint16)
+    corpus = open_dataset(str(tmp_path / "corpus.idx"))
+    batch, steps = 8, 125_000_000
+    plan = build_plan([(corpus, 1.0)], seed=3, global_batch_size=batch, seq_len=32, num_steps=steps,
+                      compact=True, block_size=500)
+    assert plan.num_items == 10**9
+    plan.save(str(tmp_path / "plan"))
+    process = psutil.Process()
+    before = process.memory_info().rss
+    opened = load_plan(str(tmp_path / "plan"))
+    with Loader([corpus], opened, world_size=2, rank=1) as loader:
+        got = _batches(loader, limit=3)
+    grown = process.memory_info().rss - before
+    assert [s for s, _ in got] == [0, 1, 2]
+    assert opened._prefix_cache["items"] == 0  # item_ptr never computed from item 0
+    assert grown < 256 << 20, f"RSS grew by {grown >> 20} MiB"
+    for step, rows in got:  # rank 1's half of each step: the plan's pieces, read from the corpus
+        p = plan.pieces(*plan.rank_items(step, 1, 2))
+        for i in range(batch // 2):
+            a, b = int(p.item_ptr[i]), int(p.item_ptr[i + 1])
+            row = np.concatenate([docs[int(s)][o : o + n] for s, o, n in zip(p.sample[a:b], p.offset[a:b],
+                                                                          p.length[a:b])])
+            assert np.array_equal(rows[i].numpy().astype(np.int64), row.astype(np.int64))
+
+
+def test_piece_bound_covers_the_materialized_count(corpus):
+    _, _, plan, materialized = corpus
+    for world in (1, 2, 4):
+        exact = materialized.max_rank_pieces(STEPS, world)
+        ptr = np.asarray(materialized.item_ptr)
+        per_rank = BATCH // world
+        assert exact == int((ptr[per_rank::per_rank] - ptr[:-1:per_rank]).max())
+        assert exact <= plan.max_rank_pieces(STEPS, world) <= per_rank * (SEQ + 1)
+    assert np.array_equal(plan.leading_piece_lengths(10), np.asarray(materialized.piece_length[:10]))
+
+
+@pytest.mark.parametrize("lengths,block_size,seq_len", [((200, 5000), 4, 64), ((1, 3), 8, 16), ((0, 40), 3, 24),
+                                                        ((1, 2000), None, 512)])
+def test_piece_bound_holds_and_tightens_with_long_documents(lengths, block_size, seq_len):
+    from foresight.plan import ArraySource
+
+    rng = np.random.default_rng(seq_len)
+    sources = [(ArraySource(rng.integers(*lengths, size=300), tokens=True), 0.7),
+               (ArraySource(rng.integers(1, 50, 90), tokens=True), 0.3)]
+    batch, steps = 16, 30
+    plan = build_plan(sources, seed=2, global_batch_size=batch, seq_len=seq_len, num_steps=steps, compact=True,
+                      block_size=block_size)
+    ptr = np.asarray(plan.pieces(0, plan.num_items).item_ptr)
+    for world in (1, 4, 16):
+        n = batch // world
+        exact = int((ptr[n::n] - ptr[:-1:n]).max())
+        assert exact <= plan.max_rank_pieces(steps, world) <= n * (seq_len + 1)
+    if lengths[0] >= 200:  # long documents: far fewer pieces than tokens
+        assert plan.max_rank_pieces(steps, 1) < batch * (seq_len + 1) // 4

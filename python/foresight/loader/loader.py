@@ -338,8 +338,10 @@ class Loader(Closing):
         plan, n = self.plan, self._per_rank
         if self._tokens:
             rows = n * (plan.seq_len + 1) * self._token_dtype.itemsize
-            requested = self._max_rank_count(self._whole_sample_bytes()) if self.verify else rows
-            max_pieces = self._max_rank_count(np.diff(np.asarray(plan.item_ptr[: self._item_limit() + 1])))
+            requested = self._max_whole_sample_bytes() if self.verify else rows
+            # the plan's own figure: exact from a materialized plan's item_ptr, a bound from a compact plan (whose
+            # item_ptr would be computed from item 0: never walked here)
+            max_pieces = plan.max_rank_pieces(self.end_step, self.world_size)
         else:
             rows = 0
             item_ptr = np.asarray(plan.item_ptr[: self._item_limit() + 1], dtype=np.int64)
@@ -361,36 +363,46 @@ class Loader(Closing):
         transfer = _round_up(requested + allowance + ALIGN, ALIGN)
         return transfer, _round_up(rows, ALIGN)
 
-    def _whole_sample_bytes(self) -> np.ndarray:
-        """Per item: bytes of the whole samples its pieces come from, counting a sample once while consecutive
-        pieces of one rank's share of a step repeat it (a long document cut into several rows), as
+    def _max_whole_sample_bytes(self) -> int:
+        """Most bytes of whole samples one rank's share of one step reads, counting a sample once while consecutive
+        pieces of the share repeat it (a long document cut into several rows), as
         ``step_extents(whole_samples=True)`` reads it. Repeats that are not consecutive are counted again: the
-        bound stays an upper bound."""
-        plan = self.plan
-        item_ptr = np.asarray(plan.item_ptr[: self._item_limit() + 1], dtype=np.int64)
-        count = int(item_ptr[-1])
-        p_dataset = np.asarray(plan.piece_dataset[:count])
-        p_sample = np.asarray(plan.piece_sample[:count], dtype=np.int64)
-        sizes = np.zeros(count, dtype=np.int64)
-        for d in np.unique(p_dataset):
-            mask = p_dataset == d
-            sizes[mask] = np.asarray(self.datasets[int(d)].sample_bytes(), dtype=np.int64)[p_sample[mask]]
-        repeat = np.zeros(count, dtype=bool)
-        repeat[1:] = (p_dataset[1:] == p_dataset[:-1]) & (p_sample[1:] == p_sample[:-1])
-        share_starts = item_ptr[:-1][:: self._per_rank]
-        repeat[share_starts[share_starts < count]] = False
-        sizes[repeat] = 0
-        cumulative = np.concatenate(([0], np.cumsum(sizes)))
-        return cumulative[item_ptr[1:]] - cumulative[item_ptr[:-1]]
+        bound stays an upper bound. Walks the steps this loader runs a chunk at a time through ``plan.pieces``
+        (bounded memory; computed on demand from a compact plan)."""
+        plan, b, n = self.plan, self.plan.global_batch_size, self._per_rank
+        sample_bytes: dict[int, np.ndarray] = {}
+        steps = max(1, (1 << 16) // b)
+        most = 0
+        for lo in range(0, self.end_step, steps):
+            hi = min(lo + steps, self.end_step)
+            p = plan.pieces(lo * b, hi * b)
+            item_ptr = np.asarray(p.item_ptr, dtype=np.int64)
+            p_dataset, p_sample = np.asarray(p.dataset), np.asarray(p.sample, dtype=np.int64)
+            count = int(item_ptr[-1])
+            sizes = np.zeros(count, dtype=np.int64)
+            for d in np.unique(p_dataset):
+                if int(d) not in sample_bytes:
+                    sample_bytes[int(d)] = np.asarray(self.datasets[int(d)].sample_bytes(), dtype=np.int64)
+                mask = p_dataset == d
+                sizes[mask] = sample_bytes[int(d)][p_sample[mask]]
+            repeat = np.zeros(count, dtype=bool)
+            repeat[1:] = (p_dataset[1:] == p_dataset[:-1]) & (p_sample[1:] == p_sample[:-1])
+            share_starts = item_ptr[:-1][::n]
+            repeat[share_starts[share_starts < count]] = False
+            sizes[repeat] = 0
+            cumulative = np.concatenate(([0], np.cumsum(sizes)))
+            shares = cumulative[item_ptr[n::n]] - cumulative[item_ptr[:-1:n]]
+            most = max(most, int(shares.max()) if shares.size else 0)
+        return most
 
     def _auto_max_transfer(self) -> int:
         """``max_transfer`` from the mean piece size in bytes (the first million pieces stand for the plan)."""
         from foresight.io.coalesce import transfer_limit_for
 
-        count = min(len(self.plan.piece_length), 1 << 20)
-        if count == 0:
+        lengths = self.plan.leading_piece_lengths(1 << 20)
+        if lengths.size == 0:
             return DEFAULT_MAX_TRANSFER
-        mean = float(np.asarray(self.plan.piece_length[:count], dtype=np.int64).mean())
+        mean = float(lengths.mean())
         if self._tokens:
             mean *= self._token_dtype.itemsize
         return transfer_limit_for(mean, align=ALIGN)

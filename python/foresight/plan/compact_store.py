@@ -12,6 +12,7 @@ Example::
 """
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Any
 
@@ -19,8 +20,8 @@ import numpy as np
 
 from foresight.errors import FormatError, PlanError
 from foresight.plan.compact import (
-    _CHUNK, COMPACT_ARRAYS, COMPACT_FORMAT_VERSION, SHUFFLE, CompactPlan, blend_counts, blend_pattern, blend_period,
-    items_per_source, num_blocks,
+    COMPACT_ARRAYS, COMPACT_FORMAT_VERSION, SHUFFLE, CompactPlan, blend_counts, blend_pattern, blend_period,
+    _engine, advise, items_per_source, num_blocks,
 )
 from foresight.plan.permute import MASK64
 from foresight.plan.plan import FORMAT_NAME
@@ -111,12 +112,9 @@ def check_prefix(summary: dict[str, Any], prefix: np.ndarray, path: str, *, full
                 raise FormatError(f"block prefix of dataset {i} epoch {e} must run from 0 to {d['tokens']}",
                                   path=file, index=base)
             if full:
-                for lo in range(0, nb, _CHUNK):
-                    part = np.asarray(seg[lo : lo + _CHUNK + 1])
-                    bad = np.flatnonzero(np.diff(part) < 0)
-                    if bad.size:
-                        raise FormatError("block prefix sums must not decrease", path=file,
-                                          index=base + lo + int(bad[0]) + 1)
+                bad = _engine.first_decrease(seg)  # native, one pass: no temporary the size of the array
+                if bad >= 0:
+                    raise FormatError("block prefix sums must not decrease", path=file, index=base + int(bad))
             base += nb + 1
 
 
@@ -124,6 +122,8 @@ def load_compact(path: str, doc: Any, *, verify: bool) -> CompactPlan:
     """Open a compact plan directory whose plan.json ``doc`` has been read (``load_plan`` dispatches here)."""
     header, digest = check_compact_header(doc, os.path.join(path, PLAN_JSON))
     prefix = _load_array(path, "block_prefix", header["arrays"]["block_prefix"])
+    if verify:  # every byte is read next: have the kernel read the file ahead at disk speed, not page by page
+        advise(prefix, 0, prefix.shape[0], mmap.MADV_WILLNEED)
     check_prefix(header["summary"], prefix, path, full=verify)
     plan = CompactPlan(inputs=header["inputs"], summary=header["summary"], arrays={"block_prefix": prefix},
                        digest=digest, path=path)

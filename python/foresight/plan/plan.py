@@ -166,6 +166,25 @@ class Plan:
             self.piece_length[lo:hi],
         )
 
+    def max_rank_pieces(self, end_step: int, world_size: int) -> int:
+        """Most pieces in one rank's share (``global_batch_size / world_size`` items) of one step, over steps
+        ``[0, end_step)``: what a loader sizes its buffers for. Exact here, read from ``item_ptr`` a chunk of steps
+        at a time (bounded memory); :class:`~foresight.plan.CompactPlan` gives an upper bound without a walk."""
+        b = self.global_batch_size
+        per_rank = b // world_size
+        steps = max(1, (1 << 20) // b)  # steps per chunk: about a million items
+        most = 0
+        for lo in range(0, min(int(end_step), self.num_steps), steps):
+            hi = min(lo + steps, int(end_step), self.num_steps)
+            ptr = np.asarray(self.item_ptr[lo * b : hi * b + 1], dtype=np.int64)
+            most = max(most, int((ptr[per_rank::per_rank] - ptr[:-1:per_rank]).max()))
+        return most
+
+    def leading_piece_lengths(self, limit: int = 1 << 20) -> np.ndarray:
+        """``piece_length`` of the plan's first pieces (at most ``limit``): a sample of piece sizes, e.g. to pick
+        a transfer size."""
+        return np.asarray(self.piece_length[: min(self.num_pieces, limit)], dtype=np.int64)
+
     def step_dict(self, step: int, *, rank: int | None = None, world_size: int | None = None) -> dict[str, Any]:
         """Step ``step`` (or one rank's share of it) as plain Python data, for debugging."""
         if (rank is None) != (world_size is None):
