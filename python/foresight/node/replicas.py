@@ -138,13 +138,18 @@ class ReplicaManager:
         safe_readers: concurrent readers one copy serves well (the planner's divisor).
         max_ttl_s: longest hint TTL accepted; max_readers: largest reader count accepted.
         poll_s: how often the node looks for copy tasks and expired copies.
+        placement_cost_s: what placing one copy costs a restart beyond its bytes (plan, task pick-up, registration,
+            readers told); a copy above the base replication is placed only when it saves the readers more, judged
+            at this node's service ``limit`` (every node assumed alike; unlimited: every wanted copy is placed).
+            None: ``2 x poll_s`` (a target finds its task within one poll; the rest takes about another).
     """
 
     def __init__(self, server: Any, cluster: Any, *, limit: ServiceLimit | None = None,
                  quota_bytes: int = 64 << 30, quota_replicas: int = 4096,
                  safe_readers: int = DEFAULT_SAFE_READERS, base_replicas: int = DEFAULT_BASE_REPLICAS,
                  max_per_file: int | None = None, max_ttl_s: float = 24 * 3600, max_readers: int = 1 << 20,
-                 poll_s: float = 0.25, lease_ttl: int = 10, copy_threads: int = 2) -> None:
+                 poll_s: float = 0.25, lease_ttl: int = 10, copy_threads: int = 2,
+                 placement_cost_s: float | None = None) -> None:
         self.server, self.cluster = server, cluster
         self.node_id, self.root = server.node_id, server.root
         self.limit = limit or ServiceLimit()
@@ -152,6 +157,9 @@ class ReplicaManager:
         self.safe_readers, self.base_replicas, self.max_per_file = safe_readers, base_replicas, max_per_file
         self.max_ttl_s, self.max_readers = float(max_ttl_s), int(max_readers)
         self.poll_s, self.lease_ttl = float(poll_s), max(2, int(lease_ttl))
+        self.placement_cost_s = 2 * self.poll_s if placement_cost_s is None else float(placement_cost_s)
+        if self.placement_cost_s < 0:
+            raise ValueError(f"placement_cost_s {placement_cost_s} < 0")
         self._lock = threading.Lock()
         self._copies: dict[tuple[str, str], _Local] = {}
         self._base_records: dict[str, str] = {}  # key -> value, re-put under a new lease if ours expired
@@ -298,7 +306,8 @@ class ReplicaManager:
         holders = {f: sorted(recs) for f, recs in copies.items()}
         loads = self._loads(live)
         common = dict(nodes=loads, holders=holders, safe_readers=self.safe_readers, base_replicas=self.base_replicas,
-                      max_per_file=self.max_per_file)
+                      max_per_file=self.max_per_file, node_bytes_per_s=self.limit.bytes_per_s,
+                      node_requests_per_s=self.limit.requests_per_s, placement_cost_s=self.placement_cost_s)
         wanted = plan_replicas(hints, **common)
         left_bytes, left_replicas = self.quota_bytes - used_bytes, self.quota_replicas - used_replicas
         if not req["allow_partial"] and (wanted.copy_bytes > left_bytes or wanted.new_replicas > left_replicas):
@@ -314,6 +323,7 @@ class ReplicaManager:
                   "granularity_waste": f.granularity_waste} for f in plan.files]
         record = {"job": job, "checkpoint": name, "ttl_s": req["ttl_s"], "lease": lease.id, "created": now,
                   "copy_bytes": plan.copy_bytes, "new_replicas": plan.new_replicas, "files": files,
+                  "placement_cost_s": self.placement_cost_s,
                   "coordinator": self.node_id}
         if not self.cluster._call(lambda c: c.create(hint_key, json.dumps(record), lease=lease)):
             lease.revoke()  # another node accepted a hint for it a moment ago
