@@ -21,10 +21,13 @@ Side by side, each on a fresh placement of the same files on the same nodes (one
   declared;
 * ``foresight``: hints for one reader per host (``ranks_per_host``) plus the per-host sharing.
 
-Placement is inside every hinted total: the clock starts when the hint is sent, the ranks are
-released once the copies are placed (``place s``), so the copies do not queue behind the storm's reads at the nodes'
-service limits. Reactive copies land mid-storm (one thread of the process re-reads the copy list every
-``--refresh-s`` for the ranks).
+Placement is inside every hinted total: the clock starts when the hint is sent, and the ranks are released at
+once, reading the existing copies while placement runs (``place s``: hint sent -> copies registered). A copy's source
+read goes ahead of the storm's reads at its holder (the service limit's priority lane), and the placement thread
+re-reads the copy list the moment the copies are placed, so readers move to them without a poll. The planner places
+only the copies that save more than their placement costs (``capped_by: placement_cost``): with one reader per host
+a hot file may get none, and foresight is then the sharing plus a hint that costs the ranks nothing. Reactive
+copies land mid-storm too (one thread of the process re-reads the copy list every ``--refresh-s`` for the ranks).
 
 Layouts (``--layouts``), each scaled down by keeping its ratios (hot bytes : per-rank bytes, ranks per host, readers
 per safe reader); nodes, ranks and the per-node limit set the absolute time:
@@ -191,6 +194,7 @@ class Placement:
 
     def __init__(self, etcd: str, name: str, hints: list, *, ranks_per_host: int = 1) -> None:
         self.etcd, self.name, self.hints, self.ranks_per_host = etcd, name, hints, ranks_per_host
+        self.on_placed = None  # called once the copies are placed: the ranks' copy list is re-read at once
         self.plan: dict | None = None
         self.placed: dict | None = None
         self.error: str | None = None
@@ -211,6 +215,8 @@ class Placement:
                                               hints=self.hints, ranks_per_host=self.ranks_per_host)
             self.placed = wait_for_replicas(self.name, etcd=self.etcd, job=JOB, token=TOKEN, timeout=600,
                                             poll_s=0.05)
+            if self.on_placed is not None and self.plan.get("new_replicas"):
+                self.on_placed()
             self.place_s = time.perf_counter() - self.t0
         except Exception as e:  # reported in the results: the storm itself falls back to the base copies
             self.error = str(e)[:300]
@@ -302,10 +308,9 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
         with cf.ThreadPoolExecutor(args.threads) as pool:
             futures = [pool.submit(rank, r) for r in range(ranks)]
             t0 = time.perf_counter()
-            if placement is not None:  # the copies are placed first, inside the total, on idle nodes
+            if placement is not None:  # placed while the ranks read the existing copies, inside the total
+                placement.on_placed = lambda: replicas.copies(name, force=True)
                 placement.start()
-                placement.join()
-                replicas.copies(name, force=True)
             if refresher is not None:
                 refresher.start()
             gate.set()
@@ -345,9 +350,14 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
                    new_replicas=(placement.plan or {}).get("new_replicas", 0), place_s=placement.place_s,
                    placement_error=placement.error,
                    copy_failures=(placement.placed or {}).get("failed"),
-                   files=[{k: f[k] for k in ("path", "size", "readers", "wanted", "replicas", "capped_by")}
-                          for f in (placement.plan or {}).get("files", [])][:4])
+                   files=plan_files(placement))
     return out
+
+
+def plan_files(placement: Placement) -> list[dict]:
+    """The plan per hot file: readers, copies wanted and placed, the cap that bit (e.g. ``placement_cost``)."""
+    return [{k: f[k] for k in ("path", "size", "readers", "wanted", "replicas", "capped_by")}
+            for f in (placement.plan or {}).get("files", [])][:4]
 
 
 def release(cluster: Cluster, name: str, timeout: float = 300.0) -> None:
@@ -395,7 +405,8 @@ def run_layout(cluster: Cluster, args: argparse.Namespace, layout: str, work: Pa
             detector.join()  # the hint may land after a short storm: counted all the same
             r.update(detected_after_reads=detector.fired_after_reads, place_s=placement.place_s,
                      copy_bytes=(placement.plan or {}).get("copy_bytes", 0),
-                     new_replicas=(placement.plan or {}).get("new_replicas", 0), placement_error=placement.error)
+                     new_replicas=(placement.plan or {}).get("new_replicas", 0), placement_error=placement.error,
+                     files=plan_files(placement))
         if mode == "uniform":  # the extra copies were made when the checkpoint was written, off the restore's clock
             r.update(copy_bytes=(copies - 3) * sum(os.path.getsize(src / f) for f in os.listdir(src)),
                      new_replicas=(copies - 3) * len(os.listdir(src)))

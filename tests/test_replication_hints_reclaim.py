@@ -134,6 +134,15 @@ def test_service_limit_syntax_and_token_bucket_arithmetic():
     assert [burst.reserve(50), burst.reserve(50), burst.reserve(100)] == [0.0, 0.5, 1.5]  # 0.5 s of tokens at once
 
 
+def test_a_copy_pull_goes_ahead_of_the_readers_queue_and_pushes_it_back():
+    now = [1000.0]
+    bucket = TokenBucket(100.0, burst_s=0.0, clock=lambda: now[0])
+    assert [bucket.reserve(100) for _ in range(3)] == [1.0, 2.0, 3.0]  # a storm's readers queue for 3 s
+    assert bucket.reserve(50, priority=True) == 0.5  # the copy's source read waits for its own tokens only
+    assert bucket.reserve(100) == 4.5  # the next reader pays for them: the rate holds over the queue
+    assert bucket.waited_s == 1.0 + 2.0 + 3.0 + 0.5 + 4.5
+
+
 def test_a_restarted_node_deletes_copies_no_hint_holds(cluster, tmp_path):
     stale = tmp_path / ".replicas" / JOB / "step-9"
     stale.mkdir(parents=True)

@@ -399,8 +399,9 @@ class ReplicaManager:
                 raise NodeError("this node serves no copy of the file", checkpoint=name, file=f, node=self.node_id)
             local.refs += 1
             self.inflight += 1
+        copy = "grant" in t  # a copy's source read goes ahead of the readers' queue (see node/throttle.py)
         try:
-            self.limit.request()
+            self.limit.request(priority=copy)
             fd = os.open(local.path, os.O_RDONLY | os.O_CLOEXEC)
         except BaseException:
             self._unref(name, f, local, 0)
@@ -412,7 +413,7 @@ class ReplicaManager:
             try:
                 while sent < size:
                     k = min(CHUNK, size - sent)
-                    self.limit.consume(k)
+                    self.limit.consume(k, priority=copy)
                     data = os.pread(fd, k, sent)
                     if not data:
                         raise NodeError("file shrank while being read", path=local.path, offset=sent)
