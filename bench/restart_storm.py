@@ -21,13 +21,13 @@ Side by side, each on a fresh placement of the same files on the same nodes (one
   declared;
 * ``foresight``: hints for one reader per host (``ranks_per_host``) plus the per-host sharing.
 
-Placement is inside every hinted total: the clock starts when the hint is sent, and the ranks are released at
-once, reading the existing copies while placement runs (``place s``: hint sent -> copies registered). A copy's source
-read goes ahead of the storm's reads at its holder (the service limit's priority lane), and the placement thread
-re-reads the copy list the moment the copies are placed, so readers move to them without a poll. The planner places
-only the copies that save more than their placement costs (``capped_by: placement_cost``): with one reader per host
-a hot file may get none, and foresight is then the sharing plus a hint that costs the ranks nothing. Reactive
-copies land mid-storm too (one thread of the process re-reads the copy list every ``--refresh-s`` for the ranks).
+Placement is inside every hinted total: the clock starts when the hint is sent. The planner places only the copies
+that save the readers more than their placement costs (``capped_by: placement_cost``); the ranks wait for the plan
+(one call), then for its copies if it places any (``place s``: hint sent -> copies registered), so those copies do
+not queue behind the storm's reads; a plan that places none (with one reader per host a hot file the base copies
+serve nearly as fast) releases them at once, and foresight costs the sharing one call. Reactive copies land
+mid-storm (their source reads go ahead of the storm's at the holder: the service limit's priority lane; one thread of
+the process re-reads the copy list every ``--refresh-s`` for the ranks).
 
 Layouts (``--layouts``), each scaled down by keeping its ratios (hot bytes : per-rank bytes, ranks per host, readers
 per safe reader); nodes, ranks and the per-node limit set the absolute time:
@@ -194,7 +194,7 @@ class Placement:
 
     def __init__(self, etcd: str, name: str, hints: list, *, ranks_per_host: int = 1) -> None:
         self.etcd, self.name, self.hints, self.ranks_per_host = etcd, name, hints, ranks_per_host
-        self.on_placed = None  # called once the copies are placed: the ranks' copy list is re-read at once
+        self.planned = threading.Event()  # set once the plan is back (or the hint failed)
         self.plan: dict | None = None
         self.placed: dict | None = None
         self.error: str | None = None
@@ -211,12 +211,13 @@ class Placement:
         from foresight.checkpoint.hint_client import set_replication_hints, wait_for_replicas
 
         try:
-            self.plan = set_replication_hints(self.name, etcd=self.etcd, job=JOB, token=TOKEN, ttl_s=600,
-                                              hints=self.hints, ranks_per_host=self.ranks_per_host)
+            try:
+                self.plan = set_replication_hints(self.name, etcd=self.etcd, job=JOB, token=TOKEN, ttl_s=600,
+                                                  hints=self.hints, ranks_per_host=self.ranks_per_host)
+            finally:
+                self.planned.set()
             self.placed = wait_for_replicas(self.name, etcd=self.etcd, job=JOB, token=TOKEN, timeout=600,
                                             poll_s=0.05)
-            if self.on_placed is not None and self.plan.get("new_replicas"):
-                self.on_placed()
             self.place_s = time.perf_counter() - self.t0
         except Exception as e:  # reported in the results: the storm itself falls back to the base copies
             self.error = str(e)[:300]
@@ -308,9 +309,12 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
         with cf.ThreadPoolExecutor(args.threads) as pool:
             futures = [pool.submit(rank, r) for r in range(ranks)]
             t0 = time.perf_counter()
-            if placement is not None:  # placed while the ranks read the existing copies, inside the total
-                placement.on_placed = lambda: replicas.copies(name, force=True)
+            if placement is not None:  # inside the total: the plan, then its copies (if any) on idle nodes
                 placement.start()
+                placement.planned.wait(600)
+                if (placement.plan or {}).get("new_replicas"):
+                    placement.join()
+                    replicas.copies(name, force=True)
             if refresher is not None:
                 refresher.start()
             gate.set()
