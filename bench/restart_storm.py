@@ -354,6 +354,7 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
                    new_replicas=(placement.plan or {}).get("new_replicas", 0), place_s=placement.place_s,
                    placement_error=placement.error,
                    copy_failures=(placement.placed or {}).get("failed"),
+                   place_steps=(placement.placed or {}).get("steps_s"),
                    files=plan_files(placement))
     return out
 
@@ -410,7 +411,7 @@ def run_layout(cluster: Cluster, args: argparse.Namespace, layout: str, work: Pa
             r.update(detected_after_reads=detector.fired_after_reads, place_s=placement.place_s,
                      copy_bytes=(placement.plan or {}).get("copy_bytes", 0),
                      new_replicas=(placement.plan or {}).get("new_replicas", 0), placement_error=placement.error,
-                     files=plan_files(placement))
+                     files=plan_files(placement), place_steps=(placement.placed or {}).get("steps_s"))
         if mode == "uniform":  # the extra copies were made when the checkpoint was written, off the restore's clock
             r.update(copy_bytes=(copies - 3) * sum(os.path.getsize(src / f) for f in os.listdir(src)),
                      new_replicas=(copies - 3) * len(os.listdir(src)))

@@ -33,12 +33,12 @@ PREFIX = "/t12-reclaim"
 class _Node:
     """A NodeServer with its replica manager, registered in the cluster as `foresight node serve --etcd` does."""
 
-    def __init__(self, root: str, etcd: str, node_id: str, limit: ServiceLimit) -> None:
+    def __init__(self, root: str, etcd: str, node_id: str, limit: ServiceLimit, **manager) -> None:
         self.server = NodeServer(root, node_id=node_id, cpu_threshold=101)
         self.cluster = Cluster(etcd, prefix=PREFIX)
         self.reg = self.cluster.register_node(node_id, lambda: {"node": node_id, "location": self.server.location,
                                                                   "instance": self.server.instance}, ttl=5)
-        self.manager = ReplicaManager(self.server, self.cluster, limit=limit, lease_ttl=5)
+        self.manager = ReplicaManager(self.server, self.cluster, limit=limit, **{"lease_ttl": 5, **manager})
         self.location, self.root = self.server.location, root
 
     def close(self) -> None:
@@ -112,6 +112,25 @@ def test_a_corrupt_copy_is_never_served_to_a_reader(cluster):
         assert reader.stats["verify_failures"] >= 1 and reader.stats["by_node"].get("a", 0) >= 1
     release_replication_hints(NAME, node=c["a"].location, job=JOB, token=TOKEN)
     wait_for(lambda: not os.path.exists(c["copy"]), timeout=60, what="the corrupt copy reclaimed")
+
+
+def test_the_planning_node_wakes_the_target_instead_of_waiting_for_its_poll(cluster, tmp_path):
+    # c: a target that would look for tasks only once an hour; the hint reaches it through replicas.wake
+    (tmp_path / "c").mkdir()
+    c = _Node(str(tmp_path / "c"), cluster["etcd"], "c", ServiceLimit(), poll_s=3600, lease_ttl=600)
+    try:
+        wait_for(lambda: "c" in cluster["a"].cluster.nodes(), timeout=30, what="c registered")
+        set_replication_hints(NAME, node=cluster["a"].location, job=JOB, token=TOKEN, ttl_s=600,
+                              hints=[FileHint(FILE, len(cluster["data"]), 1024, len(cluster["data"]))])
+        done = wait_for_replicas(NAME, node=cluster["a"].location, job=JOB, token=TOKEN, timeout=120)
+        assert set(done["files"][FILE]["copies"]) == {"a", "b", "c"} and c.manager.stats["copies_made"] == 1
+        assert cluster["a"].manager.stats["wake_failures"] == 0
+        steps = done["steps_s"]  # where placement's time went, per step
+        assert set(steps) == {"pickup", "pull", "register"} and all(v >= 0 for v in steps.values())
+    finally:
+        release_replication_hints(NAME, node=cluster["a"].location, job=JOB, token=TOKEN)
+        c.close()
+    wait_for(lambda: cluster["b"].manager.describe()["hinted_copies"] == 0, timeout=60, what="b's copy reclaimed")
 
 
 def test_service_limit_syntax_and_token_bucket_arithmetic():
