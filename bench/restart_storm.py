@@ -21,10 +21,13 @@ Side by side, each on a fresh placement of the same files on the same nodes (one
   declared;
 * ``foresight``: hints for one reader per host (``ranks_per_host``) plus the per-host sharing.
 
-Placement is inside every hinted total: the clock starts when the hint is sent, the ranks are
-released once the copies are placed (``place s``), so the copies do not queue behind the storm's reads at the nodes'
-service limits. Reactive copies land mid-storm (one thread of the process re-reads the copy list every
-``--refresh-s`` for the ranks).
+Placement is inside every hinted total: the clock starts when the hint is sent. The planner places only the copies
+that save the readers more than their placement costs (``capped_by: placement_cost``); the ranks wait for the plan
+(one call), then for its copies if it places any (``place s``: hint sent -> copies registered), so those copies do
+not queue behind the storm's reads; a plan that places none (with one reader per host a hot file the base copies
+serve nearly as fast) releases them at once, and foresight costs the sharing one call. Reactive copies land
+mid-storm (their source reads go ahead of the storm's at the holder: the service limit's priority lane; one thread of
+the process re-reads the copy list every ``--refresh-s`` for the ranks).
 
 Layouts (``--layouts``), each scaled down by keeping its ratios (hot bytes : per-rank bytes, ranks per host, readers
 per safe reader); nodes, ranks and the per-node limit set the absolute time:
@@ -191,6 +194,7 @@ class Placement:
 
     def __init__(self, etcd: str, name: str, hints: list, *, ranks_per_host: int = 1) -> None:
         self.etcd, self.name, self.hints, self.ranks_per_host = etcd, name, hints, ranks_per_host
+        self.planned = threading.Event()  # set once the plan is back (or the hint failed)
         self.plan: dict | None = None
         self.placed: dict | None = None
         self.error: str | None = None
@@ -207,8 +211,11 @@ class Placement:
         from foresight.checkpoint.hint_client import set_replication_hints, wait_for_replicas
 
         try:
-            self.plan = set_replication_hints(self.name, etcd=self.etcd, job=JOB, token=TOKEN, ttl_s=600,
-                                              hints=self.hints, ranks_per_host=self.ranks_per_host)
+            try:
+                self.plan = set_replication_hints(self.name, etcd=self.etcd, job=JOB, token=TOKEN, ttl_s=600,
+                                                  hints=self.hints, ranks_per_host=self.ranks_per_host)
+            finally:
+                self.planned.set()
             self.placed = wait_for_replicas(self.name, etcd=self.etcd, job=JOB, token=TOKEN, timeout=600,
                                             poll_s=0.05)
             self.place_s = time.perf_counter() - self.t0
@@ -302,10 +309,12 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
         with cf.ThreadPoolExecutor(args.threads) as pool:
             futures = [pool.submit(rank, r) for r in range(ranks)]
             t0 = time.perf_counter()
-            if placement is not None:  # the copies are placed first, inside the total, on idle nodes
+            if placement is not None:  # inside the total: the plan, then its copies (if any) on idle nodes
                 placement.start()
-                placement.join()
-                replicas.copies(name, force=True)
+                placement.planned.wait(600)
+                if (placement.plan or {}).get("new_replicas"):
+                    placement.join()
+                    replicas.copies(name, force=True)
             if refresher is not None:
                 refresher.start()
             gate.set()
@@ -345,9 +354,15 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
                    new_replicas=(placement.plan or {}).get("new_replicas", 0), place_s=placement.place_s,
                    placement_error=placement.error,
                    copy_failures=(placement.placed or {}).get("failed"),
-                   files=[{k: f[k] for k in ("path", "size", "readers", "wanted", "replicas", "capped_by")}
-                          for f in (placement.plan or {}).get("files", [])][:4])
+                   place_steps=(placement.placed or {}).get("steps_s"),
+                   files=plan_files(placement))
     return out
+
+
+def plan_files(placement: Placement) -> list[dict]:
+    """The plan per hot file: readers, copies wanted and placed, the cap that bit (e.g. ``placement_cost``)."""
+    return [{k: f[k] for k in ("path", "size", "readers", "wanted", "replicas", "capped_by")}
+            for f in (placement.plan or {}).get("files", [])][:4]
 
 
 def release(cluster: Cluster, name: str, timeout: float = 300.0) -> None:
@@ -395,7 +410,8 @@ def run_layout(cluster: Cluster, args: argparse.Namespace, layout: str, work: Pa
             detector.join()  # the hint may land after a short storm: counted all the same
             r.update(detected_after_reads=detector.fired_after_reads, place_s=placement.place_s,
                      copy_bytes=(placement.plan or {}).get("copy_bytes", 0),
-                     new_replicas=(placement.plan or {}).get("new_replicas", 0), placement_error=placement.error)
+                     new_replicas=(placement.plan or {}).get("new_replicas", 0), placement_error=placement.error,
+                     files=plan_files(placement), place_steps=(placement.placed or {}).get("steps_s"))
         if mode == "uniform":  # the extra copies were made when the checkpoint was written, off the restore's clock
             r.update(copy_bytes=(copies - 3) * sum(os.path.getsize(src / f) for f in os.listdir(src)),
                      new_replicas=(copies - 3) * len(os.listdir(src)))

@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 
 from foresight.checkpoint.dcp import ForesightStorageWriter
 from foresight.checkpoint.hints import FileHint, HintError, _chunk_readers, derive_dcp_hints, validate_hints
-from foresight.checkpoint.replica_plan import plan_replicas, wanted_replicas
+from foresight.checkpoint.replica_plan import paying_replicas, plan_replicas, wanted_replicas
 
 
 @pytest.fixture
@@ -130,3 +130,38 @@ def test_bad_ttl_and_unknown_holders_are_refused():
         validate_hints([_hint("f", 1, 1)], ttl_s=0)
     with pytest.raises(HintError, match="not available"):
         plan_replicas([_hint("f", 1, 1)], {"a": 0}, holders={"f": ["ghost"]})
+
+
+NODES8 = {f"n{i}": 0.0 for i in range(8)}
+BASE = {f: ["n0", "n1", "n2"] for f in ("hot", "meta")}
+RATE = dict(node_bytes_per_s=4 << 20, node_requests_per_s=200, placement_cost_s=0.5)
+
+
+def test_a_copy_is_placed_only_when_it_saves_more_than_its_placement_costs():
+    # the restart bench's fsdp7b file: 256 KiB, 0.0625 s per read at 4 MiB/s; 512 ranks or, shared, 64 hosts
+    hot = 256 << 10
+    per_rank = plan_replicas([_hint("hot", hot, 512)], NODES8, holders=BASE, safe_readers=16, **RATE)
+    assert per_rank.files[0].replicas == 8 and per_rank.files[0].capped_by == "nodes"  # every copy pays
+    # one reader per host: a 4th copy saves 64 x 0.0625 x (1/3 - 1/4) = 0.33 s, it costs 0.5 + 0.0625 s
+    per_host = plan_replicas([_hint("hot", hot, 64)], NODES8, holders=BASE, safe_readers=16, **RATE)
+    f = per_host.files[0]
+    assert f.wanted == 4 and f.replicas == 3 and f.new_nodes == [] and f.capped_by == "placement_cost"
+    assert per_host.copy_bytes == 0
+    # cheaper placement: the same copy pays
+    cheap = plan_replicas([_hint("hot", hot, 64)], NODES8, holders=BASE, safe_readers=16,
+                          **dict(RATE, placement_cost_s=0.1))
+    assert cheap.files[0].replicas == 4 and cheap.files[0].capped_by is None
+    # a small file: the request rate sets its read time (5 ms), too short for any copy to pay
+    meta = plan_replicas([_hint("meta", 4096, 512)], NODES8, holders=BASE, safe_readers=16, **RATE)
+    assert meta.files[0].replicas == 3 and meta.files[0].capped_by == "placement_cost"
+
+
+def test_the_cost_rule_stops_at_the_last_copy_that_pays_and_spares_the_base():
+    # 512 readers of 128 KiB (1/32 s per read): copy c+1 saves 16 x (1/c - 1/(c+1)); pays up to 6 copies at 0.53 s
+    n = paying_replicas(512, 128 << 10, 3, 8, node_bytes_per_s=4 << 20, placement_cost_s=0.5)
+    saving = [512 / 32 * (1 / c - 1 / (c + 1)) for c in range(3, 8)]
+    assert n == 3 + sum(1 for s in saving if s > 0.5 + 1 / 32) == 6
+    assert paying_replicas(512, 128 << 10, 3, 8, node_bytes_per_s=None, placement_cost_s=0.5) == 8  # rule off
+    # a file short of the base replication is topped up whatever the rule says
+    plan = plan_replicas([_hint("hot", 4096, 2)], NODES8, holders={"hot": ["n0"]}, safe_readers=16, **RATE)
+    assert plan.files[0].replicas == 3 and plan.files[0].capped_by is None

@@ -33,12 +33,12 @@ PREFIX = "/t12-reclaim"
 class _Node:
     """A NodeServer with its replica manager, registered in the cluster as `foresight node serve --etcd` does."""
 
-    def __init__(self, root: str, etcd: str, node_id: str, limit: ServiceLimit) -> None:
+    def __init__(self, root: str, etcd: str, node_id: str, limit: ServiceLimit, **manager) -> None:
         self.server = NodeServer(root, node_id=node_id, cpu_threshold=101)
         self.cluster = Cluster(etcd, prefix=PREFIX)
         self.reg = self.cluster.register_node(node_id, lambda: {"node": node_id, "location": self.server.location,
                                                                   "instance": self.server.instance}, ttl=5)
-        self.manager = ReplicaManager(self.server, self.cluster, limit=limit, lease_ttl=5)
+        self.manager = ReplicaManager(self.server, self.cluster, limit=limit, **{"lease_ttl": 5, **manager})
         self.location, self.root = self.server.location, root
 
     def close(self) -> None:
@@ -114,6 +114,25 @@ def test_a_corrupt_copy_is_never_served_to_a_reader(cluster):
     wait_for(lambda: not os.path.exists(c["copy"]), timeout=60, what="the corrupt copy reclaimed")
 
 
+def test_the_planning_node_wakes_the_target_instead_of_waiting_for_its_poll(cluster, tmp_path):
+    # c: a target that would look for tasks only once an hour; the hint reaches it through replicas.wake
+    (tmp_path / "c").mkdir()
+    c = _Node(str(tmp_path / "c"), cluster["etcd"], "c", ServiceLimit(), poll_s=3600, lease_ttl=600)
+    try:
+        wait_for(lambda: "c" in cluster["a"].cluster.nodes(), timeout=30, what="c registered")
+        set_replication_hints(NAME, node=cluster["a"].location, job=JOB, token=TOKEN, ttl_s=600,
+                              hints=[FileHint(FILE, len(cluster["data"]), 1024, len(cluster["data"]))])
+        done = wait_for_replicas(NAME, node=cluster["a"].location, job=JOB, token=TOKEN, timeout=120)
+        assert set(done["files"][FILE]["copies"]) == {"a", "b", "c"} and c.manager.stats["copies_made"] == 1
+        assert cluster["a"].manager.stats["wake_failures"] == 0
+        steps = done["steps_s"]  # where placement's time went, per step
+        assert set(steps) == {"pickup", "pull", "register"} and all(v >= 0 for v in steps.values())
+    finally:
+        release_replication_hints(NAME, node=cluster["a"].location, job=JOB, token=TOKEN)
+        c.close()
+    wait_for(lambda: cluster["b"].manager.describe()["hinted_copies"] == 0, timeout=60, what="b's copy reclaimed")
+
+
 def test_service_limit_syntax_and_token_bucket_arithmetic():
     assert parse_amounts("64M:500") == (64 << 20, 500)
     assert parse_amounts("1GiB") == (1 << 30, 0) and parse_amounts(":20") == (0, 20) and parse_amounts(None) == (0, 0)
@@ -132,6 +151,15 @@ def test_service_limit_syntax_and_token_bucket_arithmetic():
     assert [bucket.reserve(100), bucket.reserve(100)] == [1.0, 2.0]
     burst = TokenBucket(100.0, burst_s=0.5, clock=lambda: now[0])
     assert [burst.reserve(50), burst.reserve(50), burst.reserve(100)] == [0.0, 0.5, 1.5]  # 0.5 s of tokens at once
+
+
+def test_a_copy_pull_goes_ahead_of_the_readers_queue_and_pushes_it_back():
+    now = [1000.0]
+    bucket = TokenBucket(100.0, burst_s=0.0, clock=lambda: now[0])
+    assert [bucket.reserve(100) for _ in range(3)] == [1.0, 2.0, 3.0]  # a storm's readers queue for 3 s
+    assert bucket.reserve(50, priority=True) == 0.5  # the copy's source read waits for its own tokens only
+    assert bucket.reserve(100) == 4.5  # the next reader pays for them: the rate holds over the queue
+    assert bucket.waited_s == 1.0 + 2.0 + 3.0 + 0.5 + 4.5
 
 
 def test_a_restarted_node_deletes_copies_no_hint_holds(cluster, tmp_path):

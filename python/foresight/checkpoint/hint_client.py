@@ -109,7 +109,9 @@ def set_replication_hints(checkpoint: str, *, job: str, token: str, ttl_s: float
 
 def replication_progress(checkpoint: str, *, job: str, token: str, etcd: str | None = None, node: str | None = None,
                          prefix: str | None = None) -> dict:
-    """Copies made, pending and failed for the checkpoint's live hint; ``complete`` once none is pending."""
+    """Copies made, pending and failed for the checkpoint's live hint; ``complete`` once none is pending;
+    ``place_s`` (hint accepted -> last copy registered) and ``steps_s``, the slowest copy's time per step
+    (``pickup`` by its target, ``pull`` from a holder, ``register``)."""
     return _cluster_action("replicas.progress", {"job": job, "checkpoint": checkpoint}, job=job, token=token,
                            etcd=etcd, node=node, prefix=prefix)
 

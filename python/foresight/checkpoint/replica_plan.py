@@ -7,6 +7,16 @@ Copies go to distinct nodes, least loaded first, the load projected as the plan 
 that bit is recorded with its reason; files whose hot bytes are a small part of them are reported with the bytes the
 file granularity copies in vain.
 
+Placement has a cost, and a copy must pay for it. When the nodes' service rate is known (``node_bytes_per_s`` and,
+optionally, ``node_requests_per_s``: each node's limit), each copy beyond what the holders and the base replication
+give is weighed: with ``c`` copies the file's readers wait about ``readers x t_read / c`` at the copies' nodes
+(``t_read`` = one read's time there, ``max(size / bytes_per_s, 1 / requests_per_s)``), so copy ``c + 1`` saves
+``readers x t_read x (1/c - 1/(c+1))``. It costs ``placement_cost_s`` (the control path: plan, task pick-up, copy
+registered, readers told; fixed, whatever the size) plus its source read, ``t_read``. Copies are added while the
+saving exceeds the cost; the first one that does not pay stops the file, recorded as ``capped_by="placement_cost"``.
+So when host sharing already cut the readers to one per host, a file that the existing copies serve nearly as fast
+gets no copy and the restart is not held up by placement. Without a known rate the rule is off (the formula alone).
+
 Example::
 
     plan = plan_replicas(hints, nodes={"n0": 0.2, "n1": 0.5, "n2": 0.1}, holders={".metadata": ["n0"]},
@@ -35,7 +45,7 @@ class FilePlan:
     replicas: int  # replicas after the caps
     holders: list[str]  # nodes that already hold it
     new_nodes: list[str]  # nodes that get a new copy
-    capped_by: str | None = None  # "nodes", "per_file", "quota_bytes", "quota_replicas"
+    capped_by: str | None = None  # "nodes", "per_file", "placement_cost", "quota_bytes", "quota_replicas"
     granularity_waste: int = 0  # bytes per extra copy that no hot reader needs
 
     @property
@@ -67,14 +77,39 @@ def wanted_replicas(readers: int, safe_readers: int, base: int) -> int:
     return max(base, math.ceil(readers / safe_readers))
 
 
+def paying_replicas(readers: int, size: int, have: int, target: int, *, node_bytes_per_s: float | None,
+                    node_requests_per_s: float | None = None, placement_cost_s: float = 0.0) -> int:
+    """Copies (``have`` <= result <= ``target``) worth their placement: copy ``c + 1`` is added while it saves the
+    readers more time than it costs (see the module docstring). ``node_bytes_per_s`` None: ``target`` (rule off).
+
+    Example::
+
+        paying_replicas(64, 256 << 10, 3, 4, node_bytes_per_s=4 << 20, placement_cost_s=0.5)   # 3: saves 0.33 s
+        paying_replicas(512, 256 << 10, 3, 8, node_bytes_per_s=4 << 20, placement_cost_s=0.5)  # 8
+    """
+    if not node_bytes_per_s or node_bytes_per_s <= 0:
+        return target
+    t_read = size / node_bytes_per_s
+    if node_requests_per_s:
+        t_read = max(t_read, 1.0 / node_requests_per_s)
+    c = max(1, have)
+    while c < target and readers * t_read * (1 / c - 1 / (c + 1)) > placement_cost_s + t_read:
+        c += 1
+    return max(have, min(c, target))
+
+
 def plan_replicas(hints: Sequence[FileHint], nodes: Mapping[str, float], *,
                   holders: Mapping[str, Sequence[str]] | None = None, safe_readers: int = DEFAULT_SAFE_READERS,
                   base_replicas: int = DEFAULT_BASE_REPLICAS, max_per_file: int | None = None,
-                  quota_bytes: int | None = None, quota_replicas: int | None = None) -> ReplicaPlan:
+                  quota_bytes: int | None = None, quota_replicas: int | None = None,
+                  node_bytes_per_s: float | None = None, node_requests_per_s: float | None = None,
+                  placement_cost_s: float = 0.0) -> ReplicaPlan:
     """Plan replicas for ``hints`` over ``nodes`` (node id -> current load in concurrent readers).
 
     ``holders`` lists the nodes that already hold each file (the base replicas); they count toward the total and
-    never get a second copy. Quotas bound the *new* copies of this job.
+    never get a second copy. Quotas bound the *new* copies of this job. ``node_bytes_per_s``,
+    ``node_requests_per_s`` (a node's service rate) and ``placement_cost_s`` weigh each copy above the base
+    replication against its placement (:func:`paying_replicas`); without a rate every wanted copy is placed.
     """
     holders = holders or {}
     unknown = sorted({n for hs in holders.values() for n in hs} - set(nodes))
@@ -92,6 +127,11 @@ def plan_replicas(hints: Sequence[FileHint], nodes: Mapping[str, float], *,
         for limit, reason in ((len(nodes), "nodes"), (max_per_file, "per_file")):
             if limit is not None and target > limit:
                 target, capped = limit, reason
+        floor = max(len(have), min(base_replicas, target))  # the base replication is not weighed
+        paying = paying_replicas(h.readers, h.size, floor, target, node_bytes_per_s=node_bytes_per_s,
+                                 node_requests_per_s=node_requests_per_s, placement_cost_s=placement_cost_s)
+        if paying < target:
+            target, capped = paying, "placement_cost"
         extra = max(0, target - len(have))
         if extra and h.size and extra * h.size > bytes_left:
             extra, capped = int(bytes_left // h.size), "quota_bytes"

@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--replica-quota", default="64G:4096",
                    help="per job: extra bytes and copies its replication hints may place, BYTES[K|M|G]:COPIES")
     s.add_argument("--safe-readers", type=int, default=None, help="concurrent readers one replica serves well")
+    s.add_argument("--placement-cost-s", type=float, default=None,
+                   help="seconds placing one hinted copy costs a restart beyond its bytes; a copy is placed only when "
+                        "it saves the readers more at --service-limit (default: 2 x the task poll, 0.5 s)")
     _add_replication_arguments(s)
     st = sub.add_parser("status", help="per node and job: queue depth, lead, bytes, fallbacks; CPU")
     st.add_argument("--etcd", default=None, help="etcd endpoint(s), comma-separated: every registered node")
@@ -213,6 +216,8 @@ def _mount_replicas(server, cluster, args: argparse.Namespace):
 
     quota_bytes, quota_copies = parse_amounts(args.replica_quota, "--replica-quota")
     kw = {"safe_readers": args.safe_readers} if args.safe_readers else {}
+    if args.placement_cost_s is not None:
+        kw["placement_cost_s"] = args.placement_cost_s
     return ReplicaManager(server, cluster, limit=ServiceLimit.parse(args.service_limit), lease_ttl=args.ttl,
                           quota_bytes=int(quota_bytes), quota_replicas=int(quota_copies), **kw)
 

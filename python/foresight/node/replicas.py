@@ -5,7 +5,7 @@ A job publishes the checkpoint files a node holds (``replicas.publish``: the bas
 restart which files its ranks will read and how many at once (``set_replication_hints``, see
 :mod:`foresight.checkpoint.hint_client`), and the node that receives the hint plans the extra copies
 (:func:`~foresight.checkpoint.replica_plan.plan_replicas`) and writes one *task* per copy in etcd. Each target node
-picks up its tasks, pulls the file from a holder over Flight (``DoGet ckpt.get`` with the task's grant), writes it
+picks up its tasks (at once: the planning node wakes it with ``replicas.wake``; else within ``poll_s``), pulls the file from a holder over Flight (``DoGet ckpt.get`` with the task's grant), writes it
 under a temp name, checks its xxh3 against the base copy's, renames it into place and registers it under the
 hint's lease. Ranks read through :class:`~foresight.checkpoint.hint_client.ReplicaReader`, which picks the least
 loaded live copy and verifies every file it reads.
@@ -129,6 +129,17 @@ class _Local:
     doomed: bool = False
 
 
+def _placement_steps(done: list[dict]) -> dict | None:
+    """Where placement's time went, the slowest copy's per step: hint accepted -> task picked up by its target ->
+    pulled from a holder -> registered (copies from before these timestamps are left out)."""
+    done = [t for t in done if "picked_at" in t and "pulled_at" in t]
+    if not done:
+        return None
+    return {"pickup": max(t["picked_at"] - t["created"] for t in done),
+            "pull": max(t["pulled_at"] - t["picked_at"] for t in done),
+            "register": max(t["done_at"] - t["pulled_at"] for t in done)}
+
+
 class ReplicaManager:
     """See the module docstring. Options:
 
@@ -138,13 +149,18 @@ class ReplicaManager:
         safe_readers: concurrent readers one copy serves well (the planner's divisor).
         max_ttl_s: longest hint TTL accepted; max_readers: largest reader count accepted.
         poll_s: how often the node looks for copy tasks and expired copies.
+        placement_cost_s: what placing one copy costs a restart beyond its bytes (plan, task pick-up, registration,
+            readers told); a copy above the base replication is placed only when it saves the readers more, judged
+            at this node's service ``limit`` (every node assumed alike; unlimited: every wanted copy is placed).
+            None: ``2 x poll_s`` (a target finds its task within one poll; the rest takes about another).
     """
 
     def __init__(self, server: Any, cluster: Any, *, limit: ServiceLimit | None = None,
                  quota_bytes: int = 64 << 30, quota_replicas: int = 4096,
                  safe_readers: int = DEFAULT_SAFE_READERS, base_replicas: int = DEFAULT_BASE_REPLICAS,
                  max_per_file: int | None = None, max_ttl_s: float = 24 * 3600, max_readers: int = 1 << 20,
-                 poll_s: float = 0.25, lease_ttl: int = 10, copy_threads: int = 2) -> None:
+                 poll_s: float = 0.25, lease_ttl: int = 10, copy_threads: int = 2,
+                 placement_cost_s: float | None = None) -> None:
         self.server, self.cluster = server, cluster
         self.node_id, self.root = server.node_id, server.root
         self.limit = limit or ServiceLimit()
@@ -152,15 +168,20 @@ class ReplicaManager:
         self.safe_readers, self.base_replicas, self.max_per_file = safe_readers, base_replicas, max_per_file
         self.max_ttl_s, self.max_readers = float(max_ttl_s), int(max_readers)
         self.poll_s, self.lease_ttl = float(poll_s), max(2, int(lease_ttl))
+        self.placement_cost_s = 2 * self.poll_s if placement_cost_s is None else float(placement_cost_s)
+        if self.placement_cost_s < 0:
+            raise ValueError(f"placement_cost_s {placement_cost_s} < 0")
         self._lock = threading.Lock()
         self._copies: dict[tuple[str, str], _Local] = {}
         self._base_records: dict[str, str] = {}  # key -> value, re-put under a new lease if ours expired
         self._bindings: dict[str, dict] = {}
         self._busy: set[str] = set()  # task keys being copied here
         self.inflight = 0
-        self.stats = {"reads": 0, "bytes": 0, "copies_made": 0, "copies_failed": 0, "reclaimed": 0}
+        self.stats = {"reads": 0, "bytes": 0, "copies_made": 0, "copies_failed": 0, "reclaimed": 0,
+                      "wake_failures": 0}
         self._pool = cf.ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="foresight-replica-copy")
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by replicas.wake (a planning node wrote tasks for us): poll now
         self._lease: Any = None  # the node's lease (base copies, load); made by the loop, which rides over etcd outages
         self._adopted = False
         self._last = {"lease": -1e9, "load": -1e9, "reclaim": -1e9}  # when each periodic duty last ran
@@ -170,6 +191,8 @@ class ReplicaManager:
                                    ("replicas.progress", _decode_ckpt_request, self._progress),
                                    ("replicas.release", _decode_ckpt_request, self._release)):
             server.register_action(name, dec, handler, job_scoped=False)  # own auth: jobs here register no plan
+        server.register_action("replicas.wake", lambda o: _only(o, (), (), "replicas.wake") or {},
+                               lambda context, req: self.wake(), job_scoped=False)  # only polls sooner: no auth
         server.register_action("replicas.stats", lambda o: _only(o, (), (), "replicas.stats") or {},
                                lambda context, req: self.describe(), job_scoped=False)
         server.register_get("ckpt.get", self._get)
@@ -298,7 +321,8 @@ class ReplicaManager:
         holders = {f: sorted(recs) for f, recs in copies.items()}
         loads = self._loads(live)
         common = dict(nodes=loads, holders=holders, safe_readers=self.safe_readers, base_replicas=self.base_replicas,
-                      max_per_file=self.max_per_file)
+                      max_per_file=self.max_per_file, node_bytes_per_s=self.limit.bytes_per_s,
+                      node_requests_per_s=self.limit.requests_per_s, placement_cost_s=self.placement_cost_s)
         wanted = plan_replicas(hints, **common)
         left_bytes, left_replicas = self.quota_bytes - used_bytes, self.quota_replicas - used_replicas
         if not req["allow_partial"] and (wanted.copy_bytes > left_bytes or wanted.new_replicas > left_replicas):
@@ -314,6 +338,7 @@ class ReplicaManager:
                   "granularity_waste": f.granularity_waste} for f in plan.files]
         record = {"job": job, "checkpoint": name, "ttl_s": req["ttl_s"], "lease": lease.id, "created": now,
                   "copy_bytes": plan.copy_bytes, "new_replicas": plan.new_replicas, "files": files,
+                  "placement_cost_s": self.placement_cost_s,
                   "coordinator": self.node_id}
         if not self.cluster._call(lambda c: c.create(hint_key, json.dumps(record), lease=lease)):
             lease.revoke()  # another node accepted a hint for it a moment ago
@@ -326,9 +351,38 @@ class ReplicaManager:
                         "grant": secrets.token_hex(16), "lease": lease.id, "state": "pending", "created": now,
                         "node": node}
                 self._put(self._k("replicas", ".tasks", node, ckpt_key(name), f.path), task, lease=lease)
+        self._wake_targets({n for f in plan.files for n in f.new_nodes}, live)
         log.info("replication hint accepted", extra={"job": job, "checkpoint": name, "ttl_s": req["ttl_s"],
                                                      "copy_bytes": plan.copy_bytes, "new": plan.new_replicas})
         return dict(record, wasteful=[f.path for f in plan.wasteful()])
+
+    def wake(self) -> dict:
+        """Look for copy tasks now rather than at the next poll (``replicas.wake``)."""
+        self._wake.set()
+        return {"node": self.node_id}
+
+    def _wake_targets(self, nodes: set[str], live: dict[str, dict]) -> None:
+        """Tell each target of new tasks at once, from a thread (the hint's reply does not wait); a target not
+        reached finds its tasks at its next poll (logged, ``stats['wake_failures']``)."""
+        from foresight.node.auth import connect
+
+        def send(node: str) -> None:
+            if node == self.node_id:
+                self.wake()
+                return
+            try:
+                client = connect(live[node]["location"])
+                try:
+                    list(client.do_action(flight.Action("replicas.wake", b"{}"), flight.FlightCallOptions(timeout=5)))
+                finally:
+                    client.close()
+            except Exception as e:  # the target polls anyway
+                self.stats["wake_failures"] += 1
+                log.warning("could not wake a copy target; it finds its task at its next poll",
+                            extra={"node": node, "error": str(e)[:200]})
+
+        for node in sorted(nodes):
+            threading.Thread(target=send, args=(node,), name="foresight-replica-wake", daemon=True).start()
 
     def _job_usage(self, job: str) -> tuple[int, int]:
         """Bytes and copies this job's live hints hold or are making."""
@@ -350,13 +404,15 @@ class ReplicaManager:
                 t["state"], t["error"] = "failed", "target node left the cluster"
         copies = self.copies(name, live)
         counts = {s: sum(t["state"] == s for t in tasks) for s in ("pending", "copying", "done", "failed")}
-        done_at = [t["done_at"] for t in tasks if t["state"] == "done"]
+        done = [t for t in tasks if t["state"] == "done"]
+        done_at = [t["done_at"] for t in done]
         files = {f: {"copies": sorted(recs), "hinted": sorted(n for n, r in recs.items() if not r.get("base"))}
                  for f, recs in copies.items()}
         return {"checkpoint": name, "hint_live": hint is not None, "tasks": len(tasks), **counts,
                 "complete": hint is not None and counts["pending"] + counts["copying"] == 0,
                 "copied_bytes": sum(int(t.get("size", 0)) for t in tasks if t["state"] == "done"),
                 "place_s": (max(done_at) - hint["created"]) if done_at and hint else None,
+                "steps_s": _placement_steps(done),
                 "errors": [f"{t['file']} on {t['node']}: {t.get('error')}" for t in tasks if t["state"] == "failed"],
                 "files": files}
 
@@ -389,8 +445,9 @@ class ReplicaManager:
                 raise NodeError("this node serves no copy of the file", checkpoint=name, file=f, node=self.node_id)
             local.refs += 1
             self.inflight += 1
+        copy = "grant" in t  # a copy's source read goes ahead of the readers' queue (see node/throttle.py)
         try:
-            self.limit.request()
+            self.limit.request(priority=copy)
             fd = os.open(local.path, os.O_RDONLY | os.O_CLOEXEC)
         except BaseException:
             self._unref(name, f, local, 0)
@@ -402,7 +459,7 @@ class ReplicaManager:
             try:
                 while sent < size:
                     k = min(CHUNK, size - sent)
-                    self.limit.consume(k)
+                    self.limit.consume(k, priority=copy)
                     data = os.pread(fd, k, sent)
                     if not data:
                         raise NodeError("file shrank while being read", path=local.path, offset=sent)
@@ -426,7 +483,11 @@ class ReplicaManager:
 
     # -- copies (target side) ------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        while True:
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             self._round()
 
     def _round(self) -> None:
@@ -474,7 +535,8 @@ class ReplicaManager:
         lease = self._lease_of(task["lease"])
         name, f = task["checkpoint"], task["file"]
         try:
-            self._put(key, dict(task, state="copying"), lease=lease)
+            picked_at = time.time()
+            self._put(key, dict(task, state="copying", picked_at=picked_at), lease=lease)
             errors = []
             live = self._live_nodes()
             holders = [r for n, r in self.copies(name, live, file=f).get(f, {}).items() if n != self.node_id]
@@ -483,6 +545,7 @@ class ReplicaManager:
             for src in holders:
                 try:
                     path = self._pull(task, src)
+                    pulled_at = time.time()
                 except Exception as e:  # another holder may serve it: the error is kept for progress
                     errors.append(f"{src['node']}: {e}"[:300])
                     continue
@@ -492,7 +555,8 @@ class ReplicaManager:
                     self._copies[(name, f)] = _Local(path, hinted=True)
                 try:
                     self._put(self._k("replicas", ckpt_key(name), f, self.node_id), rec, lease=lease)
-                    self._put(key, dict(task, state="done", done_at=time.time(), source=src["node"]), lease=lease)
+                    self._put(key, dict(task, state="done", picked_at=picked_at, pulled_at=pulled_at,
+                                        done_at=time.time(), source=src["node"]), lease=lease)
                 except NodeError:  # the hint expired while copying: the copy is reclaimed next round
                     pass
                 self.stats["copies_made"] += 1
@@ -584,6 +648,7 @@ class ReplicaManager:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=5)
         self._pool.shutdown(wait=True, cancel_futures=True)
         try:

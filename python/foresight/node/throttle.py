@@ -6,6 +6,11 @@ token per byte it sends. Each bucket hands out *reservations* in arrival order (
 until its turn), so waiting is FIFO, needs no polling thread, and a burst of ``burst_s`` seconds' worth of tokens
 may pass at once after idle time.
 
+A *priority* reservation (a node pulling a hinted copy) does not queue behind the readers: it waits only for its own
+tokens, and pushes the queue back by them, so the copy lands while a restart's reads are in flight and its bytes are
+still paid for (the readers already sleeping keep their slots: the node runs over its rate by one priority chunk at
+most, taken back from the readers that come after).
+
 Example::
 
     limit = ServiceLimit.parse("32M:400")      # 32 MiB/s and 400 requests/s; "0" or None: unlimited
@@ -58,17 +63,19 @@ class TokenBucket:
         self._lock = threading.Lock()
         self.waited_s = 0.0  # total time callers slept (how much the limit bit)
 
-    def reserve(self, n: float) -> float:
-        """Reserve ``n`` tokens; the seconds to wait before using them (0 when the burst covers them)."""
+    def reserve(self, n: float, *, priority: bool = False) -> float:
+        """Reserve ``n`` tokens; the seconds to wait before using them (0 when the burst covers them). With
+        ``priority`` the wait is for these tokens alone, ahead of the queue, which moves back by them."""
         now = self._clock()
         with self._lock:
             self._next = max(self._next, now) + n / self.rate
-            delay = max(0.0, self._next - self.burst_s - now)
+            due = now + n / self.rate if priority else self._next
+            delay = max(0.0, due - self.burst_s - now)
             self.waited_s += delay
         return delay
 
-    def take(self, n: float) -> None:
-        delay = self.reserve(n)
+    def take(self, n: float, *, priority: bool = False) -> None:
+        delay = self.reserve(n, priority=priority)
         if delay > 0:
             time.sleep(delay)
 
@@ -92,13 +99,13 @@ class ServiceLimit:
     def limited(self) -> bool:
         return self._bytes is not None or self._requests is not None
 
-    def request(self) -> None:
+    def request(self, *, priority: bool = False) -> None:
         if self._requests is not None:
-            self._requests.take(1)
+            self._requests.take(1, priority=priority)
 
-    def consume(self, nbytes: int) -> None:
+    def consume(self, nbytes: int, *, priority: bool = False) -> None:
         if self._bytes is not None and nbytes:
-            self._bytes.take(nbytes)
+            self._bytes.take(nbytes, priority=priority)
 
     def describe(self) -> dict:
         return {"bytes_per_s": self.bytes_per_s, "requests_per_s": self.requests_per_s,
