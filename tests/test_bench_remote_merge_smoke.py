@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "remote_merge.py")
 
@@ -21,7 +22,9 @@ def test_remote_merge_bench_smoke(tmp_path):
     assert "merge latency reduction" in proc.stdout and "urgent evaluation" in proc.stdout
     data = json.loads((out / "remote_merge_smoke.json").read_text())
     m = data["merge"]
-    assert m["outputs_identical"]
+    assert m["outputs_match_saved_state"]
+    assert set(m["tensors_checked"]) == {"foresight", "baseline", "coalesced"}
+    assert set(m["tensors_checked"].values()) == {data["checkpoint"]["tensors"]}
     assert m["baseline"]["round_trips"] > data["checkpoint"]["tensors"]  # one per chunk, split ones twice
     assert m["coalesced_remote"]["round_trips"] <= 4  # .metadata, a probe, one read per data file
     assert data["checkpoint"]["under_16KiB"] > 0.6 and data["checkpoint"]["bytes_in_large"] > 0.5
@@ -29,3 +32,37 @@ def test_remote_merge_bench_smoke(tmp_path):
     assert [r["lane"] for r in data["urgent"]] == ["fifo", "priority"]
     assert (out / "remote_merge_smoke.png").stat().st_size > 0
     assert not (tmp_path / "work").exists()  # scratch files cleaned up
+
+
+def _bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("remote_merge_bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_merges_are_checked_against_the_saved_state_and_a_reversed_shard_fails(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
+
+    from foresight.checkpoint import ForesightStorageWriter
+    from foresight.checkpoint.replicate.merge import merge_checkpoint
+    from foresight.checkpoint.replicate.source import LocalSource
+
+    bench = _bench()
+    state = bench.paper_shaped(12, 3, 64 << 10)
+    dcp.save(state, storage_writer=ForesightStorageWriter(str(tmp_path / "ckpt")), no_dist=True)
+    groups = {"vision.": "vision", "text.": "text"}
+    written = merge_checkpoint(LocalSource(str(tmp_path / "ckpt")), str(tmp_path / "out"), groups=groups)
+    assert bench.check_merged(written, state) == len(state)
+    # a merge that put one rank's shard (the first half of the rows) in reverse row order
+    path = written["text"][0]
+    tensors = load_file(path)
+    name = next(k for k, v in tensors.items() if v.dim() == 2)
+    half = tensors[name].shape[0] // 2
+    tensors[name] = torch.cat([tensors[name][:half].flip(0), tensors[name][half:]])
+    save_file(tensors, path)
+    with pytest.raises(SystemExit, match=f"merged tensor '{name}' in .* differs from the saved state"):
+        bench.check_merged(written, state)

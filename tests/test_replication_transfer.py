@@ -125,7 +125,7 @@ def test_dcp_writer_replicates_after_metadata(sites):
     assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
 
 
-def test_a_cut_transfer_leaves_no_replica_and_resumes(sites):
+def test_a_cut_transfer_leaves_no_replica_and_resumes_when_the_site_is_back(sites):
     tr, ev, etcd = sites["train"], sites["eval"], sites["etcd"]
     tr.call("replicate.pause")
     before = len(tr.call("replicate.log")["sent"])
@@ -139,20 +139,15 @@ def test_a_cut_transfer_leaves_no_replica_and_resumes(sites):
     wait_until(lambda: len(tr.call("replicate.log")["sent"]) == before + 4, "4 units sent")
     ev.kill()  # the evaluation site dies mid-transfer
     tr.call("replicate.resume")
-    with pytest.raises(CheckpointError, match="replication failed"):
-        rep.wait(5, timeout=60)
+    wait_until(lambda: "site unreachable or starting, retrying" in tr.log(), "the sender waiting for the site")
     assert store.committed_steps(os.path.join(ev.root, "job3")) == []  # only the hidden temp dir
     assert os.path.isdir(os.path.join(ev.root, "job3", ".replica-step-00000005"))
-    # the site comes back on the same port; replicating again sends only the missing units
+    # the site comes back on the same port: the sender, still retrying, resumes with the missing units only
     ev2 = Site("eval-b", ev.root, etcd=etcd.url, unit_bytes=UNIT, port=ev.port)
     sites["later"].append(ev2)
     sites["eval"] = ev2
-    rep._started.pop(5)
-    rep._paths.pop(5)
-    rep.data_written(5, final, nbytes=600_000)
-    rep.committed(5, final)
-    info = rep.wait(5, timeout=60)
-    assert info["bytes_sent"] == 600_000 - 4 * UNIT
+    info = rep.wait(5, timeout=120)
+    assert info["bytes_sent"] == 600_000 and info["units_put"] == info["units"]  # the 4 journaled ones not again
     assert files_of(info["path"]) == files_of(final)
 
 
@@ -212,3 +207,63 @@ def test_bad_requests_get_clear_errors(sites):
     with pytest.raises(CheckpointError, match="bad checkpoint name"):
         RemoteSource(tr.url, "../../etc")
     src.close()
+
+
+def test_units_leave_as_their_bytes_are_written_and_publish_waits_for_the_commit(sites):
+    tr, ev = sites["train"], sites["eval"]
+    rep = Replication(every=1, site="eval-b", node=tr.url, job="stream1", unit_bytes=UNIT)
+    phases = write_checkpoint_phases(os.path.join(tr.root, "stream1"), 1, 10 * UNIT)
+    tmp = next(phases)  # the data file (here already whole; the writer reports it piece by piece)
+    name = "stream1/step-00000001"
+    answer = tr.call("replicate.start", {"name": name, "src": tmp, "site": "eval-b", "unit_bytes": UNIT,
+                                         "files": [["data-00000.bin", 10 * UNIT]], "written": {}})
+    assert answer == {"units": 10, "bytes": 10 * UNIT}
+    assert tr.call("replicate.written", {"name": name, "written": {"data-00000.bin": 2 * UNIT + 5}}) == \
+        {"released": 2, "held": 8}  # only whole units leave
+    wait_until(lambda: sum(n == name for n, *_ in tr.call("replicate.log")["sent"]) == 2, "2 units sent")
+    assert tr.call("replicate.written", {"name": name, "written": {"data-00000.bin": 7 * UNIT}})["held"] == 3
+    wait_until(lambda: sum(n == name for n, *_ in tr.call("replicate.log")["sent"]) == 7, "7 units sent")
+    assert store.committed_steps(os.path.join(ev.root, "stream1")) == []  # nothing visible before the commit
+    final = next(phases)
+    rep._started[1] = name
+    rep.committed(1, final)  # the commit says every byte is written: the held units leave, then it publishes
+    info = rep.wait(1, timeout=60)
+    assert files_of(info["path"]) == files_of(final) and info["units_put"] == 10
+    assert info["bytes_left_at_commit"] == 3 * UNIT
+    rep.close()
+
+
+class _WaitsForUnits(Replication):
+    """Holds the writer at ``data_written`` (after the data file is written, before the commit) until the node has
+    sent every unit: only a sender that sends while the file is written gets them out before the commit."""
+
+    units_out_before_commit = None
+
+    def data_written(self, step, directory, **kw):
+        from foresight.checkpoint.replicate.service import call
+
+        if self.wants(step):
+            try:
+                wait_until(lambda: step in self._started and
+                           sum(n == self.name(step) for n, *_ in call(self.node, "replicate.log")["sent"]) ==
+                           -(-self._sizes[step] // UNIT), "every unit sent before the commit", timeout=30)
+                self.units_out_before_commit = True
+            except AssertionError:  # the writer swallows hook errors: the test reads this flag
+                self.units_out_before_commit = False
+        super().data_written(step, directory, **kw)
+
+
+def test_checkpointer_sends_while_saving(sites):
+    from foresight.checkpoint import Checkpointer
+
+    tr = sites["train"]
+    rep = _WaitsForUnits(every=1, site="eval-b", node=tr.url, job="stream2", unit_bytes=UNIT)
+    state = {"w": torch.randn(300, 300), "b": torch.arange(1000)}  # 368 KiB: 6 units
+    with Checkpointer(os.path.join(tr.root, "stream2"), replicate=rep) as ck:
+        src = ck.save(state, 1).wait().path
+    assert rep.units_out_before_commit
+    info = rep.wait(1, timeout=60)
+    assert files_of(info["path"]) == files_of(src)
+    assert info["bytes_left_at_commit"] == 0 and info["written_at"] <= info["committed_at"]
+    assert rep.stats["hook_failures"] == 0
+    rep.close()

@@ -70,6 +70,10 @@ class FileIO:
         """Fill all of ``view`` from ``file_offset``; a short file raises :class:`CheckpointError`."""
         self._run(fd, view, file_offset, write=False, path=path)
 
+    def submit_write(self, fd: int, view: memoryview, *, file_offset: int = 0, path: str | None = None) -> Any:
+        """Start writing all of ``view`` at ``file_offset``; pass the returned token to :meth:`wait`."""
+        return self._start(fd, view, file_offset, write=True, path=path)
+
     def submit_read(self, fd: int, view: memoryview, *, file_offset: int = 0, path: str | None = None) -> Any:
         """Start filling ``view`` from ``file_offset``; pass the returned token to :meth:`wait`."""
         return self._start(fd, view, file_offset, write=False, path=path)

@@ -396,7 +396,7 @@ class Checkpointer:
                         os.posix_fallocate(fd, 0, total)  # no extending writes: they serialise in ext4 DIO
                     except OSError as e:
                         raise CheckpointError(f"cannot allocate data file: {e.strerror}", path=data_path) from e
-                self._fio.write(fd, view, path=data_path)
+                self._write_data(fd, view, total, data_path, h.step, tmp)
                 os.fsync(fd)
             except OSError as e:
                 raise CheckpointError(f"cannot write data file: {e.strerror}", path=data_path) from e
@@ -450,6 +450,30 @@ class Checkpointer:
             self._replication_hook("aborted", h.step)
             h._fail(e if isinstance(e, CheckpointError) else
                     CheckpointError(f"checkpoint write failed: {e}", step=h.step, tier=root))
+
+    def _write_data(self, fd: int, view: memoryview, total: int, path: str, step: int, tmp: str) -> None:
+        """Write the data file; for a step being replicated, in pieces of a transfer unit (all submitted at once),
+        reporting each piece as it lands so its unit leaves while the rest is written (send while saving)."""
+        piece = getattr(self.replicate, "progress_bytes", 0) if self.replicate is not None else 0
+        piece -= piece % 4096  # direct I/O: pieces start aligned
+        if piece <= 0 or total <= piece or not self.replicate.wants(step):
+            self._fio.write(fd, view, path=path)
+            return
+        self._replication_hook("data_started", step, tmp, [(DATA_FILE, total)])
+        tokens = [(min(off + piece, total), self._fio.submit_write(fd, view[off:off + piece], file_offset=off,
+                                                                   path=path))
+                  for off in range(0, total, piece)]
+        for i, (end, token) in enumerate(tokens):
+            try:
+                self._fio.wait(token)
+            except BaseException:
+                for _, rest in tokens[i + 1:]:  # never leave writes in flight into a buffer about to be reused
+                    try:
+                        self._fio.wait(rest)
+                    except CheckpointError:
+                        pass  # the first failure is the one reported
+                raise
+            self._replication_hook("data_progress", step, {DATA_FILE: end})
 
     def _replication_hook(self, name: str, *args: Any, **kwargs: Any) -> None:
         if self.replicate is None:

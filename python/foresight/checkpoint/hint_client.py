@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import random
 import threading
 import time
@@ -29,6 +30,7 @@ from foresight.checkpoint.hints import FileHint, derive_dcp_hints
 from foresight.errors import NodeError
 
 DEFAULT_TIMEOUT = 60.0
+log = logging.getLogger("foresight.replicate")
 
 
 def _action(location: str, action: str, body: dict, *, job: str, token: str, timeout: float = DEFAULT_TIMEOUT,
@@ -137,36 +139,86 @@ class ReplicaReader:
         refresh_s: how long a checkpoint's copy list is reused before etcd is asked again.
         load_refresh_s: how long the nodes' advertised loads are reused (they change with every storm).
         retry_s: how long a node that failed a read is avoided.
+        max_stale_s: bounded staleness. While etcd is unreachable, a copy list fetched at most this long ago is
+            still used (logged, counted in ``stats["stale_lists"]``; the copies themselves are verified on every
+            read, so a stale list costs a retry, never a wrong byte); etcd is asked again every ``refresh_s``.
+            Past the bound, reads fail with the etcd error.
+
+    Refreshes are single-flight: one thread asks etcd for a checkpoint's copies while the others keep reading from
+    the list they have (or wait for the answer when they have none); ``stats["copy_refreshes"]`` counts the asks.
     """
 
     def __init__(self, etcd: str, *, job: str, token: str, prefix: str | None = None, refresh_s: float = 2.0,
-                 load_refresh_s: float = 0.5, retry_s: float = 5.0, timeout: float = DEFAULT_TIMEOUT) -> None:
+                 load_refresh_s: float = 0.5, retry_s: float = 5.0, timeout: float = DEFAULT_TIMEOUT,
+                 max_stale_s: float = 60.0) -> None:
         from foresight.node.cluster import DEFAULT_PREFIX, Cluster
 
         self.cluster = Cluster(etcd, prefix=prefix or DEFAULT_PREFIX)
         self.job, self.token = job, token
-        self.refresh_s, self.retry_s, self.timeout = refresh_s, retry_s, timeout
+        self.refresh_s, self.retry_s, self.timeout, self.max_stale_s = refresh_s, retry_s, timeout, max_stale_s
         self.load_refresh_s = load_refresh_s
         self._loads_at = -1e9
         self._lock = threading.Lock()
         self._copies: dict[str, tuple[float, dict[str, dict[str, dict]]]] = {}
+        self._refreshing: dict[str, threading.Event] = {}  # single flight: the checkpoints being asked for
+        self._etcd_retry_at = -1e9  # after etcd failed, the cached lists serve until then
         self._advertised: dict[str, float] = {}
         self._inflight: dict[str, int] = {}
         self._down: dict[str, float] = {}
         self._clients: dict[str, Any] = {}
         self._rng = random.Random()
-        self.stats: dict[str, Any] = {"reads": 0, "bytes": 0, "retries": 0, "verify_failures": 0, "by_node": {}}
+        self.stats: dict[str, Any] = {"reads": 0, "bytes": 0, "retries": 0, "verify_failures": 0, "by_node": {},
+                                      "copy_refreshes": 0, "stale_lists": 0}
 
     # -- copies ------------------------------------------------------------------------------------------
     def copies(self, checkpoint: str, *, force: bool = False) -> dict[str, dict[str, dict]]:
-        """``{file: {node: record}}`` of live copies (cached for ``refresh_s``)."""
-        from foresight.node.replicas import ckpt_key
-
+        """``{file: {node: record}}`` of live copies (cached for ``refresh_s``; see ``max_stale_s``)."""
         now = time.monotonic()
         with self._lock:
             hit = self._copies.get(checkpoint)
-        if hit is not None and not force and now - hit[0] < self.refresh_s:
+            usable = hit is not None and now - hit[0] < self.max_stale_s
+            if hit is not None and ((not force and now - hit[0] < self.refresh_s) or
+                                    (usable and now < self._etcd_retry_at)):
+                return hit[1]
+            flight = self._refreshing.get(checkpoint)
+            if flight is None:
+                flight = self._refreshing[checkpoint] = threading.Event()
+                self.stats["copy_refreshes"] += 1
+                mine = True
+            else:
+                mine = False
+        if not mine:  # another thread is asking etcd: read from what we have, or wait for its answer
+            if usable:
+                return hit[1]
+            flight.wait(self.cluster.timeout * len(self.cluster.endpoints) + 1.0)
+            with self._lock:
+                hit = self._copies.get(checkpoint)
+            if hit is not None and time.monotonic() - hit[0] < self.max_stale_s:
+                return hit[1]
+            raise NodeError("no copy list: etcd did not answer", checkpoint=checkpoint)
+        try:
+            out = self._fetch_copies(checkpoint)
+        except NodeError as e:
+            with self._lock:
+                del self._refreshing[checkpoint]
+                self._etcd_retry_at = time.monotonic() + self.refresh_s
+                if usable:
+                    self.stats["stale_lists"] += 1
+            flight.set()
+            if not usable:
+                raise
+            log.warning("etcd unreachable: reading from the cached copy list",
+                        extra={"checkpoint": checkpoint, "age_s": round(now - hit[0], 3), "error": str(e)[:200]})
             return hit[1]
+        with self._lock:
+            self._copies[checkpoint] = (now, out)
+            del self._refreshing[checkpoint]
+        flight.set()
+        return out
+
+    def _fetch_copies(self, checkpoint: str) -> dict[str, dict[str, dict]]:
+        from foresight.node.replicas import ckpt_key
+
         live = self.cluster.nodes()
         base = self.cluster.key("replicas", ckpt_key(checkpoint)) + "/"
         out: dict[str, dict[str, dict]] = {}
@@ -174,8 +226,6 @@ class ReplicaReader:
             file, _, node = key[len(base):].partition("/")
             if node in live:
                 out.setdefault(file, {})[node] = rec
-        with self._lock:
-            self._copies[checkpoint] = (now, out)
         return out
 
     def refresh_loads(self, *, force: bool = False) -> dict[str, float]:

@@ -75,6 +75,8 @@ def _add_replication_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replication-streams", type=int, default=2, help="units in flight per sender")
     g.add_argument("--replication-ttl", type=int, default=3600, help="seconds a received replica stays registered")
     g.add_argument("--replication-fifo", action="store_true", help="no priority lane: arrival order (a baseline)")
+    g.add_argument("--replication-retry-s", type=float, default=60.0,
+                   help="how long a sender waits for a site that is down or restarting")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -94,6 +96,9 @@ def _serve(args: argparse.Namespace) -> int:
         from foresight.node.cluster import Cluster
 
         cluster = Cluster(args.etcd)
+    from foresight.checkpoint.replicate.node_options import mount_from_args, prepare_from_args
+
+    replication = prepare_from_args(args)  # its slow imports before the node answers: mounted before serving
     server = NodeServer(
         args.root, location=f"{scheme}://{args.host}:{args.port}",
         tls=(args.tls_cert, args.tls_key) if args.tls_cert else None, client_ca=args.client_ca,
@@ -102,6 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
         job_idle_s=args.job_idle_s, max_plan_bytes=args.max_plan_bytes,
         served_shards=(lambda fp: cluster.served_shards(node_id_box[0], fp)) if cluster else None)
     node_id_box.append(server.node_id)
+    mount_from_args(server, replication)
     metrics_port = (server.metrics.serve_http(args.metrics_port, args.metrics_host)
                     if args.metrics_port is not None else None)
     registration = None
@@ -114,9 +120,6 @@ def _serve(args: argparse.Namespace) -> int:
 
         registration = cluster.register_node(server.node_id, record, ttl=args.ttl)
     replicas = _mount_replicas(server, cluster, args)
-    from foresight.checkpoint.replicate.node_options import mount_from_args
-
-    replication = mount_from_args(server, args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

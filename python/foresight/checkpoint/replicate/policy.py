@@ -1,12 +1,20 @@
 """A job's replication policy: which checkpoints an evaluation site will read, and the hooks that ship them.
 
 ``Replication(every=1000, site="eval-b", node=..., job=...)`` is handed to the checkpoint writer, which calls
-three hooks from its background thread: :meth:`Replication.data_written` once a checkpoint's data files are on
-disk (the training site's node starts sending units while the writer is still committing),
+its hooks from its background thread: :meth:`Replication.data_started` when it creates a data file (its size
+declared) and :meth:`Replication.data_progress` as its bytes are written (each unit leaves as soon as its bytes are
+written, so the transfer overlaps the save; these calls go to the node on the policy's own background lane and
+never block the writer), or :meth:`Replication.data_written` once a checkpoint's data files are on
+disk (writers that do not report progress; the training site's node starts sending while the writer commits),
 :meth:`Replication.committed` after the atomic commit (only now may the replica be published), and
 :meth:`Replication.aborted` when the save failed (the partial replica is never published). Steps the schedule
 does not name are not sent, unless :meth:`Replication.urgent` asks for one (an anomaly: evaluate now), which
 also raises the priority of a transfer already in flight.
+
+A replica is an extra: the hooks never raise. When the node cannot be reached (down, restarting), the hook logs a
+warning, counts it in ``stats["hook_failures"]`` and keeps the step pending; pending steps are retried (started
+from their committed directory, then committed) at the next hook, in :meth:`Replication.wait`, by
+:meth:`Replication.retry_pending`, and every ``retry_every_s`` by a background thread.
 
 The checkpoint directory must lie under the training site's node ``--root`` (the node reads the data files
 itself and refuses paths outside its root); the replica's name is ``<job>/<directory name>``.
@@ -26,7 +34,9 @@ Example::
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import queue
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +45,9 @@ from foresight.checkpoint import store
 from foresight.checkpoint.replicate.scheduler import priority_of
 from foresight.checkpoint.replicate.units import check_name
 from foresight.errors import CheckpointError
+
+log = logging.getLogger("foresight.replicate")
+RETRY_EVERY_S = 30.0  # a save whose replication could not be started is retried this often (in the background)
 
 
 @dataclass
@@ -48,6 +61,16 @@ class Replication:
     importance: float = 1.0
     token: str = ""
     unit_bytes: int | None = None
+    retry_every_s: float = RETRY_EVERY_S
+    stats: dict[str, int] = field(default_factory=lambda: {"hook_failures": 0, "retried": 0}, repr=False)
+    _pending: dict[int, str] = field(default_factory=dict, repr=False)  # step -> what the node still lacks
+    _retry_thread: Any = field(default=None, repr=False)
+    _ops: queue.Queue = field(default_factory=queue.Queue, repr=False)  # the background lane of node calls
+    _lane: Any = field(default=None, repr=False)
+    _progress: dict[int, dict[str, int]] = field(default_factory=dict, repr=False)  # latest, not yet sent
+    _streamed: set[int] = field(default_factory=set, repr=False)  # steps announced by data_started
+    _hook_lock: threading.RLock = field(default_factory=threading.RLock, repr=False)  # hooks vs the retry thread
+    _closed: threading.Event = field(default_factory=threading.Event, repr=False)
     _started: dict[int, str] = field(default_factory=dict, repr=False)
     _paths: dict[int, str] = field(default_factory=dict, repr=False)
     _sizes: dict[int, int] = field(default_factory=dict, repr=False)
@@ -65,6 +88,13 @@ class Replication:
     def wants(self, step: int) -> bool:
         return step % self.every == 0
 
+    @property
+    def progress_bytes(self) -> int:
+        """How often a writer reports progress (:meth:`data_progress`): one transfer unit."""
+        from foresight.checkpoint.replicate.units import UNIT_BYTES
+
+        return int(self.unit_bytes or UNIT_BYTES)
+
     def _call(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
         from foresight.checkpoint.replicate.service import call
         from pyarrow import flight
@@ -72,38 +102,170 @@ class Replication:
         with self._lock:
             if self._client is None:
                 self._client = flight.connect(self.node)
+            client = self._client
         try:
-            return call(self.node, action, {**body, "token": self.token}, client=self._client)
+            return call(self.node, action, {**body, "token": self.token}, client=client)
         except flight.FlightError as e:
+            if isinstance(e, flight.FlightUnavailableError):  # a fresh channel next time (no reconnect back-off)
+                with self._lock:
+                    if self._client is client:
+                        self._client = None
+                client.close()
             raise CheckpointError(f"replication {action} failed: {e}", node=self.node) from e
 
     def _priority(self, step: int, severity: float = 0.0) -> float:
         return priority_of(model_bytes=self._sizes.get(step, 0), importance=self.importance, severity=severity)
 
-    # -- hooks called by the writer --------------------------------------------------------------
+    # -- hooks called by the writer (never raise: a replica is an extra) --------------------------------
+    def data_started(self, step: int, directory: str, files: list[tuple[str, int]], *,
+                     leaf: str | None = None) -> None:
+        """The writer created ``files`` (``[(name, size)]``) in ``directory`` and is writing them: their units
+        leave as :meth:`data_progress` reports their bytes written (send while saving). Returns at once: the
+        node calls go on a background lane, in order."""
+        self._sizes[step] = sum(int(n) for _, n in files)
+        if not self.wants(step):
+            return
+        self.retry_pending()
+        self._started[step] = self.name(step, leaf)
+        self._streamed.add(step)
+        for old in sorted(self._streamed)[:-8]:
+            self._streamed.discard(old)
+        self._submit("data_started", step, self._start, step, os.path.abspath(directory),
+                     [[f, int(n)] for f, n in files])
+
+    def data_progress(self, step: int, written: dict[str, int]) -> None:
+        """``written`` (``{file: bytes}``) of ``step``'s files are written: their units may leave. Returns at once;
+        reports not yet sent are merged (only the latest counts)."""
+        if step not in self._started:
+            return
+        with self._lock:
+            first = step not in self._progress
+            self._progress[step] = {**self._progress.get(step, {}), **written}
+        if first:
+            self._submit("data_progress", step, self._send_progress, step)
+
+    def _send_progress(self, step: int) -> None:
+        with self._lock:
+            written = self._progress.pop(step, None)
+        if written:
+            self._call("replicate.written", {"name": self._started[step], "written": written})
+
+    def _submit(self, hook: str, step: int, fn: Any, *args: Any) -> None:
+        with self._lock:
+            if self._lane is None or not self._lane.is_alive():
+                self._lane = threading.Thread(target=self._lane_loop, name="foresight-replication-lane", daemon=True)
+                self._lane.start()
+        self._ops.put((hook, step, fn, args))
+
+    def _lane_loop(self) -> None:
+        while True:
+            hook, step, fn, args = self._ops.get()
+            try:
+                if fn is not None:
+                    fn(*args)
+            except CheckpointError as e:
+                self._failed(hook, step, "start", e)  # the committed hook sends the whole directory
+            finally:
+                self._ops.task_done()
+            if fn is None:
+                return
+
+    def _drain(self) -> None:
+        """Wait until the background lane has made its calls (a commit must follow the starts it commits)."""
+        if self._lane is not None:
+            self._ops.join()
+
     def data_written(self, step: int, directory: str, *, nbytes: int = 0, leaf: str | None = None) -> None:
         """The data files of ``step`` are written in ``directory`` (not yet committed)."""
+        if step in self._streamed:
+            return  # announced by data_started: its units are already leaving
         self._sizes[step] = nbytes
         if not self.wants(step):
             return
+        self.retry_pending()
         name = self.name(step, leaf)
-        self._call("replicate.start", {"name": name, "src": os.path.abspath(directory), "site": self.site,
-                                       "priority": self._priority(step), "unit_bytes": self.unit_bytes})
         self._started[step] = name
+        try:
+            self._start(step, os.path.abspath(directory))
+        except CheckpointError as e:
+            self._failed("data_written", step, "start", e)
 
     def committed(self, step: int, path: str) -> None:
         """``step`` is committed at ``path``: the replica may be published once its units arrived."""
+        self._drain()
         self._paths[step] = os.path.abspath(path)
         for old in sorted(self._paths)[:-8]:  # remember a few recent steps for urgent evaluations
             del self._paths[old]
-        name = self._started.get(step)
-        if name is not None:
-            self._call("replicate.commit", {"name": name, "path": self._paths[step]})
+        with self._hook_lock:
+            if step not in self._started:
+                return
+            need = self._pending.get(step, "commit")
+            try:
+                if need == "start":  # the node missed the start (or lost it restarting): send the committed dir
+                    try:
+                        self._start(step, self._paths[step])
+                    except CheckpointError as e:
+                        if "already in progress" not in str(e):
+                            raise  # else the node has it: committing is what it lacked
+                self._call("replicate.commit", {"name": self._started[step], "path": self._paths[step]})
+                self._pending.pop(step, None)
+            except CheckpointError as e:
+                self._failed("committed", step, need, e)
 
     def aborted(self, step: int) -> None:
+        self._drain()
         name = self._started.pop(step, None)
+        self._pending.pop(step, None)
         if name is not None:
-            self._call("replicate.abort", {"name": name})
+            try:
+                self._call("replicate.abort", {"name": name})
+            except CheckpointError as e:  # the node never heard of it, or is down: nothing will be published
+                self._failed("aborted", step, None, e)
+
+    def _start(self, step: int, directory: str, files: list[list[Any]] | None = None) -> None:
+        body = {"name": self._started[step], "src": directory, "site": self.site, "priority": self._priority(step),
+                "unit_bytes": self.unit_bytes}
+        if files is not None:  # still being written: units leave as their bytes are reported
+            body.update(files=files, written={})
+        self._call("replicate.start", body)
+
+    def _failed(self, hook: str, step: int, need: str | None, e: Exception) -> None:
+        """Report a hook the node did not take (log line + ``stats``); keep the step for a later retry."""
+        with self._lock:
+            self.stats["hook_failures"] += 1
+            if need is not None:
+                self._pending[step] = need
+        log.warning("replication hook failed; the save goes on, the replica will be retried",
+                    extra={"hook": hook, "step": step, "node": self.node, "error": str(e)[:300]})
+        if need is not None:
+            self._ensure_retry_thread()
+
+    def retry_pending(self) -> int:
+        """Retry the steps the node missed (committed ones are started and committed again); returns how many
+        are still pending."""
+        with self._hook_lock:
+            for step in sorted(self._pending):
+                path = self._paths.get(step)
+                if path is None:
+                    continue  # not committed yet: its ``committed`` hook starts it
+                self._pending[step] = "start"  # the node may have restarted and lost the transfer: send it whole
+                with self._lock:
+                    self.stats["retried"] += 1
+                self.committed(step, path)
+            return len(self._pending)
+
+    def _ensure_retry_thread(self) -> None:
+        with self._lock:
+            if self._retry_thread is not None and self._retry_thread.is_alive():
+                return
+            self._retry_thread = threading.Thread(target=self._retry_loop, name="foresight-replication-retry",
+                                                  daemon=True)
+            self._retry_thread.start()
+
+    def _retry_loop(self) -> None:
+        while not self._closed.wait(self.retry_every_s):
+            if not self.retry_pending():
+                return
 
     # -- API for the training loop ---------------------------------------------------------------
     def urgent(self, step: int, severity: float = 1.0) -> str:
@@ -121,6 +283,7 @@ class Replication:
                                        "unit_bytes": self.unit_bytes})
         self._started[step] = name
         self._call("replicate.commit", {"name": name, "path": path})
+        self._pending.pop(step, None)
         return name
 
     def wait(self, step: int, timeout: float | None = None) -> dict[str, Any]:
@@ -128,9 +291,15 @@ class Replication:
         name = self._started.get(step)
         if name is None:
             raise CheckpointError("step is not being replicated", step=step)
+        if step in self._pending:
+            self.retry_pending()
         return self._call("replicate.wait", {"name": name, "timeout": timeout})
 
     def close(self) -> None:
+        self._closed.set()
+        if self._lane is not None and self._lane.is_alive():
+            self._ops.put(("close", -1, None, ()))
+            self._lane.join(30)
         with self._lock:
             if self._client is not None:
                 self._client.close()
@@ -152,6 +321,7 @@ def _dcp_writer_class() -> type:
             self.replicate, self.step = replicate, step
 
         def finish(self, metadata: Any, results: Any) -> None:
+            # the hooks never raise: a replication node that is down never fails the save (see Replication)
             leaf = os.path.basename(os.path.normpath(self.path))
             nbytes = sum(wr.size_in_bytes for wrs in results for wr in wrs)
             self.replicate.data_written(self.step, self.path, nbytes=nbytes, leaf=leaf)

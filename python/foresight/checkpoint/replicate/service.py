@@ -2,8 +2,9 @@
 
 The same handlers run on every site's node; which role they play depends on the call:
 
-- training site (sender): ``replicate.start`` (the data files are written: cut them into units, queue them in
-  the :class:`~.scheduler.PriorityLane`), ``replicate.commit`` (the source committed: the replica may now be
+- training site (sender): ``replicate.start`` (the data files are written, or being written with their sizes
+  declared: cut them into units, queue those written in the :class:`~.scheduler.PriorityLane`),
+  ``replicate.written`` (a writer's progress: the units it completed leave now), ``replicate.commit`` (the source committed: the replica may now be
   published), ``replicate.abort``, ``replicate.urgent`` (raise a transfer's priority), ``replicate.wait``,
   ``replicate.pause``/``replicate.resume`` (``{"units": n}`` lets exactly n more units go: throttling, and a
   deterministic order for tests), ``replicate.log`` (units in the order they went on the wire);
@@ -25,6 +26,8 @@ Example::
 """
 from __future__ import annotations
 
+import functools
+import hmac
 import json
 import logging
 import os
@@ -54,7 +57,10 @@ from foresight.errors import CheckpointError, ForesightError, ProtocolError
 
 log = logging.getLogger("foresight.replicate")
 SCHEMA = pa.schema([("data", pa.binary())])
-RETRIES = 5  # 0.5 + 1 + 2 + 4 s of back-off: rides over a node restart
+RETRY_S = 60.0  # how long a sender waits for a site that is down or restarting before the transfer fails
+BACKOFF = (0.25, 4.0)  # first and longest pause between attempts (doubling)
+# a site whose node answers but has not mounted replication yet (it is starting): wait for it like for one down
+_NOT_MOUNTED = ("no DoPut for 'replica.", "unknown action")
 
 
 def binary_batch(view: memoryview) -> pa.RecordBatch:
@@ -78,6 +84,11 @@ class Transfer:
     acked: set[int] = field(default_factory=set)
     skip: set[int] | None = None  # units the receiver already holds (resume)
     bytes_sent: int = 0
+    units_put: int = 0  # units that went on the wire (a resumed transfer skips those the site holds)
+    held: list[Unit] = field(default_factory=list)  # units whose bytes the writer has not written yet
+    written: dict[str, int] = field(default_factory=dict)  # bytes written so far per file (a save in progress)
+    written_at: float | None = None  # when the last unit's bytes were written (all units released)
+    bytes_left_at_commit: int | None = None  # bytes not yet acknowledged by the site at the source commit
     path: str | None = None  # the published replica
     ready_at: float | None = None
     error: str | None = None
@@ -93,13 +104,15 @@ class ReplicationService:
         routes: ``{site: flight endpoint}`` of the other sites' nodes (a WAN gateway address, say); sites not
             listed are looked up in etcd.
         replica_ttl: seconds a received replica stays registered (its etcd lease).
+        retry_s: how long a sender waits (retrying with back-off) for a site that is down or still starting;
+            after a restart the transfer resumes with the units the site has not journaled.
         streams: units in flight at once per sender (the WAN link stays busy during each unit's round trip).
     """
 
     def __init__(self, site: str, root: str, *, etcd: str | None = None, routes: dict[str, str] | None = None,
                  endpoint: str = "", token: str = "", unit_bytes: int = UNIT_BYTES, streams: int = 2,
-                 replica_ttl: int = 3600, fifo: bool = False) -> None:
-        self.site, self.root, self.token = site, os.path.realpath(root), token
+                 replica_ttl: int = 3600, fifo: bool = False, retry_s: float = RETRY_S) -> None:
+        self.site, self.root, self.token, self.retry_s = site, os.path.realpath(root), token, float(retry_s)
         self.endpoint, self.routes, self.unit_bytes, self.replica_ttl = endpoint, dict(routes or {}), unit_bytes, replica_ttl
         os.makedirs(self.root, exist_ok=True)
         self.resolver = None
@@ -110,6 +123,7 @@ class ReplicationService:
         self.lane = PriorityLane(fifo=fifo)
         self.transfers: dict[str, Transfer] = {}
         self.sent_log: list[tuple[str, int]] = []
+        self.retries = 0  # attempts repeated because a site was down or starting
         self._lock = threading.Condition()
         self._clients: dict[str, flight.FlightClient] = {}
         self._workers = [threading.Thread(target=self._send_loop, name=f"foresight-repl-send-{i}", daemon=True)
@@ -130,17 +144,26 @@ class ReplicationService:
 
     # -- registry for a node daemon --------------------------------------------------------------
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
-        return {
-            "replication.ping": lambda b: {"site": self.site},
-            "replicate.start": self.start, "replicate.commit": self.commit, "replicate.abort": self.abort,
+        """Every action but ``replication.ping`` (which tells only the site's name) checks the token first."""
+        control = {
+            "replicate.start": self.start, "replicate.written": self.written, "replicate.commit": self.commit,
+            "replicate.abort": self.abort,
             "replicate.urgent": self.urgent, "replicate.wait": self.wait, "replicate.pause": self.pause,
             "replicate.resume": self.resume, "replicate.log": lambda b: {"sent": self.sent_log},
             "replica.status": self.replica_status,
         }
+        out: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"replication.ping": lambda b: {"site": self.site}}
+        for name, fn in control.items():
+            out[name] = functools.partial(self._checked, fn)
+        return out
+
+    def _checked(self, fn: Callable[[dict[str, Any]], dict[str, Any]], body: dict[str, Any]) -> dict[str, Any]:
+        self.check_token(body)
+        return fn(body)
 
     def check_token(self, body: dict[str, Any]) -> None:
         """Sites of one deployment share a replication token (node-to-node calls carry no job)."""
-        if self.token and body.get("token") != self.token:
+        if self.token and not hmac.compare_digest(str(body.get("token", "")).encode(), self.token.encode()):
             raise ProtocolError("bad or missing replication token")
 
     def mount(self, server: Any) -> None:
@@ -165,22 +188,51 @@ class ReplicationService:
 
     # -- sender ----------------------------------------------------------------------------------
     def start(self, b: dict[str, Any]) -> dict[str, Any]:
-        """The data files of ``b["name"]`` are written in ``b["src"]``: queue their units for ``b["site"]``."""
+        """Queue the units of ``b["name"]``'s data files in ``b["src"]`` for ``b["site"]``.
+
+        Without ``files`` the data files are complete. With ``files`` (``[[name, size], ...]``, declared by a
+        writer that is still writing) only units inside ``written`` (``{file: bytes written}``) leave now; the
+        rest leave as :meth:`written` reports their bytes (send while saving)."""
         name, src = check_name(b["name"]), self._under_root(b["src"])
-        units = plan_units(data_files(src), int(b.get("unit_bytes") or self.unit_bytes))
+        declared = b.get("files")
+        listed = [(check_file_name(str(f)), int(n)) for f, n in declared] if declared is not None else data_files(src)
+        units = plan_units(listed, int(b.get("unit_bytes") or self.unit_bytes))
         # open now: the writer renames the directory at its commit, open descriptors survive that
         fds = {f: os.open(os.path.join(src, f), os.O_RDONLY | os.O_CLOEXEC) for f in {u.file for u in units}}
         t = Transfer(name, b["site"], src, float(b.get("priority", 1.0)), units, fds)
+        t.written = dict(listed) if declared is None else {}
+        t.held = list(units)
         with self._lock:
             old = self.transfers.get(name)
             if old is not None and not old.done.is_set():
                 self._close_fds(t)
                 raise CheckpointError("replication of this checkpoint is already in progress", name=name)
             self.transfers[name] = t
-        self.lane.add(name, units, t.priority)
+        self._release(t, b.get("written") or {})
         if not units:
             self._maybe_publish(t)
         return {"units": len(units), "bytes": sum(u.length for u in units)}
+
+    def written(self, b: dict[str, Any]) -> dict[str, Any]:
+        """The writer of ``b["name"]`` has written ``b["written"]`` (``{file: bytes}``): those units may leave."""
+        t = self._transfer(b["name"])
+        if not isinstance(b["written"], dict):
+            raise ProtocolError("written must map file names to byte counts", name=t.name)
+        return {"released": self._release(t, b["written"]), "held": len(t.held)}
+
+    def _release(self, t: Transfer, written: dict[str, Any]) -> int:
+        """Move the held units now fully written to the lane (in file order); returns how many."""
+        with self._lock:
+            for f, n in written.items():
+                t.written[check_file_name(str(f))] = max(int(n), t.written.get(str(f), 0))
+            ready = [u for u in t.held if u.offset + u.length <= t.written.get(u.file, 0)]
+            if not ready or t.done.is_set():
+                return 0
+            t.held = [u for u in t.held if u.offset + u.length > t.written.get(u.file, 0)]
+            if not t.held:
+                t.written_at = time.time()
+        self.lane.add(t.name, ready, t.priority)
+        return len(ready)
 
     def commit(self, b: dict[str, Any]) -> dict[str, Any]:
         """The source of ``b["name"]`` committed at ``b["path"]``: register it; publish the replica when sent."""
@@ -188,6 +240,11 @@ class ReplicationService:
         path = self._under_root(b["path"])
         t.meta = meta_files(path)
         t.committed_at = time.time()
+        with self._lock:
+            t.bytes_left_at_commit = sum(u.length for u in t.units if u.id not in t.acked)
+            unreported = {u.file: u.file_size for u in t.held}
+        if unreported:  # the writer committed without reporting every byte: committed means all are written
+            self._release(t, unreported)
         if self.resolver is not None:
             self.resolver.register(t.name, path, self.endpoint, source=True)
         self._maybe_publish(t)
@@ -213,7 +270,8 @@ class ReplicationService:
             raise CheckpointError("timed out waiting for the replica", name=t.name)
         if t.error:
             raise CheckpointError(f"replication failed: {t.error}", name=t.name, site=t.site)
-        return {"path": t.path, "units": len(t.units), "bytes_sent": t.bytes_sent, "started": t.started,
+        return {"path": t.path, "units": len(t.units), "bytes_sent": t.bytes_sent, "units_put": t.units_put,
+                "started": t.started, "written_at": t.written_at, "bytes_left_at_commit": t.bytes_left_at_commit,
                 "status_at": t.status_at,
                 "committed_at": t.committed_at, "ready_at": t.ready_at}
 
@@ -252,25 +310,35 @@ class ReplicationService:
                 c = self._clients[endpoint] = flight.connect(endpoint)
         return c
 
-    def _retrying(self, site: str, fn: Callable[[flight.FlightClient], Any]) -> Any:
-        """``fn(client)``; a site that is unreachable for a moment (restarting) is retried on a fresh channel."""
-        for attempt in range(RETRIES):
+    def _retrying(self, site: str, fn: Callable[[flight.FlightClient, int], Any]) -> Any:
+        """``fn(client, attempt)``; a site that is down or still starting (restarting) is waited for, with
+        back-off, for up to ``retry_s``, each attempt on a fresh channel."""
+        deadline = time.monotonic() + self.retry_s
+        pause = BACKOFF[0]
+        attempt = 0
+        while True:
             client = self._client(site)
             try:
-                return fn(client)
-            except flight.FlightUnavailableError as e:
-                log.warning("site unreachable, retrying", extra={"site": site, "attempt": attempt, "error": str(e)})
+                return fn(client, attempt)
+            except (flight.FlightUnavailableError, flight.FlightServerError) as e:
+                if isinstance(e, flight.FlightServerError) and not any(m in str(e) for m in _NOT_MOUNTED):
+                    raise  # a refusal (bad token, bad unit): retrying cannot help
                 with self._lock:
                     for k, c in list(self._clients.items()):
                         if c is client:
                             del self._clients[k]
-                if attempt == RETRIES - 1:
+                if time.monotonic() + pause > deadline:
                     raise
-                time.sleep(0.5 * 2 ** attempt)
+                log.warning("site unreachable or starting, retrying",
+                            extra={"site": site, "attempt": attempt, "error": str(e)[:200]})
+                self.retries += 1
+                time.sleep(pause)
+                pause = min(pause * 2, BACKOFF[1])
+                attempt += 1
 
     def _call(self, site: str, action: str, body: dict[str, Any]) -> dict[str, Any]:
         data = json.dumps({**body, "token": self.token}).encode()
-        res = self._retrying(site, lambda c: list(c.do_action(flight.Action(action, data))))
+        res = self._retrying(site, lambda c, attempt: list(c.do_action(flight.Action(action, data))))
         return json.loads(res[0].body.to_pybytes()) if res else {}
 
     def _send_loop(self) -> None:
@@ -305,7 +373,14 @@ class ReplicationService:
     def _send_unit(self, t: Transfer, unit: Unit) -> None:
         body, digest = read_unit(t.fds[unit.file], unit)
         cmd = {"op": "replica.unit", "name": t.name, "header": unit.header(digest), "token": self.token}
-        def put(client: flight.FlightClient) -> None:
+
+        def put(client: flight.FlightClient, attempt: int) -> bool:
+            if attempt:  # the site came back (restarted?): resume by unit, from what it journaled
+                done = set(self._call(t.site, "replica.status", {"name": t.name})["units"])
+                with self._lock:
+                    t.skip = (t.skip or set()) | done
+                if unit.id in done:
+                    return False
             writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.unit", json.dumps(cmd)), SCHEMA)
             mv = memoryview(body)
             for pos in range(0, len(mv), WIRE_CHUNK):
@@ -313,9 +388,11 @@ class ReplicationService:
             writer.done_writing()
             reader.read()  # the receiver's ack: the unit verified and is on its disk
             writer.close()
+            return True
 
-        self._retrying(t.site, put)
-        t.bytes_sent += len(body)
+        if self._retrying(t.site, put):
+            t.bytes_sent += len(body)
+            t.units_put += 1
 
     def _maybe_publish(self, t: Transfer) -> None:
         with self._lock:
@@ -328,7 +405,7 @@ class ReplicationService:
                    "files": [[n, len(t.meta[n])] for n in names], "token": self.token}
             body = b"".join(t.meta[n] for n in names)  # index + COMMIT, or DCP .metadata: any size
 
-            def put(client: flight.FlightClient) -> dict[str, Any]:
+            def put(client: flight.FlightClient, attempt: int) -> dict[str, Any]:
                 writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.commit", json.dumps(cmd)),
                                                SCHEMA)
                 mv = memoryview(body)
@@ -435,7 +512,8 @@ def call(endpoint: str, action: str, body: dict[str, Any] | None = None, *, clie
 
 
 _REQUIRED = {
-    "replication.ping": (), "replicate.start": ("name", "src", "site"), "replicate.commit": ("name", "path"),
+    "replication.ping": (), "replicate.start": ("name", "src", "site"), "replicate.written": ("name", "written"),
+    "replicate.commit": ("name", "path"),
     "replicate.abort": ("name",), "replicate.urgent": ("name", "priority"), "replicate.wait": ("name",),
     "replicate.pause": (), "replicate.resume": (), "replicate.log": (), "replica.status": ("name",),
 }

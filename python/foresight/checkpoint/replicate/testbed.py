@@ -72,8 +72,8 @@ class SiteProcess:
 
     def __init__(self, site: str, root: str, *, etcd: str | None = None, routes: dict[str, str] | None = None,
                  unit_bytes: int = 32 << 20, streams: int = 2, replica_ttl: int = 3600, port: int = 0,
-                 fifo: bool = False, timeout: float = 120.0) -> None:
-        self.site, self.root = site, root
+                 fifo: bool = False, timeout: float = 120.0, token: str = "", retry_s: float | None = None) -> None:
+        self.site, self.root, self.token = site, root, token
         os.makedirs(root, exist_ok=True)
         self.ready_file = f"{os.path.abspath(root)}.{site}.ready.json"
         if os.path.exists(self.ready_file):
@@ -85,6 +85,10 @@ class SiteProcess:
             args += ["--etcd", etcd]
         if fifo:
             args.append("--replication-fifo")
+        if token:
+            args += ["--replication-token", token]
+        if retry_s is not None:
+            args += ["--replication-retry-s", str(retry_s)]
         for s, url in (routes or {}).items():
             args += ["--route", f"{s}={url}"]
         self.log_path = f"{os.path.abspath(root)}.{site}.log"
@@ -105,9 +109,10 @@ class SiteProcess:
             return f.read().decode(errors="replace")
 
     def call(self, action: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One action on this site, with the site's token."""
         from foresight.checkpoint.replicate.service import call
 
-        return call(self.url, action, body)
+        return call(self.url, action, {**(body or {}), **({"token": self.token} if self.token else {})})
 
     def kill(self) -> None:
         """SIGKILL: the site dies mid-whatever (tests of cut transfers)."""

@@ -1,0 +1,79 @@
+"""ReplicaReader through an etcd outage (issue 20, item 7): a reader holding a copy list keeps reading from live nodes
+while etcd is away (bounded staleness), and refreshes are single-flight across threads. Real etcd and a real storage
+node on loopback; the outage is etcd stopped (SIGSTOP: calls hang until their timeout) or killed."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import shutil
+import signal
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from foresight.checkpoint.dcp import ForesightStorageWriter
+from foresight.checkpoint.hint_client import ReplicaReader, publish_checkpoint
+from foresight.errors import NodeError
+from foresight.node.etcd_process import EtcdProcess
+from node_helpers import NodeProc
+
+TOKEN = "outage-token"
+NAME, JOB = "jobO/step-1", "jobO"
+
+
+@pytest.fixture()
+def bed(tmp_path):
+    etcd = EtcdProcess(str(tmp_path / "etcd"))
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    node = None
+    try:
+        node = NodeProc(root, str(tmp_path / "work"), "--etcd", etcd.endpoint, "--ttl", "30", "--cpu-threshold",
+                        "101", "--node-id", "o0", name="o0")
+        ckpt = str(tmp_path / "ckpt")
+        dcp.save({"w": torch.randn(64, 64)}, storage_writer=ForesightStorageWriter(ckpt))
+        shutil.copytree(ckpt, os.path.join(root, *NAME.split("/")))
+        publish_checkpoint(node.location, NAME, job=JOB, token=TOKEN)
+        yield {"etcd": etcd, "node": node, "ckpt": ckpt}
+    finally:
+        if node is not None:
+            node.terminate()
+        if etcd.proc.poll() is None:
+            etcd.proc.send_signal(signal.SIGCONT)  # a test stopped it
+        etcd.close()
+
+
+def test_a_cached_copy_list_serves_reads_while_etcd_is_down(bed):
+    want = open(os.path.join(bed["ckpt"], ".metadata"), "rb").read()
+    with ReplicaReader(bed["etcd"].endpoint, job=JOB, token=TOKEN, refresh_s=0.0, max_stale_s=600) as r:
+        assert r.read(NAME, ".metadata") == want
+        bed["etcd"].proc.kill()  # etcd is gone; the node is alive
+        bed["etcd"].proc.wait(10)
+        for _ in range(3):
+            assert r.read(NAME, ".metadata") == want
+        assert r.stats["stale_lists"] >= 1 and r.stats["reads"] == 4
+    # without a cached list there is nothing to fall back on: the etcd error, not a hang
+    with ReplicaReader(bed["etcd"].endpoint, job=JOB, token=TOKEN) as fresh:
+        with pytest.raises(NodeError, match="etcd unreachable"):
+            fresh.read(NAME, ".metadata")
+    # past the staleness bound the cached list is no longer trusted
+    with ReplicaReader(bed["etcd"].endpoint, job=JOB, token=TOKEN, refresh_s=0.0, max_stale_s=0.0) as r:
+        r._copies[NAME] = (0.0, {".metadata": {}})
+        with pytest.raises(NodeError, match="etcd unreachable"):
+            r.read(NAME, ".metadata")
+
+
+def test_refreshes_are_single_flight_across_threads(bed):
+    want = open(os.path.join(bed["ckpt"], ".metadata"), "rb").read()
+    with ReplicaReader(bed["etcd"].endpoint, job=JOB, token=TOKEN, refresh_s=0.0, max_stale_s=600) as r:
+        assert r.read(NAME, ".metadata") == want
+        assert r.stats["copy_refreshes"] == 1
+        bed["etcd"].proc.send_signal(signal.SIGSTOP)  # etcd hangs: the one refresh blocks until its timeout
+        try:
+            with cf.ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(lambda _: r.read(NAME, ".metadata"), range(8)))
+        finally:
+            bed["etcd"].proc.send_signal(signal.SIGCONT)
+        assert got == [want] * 8
+        assert r.stats["copy_refreshes"] == 2  # one ask for eight readers; the others read the list they had
