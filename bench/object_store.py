@@ -40,6 +40,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -164,6 +165,7 @@ class S3TorchSamples(Boto3Samples):
             from s3torchconnector import S3ReaderConstructor
             from s3torchconnector._s3client import S3Client, S3ClientConfig
 
+            os.environ.update(self.env)  # the CRT takes its keys from the environment (this worker's only)
             self._client = S3Client("us-east-1", endpoint=self.env["AWS_ENDPOINT_URL"],
                                     s3client_config=S3ClientConfig(force_path_style=True))
             self._reader = S3ReaderConstructor.range_based()
@@ -360,13 +362,16 @@ def run_foresight(case: Case, rtt: float, env: dict, cache_root: Path, *, fill: 
 # -- hit rates -----------------------------------------------------------------------------------------------------
 
 
-def mosaic_replay(case: Case, acc, budget: int) -> float:
-    """Hit rate of Mosaic's shard cache (whole shards, oldest first) at ``budget`` bytes over ``acc``."""
+def mosaic_replay(case: Case, acc, budget: int) -> float | None:
+    """Hit rate of Mosaic's shard cache (whole shards, oldest first) at ``budget`` bytes over ``acc``; None when
+    one step's shards alone exceed the budget (the cache could not keep to it: no figure at that budget)."""
     cache = ShardCache(case, budget)
     hits = accesses = 0
     for k in range(len(acc)):
         ids = acc.of(k)
         shards = case.shard[ids]
+        if int(cache.sizes[np.unique(shards)].sum()) > budget:
+            return None
         cached = np.isin(shards, cache.order)
         hits += int(cached.sum())
         accesses += ids.size
@@ -408,7 +413,7 @@ def hit_rates(case: Case, env: dict, cache_root: Path) -> dict:
         shutil.rmtree(cache_dir, ignore_errors=True)
     accesses = res["optimum"].accesses
     return {"dataset": case.kind, "budget_fraction": BUDGET_FRACTION, "epochs": HIT_EPOCHS, "batch": batch,
-            "accesses": accesses,
+            "accesses": accesses, "fetched_samples": fetched,  # live: 1 - fetched / accesses (< 0 on refetches)
             "foresight_live": 1 - fetched / accesses, "foresight_replay": res["window"].hit_rate,
             "lru": res["lru"].hit_rate, "optimum": res["optimum"].hit_rate,
             "mosaic_shards": mosaic_replay(case, acc, budget)}
@@ -508,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     from foresight.checkpoint.replicate.wan import WanLink
 
     t_start = time.perf_counter()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the server (the finally below)
     work = Path(tempfile.mkdtemp(prefix="foresight-objstore-"))
     server = SeaweedServer(str(work / "seaweed"))
     server.start()
