@@ -60,6 +60,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                      "quick": ["--small", "600", "--large", "16", "--large-mib", "4", "--bulk-mib", "256",
                                "--unit-sweep", ""], "full": []},
     "restart_storm": {"smoke": ["--smoke"], "quick": ["--quick"], "full": []},
+    "object_store": {"smoke": ["--smoke"], "quick": ["--preset", "quick"], "full": []},
 }
 
 

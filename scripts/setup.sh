@@ -66,6 +66,14 @@ if [ ! -f "$stamp" ]; then
     $PY -m pip install -q --disable-pip-version-check --no-deps "$anchor" >/dev/null 2>&1 \
       || echo "foresight setup: $anchor unavailable (what uses it skips)"
   done
+  # bench/object_store.py's anchors: boto3 (per-sample ranged GETs; with its own small dependencies, none of them
+  # torch's) and s3torchconnector (the AWS CRT client; --no-deps like the others).
+  $PY -m pip install -q --disable-pip-version-check "boto3==1.44.5" >/dev/null 2>&1 \
+    || echo "foresight setup: boto3 unavailable (bench/object_store.py skips its anchor)"
+  for anchor in "s3torchconnector==1.5.0" "s3torchconnectorclient==1.5.0"; do
+    $PY -m pip install -q --disable-pip-version-check --no-deps "$anchor" >/dev/null 2>&1 \
+      || echo "foresight setup: $anchor unavailable (bench/object_store.py skips it)"
+  done
   touch "$stamp"
 fi
 

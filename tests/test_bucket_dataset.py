@@ -208,3 +208,31 @@ def test_gaps_never_refetch_present_samples_and_keep_absent_ones(s3_env, tmp_pat
         assert ds.fetcher.stats.requests - req == 4 and ds.cache.stats.gap_samples == 3
         assert ds.cache.present.nonzero()[0].tolist() == [0, 5, 10, 11, 12, 13, 14, 15]
         assert all(ds.read(i) == local.read(i) for i in (0, 5, 10, 11, 12, 13, 14, 15))
+
+
+def test_a_waiting_lookup_returns_when_its_samples_land_not_when_the_whole_fetch_ends(s3_env, tmp_path,
+                                                                                       monkeypatch):
+    """A prefetcher's long fetch (many chunks) must not hold up a lookup whose samples an early chunk brought: the
+    loader's next step would wait for the whole window otherwise (the first batch behind a fill of the dataset)."""
+    import threading
+
+    from foresight.bucket import cache as cache_module
+    from foresight.checkpoint.replicate.wan import WanLink
+
+    local = _bytes_dataset(tmp_path / "local", n=60, shard_bytes=1 << 30)
+    upload_dataset(local.path, "s3://wait/ds")
+    monkeypatch.setattr(cache_module, "FETCH_CHUNK", 1)  # one chunk (one fetch, marked on landing) per sample
+    with WanLink(("127.0.0.1", s3_env.ports["s3.port"]), rtt_ms=20) as link, \
+            open_dataset("s3://wait/ds", cache_dir=tmp_path / "cache",
+                         options={"endpoint": f"http://127.0.0.1:{link.port}"}) as ds:
+        cache = ds.cache
+        whole = threading.Thread(target=cache.ensure, args=(np.arange(60),))
+        whole.start()
+        deadline = time.monotonic() + 60
+        while not cache.present[0] and time.monotonic() < deadline:  # the long fetch is landing its chunks
+            time.sleep(0.001)
+        assert cache.present[0] and not cache.present[30]
+        cache.ensure(np.array([30]))  # waits for sample 30's chunk: 29 round trips are still to go after it
+        assert cache.present[30] and whole.is_alive() and not cache.present[59]
+        whole.join(60)
+        assert cache.present.all()

@@ -123,3 +123,32 @@ def test_prefetcher_fetches_no_more_than_lru_would(s3_env, tmp_path, multi_epoch
         lru_misses = res["lru"].accesses - res["lru"].hits
         best = res["optimum"].accesses - res["optimum"].hits
         assert best <= fetched <= lru_misses
+
+
+def test_block_fill_makes_a_sparse_random_plan_few_requests(s3_env, tmp_path):
+    """A random plan's step holds a few 16 KiB samples megabytes apart (one ranged GET each under any gap cap);
+    without a budget the prefetcher fetches the blocks around them whole, their samples the plan reads later
+    included: >= 10x fewer GETs than samples, for no byte the plan does not read, and the same batches."""
+    rng = np.random.default_rng(5)
+    with DatasetWriter(str(tmp_path / "tok"), align=4096) as w:
+        for _ in range(1024):
+            w.add(rng.integers(0, 256, size=16 << 10, dtype=np.uint8).tobytes(), modality="bytes")
+    local = open_dataset(str(tmp_path / "tok"))
+    plan = build_plan([(local, 1.0)], seed=9, global_batch_size=4, epochs=1)  # 256 steps, 2 MiB between samples
+    upload_dataset(local.path, "s3://policy/fill")
+    def samples(batch):
+        return [batch["data"].numpy()[o:o + n].tobytes() for o, n in zip(batch["offsets"].numpy(),
+                                                                         batch["lengths"].numpy())]
+
+    with Loader(local, plan) as loader:
+        want = [samples(b) for b in loader]
+    with open_dataset("s3://policy/fill", cache_dir=tmp_path / "cache") as ds:
+        base = ds.fetcher.stats.as_dict()
+        with PlanPrefetcher(ds, plan, lookahead=4) as pf, Loader(ds, plan, prefetch=2, on_step=pf.on_step) as loader:
+            got = [samples(b) for b in loader]
+        stats = ds.fetcher.stats.as_dict()
+        assert pf.error is None and got == want
+        requests = stats["requests"] - base["requests"]
+        assert requests * 10 <= local.num_samples, requests
+        assert stats["bytes"] - base["bytes"] <= int(local.sample_bytes().sum()) * 1.25
+        assert pf.stats["filled_samples"] > 0

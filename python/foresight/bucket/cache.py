@@ -29,6 +29,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -37,7 +38,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -117,7 +118,11 @@ class SampleCache:
         self.num_samples = len(self.checksums)
         self.stats = CacheStats()
         self.max_gap: int | None = None  # the coalescer's gap for fetches that name none (None: the fetcher's)
-        self._lock = threading.Lock()
+        # One fetch, eviction or scrub at a time in this process (the record locks order processes, not threads);
+        # a thread waiting to fetch re-checks its samples whenever a fetch lands a chunk, so it never waits on a
+        # long fetch (a prefetcher's window) for samples another fetch already made present.
+        self._cv = threading.Condition()
+        self._busy = False
         self._stats_lock = threading.Lock()
         index_path = os.path.join(local_dir, INDEX_DIR, "present")
         self._index_fd = os.open(index_path, os.O_RDWR)
@@ -172,7 +177,14 @@ class SampleCache:
             self.stats.hits += int(ids.size - missing.size)
         if not missing.size:  # the common case, without waiting for another thread's fetch of other samples
             return 0
-        with self._lock:
+        with self._cv:
+            while self._busy:
+                self._cv.wait()
+                missing = missing[self.present[missing] == 0]
+                if not missing.size:
+                    return 0
+            self._busy = True
+        try:
             held = self._lock_runs(missing)
             try:
                 missing = missing[self.present[missing] == 0]  # another thread or process may have fetched them
@@ -181,9 +193,29 @@ class SampleCache:
                 chunk = np.cumsum(ext.length) // FETCH_CHUNK
                 for part in np.split(missing, np.flatnonzero(np.diff(chunk)) + 1) if missing.size else []:
                     self._fetch(part, self.max_gap if max_gap is None else max_gap)
+                    with self._cv:
+                        self._cv.notify_all()  # waiters whose samples this chunk held return now
                 return int(missing.size)
             finally:
                 self._unlock(held)
+        finally:
+            self._release()
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        with self._cv:
+            while self._busy:
+                self._cv.wait()
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._cv:
+            self._busy = False
+            self._cv.notify_all()
 
     def _segments(self, ids: np.ndarray, shard: np.ndarray) -> np.ndarray:
         """A run id per sample of ``ids`` (sorted, missing): a new run at each shard change and wherever a present
@@ -278,7 +310,7 @@ class SampleCache:
     def evict(self, ids: np.ndarray) -> int:
         """Unmark ``ids`` and punch their blocks out of the sparse files; returns the sample bytes evicted."""
         ids = np.unique(np.asarray(ids, dtype=np.int64))
-        with self._lock:
+        with self._exclusive():
             ids = ids[self.present[ids] != 0]
             if not ids.size:
                 return 0
@@ -302,7 +334,7 @@ class SampleCache:
         from foresight.io import IOEngine
 
         ids = np.flatnonzero(self.present) if ids is None else np.unique(np.asarray(ids, dtype=np.int64))
-        with self._lock:
+        with self._exclusive():
             ids = ids[self.present[ids] != 0]
             if not ids.size:
                 return ids

@@ -26,7 +26,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -225,6 +225,16 @@ class RangedFetcher:
                               object=str(ref.url))
         self.stats.add(requests=1, bytes=len(data))
         return data
+
+    def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        """``[fn(x) for x in items]`` run on the fetcher's threads (each call its own requests, concurrently);
+        waits for every call, then raises the first error in ``items``' order."""
+        futures = [self._pool.submit(fn, x) for x in items]
+        errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        return [f.result() for f in futures]
 
     # -- many extents ----------------------------------------------------------------------------------------------
     def fetch(self, refs: Sequence[ObjectRef], file: np.ndarray, offset: np.ndarray, length: np.ndarray, *,

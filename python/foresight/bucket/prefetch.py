@@ -8,6 +8,15 @@ budget it first evicts the cached samples whose next use in the plan is furthest
 the consumer's position up to ``lookahead`` steps past it: the loader's in-flight steps are among those, so a read
 never meets a punched hole. ``lookahead`` must therefore be at least the loader's ``prefetch + 2``.
 
+Block fill (no budget): a random plan's steps are sparse in the objects (64 samples of 16 KiB out of thousands
+are ~1 sample per ranged GET however many steps are grouped). Knowing the whole plan, a fetch also takes every
+absent sample the plan still reads that lies in the same ``fill_block``-aligned block of an object as a sample it
+fetches: those bytes are the plan's future, not waste, so the block is fetched in one run, once, and the samples
+of later steps are already there (up to ``fill_bytes`` per fetch, blocks in the order the group first needs them).
+The first steps (through ``group_steps``) are fetched without fill, the first alone: the loader looks up the steps
+it prefetches before it hands out the first batch, so those wait for their own samples only. Under a budget
+there is no fill: a filled sample could be evicted before its use.
+
 The consumer's position comes from the loader's ``on_step`` hook (called when a batch is handed out: its reads are
 done). The loader's own ``lookup`` still fetches anything the prefetcher has not (a demand miss), so a slow
 prefetcher costs time, never bytes; the budget is a target the demand path may pass until the next eviction.
@@ -36,7 +45,11 @@ from .policy import NextUse, eviction_order, plan_accesses
 
 log = logging.getLogger("foresight.bucket")
 
-__all__ = ["PlanPrefetcher"]
+__all__ = ["PlanPrefetcher", "FILL_BLOCK", "FILL_BYTES"]
+
+FILL_BLOCK = 16 << 20  # a block is fetched whole (its samples the plan still reads): one GET per block, not per sample
+FILL_GAP = 64 << 10  # bytes the plan does not read that a fill run may carry (alignment padding, a stray sample)
+FILL_BYTES = 256 << 20  # at most this much fill per fetch (what one fetch holds in memory; the first batch's wait)
 
 
 class PlanPrefetcher(Closing):
@@ -44,12 +57,14 @@ class PlanPrefetcher(Closing):
     eviction). ``horizon`` limits how far ahead the policy looks (None: the whole plan, Belady's choice).
     ``group_steps`` (``lookahead // 2``) steps are fetched together, once all of them are inside the window: more
     samples per coalesced fetch, so more of them share a GET. ``max_gap`` is the coalescer's gap for these fetches
-    (None: 0 under a budget, where gap bytes would mostly be evicted unused; the fetcher's own otherwise)."""
+    (None: 0 under a budget, where gap bytes would mostly be evicted unused; the fetcher's own otherwise).
+    ``fill_block``/``fill_bytes``: the block fill of the module doc (0: off; only without a budget)."""
 
     def __init__(self, ds: BucketDataset, plan: Any, *, dataset: int = 0, rank: int = 0, world_size: int = 1,
                  start_step: int = 0, end_step: int | None = None, step_stride: int = 1, lookahead: int = 8,
                  budget_bytes: int | None = None, horizon: int | None = None,
-                 group_steps: int | None = None, max_gap: int | None = None) -> None:
+                 group_steps: int | None = None, max_gap: int | None = None, fill_block: int = FILL_BLOCK,
+                 fill_bytes: int = FILL_BYTES) -> None:
         if lookahead < 1:
             raise ValueError(f"lookahead must be >= 1, got {lookahead}")
         group_steps = max(1, lookahead // 2) if group_steps is None else int(group_steps)
@@ -70,13 +85,17 @@ class PlanPrefetcher(Closing):
         self.budget_bytes = budget_bytes
         self.horizon = len(self.acc) if horizon is None else int(horizon)
         self._sizes = ds.sample_bytes()
+        self.fill_block = int(fill_block) if budget_bytes is None else 0
+        self.fill_bytes = int(fill_bytes)
+        if self.fill_block:
+            self._init_fill()
         self._last_use = np.full(ds.num_samples, -1, dtype=np.int64)
         self._consumed = -1  # position (index into acc.steps) of the last step handed to the consumer
         self._cv = threading.Condition()
         self._stop = False
         self.error: BaseException | None = None
-        self.stats = {"prefetched_steps": 0, "fetched_samples": 0, "evicted_samples": 0, "evicted_bytes": 0,
-                      "over_budget": 0, "max_cached_bytes": 0}
+        self.stats = {"prefetched_steps": 0, "fetched_samples": 0, "filled_samples": 0, "evicted_samples": 0,
+                      "evicted_bytes": 0, "over_budget": 0, "max_cached_bytes": 0}
         self._thread = threading.Thread(target=self._run, name="foresight-bucket-prefetch", daemon=True)
         self._thread.start()
 
@@ -103,11 +122,17 @@ class PlanPrefetcher(Closing):
         self.cache.max_gap = self._demand_gap
 
     # -- the prefetch thread --------------------------------------------------------------------------------------
+    def _groups(self) -> list[tuple[int, int]]:
+        """The fetches' step ranges: ``group_steps`` at a time, the first step alone when filling (its fetch is
+        what the first batch waits for)."""
+        n, g = len(self.acc), self.group_steps
+        first = min(1, n) if self.fill_block else 0
+        return ([(0, first)] if first else []) + [(k, min(k + g, n)) for k in range(first, n, g)]
+
     def _run(self) -> None:
         acc = self.acc
         try:
-            for k in range(0, len(acc), self.group_steps):
-                end = min(k + self.group_steps, len(acc))
+            for k, end in self._groups():
                 with self._cv:  # the whole group inside the window: the consumer is at end - 1 - lookahead or later
                     while not self._stop and end - 1 > self._consumed + self.lookahead:
                         self._cv.wait()
@@ -118,7 +143,13 @@ class PlanPrefetcher(Closing):
                 ids = np.unique(uses)
                 if self.budget_bytes is not None:
                     self._make_room(k, consumed, ids)
-                fetched = self.cache.ensure(ids, max_gap=self.max_gap)  # one coalesced fetch for the group's steps
+                gap = self.max_gap
+                if self.fill_block and k > self.group_steps:  # the loader's first steps wait for no fill
+                    filled = self._fill(k, uses)
+                    self.stats["filled_samples"] += filled.size
+                    ids = np.union1d(ids, filled)
+                    gap = FILL_GAP
+                fetched = self.cache.ensure(ids, max_gap=gap)  # one coalesced fetch for the group's steps
                 self._last_use[uses] = np.repeat(np.arange(k, end), np.diff(acc.ptr[k:end + 1]))
                 self.stats["prefetched_steps"] += end - k
                 self.stats["fetched_samples"] += fetched
@@ -128,6 +159,40 @@ class PlanPrefetcher(Closing):
         except BaseException as e:  # noqa: BLE001 - handed to the consumer by on_step; the loader's own fetch goes on
             log.warning("bucket prefetch stopped: %s (the loader fetches on demand from here)", e)
             self.error = e
+
+    # -- block fill ----------------------------------------------------------------------------------------------
+    def _init_fill(self) -> None:
+        """Each sample's block (object, offset // fill_block), the samples sorted by block, and the last position
+        of the plan that reads each sample (-1: never)."""
+        n = self.ds.num_samples
+        ext = self.cache.lookup(np.arange(n, dtype=np.int64))  # the maps only: no fetch
+        self._block = (ext.shard.astype(np.int64) << 40) | (ext.offset // self.fill_block)
+        self._by_block = np.argsort(self._block, kind="stable")
+        self._sorted_blocks = self._block[self._by_block]
+        self._last_pos = np.full(n, -1, dtype=np.int64)
+        np.maximum.at(self._last_pos, self.acc.ids, np.repeat(np.arange(len(self.acc)), np.diff(self.acc.ptr)))
+
+    def _fill(self, k: int, uses: np.ndarray) -> np.ndarray:
+        """The absent samples the plan reads at position ``k`` or later that share a block with an absent sample of
+        ``uses`` (blocks in the order ``uses`` first needs them, at most ``fill_bytes`` in all)."""
+        present = self.cache.present
+        wanted = uses[present[uses] == 0]
+        if not wanted.size:
+            return wanted
+        keys = self._block[wanted]
+        _, first = np.unique(keys, return_index=True)
+        blocks = keys[np.sort(first)]
+        lo = np.searchsorted(self._sorted_blocks, blocks, side="left")
+        hi = np.searchsorted(self._sorted_blocks, blocks, side="right")
+        counts = hi - lo
+        at = np.repeat(lo - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+        cand = self._by_block[at]
+        block_of = np.repeat(np.arange(blocks.size), counts)
+        keep = (present[cand] == 0) & (self._last_pos[cand] >= k)
+        cand, block_of = cand[keep], block_of[keep]
+        per_block = np.bincount(block_of, weights=self._sizes[cand], minlength=blocks.size)
+        n_blocks = max(1, int(np.searchsorted(np.cumsum(per_block), self.fill_bytes, side="right")))
+        return cand[block_of < n_blocks]
 
     def _make_room(self, k: int, consumed: int, ids: np.ndarray) -> None:
         present = self.cache.present
