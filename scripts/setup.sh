@@ -37,7 +37,7 @@ PY=$VENV/bin/python
 PIP_PKGS=(
   "torch==2.13.0" "numpy>=1.26" "pyarrow>=15" "av>=12" "pillow>=10" "xxhash>=3.4" "tqdm>=4.66"
   "psutil>=5.9" "safetensors>=0.4" "cffi>=1.16" "Cython>=3.0,<4" "pybind11>=2.12" "setuptools>=70" "wheel"
-  "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3" "pytest-rerunfailures>=14" "matplotlib>=3.8"
+  "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3" "matplotlib>=3.8"
   "etcd3gw==2.4.2" "prometheus-client>=0.20" "cryptography>=42" "tokenizers>=0.20"
   "obstore==0.12.1"  # the bucket tier's S3 client (docs/buckets.md: chosen by measurement)
 )

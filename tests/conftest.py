@@ -1,8 +1,13 @@
-"""Suite-wide diagnostics: a test still running after ``FORESIGHT_TEST_DUMP_AFTER_S`` (default 300 s) prints the kernel
-state of every process it spawned (state, wait channel, kernel stack), because a few process-spawning tests have hung
-late in full runs with a child that survived SIGKILL; the next occurrence then says where in the kernel it waits.
-Reading ``/proc/PID/stack`` needs root (CI runs as root); elsewhere the state and wait channel still print. The dump
-goes to a file (pytest captures the test's stderr, and a rerun hides it) and is printed in the run's summary.
+"""Suite-wide guards and diagnostics.
+
+* Scheduling: a test that leaves the test process with another scheduling policy fails, naming itself. The hangs
+  once seen late in full runs (a vfork that never returned, a node that could neither start nor die of SIGKILL) came
+  from one: SVT-AV1, encoding as root, left the pytest thread SCHED_FIFO 99, so every later child was real-time
+  and a busy one starved the rest for good (``foresight.media.synth.scheduling_kept`` fixes that encoder's calls).
+* A test still running after ``FORESIGHT_TEST_DUMP_AFTER_S`` (default 300 s) prints the kernel state of every
+  process it spawned (state, wait channel, kernel stack, scheduling policy), so a stuck child says where it waits.
+  Reading ``/proc/PID/stack`` needs root (CI runs as root); elsewhere the state and wait channel still print. The dump
+  goes to a file (pytest captures the test's stderr) and is printed in the run's summary.
 """
 from __future__ import annotations
 
@@ -16,9 +21,23 @@ DUMP_AFTER_S = float(os.environ.get("FORESIGHT_TEST_DUMP_AFTER_S", "300"))
 DUMP_FILE = os.environ.get("FORESIGHT_TEST_DUMP_FILE", f"/tmp/foresight-test-diagnostics-{os.getpid()}.log")
 
 
+SESSION_SCHEDULING = (os.sched_getscheduler(0), os.sched_getparam(0))
+
+
 def pytest_sessionstart(session) -> None:
     if os.path.exists(DUMP_FILE):  # a file left by an earlier run of the same pid
         os.unlink(DUMP_FILE)
+
+
+@pytest.fixture(autouse=True)
+def _scheduling_is_left_as_it_was():
+    yield
+    now = (os.sched_getscheduler(0), os.sched_getparam(0))
+    if now != SESSION_SCHEDULING:
+        os.sched_setscheduler(0, *SESSION_SCHEDULING)  # the tests after this one run as they should
+        pytest.fail(f"this test left the test process with scheduling policy {now[0]} priority "
+                    f"{now[1].sched_priority} (was {SESSION_SCHEDULING[0]}): children started later inherit it",
+                    pytrace=False)
 
 
 @pytest.fixture(autouse=True)

@@ -30,12 +30,17 @@ def _read(path: str) -> str:
 
 
 def kernel_state(pid: int) -> list[str]:
-    """Lines describing a process: command, state, wait channel, the kernel stack of its main and busy tasks."""
+    """Lines describing a process: command, state, wait channel, scheduling policy (a real-time one starves its
+    equals), the kernel stack of its main and busy tasks."""
     lines = []
     status = {k: v for k, v in (ln.split(":", 1) for ln in _read(f"/proc/{pid}/status").splitlines() if ":" in ln)}
     lines.append(f"  pid {pid} {' '.join(_read(f'/proc/{pid}/cmdline').split(chr(0)))[:160]}")
+    try:
+        policy = f"{os.sched_getscheduler(pid)}/{os.sched_getparam(pid).sched_priority}"
+    except OSError:
+        policy = "?"
     lines.append(f"    state {status.get('State', '?').strip()}  wchan {_read(f'/proc/{pid}/wchan')}  "
-                 f"threads {status.get('Threads', '?').strip()}")
+                 f"threads {status.get('Threads', '?').strip()}  policy/priority {policy}")
     for task in sorted(os.listdir(f"/proc/{pid}/task")) if os.path.isdir(f"/proc/{pid}/task") else []:
         state = _read(f"/proc/{pid}/task/{task}/stat").split(") ")[-1][:1]
         if state in ("D", "R") or task == str(pid):

@@ -18,12 +18,13 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import av
@@ -34,10 +35,39 @@ from PIL import Image
 CONTAINERS = {"libx264": "mp4", "libvpx-vp9": "webm", "mpeg4": "mp4", "libsvtav1": "mp4"}
 
 
+@contextlib.contextmanager
+def scheduling_kept() -> Iterator[None]:
+    """Restore the calling thread's scheduling policy after the block.
+
+    SVT-AV1 (``libsvtav1`` in PyAV's FFmpeg), run as root, leaves the thread that opens an encoder at SCHED_FIFO
+    priority 99. Every process that thread starts afterwards inherits it, and equal-priority FIFO tasks never
+    share a CPU: a busy child then starves the others for good (a vfork that never returns, a node that can neither
+    start nor die of SIGKILL). The CI runs as root, so the whole test session would turn real-time.
+
+    >>> with scheduling_kept():
+    ...     clip = make_video(codec="libsvtav1", width=64, height=64, seconds=0.2)  # doctest: +SKIP
+    """
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        yield
+    finally:
+        if (os.sched_getscheduler(0), os.sched_getparam(0)) != (policy, param):
+            os.sched_setscheduler(0, policy, param)
+
+
 def make_video(path: str | None = None, *, codec: str = "libx264", width: int = 160, height: int = 120,
                seconds: float = 2.0, fps: int = 30, gop: int | None = None, bframes: int | None = None,
                container: str | None = None, options: dict[str, str] | None = None) -> bytes | None:
-    """Encode a testsrc2 clip; returns the bytes (or writes ``path`` atomically and returns None)."""
+    """Encode a testsrc2 clip; returns the bytes (or writes ``path`` atomically and returns None). The caller's
+    scheduling policy is kept whatever the encoder does to it (:func:`scheduling_kept`)."""
+    with scheduling_kept():
+        return _encode_video(path, codec=codec, width=width, height=height, seconds=seconds, fps=fps, gop=gop,
+                             bframes=bframes, container=container, options=options)
+
+
+def _encode_video(path: str | None, *, codec: str, width: int, height: int, seconds: float, fps: int,
+                  gop: int | None, bframes: int | None, container: str | None,
+                  options: dict[str, str] | None) -> bytes | None:
     fmt = container or CONTAINERS.get(codec, "mp4")
     src = av.open(f"testsrc2=size={width}x{height}:rate={fps}:duration={seconds}", format="lavfi")
     sink: Any = io.BytesIO() if path is None else path + ".part"
