@@ -307,11 +307,16 @@ class SampleCache:
             self.stats.gap_samples += int(extra.size)
             self.stats.fetched_bytes += int(tr.read_bytes)
 
-    def evict(self, ids: np.ndarray) -> int:
-        """Unmark ``ids`` and punch their blocks out of the sparse files; returns the sample bytes evicted."""
+    def evict(self, ids: np.ndarray, *, keep: Callable[[], np.ndarray] | None = None) -> int:
+        """Unmark ``ids`` and punch their blocks out of the sparse files; returns the sample bytes evicted.
+
+        ``keep()`` names the samples a reader may be reading now; it is asked once this call holds the cache (a
+        fetch it waited for may have taken long, and readers moved on meanwhile), and those are never punched."""
         ids = np.unique(np.asarray(ids, dtype=np.int64))
         with self._exclusive():
             ids = ids[self.present[ids] != 0]
+            if keep is not None:
+                ids = ids[~np.isin(ids, keep())]
             if not ids.size:
                 return 0
             held = self._lock_runs(ids)

@@ -194,6 +194,13 @@ class PlanPrefetcher(Closing):
         n_blocks = max(1, int(np.searchsorted(np.cumsum(per_block), self.fill_bytes, side="right")))
         return cand[block_of < n_blocks]
 
+    def _window(self, consumed: int) -> np.ndarray:
+        """Samples of the steps the loader may be reading while the consumer is at ``consumed``: the next
+        ``lookahead`` steps (at least the loader's read-ahead, ``prefetch + 2``, where callers keep lookahead so)."""
+        lo = self.acc.ptr[consumed + 1]
+        hi = self.acc.ptr[min(consumed + 1 + self.lookahead, len(self.acc))]
+        return self.acc.ids[lo:hi]
+
     def _make_room(self, k: int, consumed: int, ids: np.ndarray) -> None:
         present = self.cache.present
         need = int(self._sizes[ids[present[ids] == 0]].sum())
@@ -201,17 +208,20 @@ class PlanPrefetcher(Closing):
         used = int(self._sizes[cached].sum())
         if used + need <= self.budget_bytes:
             return
-        lo = self.acc.ptr[consumed + 1]
-        hi = self.acc.ptr[min(consumed + 1 + self.lookahead, len(self.acc))]
-        pinned = np.union1d(self.acc.ids[lo:hi], ids)  # the loader may be reading these: never punched
+        pinned = np.union1d(self._window(consumed), ids)  # the loader may be reading these: never punched
         candidates = cached[~np.isin(cached, pinned)]
         order = eviction_order(candidates, k, self.next_use, horizon=self.horizon, last_use=self._last_use)
         freed = np.cumsum(self._sizes[order])
         over = used + need - self.budget_bytes
         n_out = min(int(np.searchsorted(freed, over)) + 1, order.size)
         if n_out:
-            self.stats["evicted_bytes"] += self.cache.evict(order[:n_out])
-            self.stats["evicted_samples"] += n_out
+            # The window is taken again once the cache is ours, with the consumer held still (on_step waits on
+            # _cv): a fetch the eviction waited for may have let the loader move on to samples chosen above.
+            before = self.cache.stats.evicted
+            with self._cv:
+                self.stats["evicted_bytes"] += self.cache.evict(
+                    order[:n_out], keep=lambda: np.union1d(self._window(self._consumed), ids))
+            self.stats["evicted_samples"] += self.cache.stats.evicted - before
         if not n_out or freed[n_out - 1] < over:
             if not self.stats["over_budget"]:
                 log.warning("bucket cache over its budget (%d bytes): the steps from the consumer to %d ahead need "
