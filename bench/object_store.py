@@ -48,6 +48,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 
@@ -329,8 +330,8 @@ def run_foresight(case: Case, rtt: float, env: dict, cache_root: Path, *, fill: 
     from foresight.loader import Loader
 
     cache_dir = tempfile.mkdtemp(prefix="fs-", dir=cache_root)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    env_patch = patch.dict(os.environ, env)  # the server's keys for this run, the old values back after
+    env_patch.start()
     meter = Meter()
     meter.start()
     try:
@@ -348,11 +349,7 @@ def run_foresight(case: Case, rtt: float, env: dict, cache_root: Path, *, fill: 
             if pf.error is not None:
                 raise pf.error
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        env_patch.stop()
         shutil.rmtree(cache_dir, ignore_errors=True)
     return row(case, "foresight" if fill else "foresight-nofill", rtt, samples, wall, cpu,
                stats["requests"] - base["requests"], stats["bytes"] - base["bytes"], ttfb,
@@ -395,8 +392,8 @@ def hit_rates(case: Case, env: dict, cache_root: Path) -> dict:
     acc = plan_accesses(plan)
     res = compare_policies(acc, sizes, budget_bytes=budget, window=len(acc))
     cache_dir = tempfile.mkdtemp(prefix="fs-hit-", dir=cache_root)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    env_patch = patch.dict(os.environ, env)  # the server's keys for this run, the old values back after
+    env_patch.start()
     try:
         with open_dataset(case.url, cache_dir=cache_dir) as ds:
             with PlanPrefetcher(ds, plan, lookahead=HIT_LOOKAHEAD, budget_bytes=budget) as pf, \
@@ -405,11 +402,7 @@ def hit_rates(case: Case, env: dict, cache_root: Path) -> dict:
                     pass
             fetched = ds.cache.stats.misses + ds.cache.stats.gap_samples
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        env_patch.stop()
         shutil.rmtree(cache_dir, ignore_errors=True)
     accesses = res["optimum"].accesses
     return {"dataset": case.kind, "budget_fraction": BUDGET_FRACTION, "epochs": HIT_EPOCHS, "batch": batch,
@@ -520,8 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, sweep, hits, skipped = [], [], [], {}
     try:
         direct = server.env()
-        saved = {k: os.environ.get(k) for k in direct}
-        os.environ.update(direct)
+        env_patch = patch.dict(os.environ, direct)  # the server's keys for this run, the old values back after
+        env_patch.start()
         cases = []
         for kind in ("token", "media"):
             mib, batch = cfg[f"{kind}_mib"], cfg[f"{kind}_batch"]
@@ -529,11 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             url = f"s3://bench/{kind}"
             upload_dataset(local.path, url)
             cases.append(Case(kind, local, url, batch))
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        env_patch.stop()
         # importability only: the CRT starts threads on import, which the DataLoader's forked workers would lack
         for name, module in (("s3torch", "s3torchconnector"), ("dl-boto3", "boto3")):
             if importlib.util.find_spec(module) is None:
