@@ -242,13 +242,10 @@ def build_compact(checked: list[tuple[Any, float]], *, seed: int, global_batch_s
     num_items = num_steps * global_batch_size
     items = items_per_source(counts, pattern, num_items)
     epochs_used = [-(-(int(c) * seq_len + 1) // src[3]) if c else 0 for c, src in zip(items, srcs)]
-    prefix = np.empty(sum(e * (src[1] + 1) for e, src in zip(epochs_used, srcs)), dtype=np.int64)
-    datasets, base = [], 0
+    prefix = block_prefix_of(seed, [src[2] for src in srcs], epochs_used)
+    datasets = []
     for d, (n, nb, totals, total) in enumerate(srcs):
         count, used = int(items[d]), epochs_used[d]
-        for e in range(used):  # each (dataset, epoch) segment filled in place: one copy of the array, not two
-            _engine.block_prefix(totals, block_key(seed, d, e), prefix[base : base + nb + 1])
-            base += nb + 1
         datasets.append({
             "items": count, "share": count / num_items, "epochs_started": used,
             "epochs_covered": (count * seq_len + 1) / total if count else 0.0, "tokens": total, "blocks": nb,
@@ -270,6 +267,36 @@ def build_compact(checked: list[tuple[Any, float]], *, seed: int, global_batch_s
                        datasets=[ds for ds, _ in checked])
     plan.source_locations = describe_sources([ds for ds, _ in checked])
     return plan
+
+
+def block_prefix_of(seed: int, totals: Sequence[np.ndarray], epochs: Sequence[int]) -> np.ndarray:
+    """``block_prefix``: for each dataset d (its block totals ``totals[d]``) and epoch ``e < epochs[d]``, the
+    prefix sums of its blocks in that epoch's order, each (dataset, epoch) segment filled in place."""
+    prefix = np.empty(sum(int(e) * (t.shape[0] + 1) for t, e in zip(totals, epochs)), dtype=np.int64)
+    base = 0
+    for d, (t, used) in enumerate(zip(totals, epochs)):
+        for e in range(int(used)):
+            _engine.block_prefix(t, block_key(seed, d, e), prefix[base : base + t.shape[0] + 1])
+            base += t.shape[0] + 1
+    return prefix
+
+
+def derive_block_prefix(inputs: dict[str, Any], summary: dict[str, Any], datasets: Sequence[Any]) -> np.ndarray:
+    """A checked compact plan header's ``block_prefix``, computed again from its datasets (what a node does with an
+    uploaded plan.json instead of receiving the array): the same block totals and orders as the build. Raises
+    :class:`PlanError` when a dataset is not the one the plan names (fingerprint, samples, tokens)."""
+    totals = []
+    for d, (ds, src, info) in enumerate(zip(datasets, inputs["sources"], summary["datasets"])):
+        if str(ds.fingerprint) != src["fingerprint"] or int(ds.num_samples) != src["num_samples"]:
+            raise PlanError("dataset is not the one the plan was built over", source=d,
+                            expected=src["fingerprint"], given=str(ds.fingerprint))
+        layout = block_layout(src["num_samples"], inputs["block_size"], inputs.get("block_group"))
+        t, total = tiled_block_totals(_token_counts(ds, d), layout, d)
+        if total != info["tokens"]:
+            raise PlanError("dataset holds other token counts than the plan was built over", source=d,
+                            expected=info["tokens"], given=total)
+        totals.append(t)
+    return block_prefix_of(inputs["seed"], totals, [info["epochs_started"] for info in summary["datasets"]])
 
 
 # ---- the plan ---------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ Example::
 """
 from __future__ import annotations
 
+import json
 import mmap
 import os
 from typing import Any
@@ -21,7 +22,7 @@ import numpy as np
 from foresight.errors import FormatError, PlanError
 from foresight.plan.compact import (
     COMPACT_ARRAYS, COMPACT_FORMAT_VERSIONS, SHUFFLE, CompactPlan, blend_counts, blend_pattern, blend_period,
-    _engine, advise, block_layout, items_per_source,
+    _engine, advise, block_layout, derive_block_prefix, items_per_source,
 )
 from foresight.plan.permute import MASK64
 from foresight.plan.plan import FORMAT_NAME
@@ -124,6 +125,21 @@ def check_prefix(summary: dict[str, Any], prefix: np.ndarray, path: str, *, full
                 if bad >= 0:
                     raise FormatError("block prefix sums must not decrease", path=file, index=base + int(bad))
             base += nb + 1
+
+
+def rebuild_compact(path: str, datasets: list) -> None:
+    """Write ``block_prefix.npy`` into the plan directory ``path``, which holds only a compact plan's
+    ``plan.json``, computed from ``datasets`` (its sources, in order); :func:`load_compact` then checks the result
+    against the digest. The plan's inputs are a few KB; the array, 8 bytes per block and epoch, is not sent."""
+    json_path = os.path.join(path, PLAN_JSON)
+    with open(json_path, "rb") as f:
+        doc = json.loads(f.read())
+    header, _ = check_compact_header(doc, json_path)
+    if len(datasets) != len(header["inputs"]["sources"]):
+        raise PlanError("a compact plan is rebuilt from all its datasets", path=path,
+                        expected=len(header["inputs"]["sources"]), given=len(datasets))
+    prefix = derive_block_prefix(header["inputs"], header["summary"], datasets)
+    np.save(os.path.join(path, "block_prefix.npy"), prefix)
 
 
 def load_compact(path: str, doc: Any, *, verify: bool) -> CompactPlan:
