@@ -13,7 +13,9 @@ Example::
     x = np.arange(10, dtype=np.uint64)
     ec.permute_many(x, 10, 12345)        # a permutation of 0..9, keyed by 12345
 """
-from libc.stdint cimport int64_t, uint64_t, uint16_t, int32_t, uint32_t
+from libc.stdint cimport int64_t, uint64_t, uint16_t, int32_t, uint32_t, uintptr_t
+from posix.mman cimport MADV_WILLNEED, madvise
+from posix.unistd cimport _SC_PAGESIZE, sysconf
 
 # Token-count array element types, one code per dataset (the arrays are read through raw pointers so
 # each dataset keeps its own dtype, e.g. a uint16 memmap for a huge corpus).
@@ -25,6 +27,15 @@ cdef enum:
     # arithmetic), then their token counts in one gather loop whose loads the CPU overlaps, instead of one
     # dependent cache miss per document.
     BLOCK_BUFFER = 512
+
+cdef enum:
+    # Blocks ahead of a located position whose index pages are requested at once (MADV_WILLNEED), so a step whose
+    # index is not in the page cache waits for its reads together rather than one after another.
+    PREFETCH_BLOCKS = 64
+
+cdef uintptr_t PAGE_SIZE = <uintptr_t>sysconf(_SC_PAGESIZE)
+cdef int _SIZE_BYTES[4]
+_SIZE_BYTES[:] = [2, 4, 4, 8]
 
 cdef enum:
     ERR_BLOCK_TOTAL = -1   # a block's documents do not add up to its stored total (token counts changed)
@@ -343,10 +354,30 @@ cdef int next_doc(Cursor* c, const Source* s, const int64_t* prefix, const uint6
             return 0
 
 
+cdef void prefetch_blocks(const Source* s, const int64_t* p, int64_t pos, int64_t u_end, uint64_t bkey) noexcept nogil:
+    """Ask the kernel to read ahead the index entries of the blocks at positions ``pos..`` that start before token
+    ``u_end`` of the epoch (at most PREFETCH_BLOCKS): one ``madvise(MADV_WILLNEED)`` per block, so their page faults
+    overlap. Advisory (a hint changes no result; memory that is not a file mapping ignores it). Skipped for blocks
+    strided further apart than a page (format 2), where a block's span is much of the index."""
+    cdef int64_t first, stride, count, last = pos + PREFETCH_BLOCKS
+    cdef uintptr_t item = <uintptr_t>_SIZE_BYTES[s.code], lo, hi
+    while pos < s.nb and pos < last and p[pos] < u_end:
+        block_layout(s.n, s.group, s.tile, <int64_t>permute(<uint64_t>pos, <uint64_t>s.nb, bkey), &first, &stride,
+                     &count)
+        if <uintptr_t>stride * item > PAGE_SIZE:
+            return
+        lo = <uintptr_t>s.sizes + <uintptr_t>first * item
+        hi = <uintptr_t>s.sizes + <uintptr_t>(first + (count - 1) * stride + 1) * item
+        lo -= lo % PAGE_SIZE
+        madvise(<void*>lo, hi - lo, MADV_WILLNEED)
+        pos += 1
+
+
 cdef int locate(Cursor* c, const Source* s, int64_t t, const int64_t* prefix, const uint64_t* bkeys,
-                const uint64_t* ikeys) noexcept nogil:
-    """Place the cursor at stream token t: epoch by division, block by binary search of the epoch's
-    prefix sums, document by walking the block's order from its start."""
+                const uint64_t* ikeys, int64_t tokens_ahead) noexcept nogil:
+    """Place the cursor at stream token t: epoch by division, block by a search of the epoch's prefix sums,
+    document by walking the block's order from its start. The blocks of the next ``tokens_ahead`` tokens (this
+    epoch's) are prefetched first."""
     cdef int64_t e = t // s.total
     cdef int64_t u = t - e * s.total
     cdef const int64_t* p
@@ -382,6 +413,8 @@ cdef int locate(Cursor* c, const Source* s, int64_t t, const int64_t* prefix, co
             hi = mid
     c.epoch = e
     c.pos = lo
+    if tokens_ahead > 0:
+        prefetch_blocks(s, p, lo, u + tokens_ahead, bkeys[s.key_base + e])
     enter_block(c, s, bkeys, ikeys)
     off = u - p[lo]
     while True:
@@ -464,7 +497,7 @@ def pack_range(int64_t start, int64_t stop, int64_t seq_len,
         ss.epochs = epochs[d]
         ss.prefix_base = prefix_base[d]
         ss.key_base = key_base[d]
-    cdef int64_t i, q, r, k, need, take, avail, out = 0
+    cdef int64_t i, q, r, k, need, take, avail, ahead, out = 0
     cdef int rc = 0
     cdef const int64_t* pre = &prefix[0]
     cdef const uint64_t* bk = &block_keys[0]
@@ -479,7 +512,9 @@ def pack_range(int64_t start, int64_t stop, int64_t seq_len,
             cs = <Cursor*>&cmem[d, 0]
             ss = <Source*>&smem[d, 0]
             if placed[d] != k:
-                rc = locate(cs, ss, k * seq_len, pre, bk, ik)
+                # this call's items of d, about (stop - i) * c_d / R of them, are tokens ahead of k * seq_len
+                ahead = ((min(stop - i, <int64_t>1 << 24) * period_counts[d] + R - 1) // R + 1) * seq_len + 1
+                rc = locate(cs, ss, k * seq_len, pre, bk, ik, ahead)
                 if rc < 0:
                     break
             need = seq_len + 1
