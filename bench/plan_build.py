@@ -234,7 +234,7 @@ def main() -> int:
                              + (["megatron"] if "megatron" in impls else []),
                              steps=40 if args.smoke else 400)
         print_table(mixing, ["impl", "docs", "seqs", "pairs", "distance", "distance_vs_global", "within_5pct", "near",
-                             "near_uniform", "share_std", "share_maxdev", "note"],
+                             "near_group", "near_uniform", "share_std", "share_maxdev", "note"],
                     title="\nmixing: corpus-adjacent documents' sequence distance / num_seqs (uniform 1/3), "
                           "P(same or adjacent sequence); source 0's sequences per step of 512 at 0.7/0.3")
     if "scale" in sections:

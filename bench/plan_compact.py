@@ -7,6 +7,7 @@ into sequences of 2,048 tokens, one epoch, global batch 1 (so item = sequence):
 * ``distance``: for corpus-adjacent documents (i, i+1), the mean of ``|seq(i) - seq(i+1)| / num_seqs``, where
   seq(d) is the first sequence holding a token of d (a uniform shuffle gives 1/3);
 * ``near``: the fraction of those pairs with ``|seq(i) - seq(i+1)| <= 1`` (same or adjacent sequences);
+* ``near_group``: the same for documents 64 apart (i, i+64), which the compact kind's default tiles put in one block;
 * ``share_std`` / ``share_maxdev``: for two sources blended 0.7 / 0.3 at global batch 512, the standard deviation
   and the largest deviation from 0.7 * 512 of source 0's sequences per step.
 
@@ -43,6 +44,7 @@ import time
 import numpy as np
 
 MIX_SEQ, MIX_BATCH, MIX_STEPS = 2048, 512, 400
+GROUP_GAP = 64  # near_group: documents this far apart, which the compact kind's default tiles put in one block
 SCALE_SEQ, SCALE_BATCH, DOC_MAX = 8192, 512, 4095
 GEN_CHUNK = 1 << 26  # documents per generator chunk (128 MiB of uint16)
 WINDOW_STEPS = 10_000
@@ -141,8 +143,11 @@ def mixing_rows(n_docs: int, impls: list[str], steps: int = MIX_STEPS) -> list[d
         a, b = first[:-1], first[1:]
         both = (a >= 0) & (b >= 0)
         gap = np.abs(a[both] - b[both])
+        ag, bg = first[:-GROUP_GAP], first[GROUP_GAP:]
+        both_g = (ag >= 0) & (bg >= 0)
         row.update(seqs=num_seqs, pairs=int(both.sum()), distance=float(gap.mean()) / num_seqs,
                    near=float((gap <= 1).mean()), near_uniform=3.0 / num_seqs,
+                   near_group=float((np.abs(ag[both_g] - bg[both_g]) <= 1).mean()),
                    share_std=float(counts.std()), share_maxdev=float(np.abs(counts - 0.7 * MIX_BATCH).max()))
         rows.append(row)
     base = next((r for r in rows if r["impl"] == "global" and "distance" in r), None)

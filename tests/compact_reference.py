@@ -7,7 +7,7 @@ It materializes every dataset's whole document order, so it is for small corpora
 
 Example::
 
-    arrays = reference_compact([sizes], [1.0], seed=1, seq_len=16, num_items=64, block_size=4, block_group=16)
+    arrays = reference_compact([sizes], [1.0], seed=1, seq_len=16, num_items=64, block_size=4, block_group=64)
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def blocks(n: int, block_size: int | None, group: int | None) -> list[list[int]]
 
 
 def doc_order(n: int, block_size: int | None, seed: int, dataset: int, epoch: int,
-              group: int | None = 16) -> list[int]:
+              group: int | None = 64) -> list[int]:
     layout = blocks(n, block_size, group)
     nb = len(layout)
     order = []
@@ -92,7 +92,7 @@ def doc_order(n: int, block_size: int | None, seed: int, dataset: int, epoch: in
 
 
 def reference_compact(sizes, weights, *, seed: int, seq_len: int, num_items: int, block_size: int | None,
-                      block_group: int | None = 16) -> dict:
+                      block_group: int | None = 64) -> dict:
     """The five plan arrays of the compact plan of ``sizes`` (token counts per dataset)."""
     items = blend(weights, num_items)
     need = [0] * len(sizes)

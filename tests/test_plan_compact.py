@@ -30,7 +30,7 @@ def _sources(sizes, weights):
     return [(ArraySource(np.asarray(s), tokens=True), w) for s, w in zip(sizes, weights)]
 
 
-def _assert_equal_to_reference(plan, sizes, weights, seed, seq_len, block_size, block_group=16):
+def _assert_equal_to_reference(plan, sizes, weights, seed, seq_len, block_size, block_group=64):
     ref = reference_compact(sizes, weights, seed=seed, seq_len=seq_len, num_items=plan.num_items,
                             block_size=block_size, block_group=block_group)
     got = plan.pieces(0, plan.num_items)
@@ -155,7 +155,7 @@ def test_save_load_digest_and_datasets(tmp_path):
     plan.save(out)
     assert sorted(os.listdir(out)) == ["block_prefix.npy", "plan.json"]
     doc = json.loads(open(os.path.join(out, "plan.json")).read())
-    assert doc["format_version"] == 3 and doc["inputs"]["block_group"] == 16 and doc["digest"] == plan.digest and doc["summary"]["num_pieces"] is None
+    assert doc["format_version"] == 3 and doc["inputs"]["block_group"] == 64 and doc["digest"] == plan.digest and doc["summary"]["num_pieces"] is None
     loaded = load_plan(out)
     assert isinstance(loaded, CompactPlan) and loaded.digest == plan.digest
     with pytest.raises(PlanError, match="attach"):  # built from in-memory sizes: no sources.json to find them by
@@ -415,15 +415,16 @@ def test_a_random_step_maps_few_pages_of_the_index_and_block_prefix():
     sizes = np.random.default_rng(4).integers(1, 200, n).astype(np.uint16)
     src = ArraySource(sizes, tokens=True, fingerprint="sha256:pages")
     steps = np.random.default_rng(5).integers(0, 200, 8)
-    # blocks of 256 documents: a step of 256 x 512 tokens reads ~1,300 documents, in ~6 blocks. Tiled (16 blocks per
-    # tile), each block's documents lie in 4,096 index entries (8 KiB); strided over the corpus (format 2's layout,
-    # group = nb) they are 32 KiB apart, over the whole index
+    # blocks of 256 documents: a step of 256 x 512 tokens reads ~1,300 documents, in ~6 blocks. Tiled (64 blocks per
+    # tile by default), each block's documents lie in 16,384 index entries (32 KiB); strided over the corpus (format
+    # 2's layout, group = nb) they are 32 KiB apart, over the whole index
     pages = {}
-    for group in (16, 1 << 40):
+    for group in (compact.DEFAULT_BLOCK_GROUP, 1 << 40):
         with mock.patch.object(compact, "DEFAULT_BLOCK_GROUP", group):
             plan = build_plan([(src, 1.0)], seed=2, global_batch_size=256, seq_len=512, num_steps=200, compact=True)
         pages[group] = _pages_per_step(plan, sizes, steps)[0]
-    tiled, strided = max(pages[16]), min(pages[1 << 40])
+    tiled, strided = max(pages[compact.DEFAULT_BLOCK_GROUP]), min(pages[1 << 40])
+    assert compact.DEFAULT_BLOCK_GROUP == 64
     assert tiled <= 2 * 8 * window, pages  # at most 8 blocks, each in at most 2 windows
     assert strided >= 5 * tiled, pages
     # one document per block (4M blocks, a 32 MiB block_prefix): the step's ~330 blocks are 2.6 KiB of consecutive

@@ -10,7 +10,7 @@ those, a keyed Feistel bijection (:mod:`foresight.plan.permute`) and the dataset
   documents ``t*group*S + r + j*group`` (a shorter last tile of L documents has ``ceil(L / S)`` blocks, strided by
   that count). Documents next to each other in the corpus fall in different blocks
   (placed independently by the block order), while one block's token counts lie within ``group * S`` entries of
-  the index: a random step reads a few pages of it, not one page per document (:func:`block_layout`;
+  the index (64 blocks per tile by default): a random step reads a few pages of it, not one page per document (:func:`block_layout`;
   format 2 plans are one tile, ``group = nb``, strided over the whole corpus).
 * Epoch e of dataset d visits blocks in the order ``perm(k, nb, block_key(seed, d, e))`` for
   k = 0..nb-1, and inside block b its slots in the order ``perm(j, count_b, inner_key(seed, d, e, b))``
@@ -67,8 +67,9 @@ DEFAULT_BLOCK_SIZE = 256
 #: one random permutation of the blocks, whose relative standard deviation is about 1.2 / sqrt(num_blocks).
 MIN_BLOCKS = 4096
 #: Blocks per tile by default (``inputs.block_group``): corpus neighbours up to this far apart fall in different
-#: blocks, and one block's token counts span 16 * 256 entries (8 KiB of a uint16 index: two or three pages).
-DEFAULT_BLOCK_GROUP = 16
+#: blocks (a run of m similar documents spreads over min(m, 64) blocks), and one block's token counts span 64 * 256
+#: entries (32 KiB of a uint16 index: one or two 64 KiB fault-around windows).
+DEFAULT_BLOCK_GROUP = 64
 #: Items per blend period for mixtures (the weights are kept to 1 / BLEND_PERIOD).
 BLEND_PERIOD = 1 << 16
 #: Bytes of token counts per chunk while building (whole rows of nb counts, at least one): the more rows a chunk
