@@ -211,10 +211,11 @@ def test_corrupt_files_are_refused(tmp_path):
     with pytest.raises(FormatError, match="format_version 3.*blocks"):
         load_plan(out)
     doc["summary"]["datasets"][0]["blocks"] -= 1
-    doc["inputs"]["block_group"] = 0
-    open(os.path.join(out, "plan.json"), "w").write(json.dumps(doc))
-    with pytest.raises(FormatError, match="block_group"):
-        load_plan(out)
+    for bad in (0, 1 << 60):
+        doc["inputs"]["block_group"] = bad
+        open(os.path.join(out, "plan.json"), "w").write(json.dumps(doc))
+        with pytest.raises(FormatError, match="block_group"):
+            load_plan(out)
     doc["format_version"] = 4
     open(os.path.join(out, "plan.json"), "w").write(json.dumps(doc))
     with pytest.raises(FormatError, match="format_version 4") as e:

@@ -60,7 +60,8 @@ def check_compact_header(doc: Any, json_path: str) -> tuple[dict[str, Any], str]
             group = None
         else:
             group = _field(inputs, "block_group", (int,), "inputs")
-            _require(group >= 1, "inputs.block_group must be >= 1")
+            _require(1 <= group <= 1 << 32 and group * (block_size or 1) < 1 << 62,
+                     "inputs.block_group must be 1 to 2**32, and times block_size below 2**62")
         period = _field(inputs, "blend_period", (int,), "inputs")
         sources = _field(inputs, "sources", (list,), "inputs")
         _require(0 <= seed <= MASK64 and b >= 1 and seq_len >= 1 and (block_size is None or block_size >= 1),
