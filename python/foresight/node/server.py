@@ -32,7 +32,7 @@ import pyarrow.flight as flight
 from foresight.errors import ForesightError, NodeError, ProtocolError
 from foresight.node.auth import Admission, HeaderMiddlewareFactory, caller_of, cluster_job
 from foresight.node.guard import CpuGuard
-from foresight.node.jobs import NodeJob, spec_digest
+from foresight.node.jobs import NodeJob, resolve_under, spec_digest
 from foresight.node.limits import WorkLimits
 from foresight.node.metrics import NodeMetrics
 from foresight.node.protocol import (ACTION_DECODERS, PROTOCOL_VERSION, decode_action, decode_ticket,
@@ -375,7 +375,8 @@ class NodeServer(flight.FlightServerBase):
             raise flight.FlightServerError("foresight: plan upload descriptor is ['plan', digest]")
         digest = descriptor.path[1].decode("utf-8", "replace")
         try:
-            rel = receive_plan(self.root, digest, reader, max_bytes=self.max_plan_bytes)
+            rel = receive_plan(self.root, digest, reader, max_bytes=self.max_plan_bytes,
+                               find_dataset=self._dataset_by_fingerprint)
         except ForesightError as e:
             self.metrics.refusals.labels("plan_upload").inc()
             raise flight.FlightServerError(f"foresight: {e}") from None
@@ -383,6 +384,11 @@ class NodeServer(flight.FlightServerBase):
         log.info("plan uploaded", extra={"digest": digest, "path": rel, "job": mw.job})
 
     # -- internals ----------------------------------------------------------------------------------------
+    def _dataset_by_fingerprint(self, fingerprint: str) -> Any:
+        """The dataset under the root with this fingerprint, opened (a compact plan upload derives from it)."""
+        name = next((n for n, info in self.datasets.items() if info.get("fingerprint") == fingerprint), None)
+        return None if name is None else self._open_cached("dataset", resolve_under(self.root, name, "dataset"))
+
     def _drop_job(self, job_id: str) -> None:
         with self._jobs_lock:
             job = self._jobs.pop(job_id, None)

@@ -37,7 +37,7 @@ from foresight.plan.plan import ARRAY_DTYPES, FORMAT_NAME, FORMAT_VERSION, Plan
 
 PLAN_JSON = "plan.json"
 MAX_JSON_BYTES = 64 << 20
-COMPACT_FORMAT_VERSION = 2  # read by plan/compact_store.py (imported lazily: it imports this module)
+COMPACT_FORMAT_VERSIONS = (2, 3)  # read by plan/compact_store.py (imported lazily: it imports this module)
 CHUNK = 1 << 22  # elements per chunk of the structural checks and hashing (bounded memory)
 _DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 SHUFFLES = ("global", "block")
@@ -136,7 +136,7 @@ def load_plan(path: str, *, verify: bool = True) -> Plan:
     if not os.path.isfile(json_path):
         raise FormatError("not a plan directory: plan.json is missing (an unfinished save?)", path=json_path)
     doc = _read_json(json_path)
-    if isinstance(doc, dict) and doc.get("format_version") == COMPACT_FORMAT_VERSION:
+    if isinstance(doc, dict) and doc.get("format_version") in COMPACT_FORMAT_VERSIONS:
         from foresight.plan.compact_store import load_compact
 
         return load_compact(path, doc, verify=verify)
@@ -204,7 +204,8 @@ def _check_header(doc: Any, json_path: str) -> tuple[dict[str, Any], str]:
         _require(_field(doc, "format", (str,), "plan") == FORMAT_NAME, "not a foresight plan (format)")
         version = _field(doc, "format_version", (int,), "plan")
         _require(version == FORMAT_VERSION,
-                 f"unsupported plan format_version {version} (this reads {FORMAT_VERSION} and {COMPACT_FORMAT_VERSION})")
+                 f"unsupported plan format_version {version} (this reads {FORMAT_VERSION} and compact "
+                 f"{', '.join(map(str, COMPACT_FORMAT_VERSIONS))})")
         digest = _field(doc, "digest", (str,), "plan")
         _require(bool(_DIGEST_RE.fullmatch(digest)), "digest is not 'sha256:' + 64 hex digits")
         inputs = _field(doc, "inputs", (dict,), "plan")
