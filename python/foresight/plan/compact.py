@@ -49,7 +49,7 @@ from foresight.plan.locations import describe_sources
 from foresight.plan.permute import INNER_ORDER, MASK64, block_key, derive_key
 from foresight.plan.plan import FORMAT_NAME, Pieces, Plan
 
-_engine = load("_engine_compact")
+_kernels = load("_compact_kernels")
 
 COMPACT_FORMAT_VERSION = 2
 #: The compact kind's one array: every (dataset, epoch)'s block prefix sums, nb + 1 entries each.
@@ -147,7 +147,7 @@ def block_totals(sizes: np.ndarray, num_blocks: int, index: int) -> tuple[np.nda
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         advise(sizes, hi, min(n, hi + step), mmap.MADV_WILLNEED)  # read from disk while this chunk is added
-        bad = _engine.add_rows(base + lo * sizes.itemsize, code, hi - lo, totals)
+        bad = _kernels.add_rows(base + lo * sizes.itemsize, code, hi - lo, totals)
         if bad >= 0:
             raise PlanError("token_counts() has a negative entry", source=index, sample=lo + int(bad))
     return totals, int(totals.sum())
@@ -196,7 +196,7 @@ def build_compact(checked: list[tuple[Any, float]], *, seed: int, global_batch_s
     for d, (n, nb, totals, total) in enumerate(srcs):
         count, used = int(items[d]), epochs_used[d]
         for e in range(used):  # each (dataset, epoch) segment filled in place: one copy of the array, not two
-            _engine.block_prefix(totals, block_key(seed, d, e), prefix[base : base + nb + 1])
+            _kernels.block_prefix(totals, block_key(seed, d, e), prefix[base : base + nb + 1])
             base += nb + 1
         datasets.append({
             "items": count, "share": count / num_items, "epochs_started": used,
@@ -347,7 +347,7 @@ class CompactPlan(Plan):
             infos = self.summary["datasets"]
             base = sum(i["epochs_started"] * (i["blocks"] + 1) for i in infos[:d])
             seg = self.arrays["block_prefix"][base : base + infos[d]["blocks"] + 1]
-            cache[d] = max(1, int(_engine.min_positive_step(seg)))
+            cache[d] = max(1, int(_kernels.min_positive_step(seg)))
         return cache[d]
 
     def leading_piece_lengths(self, limit: int = 1 << 20) -> np.ndarray:
@@ -421,7 +421,7 @@ class CompactPlan(Plan):
             cols = {"piece_dataset": np.empty(capacity, np.uint16), "piece_sample": np.empty(capacity, np.int64),
                     "piece_offset": np.empty(capacity, np.int64), "piece_length": np.empty(capacity, np.int64)}
             info = np.zeros(4, dtype=np.int64)
-            total = _engine.pack_range(start, stop, self.seq_len, *args[:-1], ptr, cols["piece_dataset"],
+            total = _kernels.pack_range(start, stop, self.seq_len, *args[:-1], ptr, cols["piece_dataset"],
                                        cols["piece_sample"], cols["piece_offset"], cols["piece_length"], info)
             if total < 0:
                 d, e, pos, block = (int(x) for x in info)

@@ -21,7 +21,7 @@ import numpy as np
 from foresight.errors import FormatError, PlanError
 from foresight.plan.compact import (
     COMPACT_ARRAYS, COMPACT_FORMAT_VERSION, SHUFFLE, CompactPlan, blend_counts, blend_pattern, blend_period,
-    _engine, advise, items_per_source, num_blocks,
+    _kernels, advise, items_per_source, num_blocks,
 )
 from foresight.plan.permute import MASK64
 from foresight.plan.plan import FORMAT_NAME
@@ -112,7 +112,7 @@ def check_prefix(summary: dict[str, Any], prefix: np.ndarray, path: str, *, full
                 raise FormatError(f"block prefix of dataset {i} epoch {e} must run from 0 to {d['tokens']}",
                                   path=file, index=base)
             if full:
-                bad = _engine.first_decrease(seg)  # native, one pass: no temporary the size of the array
+                bad = _kernels.first_decrease(seg)  # native, one pass: no temporary the size of the array
                 if bad >= 0:
                     raise FormatError("block prefix sums must not decrease", path=file, index=base + int(bad))
             base += nb + 1
