@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compact_reference import mix, perm, reference_compact
-from foresight import _engine_compact
+from foresight import _compact_kernels
 from foresight.errors import FormatError, PlanError
 from foresight.plan import ArraySource, CompactPlan, build_plan, load_plan
 from foresight.plan import compact
@@ -44,15 +44,15 @@ def test_permutation_spec_python_numpy_and_cython_agree():
     for m in (1, 2, 3, 4, 5, 7, 8, 9, 100, 1000, 4097):
         key = derive_key(9, m)
         x = np.arange(m, dtype=np.uint64)
-        fast = _engine_compact.permute_many(x, m, key)
+        fast = _compact_kernels.permute_many(x, m, key)
         spec = permute(x, m, key)
         np.testing.assert_array_equal(fast, spec)
         assert sorted(fast.tolist()) == list(range(m))  # a bijection of [0, m)
         assert [perm(i, m, key) for i in range(m)] == fast.tolist()
     big = np.array([0, 1, 12345, 10**12 - 1], dtype=np.uint64)
-    np.testing.assert_array_equal(_engine_compact.permute_many(big, 10**12, 77), permute(big, 10**12, 77))
+    np.testing.assert_array_equal(_compact_kernels.permute_many(big, 10**12, 77), permute(big, 10**12, 77))
     with pytest.raises(ValueError, match="not below"):
-        _engine_compact.permute_many(np.array([5], np.uint64), 5, 1)
+        _compact_kernels.permute_many(np.array([5], np.uint64), 5, 1)
 
 
 def test_small_corpus_matches_reference_and_stream_is_exact():
@@ -437,6 +437,6 @@ def test_a_random_step_maps_few_pages_of_the_index_and_block_prefix():
 
 
 def test_first_decrease():
-    assert _engine_compact.first_decrease(np.array([0, 1, 1, 5], np.int64)) == -1
-    assert _engine_compact.first_decrease(np.array([0, 3, 2, 1], np.int64)) == 2
-    assert _engine_compact.first_decrease(np.zeros(0, np.int64)) == -1
+    assert _compact_kernels.first_decrease(np.array([0, 1, 1, 5], np.int64)) == -1
+    assert _compact_kernels.first_decrease(np.array([0, 3, 2, 1], np.int64)) == 2
+    assert _compact_kernels.first_decrease(np.zeros(0, np.int64)) == -1

@@ -64,8 +64,8 @@ from torch.futures import Future
 
 from foresight.checkpoint import store
 from foresight.checksum import xxh3_many
-from foresight.checkpoint._fileio import FileIO
-from foresight.checkpoint._tree import structure_key
+from foresight.checkpoint.aligned_io import FileIO, copy_file
+from foresight.checkpoint.state_tree import structure_key
 from foresight.checkpoint.layout import ALIGN, DTYPES, REFUSED, TORCH_SAVE, align_up, dtype_info, plan_layout
 from foresight.checkpoint.safe_pickle import load_dcp_metadata
 from foresight.errors import CheckpointError
@@ -316,8 +316,6 @@ class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageW
             raise CheckpointError(f"drain to durable tier failed: {err}", path=self.drain_to) from err
 
     def _drain(self, src: str) -> None:
-        from foresight.checkpoint.checkpointer import _copy_file
-
         try:
             os.makedirs(self.drain_to, exist_ok=True)
             name = os.path.basename(os.path.normpath(src))
@@ -327,7 +325,7 @@ class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageW
             try:
                 for f in sorted(os.listdir(src), key=lambda n: n == METADATA):  # .metadata last
                     if not f.endswith(".tmp"):
-                        _copy_file(os.path.join(src, f), os.path.join(tmp, f), fio)
+                        copy_file(os.path.join(src, f), os.path.join(tmp, f), fio)
             finally:
                 fio.close()
             fsync_dir(tmp)

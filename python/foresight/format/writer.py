@@ -62,7 +62,7 @@ def _scatter_numpy(src: np.ndarray, src_offsets: np.ndarray, lengths: np.ndarray
 
 
 try:
-    from .._engine_format import scatter as _scatter
+    from .._format_kernels import scatter as _scatter
 except ImportError:  # native part not built (pure-Python install): same result, slower
     _scatter = _scatter_numpy
 

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 
-from foresight.node.server import CANCEL_WAIT_S, DEFAULT_SHUTDOWN_GRACE_S
+from foresight.node.stream_drain import CANCEL_WAIT_S, DEFAULT_SHUTDOWN_GRACE_S
 
 #: SIGTERM to exit is at most ``--shutdown-grace-s`` plus this: cancelling streams, leaving etcd, freeing jobs.
 EXIT_MARGIN_S = CANCEL_WAIT_S + 10.0

@@ -52,7 +52,7 @@ from foresight.plan.locations import describe_sources
 from foresight.plan.permute import INNER_ORDER, MASK64, block_key, derive_key
 from foresight.plan.plan import FORMAT_NAME, Pieces, Plan
 
-_engine = load("_engine_compact")
+_kernels = load("_compact_kernels")
 
 COMPACT_FORMAT_VERSION = 3
 #: Versions this module opens: 2 (blocks strided over the whole corpus, no ``inputs.block_group``) and 3.
@@ -145,7 +145,7 @@ def block_layout(n: int, block_size: int | None, group: int | None) -> tuple[int
         return nb, nb, n
     per_block = block_size if block_size is not None else -(-n // num_blocks(n, None))
     tile = group * per_block
-    return int(_engine.tiled_blocks(n, group, tile)), group, tile
+    return int(_kernels.tiled_blocks(n, group, tile)), group, tile
 
 
 def _token_counts(ds: Any, index: int) -> np.ndarray:
@@ -173,7 +173,7 @@ def block_totals(sizes: np.ndarray, num_blocks: int, index: int) -> tuple[np.nda
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         advise(sizes, hi, min(n, hi + step), mmap.MADV_WILLNEED)  # read from disk while this chunk is added
-        bad = _engine.add_rows(base + lo * sizes.itemsize, code, hi - lo, totals)
+        bad = _kernels.add_rows(base + lo * sizes.itemsize, code, hi - lo, totals)
         if bad >= 0:
             raise PlanError("token_counts() has a negative entry", source=index, sample=lo + int(bad))
     return totals, int(totals.sum())
@@ -193,7 +193,7 @@ def tiled_block_totals(sizes: np.ndarray, layout: tuple[int, int, int], index: i
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         advise(sizes, hi, min(n, hi + step), mmap.MADV_WILLNEED)
-        bad = _engine.add_tiles(base + lo * sizes.itemsize, code, lo, hi - lo, n, group, tile, totals)
+        bad = _kernels.add_tiles(base + lo * sizes.itemsize, code, lo, hi - lo, n, group, tile, totals)
         if bad >= 0:
             raise PlanError("token_counts() has a negative entry", source=index, sample=lo + int(bad))
     return totals, int(totals.sum())
@@ -277,7 +277,7 @@ def block_prefix_of(seed: int, totals: Sequence[np.ndarray], epochs: Sequence[in
     base = 0
     for d, (t, used) in enumerate(zip(totals, epochs)):
         for e in range(int(used)):
-            _engine.block_prefix(t, block_key(seed, d, e), prefix[base : base + t.shape[0] + 1])
+            _kernels.block_prefix(t, block_key(seed, d, e), prefix[base : base + t.shape[0] + 1])
             base += t.shape[0] + 1
     return prefix
 
@@ -434,7 +434,7 @@ class CompactPlan(Plan):
             infos = self.summary["datasets"]
             base = sum(i["epochs_started"] * (i["blocks"] + 1) for i in infos[:d])
             seg = self.arrays["block_prefix"][base : base + infos[d]["blocks"] + 1]
-            cache[d] = max(1, int(_engine.min_positive_step(seg)))
+            cache[d] = max(1, int(_kernels.min_positive_step(seg)))
         return cache[d]
 
     def leading_piece_lengths(self, limit: int = 1 << 20) -> np.ndarray:
@@ -511,7 +511,7 @@ class CompactPlan(Plan):
             cols = {"piece_dataset": np.empty(capacity, np.uint16), "piece_sample": np.empty(capacity, np.int64),
                     "piece_offset": np.empty(capacity, np.int64), "piece_length": np.empty(capacity, np.int64)}
             info = np.zeros(4, dtype=np.int64)
-            total = _engine.pack_range(start, stop, self.seq_len, *args[:-1], ptr, cols["piece_dataset"],
+            total = _kernels.pack_range(start, stop, self.seq_len, *args[:-1], ptr, cols["piece_dataset"],
                                        cols["piece_sample"], cols["piece_offset"], cols["piece_length"], info)
             if total < 0:
                 d, e, pos, block = (int(x) for x in info)

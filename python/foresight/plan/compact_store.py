@@ -22,7 +22,7 @@ import numpy as np
 from foresight.errors import FormatError, PlanError
 from foresight.plan.compact import (
     COMPACT_ARRAYS, COMPACT_FORMAT_VERSIONS, SHUFFLE, CompactPlan, blend_counts, blend_pattern, blend_period,
-    _engine, advise, block_layout, derive_block_prefix, items_per_source,
+    _kernels, advise, block_layout, derive_block_prefix, items_per_source,
 )
 from foresight.plan.permute import MASK64
 from foresight.plan.plan import FORMAT_NAME
@@ -122,7 +122,7 @@ def check_prefix(summary: dict[str, Any], prefix: np.ndarray, path: str, *, full
                 raise FormatError(f"block prefix of dataset {i} epoch {e} must run from 0 to {d['tokens']}",
                                   path=file, index=base)
             if full:
-                bad = _engine.first_decrease(seg)  # native, one pass: no temporary the size of the array
+                bad = _kernels.first_decrease(seg)  # native, one pass: no temporary the size of the array
                 if bad >= 0:
                     raise FormatError("block prefix sums must not decrease", path=file, index=base + int(bad))
             base += nb + 1

@@ -1,4 +1,4 @@
-"""Type stubs for ``foresight._engine_compact`` (Cython, built from ``engine/_engine_compact.pyx``)."""
+"""Type stubs for ``foresight._compact_kernels`` (Cython, built from ``engine/_compact_kernels.pyx``)."""
 import numpy as np
 import numpy.typing as npt
 

@@ -9,9 +9,9 @@ functions release the GIL; errors come back as negative codes that the Python si
 Example::
 
     import numpy as np
-    from foresight import _engine_compact as ec
+    from foresight import _compact_kernels
     x = np.arange(10, dtype=np.uint64)
-    ec.permute_many(x, 10, 12345)        # a permutation of 0..9, keyed by 12345
+    _compact_kernels.permute_many(x, 10, 12345)   # a permutation of 0..9, keyed by 12345
 """
 from libc.stdint cimport int64_t, uint64_t, uint16_t, int32_t, uint32_t, uintptr_t
 from posix.mman cimport MADV_WILLNEED, madvise
