@@ -33,17 +33,21 @@ import numpy as np
 
 from foresight._closing import Closing
 from foresight.errors import DeviceError, ForesightError, PlanError
+from foresight.format import Modality
+from foresight.io import IOEngine, open_file
+from foresight.io.arena import Arena
+from foresight.io.coalesce import DEFAULT_MAX_GAP, DEFAULT_MAX_TRANSFER, transfer_limit_for
 from foresight.loader.batch import Batch
 from foresight.loader.collate import document_boundaries, gather_tokens, position_ids
-from foresight.loader.extents import FileTable, StepExtents, step_extents
 from foresight.loader.logs import ensure_default_logging
-from foresight.loader.meta import meta_fields as pick_meta_fields, sample_metas
-from foresight.io.coalesce import DEFAULT_MAX_GAP, DEFAULT_MAX_TRANSFER
 from foresight.loader.stats import LoaderStats
+from foresight.plan import Plan, load_plan, open_plan_datasets
+from foresight.source import (ALIGN, FileTable, Reads, StepExtents, anonymous_region, coalesce_extents, round_up,
+                              step_extents)
+from foresight.source.meta import meta_fields as pick_meta_fields, sample_metas
 
 log = logging.getLogger("foresight.loader")
 
-ALIGN = 4096
 ALIGN_ALLOWANCE_CAP = 16 << 20  # most alignment slack a slot is sized for (see Loader._slot_layout)
 STATE_VERSION = 1  # of state_dict(); a state without "version" was written before the field and is version 1
 
@@ -67,7 +71,7 @@ class _Job:
     region: np.ndarray
     ticket: Any
     overflow: np.ndarray | None
-    reads: tuple | None = None  # engine arguments between _prepare and _start_reads
+    reads: Reads | None = None  # engine arguments between _prepare and _start_reads
 
 
 def check_state(state: Any, plan_digest: str, what: str) -> None:
@@ -102,7 +106,7 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is not None and world_size is not None:
         return int(rank), int(world_size)
     try:
-        import torch.distributed as dist
+        import torch.distributed as dist  # lazy: torch is an optional extra; asked only without rank/world_size
 
         if dist.is_available() and dist.is_initialized():
             return (
@@ -116,10 +120,6 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
-
-
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 class Loader(Closing):
@@ -177,7 +177,7 @@ class Loader(Closing):
             one value per sample of the step (aligned with ``sample_ids``; None where a sample has no such
             field), and for each modality a decode stage produced, ``batch["image_caption"]`` is the values for
             ``batch["image"]``'s rows (``batch["image_index"]``'s positions). Looked up on the loader thread in
-            one batch per shard (:mod:`foresight.loader.meta`). Token plans are refused (rows cut documents).
+            one batch per shard (:mod:`foresight.source.meta`). Token plans are refused (rows cut documents).
         micro_batches: yield this rank's share of each step as this many batches of consecutive items, in plan
             order (Megatron's micro-batches of a global batch: gradient accumulation over them); each batch has
             ``batch.step`` and ``batch["micro_batch"]`` (0..k-1), and ``state_dict`` records the micro-batch to
@@ -219,8 +219,6 @@ class Loader(Closing):
         micro_batches: int = 1,
         on_step: Callable[[dict], Any] | None = None,
     ) -> None:
-        from foresight.io import Arena, IOEngine, open_file
-
         ensure_default_logging()
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
@@ -229,8 +227,6 @@ class Loader(Closing):
         plan = _as_plan(plan)
         self._owned_datasets: list = []
         if datasets is None:
-            from foresight.plan import open_plan_datasets
-
             datasets = self._owned_datasets = open_plan_datasets(plan, search=search)
         if not isinstance(datasets, (list, tuple)):
             datasets = [datasets]
@@ -292,7 +288,7 @@ class Loader(Closing):
             self._per_rank = plan.global_batch_size // self.world_size
             self._transfer_bytes, self._rows_bytes = self._slot_layout()
             self.max_transfer = self._auto_max_transfer() if max_transfer is None else int(max_transfer)
-            slot_bytes = _round_up(self._transfer_bytes + self._rows_bytes, ALIGN)
+            slot_bytes = round_up(self._transfer_bytes + self._rows_bytes, ALIGN)
             nslots = self.prefetch + 2
 
             self._engine = IOEngine(backend=backend, queue_depth=queue_depth)
@@ -360,8 +356,8 @@ class Loader(Closing):
         # buffer and says so, rather than every slot carrying that worst case). Coalescing across holes is
         # budgeted below and falls back to max_gap=0 for a step that would not fit.
         allowance = min(max_pieces * 2 * ALIGN, max(requested + 2 * ALIGN, ALIGN_ALLOWANCE_CAP))
-        transfer = _round_up(requested + allowance + ALIGN, ALIGN)
-        return transfer, _round_up(rows, ALIGN)
+        transfer = round_up(requested + allowance + ALIGN, ALIGN)
+        return transfer, round_up(rows, ALIGN)
 
     def _max_whole_sample_bytes(self) -> int:
         """Most bytes of whole samples one rank's share of one step reads, counting a sample once while consecutive
@@ -397,8 +393,6 @@ class Loader(Closing):
 
     def _auto_max_transfer(self) -> int:
         """``max_transfer`` from the mean piece size in bytes (the first million pieces stand for the plan)."""
-        from foresight.io.coalesce import transfer_limit_for
-
         lengths = self.plan.leading_piece_lengths(1 << 20)
         if lengths.size == 0:
             return DEFAULT_MAX_TRANSFER
@@ -486,7 +480,7 @@ class Loader(Closing):
             if tr.total_bytes > self._transfer_bytes and self.max_gap > 0:
                 tr = self._coalesce(ext, 0, read)
             if tr.total_bytes > self._transfer_bytes:  # rare: a step larger than the plan-derived bound
-                overflow = self._arena_like(tr.total_bytes)
+                overflow = anonymous_region(tr.total_bytes)
                 region = overflow
                 if not self.stats.slot_overflows:
                     log.warning("step %d needs %s of reads, more than an arena slot (%s): read into a one-off "
@@ -496,14 +490,12 @@ class Loader(Closing):
         except BaseException:
             self._arena.release(slot)
             raise
-        base = region.ctypes.data
         x_dest = tr.x_dest
         if read is not None:  # -1: not read here (the source delivers it)
             x_dest = np.full(len(ext.offset), -1, dtype=np.int64)
             x_dest[read] = tr.x_dest
         job = _Job(step, micro, start, stop, slot, ext, x_dest, region, None, overflow)
-        job.reads = (self._files.fds[tr.t_file], tr.t_offset, tr.t_length, (base + tr.t_dest).astype(np.uint64),
-                     tr.t_needed)
+        job.reads = Reads.into(self._files, tr, region)
         t2 = time.perf_counter()
         self.stats.add(
             slot_wait_s=t_slot - t0, plan_s=t1 - t_slot, coalesce_s=t2 - t1,
@@ -515,29 +507,17 @@ class Loader(Closing):
 
     def _start_reads(self, job: _Job) -> _Job:
         t0 = time.perf_counter()
-        fds, offsets, lengths, addrs, needed = job.reads
-        job.ticket = self._engine.submit_reads(fds, offsets, lengths, addrs, needed=needed)
+        job.ticket = job.reads.submit(self._engine)
         job.reads = None
         self.stats.add(submit_s=time.perf_counter() - t0)
         return job
 
     def _coalesce(self, ext: StepExtents, max_gap: int, read: np.ndarray | None = None):
         """The step's transfers; ``read`` (a mask over its extents) limits them to those samples."""
-        from foresight.io import coalesce
-
         file, offset, length = ext.file, ext.offset, ext.length
         if read is not None:
             file, offset, length = file[read], offset[read], length[read]
-        if max_gap < 0:  # coalescing off: one transfer per extent
-            return coalesce(file, offset, length, max_gap=0, max_transfer=1, align=ALIGN)
-        return coalesce(file, offset, length, max_gap=max_gap, max_transfer=self.max_transfer, align=ALIGN)
-
-    @staticmethod
-    def _arena_like(nbytes: int) -> np.ndarray:
-        import mmap
-
-        buf = mmap.mmap(-1, _round_up(nbytes, ALIGN))
-        return np.frombuffer(buf, dtype=np.uint8)
+        return coalesce_extents(file, offset, length, max_gap=max_gap, max_transfer=self.max_transfer)
 
     def _complete(self, job: _Job) -> Batch:
         """Verify and collate a step whose reads are done (waited for by the caller)."""
@@ -693,7 +673,7 @@ class Loader(Closing):
                         return _Failure(ForesightError("loader thread exited unexpectedly"))
 
     def _to_device(self, batch: Batch) -> Batch:
-        import torch
+        import torch  # lazy: torch is an optional extra (foresight[torch]); CPU-only numpy use needs none
 
         t0 = time.perf_counter()
         fields = dict(batch._data)
@@ -810,8 +790,6 @@ class Loader(Closing):
 
 def _as_plan(plan: Any):
     """A Plan from a Plan or a plan directory; anything else is refused with what to pass."""
-    from foresight.plan import Plan, load_plan
-
     if isinstance(plan, (str, bytes)) or hasattr(plan, "__fspath__"):
         return load_plan(plan)
     if isinstance(plan, Plan) or (hasattr(plan, "rank_items") and hasattr(plan, "digest")):
@@ -825,8 +803,6 @@ _BATCH_KEYS = {"step", "dataset", "sample_ids", "data", "offsets", "lengths", "i
 
 def _check_meta_fields(names: Sequence[str]) -> None:
     """Meta fields become batch keys: refuse names the batch already uses (they would replace its data)."""
-    from foresight.format import Modality
-
     taken = _BATCH_KEYS | {m.label for m in Modality}
     for name in names:
         if not isinstance(name, str) or not name:
@@ -873,7 +849,7 @@ def check_device(device: Any) -> str:
     name = str(device)
     if not name.startswith("cuda"):
         return name
-    import torch
+    import torch  # lazy: torch is an optional extra (foresight[torch]); CPU-only numpy use needs none
 
     if not torch.cuda.is_available():
         why = ("this torch is a CPU-only build" if torch.version.cuda is None else
@@ -893,7 +869,7 @@ def _tensor_of(array: np.ndarray, device: str | None):
     torch's uint16/uint32 have few kernels (on CUDA not all copies), so those travel as the signed type of the
     same width and are viewed back as unsigned where they land: the bytes are the same.
     """
-    import torch
+    import torch  # lazy: torch is an optional extra (foresight[torch]); CPU-only numpy use needs none
 
     signed = {np.dtype(np.uint16): (np.int16, torch.uint16), np.dtype(np.uint32): (np.int32, torch.uint32)}
     as_signed = signed.get(array.dtype)
@@ -905,7 +881,7 @@ def _tensor_of(array: np.ndarray, device: str | None):
 
 def _widen_tokens(tokens):
     """int64 token ids from uint16/uint32/int64 tokens, on whatever device they are (signed view + mask)."""
-    import torch
+    import torch  # lazy: torch is an optional extra (foresight[torch]); CPU-only numpy use needs none
 
     masks = {torch.uint16: (torch.int16, 0xFFFF), torch.uint32: (torch.int32, 0xFFFFFFFF)}
     if tokens.dtype in masks:
