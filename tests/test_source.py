@@ -9,7 +9,8 @@ import os
 import numpy as np
 import pytest
 
-import foresight.loader.loader as loader_mod
+import foresight.loader.pipeline as pipeline_mod
+import foresight.loader.slots as slots_mod
 import foresight.node.client as client_mod
 import foresight.node.jobs as jobs_mod
 import foresight.source as source
@@ -23,7 +24,8 @@ from node_helpers import SPECS, TOKEN, NodeProc, host_reference, make_root, summ
 
 PKG = os.path.dirname(source.__file__).rsplit(os.sep, 1)[0]  # python/foresight
 CONSUMERS = {  # module -> what it must take from foresight.source (the one implementation of each step)
-    loader_mod: {"ALIGN", "FileTable", "Reads", "coalesce_extents", "anonymous_region", "step_extents"},
+    pipeline_mod: {"Reads", "coalesce_extents", "anonymous_region", "step_extents"},  # the loader's thread
+    slots_mod: {"ALIGN", "FileTable", "round_up"},  # the loader's slots and files
     jobs_mod: {"FileTable", "MediaDecodeStage", "decode_part", "modality_codes", "read_extents", "spec_codes",
                "step_extents"},
     client_mod: {"LocalPartReader", "PartBytes", "decode_part", "lookup_samples", "modality_codes", "spec_codes",
@@ -34,6 +36,12 @@ CONSUMERS = {  # module -> what it must take from foresight.source (the one impl
 # modality/extent lookups, the mapping of regions and the stacking of decoded samples.
 OWNED_CALLS = {"coalesce": "reads", "read_batch": "reads", "submit_reads": "reads", "mmap": "reads",
                "modality_codes": "modality", "lookup": "extents", "torch.stack": "decode"}
+
+
+# Own modules that import an optional extra at their top: a loader without that extra must not import them at its
+# top (they are imported where used, marked "# lazy:").
+OPTIONAL_EXTRAS = {"foresight.media": "PyAV, Pillow (foresight[media])",
+                   "foresight.loader.torch_dataset": "torch.utils.data (foresight[torch])"}
 
 
 def _tree(module) -> ast.Module:
@@ -93,7 +101,7 @@ def _modules(*packages: str):
 
 
 def test_no_private_name_crosses_a_package_and_imports_are_at_the_top():
-    touched = [*_modules("source"), loader_mod.__file__, jobs_mod.__file__, client_mod.__file__]
+    touched = [*_modules("source", "loader"), jobs_mod.__file__, client_mod.__file__]
     for path in [*_modules("source", "loader", "node")]:
         own = os.path.relpath(os.path.dirname(path), PKG).replace(os.sep, ".")
         for node in ast.walk(ast.parse(open(path).read())):
@@ -110,9 +118,7 @@ def test_no_private_name_crosses_a_package_and_imports_are_at_the_top():
             for node in ast.walk(fn):
                 if isinstance(node, (ast.Import, ast.ImportFrom)):
                     names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-                    # foresight.media is the optional media extra (PyAV, Pillow): the one own module a loader
-                    # without that extra must not import at the top
-                    assert all(n == "foresight.media" or not n.startswith("foresight") for n in names), (
+                    assert all(n in OPTIONAL_EXTRAS or not n.startswith("foresight") for n in names), (
                         f"{path}:{node.lineno}: an import of foresight inside a function")
                     assert "# lazy:" in lines[node.lineno - 1], f"{path}:{node.lineno}: a lazy import says why"
 

@@ -41,7 +41,7 @@ import pyarrow.flight as flight
 
 from foresight.errors import NodeError
 from foresight.loader.batch import Batch
-from foresight.loader.loader import resolve_rank
+from foresight.loader.options import resolve_rank
 from foresight.media import output_hash
 from foresight.node.auth import call_options, connect
 from foresight.node.cluster import DEFAULT_PREFIX, Cluster
