@@ -14,7 +14,7 @@ from foresight.format import DatasetWriter, open_dataset
 from foresight.checksum import file_xxh3
 from foresight.format.shard_map import write_map
 from foresight.loader import Loader, MediaDecodeStage
-from foresight.loader.meta import sample_metas
+from foresight.source.meta import sample_metas
 from foresight.media import TransformSpec, probe_media
 from foresight.plan import build_plan
 

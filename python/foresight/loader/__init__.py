@@ -10,8 +10,8 @@ Example::
 """
 from foresight.loader.batch import Batch
 from foresight.loader.loader import DEFAULT_MAX_GAP, DEFAULT_MAX_TRANSFER, Loader
-from foresight.loader.media_stage import MediaDecodeStage
 from foresight.loader.stats import LoaderStats
+from foresight.source import MediaDecodeStage  # the Loader's decode= stage; it lives in the read path (source/)
 
 __all__ = ["Batch", "ForesightIterableDataset", "Loader", "LoaderStats", "MediaDecodeStage", "DEFAULT_MAX_GAP",
            "DEFAULT_MAX_TRANSFER"]
@@ -20,7 +20,7 @@ __all__ = ["Batch", "ForesightIterableDataset", "Loader", "LoaderStats", "MediaD
 def __getattr__(name: str):
     # The DataLoader adapter imports torch.utils.data: only when asked for.
     if name == "ForesightIterableDataset":
-        from foresight.loader.torch_dataset import ForesightIterableDataset
+        from foresight.loader.torch_dataset import ForesightIterableDataset  # lazy: imports torch (optional extra)
 
         return ForesightIterableDataset
     raise AttributeError(f"module 'foresight.loader' has no attribute {name!r}")

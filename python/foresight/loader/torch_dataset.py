@@ -30,7 +30,8 @@ from typing import Any, Iterator
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from foresight.loader.loader import STATE_VERSION, Loader, _as_plan, resolve_rank, check_state
+from foresight.loader.loader import Loader
+from foresight.loader.options import STATE_VERSION, as_plan, check_state, resolve_rank
 
 
 class ForesightIterableDataset(IterableDataset):
@@ -68,7 +69,7 @@ class ForesightIterableDataset(IterableDataset):
 
     def _info(self) -> tuple[str, int]:
         if self._plan_info is None:
-            plan = _as_plan(self.plan)
+            plan = as_plan(self.plan)
             self._plan_info = (plan.digest, plan.num_steps)
         return self._plan_info
 

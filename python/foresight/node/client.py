@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -39,10 +40,17 @@ import numpy as np
 import pyarrow.flight as flight
 
 from foresight.errors import NodeError
+from foresight.loader.batch import Batch
+from foresight.loader.options import resolve_rank
+from foresight.media import output_hash
 from foresight.node.auth import call_options, connect
+from foresight.node.cluster import DEFAULT_PREFIX, Cluster
 from foresight.node.jobs import spec_digest
+from foresight.node.plans import upload_plan
 from foresight.node.protocol import (GUARD_REPLIES, KIND_DEFERRED, KIND_RAW, corrupt_positions, decode_blocks,
                                      deferred_positions, encode_ticket, raw_samples)
+from foresight.source import (LocalPartReader, PartBytes, decode_part, lookup_samples, modality_codes,
+                              pin_by_default, spec_codes, stack_samples)
 
 log = logging.getLogger("foresight.node.client")
 
@@ -99,8 +107,6 @@ class NodeSource:
             raise ValueError("token must be a string of at least 8 characters")
         self.stage, self.plan, self.token = stage, plan, token
         self.job = job or f"job-{uuid.uuid4().hex[:12]}"
-        from foresight.loader.loader import resolve_rank
-
         self._given_rank = (rank, world_size)  # what the caller named; a Loader that differs is an error
         self.rank, self.world_size = resolve_rank(rank, world_size)
         if not 0 <= self.rank < self.world_size:
@@ -122,19 +128,14 @@ class NodeSource:
         self._fingerprints = [str(ds.fingerprint) for ds in self.datasets]
         self._spec_dicts = {k: v.to_dict() for k, v in stage.specs.items()}
         self._spec_digest = spec_digest(stage.specs)
-        from foresight.format import Modality
-
-        self._codes = {name: int(Modality.parse(name)) for name in stage.specs}
+        self._codes = spec_codes(stage.specs)
         self._static = list(nodes) if nodes is not None else None
         self.cluster = None
         self._job_reg = None
         if etcd is not None:
-            from foresight.node.cluster import DEFAULT_PREFIX, Cluster
-
             self.cluster = Cluster(etcd, prefix=prefix or DEFAULT_PREFIX)
         self._nodes: dict[str, _Node] = {}
-        self._local_io: tuple | None = None  # (FileTable, IOEngine) for reads here, opened on first need
-        self._here_region: np.ndarray | None = None  # where they land, reused step after step
+        self._local_io: LocalPartReader | None = None  # reads here (one region reused step after step), on need
         self._refreshed = 0.0
         self._degraded = False  # some part was decoded here last step: look for nodes on every step until not
         self._step = 0
@@ -240,8 +241,6 @@ class NodeSource:
         if plan_name is None:  # upload it once; the node keeps it by digest
             if not getattr(self.plan, "path", None):
                 raise NodeError("node lacks the plan and the plan has no directory to upload", node=n.node_id)
-            from foresight.node.plans import upload_plan
-
             upload_plan(n.client, self.plan.path, self.plan.digest, self._options(self.register_timeout))
             self.stats["plans_uploaded"] += 1
             plan_name = self._health(n.location)["plans"][self.plan.digest]
@@ -293,14 +292,7 @@ class NodeSource:
     def decodes(self, dataset: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:
         """True where this source delivers the sample decoded (its modality has a spec): a loader that hands its
         steps to this source need not read those (``Loader(..., source=...)``); the others it reads as usual."""
-        return np.isin(self._modality_codes(np.asarray(dataset), np.asarray(sample_ids)), list(self._codes.values()))
-
-    def _modality_codes(self, dataset: np.ndarray, samples: np.ndarray) -> np.ndarray:
-        codes = np.full(len(samples), -1, dtype=np.int16)
-        for d in np.unique(dataset):
-            mask = dataset == d
-            codes[mask] = np.asarray(self.datasets[int(d)].modality_codes())[samples[mask]]
-        return codes
+        return np.isin(modality_codes(self.datasets, dataset, sample_ids), list(self._codes.values()))
 
     def __call__(self, fields: dict, *, stats=None, first_item: int = 0) -> dict:
         """Decode one step (the loader's decode-stage interface). ``fields`` may carry the step's bytes (``data``,
@@ -311,11 +303,8 @@ class NodeSource:
         samples = np.asarray(fields["sample_ids"])
         dataset = np.asarray(fields["dataset"])
         n = len(samples)
-        codes = self._modality_codes(dataset, samples)
-        shard = np.zeros(n, dtype=np.int64)
-        for d in np.unique(dataset):
-            mask = dataset == d
-            shard[mask] = self.datasets[int(d)].lookup(samples[mask]).shard
+        codes = modality_codes(self.datasets, dataset, samples)
+        shard = lookup_samples(self.datasets, dataset, samples)[0].astype(np.int64)
         wanted = np.flatnonzero(np.isin(codes, list(self._codes.values())))
         with self._lock:
             self._refresh(force=self._degraded or any(x.registered is None for x in self._nodes.values()))
@@ -415,8 +404,6 @@ class NodeSource:
         """Decode the held samples here and compare each with the node's tensor by ``output_hash``; the host's
         tensors go into the batch either way (so a mismatch never reaches the model), a mismatch is counted and
         logged with its node, step and sample."""
-        from foresight.media import output_hash
-
         positions = np.asarray(sorted(held), dtype=np.int64)
         host = self._decode_here(fields, positions, first_item, stats)
         self.stats["spot_checked"] += len(positions)
@@ -464,49 +451,25 @@ class NodeSource:
         return kind, table
 
     def _decode_here(self, fields: dict, positions: np.ndarray, first_item: int, stats) -> list:
-        if "data" in fields and (np.asarray(fields["offsets"])[positions] >= 0).all():  # the loader read them
-            data, offsets = fields["data"], np.asarray(fields["offsets"])[positions]
-            lengths = np.asarray(fields["lengths"])[positions]
-        else:  # not read by the caller (iterate(), or a loader given this source): read just these samples now
-            data, offsets, lengths = self._read_here(fields, positions)
-        sub = {"step": fields["step"], "data": data, "offsets": offsets, "lengths": lengths,
-               "dataset": np.asarray(fields["dataset"])[positions],
-               "sample_ids": np.asarray(fields["sample_ids"])[positions], "items": first_item + positions}
-        return self._blocks_of(self.stage(sub, stats=stats, first_item=first_item), positions)
-
-    def _read_here(self, fields: dict, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Read samples of the step on this host through the landed path (extents, coalesce, IOEngine); steps are
-        decoded by one thread (:meth:`iterate`'s helper or the loader's), so the engine opened on first use has one
-        user."""
-        import mmap
-
-        from foresight.io import IOEngine, coalesce, open_file
-        from foresight.loader.extents import FileTable
-
-        if self._local_io is None:
-            files = FileTable(self.datasets, open_file)
-            self._local_io = (files, IOEngine())
-        files, engine = self._local_io
         dataset = np.asarray(fields["dataset"])[positions]
         samples = np.asarray(fields["sample_ids"])[positions]
-        file = np.empty(len(positions), dtype=np.int32)
-        offset = np.empty(len(positions), dtype=np.int64)
-        length = np.empty(len(positions), dtype=np.int64)
-        for d in np.unique(dataset):
-            mask = dataset == d
-            ext = self.datasets[int(d)].lookup(samples[mask])
-            file[mask], offset[mask], length[mask] = files.base[int(d)] + ext.shard, ext.offset, ext.length
-        tr = coalesce(file, offset, length, align=4096)
-        need = max(4096, -(-tr.total_bytes // 4096) * 4096)
-        if self._here_region is None or self._here_region.nbytes < need:
-            # kept across steps: a fresh mapping per step costs a page fault per 4 KiB on every read (the stage's
-            # outputs never view it, so the next step may read into it again)
-            self._here_region = np.frombuffer(mmap.mmap(-1, need), dtype=np.uint8)
-        region = self._here_region
-        engine.read_batch(files.fds[tr.t_file], tr.t_offset, tr.t_length,
-                          (region.ctypes.data + tr.t_dest).astype(np.uint64), needed=tr.t_needed)
-        self.stats["bytes_read_here"] += int(tr.t_length.sum())
-        return region, tr.x_dest, length
+        if "data" in fields and (np.asarray(fields["offsets"])[positions] >= 0).all():  # the loader read them
+            part = PartBytes(fields["data"], np.asarray(fields["offsets"])[positions],
+                             np.asarray(fields["lengths"])[positions])
+        else:  # not read by the caller (iterate(), or a loader given this source): read just these samples now
+            part = self._read_here(dataset, samples)
+        return decode_part(self.stage, part, step=fields["step"], dataset=dataset, samples=samples,
+                           positions=positions, first_item=first_item, stats=stats)
+
+    def _read_here(self, dataset: np.ndarray, samples: np.ndarray) -> PartBytes:
+        """Read samples of the step on this host through the read path (:class:`~foresight.source.LocalPartReader`);
+        steps are decoded by one thread (:meth:`iterate`'s helper or the loader's), so the engine opened on first
+        use has one user."""
+        if self._local_io is None:
+            self._local_io = LocalPartReader(self.datasets)
+        part = self._local_io.read_samples(dataset, samples)
+        self.stats["bytes_read_here"] += part.bytes_read
+        return part
 
     def iterate(self, *, start_step: int = 0, end_step: int | None = None, prefetch: int = 1) -> Iterator:
         """This rank's batches straight from the nodes, without the loader: the host reads only the samples it
@@ -522,10 +485,6 @@ class NodeSource:
             for batch in source.iterate(start_step=resume_step):
                 model(batch["video"].to("cuda", non_blocking=True))
         """
-        from collections import deque
-
-        from foresight.loader.batch import Batch
-
         end = self.plan.num_steps if end_step is None else min(int(end_step), self.plan.num_steps)
         pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="foresight-node-iterate")
         pending: deque = deque()
@@ -571,24 +530,18 @@ class NodeSource:
             offsets = np.concatenate([p[2] + k for p, k in zip(raw_parts, shift)])
             lengths = np.concatenate([p[3] for p in raw_parts])
             self.stats["copied_bytes"] += data.nbytes
-        dataset = np.asarray(fields["dataset"])[positions]
-        samples = np.asarray(fields["sample_ids"])[positions]
-        sub = {"step": fields["step"], "data": data, "offsets": offsets, "lengths": lengths,
-               "dataset": dataset,
-               "sample_ids": np.asarray(fields["sample_ids"])[positions], "items": first_item + positions}
-        return self._blocks_of(self.stage(sub, stats=stats, first_item=first_item), positions)
-
-    def _blocks_of(self, out: dict, positions: np.ndarray) -> list:
-        """The stage's output for a subset of the step as ``(modality, step positions, tensor or list)`` blocks."""
-        return [(name, positions[np.asarray(out[f"{name}_index"], dtype=np.int64)], out[name])
-                for name in self.stage.specs if name in out]
+        return decode_part(self.stage, PartBytes(data, offsets, lengths), step=fields["step"],
+                           dataset=np.asarray(fields["dataset"])[positions],
+                           samples=np.asarray(fields["sample_ids"])[positions], positions=positions,
+                           first_item=first_item, stats=stats)
 
     def _assemble(self, fields: dict, blocks: list) -> dict:
         """Each modality's blocks into one (pinned) tensor in plan order, as the stage alone would give: one
         ``index_copy_`` per block (the one copy on this side); a list when shapes differ within the step."""
-        import torch
+        import torch  # lazy: torch is an optional extra (foresight[torch]); only decode outputs need it
 
         out = dict(fields)
+        pin = pin_by_default()
         for name in self.stage.specs:
             mine = [(pos, t) for m, pos, t in blocks if m == name and len(pos)]
             if not mine:
@@ -598,16 +551,13 @@ class NodeSource:
             stackable = all(isinstance(t, torch.Tensor) for t in tensors) and len(
                 {(tuple(t.shape[1:]), t.dtype) for t in tensors}) == 1
             if stackable:
-                batch = torch.empty((len(order), *tensors[0].shape[1:]), dtype=tensors[0].dtype,
-                                    pin_memory=torch.cuda.is_available())
+                batch = torch.empty((len(order), *tensors[0].shape[1:]), dtype=tensors[0].dtype, pin_memory=pin)
                 for pos, t in mine:
                     batch.index_copy_(0, torch.from_numpy(np.searchsorted(order, pos)), t)
                 self.stats["copied_bytes"] += batch.numel() * batch.element_size()
             else:  # shapes differ: the stage itself returns a list here
-                from foresight.loader.media_stage import _stack
-
                 rows = sorted(((int(p), t) for pos, ts in mine for p, t in zip(pos, ts)), key=lambda r: r[0])
-                batch = _stack([t for _, t in rows], pin=torch.cuda.is_available())
+                batch = stack_samples([t for _, t in rows], pin=pin)
             out[name] = batch
             out[f"{name}_index"] = order.astype(np.int64)
         return out
@@ -635,8 +585,7 @@ class NodeSource:
                 n.client.close()
         self._pool.shutdown(wait=True)
         if self._local_io is not None:
-            self._local_io[0].close()
-            self._local_io[1].close()
+            self._local_io.close()
             self._local_io = None
         if self._job_reg is not None:
             self._job_reg.close()
@@ -665,7 +614,7 @@ def _subset(tensors, mask: np.ndarray):
 
 
 def torch_index(mask: np.ndarray):
-    import torch
+    import torch  # lazy: torch is an optional extra (foresight[torch]); only decode outputs need it
 
     return torch.from_numpy(np.flatnonzero(mask))
 

@@ -1,6 +1,6 @@
 """One registered job on a node: its plan, datasets, decode stage, the shards this node serves, and how one step's
-part is prepared (read through the landed extents -> coalesce -> IOEngine path, decoded by the landed
-:class:`~foresight.loader.MediaDecodeStage`: one code path for host and node).
+part is prepared: read and decoded by the read path the host runs (:mod:`foresight.source`: extents, modality
+codes, coalesced reads, :class:`~foresight.source.MediaDecodeStage`): one code path for host and node.
 
 A job's *part* of a step is the samples of this rank's share whose modality has a spec and whose shard this node
 serves; each travels with its ``position`` in the step so the client can assemble the step in plan order.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import mmap
 import os
 import threading
 import time
@@ -26,17 +25,17 @@ import xxhash
 
 from foresight.checksum import xxh3_many
 from foresight.errors import ProtocolError
+from foresight.io import open_file
+from foresight.media import TransformSpec
 from foresight.node.limits import WorkLimits, check_job
 from foresight.node.protocol import KIND_DECODED, KIND_DEFERRED, KIND_RAW, encode_deferred, encode_raw, encode_tensors
-
-ALIGN = 4096
+from foresight.source import (FileTable, MediaDecodeStage, decode_part, modality_codes, read_extents, spec_codes,
+                              step_extents)
 
 
 def spec_digest(specs: dict) -> str:
     """Digest of the specs and of every library version that shapes their output: host and node must agree on
     it, or their tensors could differ (the node refuses the job rather than serve different pixels)."""
-    from foresight.media import TransformSpec
-
     fps = {name: (s if isinstance(s, TransformSpec) else TransformSpec.from_dict(s)).fingerprint()["digest"]
            for name, s in sorted(specs.items())}
     return xxhash.xxh3_64_hexdigest(json.dumps(fps, sort_keys=True).encode())
@@ -106,12 +105,6 @@ class NodeJob:
     def open(cls, root: str, req: dict, *, token: str, node: str, served_shards: Callable[[str], Any],
              decode_threads: int | None, open_cache: Callable[[str, str], Any],
              limits: WorkLimits | None = None) -> "NodeJob":
-        from foresight.format import Modality
-        from foresight.io import open_file
-        from foresight.loader import MediaDecodeStage
-        from foresight.loader.extents import FileTable
-        from foresight.media import TransformSpec
-
         datasets = [open_cache("dataset", resolve_under(root, name, "dataset")) for name in req["datasets"]]
         plan = open_cache("plan", resolve_under(root, req["plan"], "plan"))
         if plan.digest != req["plan_digest"]:
@@ -148,7 +141,7 @@ class NodeJob:
                    datasets=datasets, specs=specs, seed=req["seed"], lead=req["lead"],
                    queue_bytes=req["queue_bytes"], served=served, stage=stage, files=files, node=node,
                    dataset_names=list(req["datasets"]),
-                   spec_codes=np.asarray(sorted(int(Modality.parse(k)) for k in specs), dtype=np.int16),
+                   spec_codes=np.asarray(sorted(spec_codes(specs).values()), dtype=np.int16),
                    local_file=local, bounds=bounds, guard_reply=req.get("guard_reply", "raw"))
 
     def check_token(self, token: str | None) -> bool:
@@ -168,19 +161,12 @@ class NodeJob:
         Every sample read is checked against its xxh3 in the shard map first (one native call for the part); a
         sample that fails is neither decoded nor sent: its position travels in the part's ``corrupt`` metadata so
         the client decodes it itself, and ``corrupt(dataset_name, sample_ids)`` reports it."""
-        from foresight.io import coalesce
-        from foresight.io.coalesce import DEFAULT_MAX_GAP, DEFAULT_MAX_TRANSFER
-        from foresight.loader.extents import step_extents
-
         start, stop = self.plan.rank_items(step, self.rank, self.world_size)
         ext = step_extents(self.plan, self.datasets, self.files, start, stop)
-        codes = np.empty(len(ext.sample), dtype=np.int16)
-        for d in np.unique(ext.dataset):
-            mask = ext.dataset == d
-            codes[mask] = np.asarray(self.datasets[int(d)].modality_codes())[ext.sample[mask]]
+        codes = modality_codes(self.datasets, ext.dataset, ext.sample)
         sel = np.flatnonzero(self.local_file[ext.file] & np.isin(codes, self.spec_codes))
         kind = KIND_RAW if raw else KIND_DECODED
-        names = {int(c): n for n, c in zip(self.specs, (_code(k) for k in self.specs))}
+        names = {code: name for name, code in spec_codes(self.specs).items()}
         if raw and self.guard_reply == "defer":
             modalities = [names[int(c)] for c in codes[sel]]
             schema, batches, copied = encode_deferred(sel, modalities, step=step, node=self.node)
@@ -188,13 +174,9 @@ class NodeJob:
         if len(sel) == 0:
             schema, batches, copied = encode_tensors(kind, [], step=step, node=self.node)
             return StepPart(step, kind, schema, batches, 0, 0, copied)
-        tr = coalesce(ext.file[sel], ext.offset[sel], ext.length[sel], max_gap=DEFAULT_MAX_GAP,
-                      max_transfer=DEFAULT_MAX_TRANSFER, align=ALIGN)
-        region = np.frombuffer(mmap.mmap(-1, max(ALIGN, -(-tr.total_bytes // ALIGN) * ALIGN)), dtype=np.uint8)
-        engine.read_batch(self.files.fds[tr.t_file], tr.t_offset, tr.t_length,
-                          (region.ctypes.data + tr.t_dest).astype(np.uint64), needed=tr.t_needed)
-        lengths = ext.length[sel]
-        x_dest = tr.x_dest
+        # a fresh region per step: raw parts hand it to Arrow without a copy, and lead steps are queued at once
+        part = read_extents(engine, self.files, ext.file[sel], ext.offset[sel], ext.length[sel])
+        region, x_dest, lengths = part.region, part.offsets, part.lengths
         bad = self._failed_checksums(ext.dataset[sel], ext.sample[sel], region, x_dest, lengths)
         if bad.any():
             for d in np.unique(ext.dataset[sel][bad]):
@@ -215,18 +197,16 @@ class NodeJob:
         elif len(sel) == 0:  # every sample of the part failed its checksum
             schema, batches, copied = encode_tensors(kind, [], step=step, node=self.node, corrupt=bad_positions)
         else:
-            fields = {"step": step, "data": region, "offsets": x_dest, "lengths": lengths,
-                      "dataset": ext.dataset[sel], "sample_ids": ext.sample[sel], "items": start + sel}
-            out = self.stage(fields, stats=_DecodeTimes(decode_seconds), first_item=start)
+            part.offsets, part.lengths = x_dest, lengths  # without the samples that failed their checksum
+            blocks = decode_part(self.stage, part, step=step, dataset=ext.dataset[sel], samples=ext.sample[sel],
+                                 positions=sel, first_item=start, stats=_DecodeTimes(decode_seconds),
+                                 modalities=self.specs)
             stacked, rows = {}, []
-            for name in self.specs:
-                if name not in out:
-                    continue
-                positions = sel[np.asarray(out[f"{name}_index"], dtype=np.int64)]
-                if isinstance(out[name], list):  # shapes differ within the step
-                    rows.extend((int(p), name, t) for p, t in zip(positions, out[name]))
+            for name, positions, tensors in blocks:
+                if isinstance(tensors, list):  # shapes differ within the step
+                    rows.extend((int(p), name, t) for p, t in zip(positions, tensors))
                 else:
-                    stacked[name] = (positions, out[name])
+                    stacked[name] = (positions, tensors)
             schema, batches, copied = encode_tensors(kind, rows, step=step, node=self.node, stacked=stacked,
                                                      corrupt=bad_positions)
         nbytes = sum(b.nbytes for b in batches)
@@ -250,12 +230,6 @@ class NodeJob:
     def close(self) -> None:
         self.stage.close()
         self.files.close()
-
-
-def _code(name: str) -> int:
-    from foresight.format import Modality
-
-    return int(Modality.parse(name))
 
 
 __all__ = ["NodeJob", "StepPart", "resolve_under", "spec_digest"]

@@ -1,6 +1,7 @@
 """From a plan's pieces to file extents: which bytes of which shard file one step needs.
 
-All work is vectorized over the step's pieces; the only Python loop is over the (few) datasets of a mixture.
+All work is vectorized over the step's pieces; the only Python loop is over the (few) datasets of a mixture
+(:func:`lookup_samples` is that loop, once, for whole samples).
 Token pieces are usually parts of a sample; with ``whole_samples=True`` (the loader's ``verify``) the extents
 are the whole samples the pieces come from, each once, so their checksums can be checked, and every piece is
 located inside its sample's extent.
@@ -10,9 +11,11 @@ Example::
     files = FileTable(datasets, engine)
     ext = step_extents(plan, datasets, files, start, stop)
     ext.file, ext.offset, ext.length       # int32 / int64 / int64 arrays, one entry per piece
+    file, offset, length = sample_extents(datasets, files, dataset_ids, sample_ids)   # whole samples
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -43,8 +46,6 @@ class FileTable:
             raise
 
     def close(self) -> None:
-        import os
-
         for i, fd in enumerate(self.fds):
             if fd >= 0:
                 os.close(int(fd))
@@ -123,20 +124,47 @@ def step_extents(plan, datasets: Sequence, files: FileTable, start: int, stop: i
     return _whole_samples(ext, datasets, files) if whole_samples and tokens else ext
 
 
+def lookup_samples(datasets: Sequence, dataset: np.ndarray, samples: np.ndarray,
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(shard, offset, length)`` of whole samples ``(datasets[dataset[i]], samples[i])``: one batched
+    ``Dataset.lookup`` per dataset the samples touch (int32 shard within its dataset, int64 bytes).
+
+    Example::
+
+        shard, offset, length = lookup_samples(datasets, np.array([0, 1, 0]), np.array([5, 2, 9]))
+    """
+    dataset, samples = np.asarray(dataset), np.asarray(samples, dtype=np.int64)
+    shard = np.empty(len(samples), dtype=np.int32)
+    offset = np.empty(len(samples), dtype=np.int64)
+    length = np.empty(len(samples), dtype=np.int64)
+    for d in np.unique(dataset):
+        if d < 0 or d >= len(datasets):
+            raise PlanError("a sample names a dataset that was not given", dataset=int(d), datasets=len(datasets))
+        mask = dataset == d
+        ext = datasets[int(d)].lookup(samples[mask])
+        shard[mask], offset[mask], length[mask] = ext.shard, ext.offset, ext.length
+    return shard, offset, length
+
+
+def sample_extents(datasets: Sequence, files: FileTable, dataset: np.ndarray, samples: np.ndarray,
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(file, offset, length)`` of whole samples, ``file`` indexing ``files`` (see :func:`lookup_samples`).
+
+    Example::
+
+        file, offset, length = sample_extents(datasets, files, fields["dataset"], fields["sample_ids"])
+    """
+    shard, offset, length = lookup_samples(datasets, dataset, samples)
+    file = (files.base[np.asarray(dataset, dtype=np.int64)] + shard).astype(np.int32)
+    return file, offset, length
+
+
 def _whole_samples(ext: StepExtents, datasets: Sequence, files: FileTable) -> StepExtents:
     """``ext`` reading each distinct sample of its pieces whole, once."""
     key = (ext.dataset.astype(np.int64) << 40) | ext.sample  # sample ids < 2**40
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     r_dataset, r_sample = ext.dataset[first], ext.sample[first]
-    r_file = np.empty(len(first), dtype=np.int32)
-    r_offset = np.empty(len(first), dtype=np.int64)
-    r_length = np.empty(len(first), dtype=np.int64)
-    for d in np.unique(r_dataset):
-        mask = r_dataset == d
-        whole = datasets[int(d)].lookup(r_sample[mask])
-        r_file[mask] = files.base[d] + whole.shard
-        r_offset[mask] = whole.offset
-        r_length[mask] = whole.length
+    r_file, r_offset, r_length = sample_extents(datasets, files, r_dataset, r_sample)
     inverse = inverse.reshape(-1).astype(np.int64)
     ext.piece_skip = ext.offset - r_offset[inverse]
     ext.piece_read = inverse
@@ -145,4 +173,4 @@ def _whole_samples(ext: StepExtents, datasets: Sequence, files: FileTable) -> St
     return ext
 
 
-__all__ = ["FileTable", "StepExtents", "step_extents"]
+__all__ = ["FileTable", "StepExtents", "lookup_samples", "sample_extents", "step_extents"]

@@ -25,7 +25,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from foresight.loader.meta import sample_metas
+from foresight.format import Modality
+from foresight.source.decode import pin_by_default, stack_samples
+from foresight.source.meta import sample_metas
+from foresight.source.modality import modality_codes, sample_epochs, spec_codes
 
 
 class MediaDecodeStage:
@@ -36,8 +39,7 @@ class MediaDecodeStage:
 
     def __init__(self, datasets: Any, specs: Mapping[str, Any], *, seed: int, threads: int | None = None,
                  codec_threads: int = 1, timeout_s: float | None = 300.0) -> None:
-        from foresight.format import Modality
-        from foresight.media import DecodePool
+        from foresight.media import DecodePool  # lazy: the media extra (PyAV, Pillow) is optional for the loader
 
         self.datasets: Sequence = list(datasets) if isinstance(datasets, (list, tuple)) else [datasets]
         allowed = {m.label for m in Modality}
@@ -46,25 +48,19 @@ class MediaDecodeStage:
                 raise ValueError(f"spec for unknown modality {name!r}; allowed: {sorted(allowed)}")
         self.specs = dict(specs)
         self.seed = int(seed)
-        self._codes = {name: int(Modality.parse(name)) for name in self.specs}
+        self._codes = spec_codes(self.specs)
         self._pool = DecodePool(threads, codec_threads=codec_threads, timeout_s=timeout_s)
 
     def __call__(self, fields: dict, *, stats=None, first_item: int = 0) -> dict:
-        import torch
-
         data: np.ndarray = fields["data"]
         offsets, lengths = np.asarray(fields["offsets"]), np.asarray(fields["lengths"])
         dataset, samples = np.asarray(fields["dataset"]), np.asarray(fields["sample_ids"])
-        codes = np.empty(len(samples), dtype=np.int16)
-        epochs = np.empty(len(samples), dtype=np.int64)
         # A storage node or a fallback decodes a subset of a step: ``fields["items"]`` then gives each sample's
         # plan item (its epoch key); a whole step's items are ``first_item + position``.
         items = (np.asarray(fields["items"], dtype=np.int64) if "items" in fields
                  else first_item + np.arange(len(samples), dtype=np.int64))
-        for d in np.unique(dataset):
-            ds, mask = self.datasets[int(d)], dataset == d
-            codes[mask] = np.asarray(ds.modality_codes())[samples[mask]]
-            epochs[mask] = items[mask] // max(1, ds.num_samples)
+        codes = modality_codes(self.datasets, dataset, samples)
+        epochs = sample_epochs(self.datasets, dataset, items)
         # Every decoded sample's meta (video keyframes, probe results) in one batch per shard, not one per sample.
         decoded = np.flatnonzero(np.isin(codes, list(self._codes.values())))
         metas = np.empty(len(samples), dtype=object)
@@ -87,26 +83,15 @@ class MediaDecodeStage:
             if stats is not None:
                 stats.add_decode(name, time.perf_counter() - t0)
             results.setdefault(name, []).extend(zip(idx.tolist(), tensors))
+        pin = pin_by_default() if results else False
         for name, pairs in results.items():
             pairs.sort(key=lambda p: p[0])
-            out[name] = _stack([t for _, t in pairs], pin=torch.cuda.is_available())
+            out[name] = stack_samples([t for _, t in pairs], pin=pin)
             out[f"{name}_index"] = np.array([i for i, _ in pairs], dtype=np.int64)
         return out
 
     def close(self) -> None:
         self._pool.close()
-
-
-def _stack(tensors: list, *, pin: bool):
-    """One tensor when every sample has the same shape (written straight into pinned memory), else a list."""
-    import torch
-
-    tensors = [t if isinstance(t, torch.Tensor) else torch.from_numpy(np.asarray(t)) for t in tensors]
-    if len({tuple(t.shape) for t in tensors}) != 1:
-        return tensors
-    out = torch.empty((len(tensors), *tensors[0].shape), dtype=tensors[0].dtype, pin_memory=pin)
-    torch.stack(tensors, out=out)
-    return out
 
 
 __all__ = ["MediaDecodeStage"]
