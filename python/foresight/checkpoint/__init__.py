@@ -47,11 +47,11 @@ __all__ = [
 
 def __getattr__(name: str):  # the DCP adapter and the exporter import heavier modules: load them on use
     if name in ("ForesightStorageWriter", "ForesightStorageReader"):
-        from foresight.checkpoint import dcp
+        from foresight.checkpoint import dcp  # lazy: torch.distributed.checkpoint, on use
 
         return getattr(dcp, name)
     if name == "export_safetensors":
-        from foresight.checkpoint.export import export_safetensors
+        from foresight.checkpoint.export import export_safetensors  # lazy: safetensors (checkpoint extra)
 
         return export_safetensors
     raise AttributeError(name)

@@ -39,7 +39,7 @@ import numpy as np
 import pyarrow.flight as flight
 
 from foresight.errors import NodeError
-from foresight.node.auth import call_options, connect
+from foresight.cluster.auth import call_options, connect
 from foresight.node.jobs import spec_digest
 from foresight.node.protocol import (GUARD_REPLIES, KIND_DEFERRED, KIND_RAW, corrupt_positions, decode_blocks,
                                      deferred_positions, encode_ticket, raw_samples)
@@ -129,7 +129,7 @@ class NodeSource:
         self.cluster = None
         self._job_reg = None
         if etcd is not None:
-            from foresight.node.cluster import DEFAULT_PREFIX, Cluster
+            from foresight.cluster.membership import DEFAULT_PREFIX, Cluster
 
             self.cluster = Cluster(etcd, prefix=prefix or DEFAULT_PREFIX)
         self._nodes: dict[str, _Node] = {}

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 
 from foresight.errors import ProtocolError
+from foresight.plan import load_plan
 
 UPLOAD_DIR = os.path.join(".uploads", "plans")
 _FILE = re.compile(r"^(plan\.json|[a-z_]{1,40}\.npy)$")
@@ -49,8 +50,6 @@ def upload_plan(client, plan_dir: str, digest: str, options) -> None:
 
 def receive_plan(root: str, digest: str, reader, *, max_bytes: int) -> str:
     """Write an uploaded plan under ``root`` and verify it; returns its name relative to ``root``."""
-    from foresight.plan import load_plan
-
     if not re.match(r"^sha256:[0-9a-f]{64}$", digest):
         raise ProtocolError("plan digest must be 'sha256:<64 hex>'", digest=digest[:80])
     rel = os.path.join(UPLOAD_DIR, digest.split(":", 1)[1])

@@ -30,11 +30,11 @@ from typing import Any, Callable
 import pyarrow.flight as flight
 
 from foresight.errors import ForesightError, NodeError, ProtocolError
-from foresight.node.auth import Admission, HeaderMiddlewareFactory, caller_of, cluster_job
+from foresight.cluster.auth import Admission, HeaderMiddlewareFactory, caller_of, cluster_job
 from foresight.node.guard import CpuGuard
 from foresight.node.jobs import NodeJob, spec_digest
 from foresight.node.limits import WorkLimits
-from foresight.node.metrics import NodeMetrics
+from foresight.cluster.metrics import NodeMetrics
 from foresight.node.protocol import (ACTION_DECODERS, PROTOCOL_VERSION, decode_action, decode_ticket,
                                      parse_request)
 from foresight.node.queue import Scheduler
@@ -73,7 +73,7 @@ class NodeServer(flight.FlightServerBase):
             then they are cancelled: :meth:`stop` returns within ``shutdown_grace_s + CANCEL_WAIT_S``.
         admission: ``"open"`` (a job without an issued token is bound by its first caller's token) or ``"issued"``
             (only tokens issued in the cluster admit); issued_tokens: ``job -> sha256 of its issued token or None``
-            (:meth:`Cluster.job_token_digest`); see :class:`~foresight.node.auth.Admission`.
+            (:meth:`Cluster.job_token_digest`); see :class:`~foresight.cluster.auth.Admission`.
         max_jobs_per_caller: distinct jobs one caller may have registered at once (default ``max_jobs // 2``).
     """
 
@@ -86,7 +86,7 @@ class NodeServer(flight.FlightServerBase):
                  shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, admission: str = "open",
                  issued_tokens: Callable[[str], str | None] | None = None, max_jobs_per_caller: int | None = None,
                  cpu_measure: str = "process") -> None:
-        from foresight.node.auth import read_pem
+        from foresight.cluster.auth import read_pem
 
         if not os.path.isdir(root):
             raise NodeError("data root is not a directory", root=root)
@@ -404,7 +404,7 @@ class NodeServer(flight.FlightServerBase):
             if obj is None:
                 try:
                     if kind == "dataset":
-                        from foresight.format import open_dataset
+                        from foresight.bucket.opener import open_dataset
 
                         obj = open_dataset(path)
                     else:

@@ -25,7 +25,7 @@ from foresight.plan.compact import (
 )
 from foresight.plan.permute import MASK64
 from foresight.plan.plan import FORMAT_NAME
-from foresight.plan.store import _DIGEST_RE, PLAN_JSON, _Bad, _field, _load_array, _require, compute_digest
+from foresight.plan.files import _DIGEST_RE, PLAN_JSON, _Bad, _field, _load_array, _require, compute_digest
 
 
 def prefix_length(summary: dict[str, Any]) -> int:
