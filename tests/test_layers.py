@@ -55,8 +55,8 @@ SUBMODULES = {p.name.split(".")[0] for p in PACKAGE.iterdir() if p.suffix in (".
 
 
 def _layer_of(package: str) -> int:
-    if package.startswith("_engine"):
-        package = "_native"  # the Cython modules are native bindings, like _core and _uring
+    if package.startswith("_"):
+        package = "_native"  # private top-level modules: native bindings (_core, _uring, the Cython kernels), helpers
     for i, members in enumerate(LAYERS):
         if package in members:
             return i
