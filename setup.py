@@ -3,9 +3,10 @@
 * ``foresight._uring``  (cffi, API mode): the C I/O engine in ``csrc/io`` over liburing,
   with a pread thread-pool fallback. Built without liburing when the header is missing.
 * ``foresight._core``   (pybind11): C++ classes in ``csrc/core`` (coalescer, arena, checksums).
-* ``foresight._engine_*`` (Cython): loops over plans and indexes in ``engine/``.
+* ``foresight._*_kernels`` (Cython): loops over plans, plan indexes and shard writes in ``engine/``
+  (``_plan_kernels``, ``_compact_kernels``, ``_format_kernels``).
 
-``FORESIGHT_ONLY=_core,_engine_plan python setup.py build_ext --inplace`` rebuilds a subset
+``FORESIGHT_ONLY=_core,_plan_kernels python setup.py build_ext --inplace`` rebuilds a subset
 (handy while working on one layer); by default everything is built.
 
 ``_core`` is checked right after its link (csrc/bindings/_core_build_check.py): it must keep any C++ runtime
@@ -57,12 +58,12 @@ if wanted("_core"):
         )
     )
 
-CYTHON_MODULES = sorted(f[:-4] for f in os.listdir("engine") if f.startswith("_engine_") and f.endswith(".pyx"))
+CYTHON_MODULES = sorted(f[:-4] for f in os.listdir("engine") if f.endswith("_kernels.pyx"))
 cython_exts = [
     Extension(
         f"foresight.{name}",
         sources=[os.path.join("engine", name + ".pyx")],
-        include_dirs=["engine/includes", "csrc/core"],
+        include_dirs=["csrc/core"],
         extra_compile_args=C_FLAGS,
     )
     for name in CYTHON_MODULES
@@ -71,7 +72,6 @@ cython_exts = [
 if cython_exts:
     ext_modules += cythonize(
         cython_exts,
-        include_path=["engine/includes"],
         compiler_directives={"language_level": "3", "boundscheck": False, "wraparound": False, "cdivision": True},
         quiet=True,
     )

@@ -234,7 +234,7 @@ def main() -> int:
                              + (["megatron"] if "megatron" in impls else []),
                              steps=40 if args.smoke else 400)
         print_table(mixing, ["impl", "docs", "seqs", "pairs", "distance", "distance_vs_global", "within_5pct", "near",
-                             "near_uniform", "share_std", "share_maxdev", "note"],
+                             "near_group", "near_uniform", "share_std", "share_maxdev", "note"],
                     title="\nmixing: corpus-adjacent documents' sequence distance / num_seqs (uniform 1/3), "
                           "P(same or adjacent sequence); source 0's sequences per step of 512 at 0.7/0.3")
     if "scale" in sections:
@@ -242,9 +242,9 @@ def main() -> int:
                            args.smoke, args.megatron_limit, with_megatron="megatron" in impls,
                            scratch=args.scratch)
         print_table(scale, ["impl", "seqs", "docs", "build_s", "cpu_s", "build_mem_gib", "bytes_per_seq",
-                            "file_bytes", "open_s", "open_verify_s", "step_ms_median", "step_ms_p99",
-                            "step_cpu_ms_median", "step_cpu_ms_p99", "step_minflt", "step_majflt",
-                            "step_random_ms_median", "step_random_cpu_ms_median", "step_random_majflt",
+                            "file_bytes", "open_s", "open_verify_s", "step_cold_ms_median", "step_cold_ms_p99",
+                            "step_cold_majflt", "step_cold_minflt", "step_fresh_ms_median", "step_fresh_ms_p99",
+                            "step_fresh_minflt", "step_warm_ms_median", "step_warm_ms_p99", "step_index_pages",
                             "window_seqs_per_s", "window_seqs_per_cpu_s", "generate_s", "note"],
                     title=f"\ncompact plan at scale (seq_len 8192, batch 512, documents 1..4095 tokens; "
                           f"{os.cpu_count()} cores, shared)")

@@ -7,6 +7,7 @@ into sequences of 2,048 tokens, one epoch, global batch 1 (so item = sequence):
 * ``distance``: for corpus-adjacent documents (i, i+1), the mean of ``|seq(i) - seq(i+1)| / num_seqs``, where
   seq(d) is the first sequence holding a token of d (a uniform shuffle gives 1/3);
 * ``near``: the fraction of those pairs with ``|seq(i) - seq(i+1)| <= 1`` (same or adjacent sequences);
+* ``near_group``: the same for documents 64 apart (i, i+64), which the compact kind's default tiles put in one block;
 * ``share_std`` / ``share_maxdev``: for two sources blended 0.7 / 0.3 at global batch 512, the standard deviation
   and the largest deviation from 0.7 * 512 of source 0's sequences per step.
 
@@ -14,8 +15,14 @@ Scale: document lengths 1..4095 tokens (mean 2,048) from a deterministic generat
 file (memmapped, never held), seq_len 8,192, global batch 512, one epoch. Reported per size: build time (wall, CPU)
 and peak anonymous memory growth (the memmapped index's pages apart, as ``build_rss_gib``), the plan's files and
 in-memory arrays per sequence, open-to-first-step (load without and with the digest check, attach the index, step
-0's pieces), random step lookup (median, p99; wall and this thread's CPU time), and the rate of materializing a
-window of 10,000 consecutive steps. megatron-core beside it: its GPTDataset index build
+0's pieces), random step lookup, and the rate of materializing a window of 10,000 consecutive steps.
+
+Random steps are timed in fresh processes over the saved plan, three ways, each the median (and p99) of the same
+200 random steps: ``cold`` (the index and the plan's files dropped from the page cache first, posix_fadvise
+DONTNEED: every page a step reads comes from disk), ``fresh`` (a new process, the page cache holding them: minor
+faults) and ``warm`` (the same steps again in that process). Beside the times, counts that do not depend on load:
+page faults per step (getrusage, this thread: major in the cold pass, minor in the fresh one) and the index pages a
+step reads (the 4 KiB pages spanned by the documents of the blocks its pieces fall in, computed from the layout). megatron-core beside it: its GPTDataset index build
 (document shuffle, build_sample_idx, shuffle index) where it fits, else its bytes from its dtypes.
 
 Example::
@@ -25,7 +32,6 @@ Example::
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import resource
 import shutil
@@ -38,9 +44,12 @@ import time
 import numpy as np
 
 MIX_SEQ, MIX_BATCH, MIX_STEPS = 2048, 512, 400
+GROUP_GAP = 64  # near_group: documents this far apart, which the compact kind's default tiles put in one block
 SCALE_SEQ, SCALE_BATCH, DOC_MAX = 8192, 512, 4095
 GEN_CHUNK = 1 << 26  # documents per generator chunk (128 MiB of uint16)
 WINDOW_STEPS = 10_000
+RANDOM_STEPS = 200
+PAGE = 4096
 
 
 # ---- mixing -----------------------------------------------------------------------------------------
@@ -134,8 +143,11 @@ def mixing_rows(n_docs: int, impls: list[str], steps: int = MIX_STEPS) -> list[d
         a, b = first[:-1], first[1:]
         both = (a >= 0) & (b >= 0)
         gap = np.abs(a[both] - b[both])
+        ag, bg = first[:-GROUP_GAP], first[GROUP_GAP:]
+        both_g = (ag >= 0) & (bg >= 0)
         row.update(seqs=num_seqs, pairs=int(both.sum()), distance=float(gap.mean()) / num_seqs,
                    near=float((gap <= 1).mean()), near_uniform=3.0 / num_seqs,
+                   near_group=float((np.abs(ag[both_g] - bg[both_g]) <= 1).mean()),
                    share_std=float(counts.std()), share_maxdev=float(np.abs(counts - 0.7 * MIX_BATCH).max()))
         rows.append(row)
     base = next((r for r in rows if r["impl"] == "global" and "distance" in r), None)
@@ -208,7 +220,6 @@ class AnonPeak:
 def scale_worker(n_seqs: int, workdir: str, smoke: bool) -> dict:
     """One size: build, save, open, look up, window. Runs in its own process."""
     from foresight.plan import build_plan, load_plan
-    from foresight.plan.compact import advise
 
     n_docs = n_seqs * SCALE_SEQ * 2 // (DOC_MAX + 1) + 4096
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -240,29 +251,6 @@ def scale_worker(n_seqs: int, workdir: str, smoke: bool) -> dict:
     out["bytes_per_seq"] = (files + memory) / out["seqs"]
     out["pieces_step0"] = int(first.item_ptr[-1])
     rng = np.random.default_rng(7)
-    lookups = 50 if smoke else 500
-    # wall time, and this thread's CPU time: on a shared machine the wall time's tail is other processes' turns;
-    # then as many other random steps over a fresh mapping of the index advised MADV_RANDOM (no readahead around
-    # each page fault; fresh, as the first pass leaves most of the index mapped by fault-around)
-    for suffix, advice in (("", None), ("_random", mmap.MADV_RANDOM)):
-        if advice is not None:
-            opened.attach([MemmapSource(sizes_path, n_docs)])
-            sizes = opened._args()[-1][0]
-            advise(sizes, 0, sizes.shape[0], advice)
-        wall, cpu = [], []
-        r0 = resource.getrusage(resource.RUSAGE_THREAD)
-        for step in rng.integers(0, opened.num_steps, lookups):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            opened.pieces(*opened.rank_items(int(step), 0, 1))
-            wall.append(time.perf_counter() - t0)
-            cpu.append(time.thread_time() - c0)
-        r1 = resource.getrusage(resource.RUSAGE_THREAD)
-        out[f"step{suffix}_ms_median"] = statistics.median(wall) * 1e3
-        out[f"step{suffix}_ms_p99"] = float(np.percentile(wall, 99)) * 1e3
-        out[f"step{suffix}_cpu_ms_median"] = statistics.median(cpu) * 1e3
-        out[f"step{suffix}_cpu_ms_p99"] = float(np.percentile(cpu, 99)) * 1e3
-        out[f"step{suffix}_minflt"] = (r1.ru_minflt - r0.ru_minflt) / lookups
-        out[f"step{suffix}_majflt"] = (r1.ru_majflt - r0.ru_majflt) / lookups
     window = min(opened.num_steps, 200 if smoke else WINDOW_STEPS)
     start = int(rng.integers(0, opened.num_steps - window + 1))
     t0, c0 = time.perf_counter(), time.thread_time()
@@ -272,6 +260,76 @@ def scale_worker(n_seqs: int, workdir: str, smoke: bool) -> dict:
     out["window_steps"] = window
     out["window_seqs_per_s"] = window * SCALE_BATCH / (time.perf_counter() - t0)
     out["window_seqs_per_cpu_s"] = window * SCALE_BATCH / (time.thread_time() - c0)
+    return out
+
+
+def index_pages(plan, pieces) -> int:
+    """4 KiB pages of dataset 0's index (token counts, ``itemsize`` bytes each) that the kernel reads for these
+    pieces: those spanned by every document of each block a piece falls in (it reads a block's counts whole)."""
+    from foresight.plan.compact import block_layout
+
+    n = plan.inputs["sources"][0]["num_samples"]
+    nb, group, tile = block_layout(n, plan.inputs["block_size"], plan.inputs.get("block_group"))
+    itemsize = np.dtype(plan.inputs["sources"][0]["token_dtype"]).itemsize
+    docs = np.unique(np.asarray(pieces.sample)[np.asarray(pieces.dataset) == 0])
+    base = docs // tile * tile
+    length = np.minimum(tile, n - base)
+    stride = np.where(length >= tile, group, -(-length // max(1, tile // group)))
+    first = base + (docs - base) % stride
+    count = -(-(length - (first - base)) // stride)
+    last = first + (count - 1) * stride
+    pages: set[int] = set()
+    for f, last_doc, g in zip(first.tolist(), last.tolist(), stride.tolist()):
+        if g * itemsize <= PAGE:  # documents packed closer than a page: the whole span
+            pages.update(range(f * itemsize // PAGE, last_doc * itemsize // PAGE + 1))
+        else:  # strided further than a page: one page per document
+            pages.update(((np.arange(f, last_doc + 1, g) * itemsize) // PAGE).tolist())
+    return len(pages)
+
+
+def drop_from_page_cache(paths: list[str]) -> None:
+    """Write back, then drop each file's pages from the page cache (nothing may map them)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _timed_steps(plan, steps) -> dict:
+    wall, faults_min, faults_maj = [], [], []
+    for step in steps:
+        r0, t0 = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
+        plan.pieces(*plan.rank_items(int(step), 0, 1))
+        wall.append(time.perf_counter() - t0)
+        r1 = resource.getrusage(resource.RUSAGE_THREAD)
+        faults_min.append(r1.ru_minflt - r0.ru_minflt)
+        faults_maj.append(r1.ru_majflt - r0.ru_majflt)
+    return {"ms_median": statistics.median(wall) * 1e3, "ms_p99": float(np.percentile(wall, 99)) * 1e3,
+            "minflt": float(np.mean(faults_min)), "majflt": float(np.mean(faults_maj))}
+
+
+def steps_worker(n_seqs: int, workdir: str, which: str) -> dict:
+    """Random steps of the saved plan in this fresh process: ``cold`` after dropping the index and the plan from
+    the page cache, or ``fresh`` then ``warm`` (the same steps again) with the page cache as it is."""
+    from foresight.plan import load_plan
+
+    n_docs = n_seqs * SCALE_SEQ * 2 // (DOC_MAX + 1) + 4096
+    sizes_path = os.path.join(workdir, f"sizes-{n_seqs}.npy")
+    plan_dir = os.path.join(workdir, f"plan-{n_seqs}")
+    if which == "cold":
+        drop_from_page_cache([sizes_path] + [os.path.join(plan_dir, f) for f in os.listdir(plan_dir)])
+    plan = load_plan(plan_dir, verify=False)
+    plan.attach([MemmapSource(sizes_path, n_docs)])
+    steps = np.random.default_rng(7).integers(0, plan.num_steps, RANDOM_STEPS)
+    out = {f"step_{which}_{k}": v for k, v in _timed_steps(plan, steps).items()}
+    if which == "fresh":
+        out.update({f"step_warm_{k}": v for k, v in _timed_steps(plan, steps).items()})
+        pages = [index_pages(plan, plan.pieces(*plan.rank_items(int(s), 0, 1))) for s in steps[:50]]
+        out["step_index_pages"] = float(np.mean(pages))
+        out["step_index_bytes"] = out["step_index_pages"] * PAGE
     return out
 
 
@@ -317,13 +375,17 @@ def scale_rows(sizes: list[int], smoke: bool, megatron_limit: int, *, with_megat
     rows = []
     try:
         for n in sizes:
-            for which in ("generate", "compact") + (("megatron",) if with_megatron else ()):
+            for which in ("generate", "compact", "cold", "fresh") + (("megatron",) if with_megatron else ()):
                 cmd = [sys.executable, os.path.abspath(__file__), which, str(n), workdir, "1" if smoke else "0",
                        str(megatron_limit)]
                 proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if proc.returncode != 0:
                     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
                     rows.append({"impl": which, "seqs_target": n, "note": f"exit {proc.returncode}: {tail[0]}"[:90]})
+                elif which in ("cold", "fresh"):  # the compact row's random steps, each pass in a fresh process
+                    row = next((r for r in rows if r["impl"] == "foresight-compact" and r["seqs_target"] == n), None)
+                    if row is not None:
+                        row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
                 elif which != "generate":
                     rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
                 print(f"  scale {n:,} {which}: done", file=sys.stderr, flush=True)
@@ -344,6 +406,8 @@ if __name__ == "__main__":
             json.dump(result, f)
     elif which == "compact":
         result = scale_worker(n, workdir, smoke)
+    elif which in ("cold", "fresh"):
+        result = steps_worker(n, workdir, which)
     else:
         result = megatron_scale(n, workdir, n <= limit)
     print(json.dumps(result))

@@ -80,7 +80,7 @@ fi
 # The native core is rebuilt only when its sources changed: a stamp in the venv holds a hash over the content of
 # csrc/, engine/ (sources, not the .c files Cython generates there), setup.py and pyproject.toml, with the checkout
 # the editable install points at. A stamp that matches, with modules that import, skips the build (~45 s).
-NATIVE_IMPORT="import foresight._uring, foresight._core, foresight._engine_plan, foresight._engine_format, foresight._engine_compact"
+NATIVE_IMPORT="import foresight._uring, foresight._core, foresight._plan_kernels, foresight._format_kernels, foresight._compact_kernels"
 native_hash() {
   { find csrc engine -type f ! -name '*.so' ! -name '*.o' ! -path 'engine/*.c' ! -path 'engine/*.cpp'
     echo setup.py; echo pyproject.toml; } | LC_ALL=C sort | tr '\n' '\0' | xargs -0 sha256sum \

@@ -1,12 +1,13 @@
 """A plain materialized reference of the compact plan algorithm (docs/formats.md, "Compact plans"), for tests.
 
 Written again from the spec, in scalar Python and numpy, importing nothing from foresight.plan.compact or
-foresight.plan.permute: the Feistel bijection, the keys, the strided blocks, the blend period and the packing.
+foresight.plan.permute: the Feistel bijection, the keys, the tiled blocks (format 3; ``block_group=None`` is format 2's one
+tile strided over the corpus), the blend period and the packing.
 It materializes every dataset's whole document order, so it is for small corpora only.
 
 Example::
 
-    arrays = reference_compact([sizes], [1.0], seed=1, seq_len=16, num_items=64, block_size=4)
+    arrays = reference_compact([sizes], [1.0], seed=1, seq_len=16, num_items=64, block_size=4, block_group=64)
 """
 from __future__ import annotations
 
@@ -63,18 +64,35 @@ def blend(weights, num_items):
     return out
 
 
-def doc_order(n: int, block_size: int | None, seed: int, dataset: int, epoch: int) -> list[int]:
-    nb = -(-n // block_size) if block_size else max(-(-n // 256), min(n, 4096))
+def blocks(n: int, block_size: int | None, group: int | None) -> list[list[int]]:
+    """Every block's documents in slot order 0.. (before the in-block permutation)."""
+    strided = -(-n // block_size) if block_size else max(-(-n // 256), min(n, 4096))
+    if group is None:  # format 2: block b holds b, b + nb, ...
+        return [list(range(b, n, strided)) for b in range(strided)]
+    tile = group * (block_size or -(-n // strided))
+    out = []
+    for start in range(0, n, tile):
+        docs = list(range(start, min(n, start + tile)))
+        g = group if len(docs) == tile else -(-len(docs) // (tile // group))  # a short last tile: blocks of ~S
+        out += [docs[r::g] for r in range(g)]
+    return out
+
+
+def doc_order(n: int, block_size: int | None, seed: int, dataset: int, epoch: int,
+              group: int | None = 64) -> list[int]:
+    layout = blocks(n, block_size, group)
+    nb = len(layout)
     order = []
     for k in range(nb):
         b = perm(k, nb, key(seed, dataset, epoch, 0))
-        count = -(-(n - b) // nb)
+        count = len(layout[b])
         inner = mix(key(seed, dataset, epoch, 1) ^ b)
-        order += [b + perm(j, count, inner) * nb for j in range(count)]
+        order += [layout[b][perm(j, count, inner)] for j in range(count)]
     return order
 
 
-def reference_compact(sizes, weights, *, seed: int, seq_len: int, num_items: int, block_size: int | None) -> dict:
+def reference_compact(sizes, weights, *, seed: int, seq_len: int, num_items: int, block_size: int | None,
+                      block_group: int | None = 64) -> dict:
     """The five plan arrays of the compact plan of ``sizes`` (token counts per dataset)."""
     items = blend(weights, num_items)
     need = [0] * len(sizes)
@@ -84,7 +102,7 @@ def reference_compact(sizes, weights, *, seed: int, seq_len: int, num_items: int
     for d, sz in enumerate(sizes):
         total = int(np.sum(sz))
         epochs = -(-(need[d] * seq_len + 1) // total) if need[d] else 0
-        docs = [doc for e in range(epochs) for doc in doc_order(len(sz), block_size, seed, d, e)]
+        docs = [doc for e in range(epochs) for doc in doc_order(len(sz), block_size, seed, d, e, block_group)]
         docs = [doc for doc in docs if sz[doc] > 0]
         ends = np.cumsum([int(sz[doc]) for doc in docs]) if docs else np.zeros(0, np.int64)
         streams.append((docs, ends))

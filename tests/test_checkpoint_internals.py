@@ -9,7 +9,7 @@ import pytest
 import torch
 import xxhash
 from foresight.checksum import xxh3_many
-from foresight.checkpoint._fileio import FileIO
+from foresight.checkpoint.aligned_io import FileIO
 from foresight.checkpoint.layout import ALIGN, BIG_TENSOR_BYTES, plan_layout
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -69,19 +69,19 @@ def test_resaving_a_step_loads_the_newest_commit_of_it(tmp_path):
 _STALLING_SAVER = """
 import os, sys, time, torch
 import foresight.checkpoint as fc
-from foresight.checkpoint import checkpointer as cp
+from foresight.checkpoint import tier_drain as cp
 
 local, durable = sys.argv[1], sys.argv[2]
 def state(step):
     return {"w": torch.arange(300_000, dtype=torch.float32) * step, "b": torch.full((7,), float(step))}
 
-copy = cp._copy_file
+copy = cp.copy_file
 def copy_then_stall(src, dst, fio):
     copy(src, dst, fio)
     if os.path.basename(os.path.dirname(src)) == "step-00000002":
         print("stalled", flush=True)  # the data file is on the durable tier, the COMMIT marker not yet
         time.sleep(3600)              # the parent SIGKILLs us here
-cp._copy_file = copy_then_stall
+cp.copy_file = copy_then_stall
 
 ck = fc.Checkpointer([local, durable])
 ck.save(state(1), 1).wait()                # on both tiers

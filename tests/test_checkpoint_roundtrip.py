@@ -6,6 +6,7 @@ import math
 import threading
 
 import foresight.checkpoint as fc
+from foresight.checkpoint.background_writer import BackgroundWriter
 import pytest
 import torch
 from foresight.errors import CheckpointError
@@ -136,13 +137,13 @@ def test_busy_staging_raises_when_asked(tmp_path, monkeypatch):
     # Force the state under test: the writer holds the only staging slot until the test lets it go, so the next
     # save finds it busy every time (no race on how fast the disk is).
     release = threading.Event()
-    write_one = fc.Checkpointer._write_one
+    write_one = BackgroundWriter._write_one
 
     def held_write(self, job):
         release.wait(60)
         return write_one(self, job)
 
-    monkeypatch.setattr(fc.Checkpointer, "_write_one", held_write)
+    monkeypatch.setattr(BackgroundWriter, "_write_one", held_write)
     with fc.Checkpointer(tmp_path, staging_bytes=1 << 22, on_busy="raise") as ck:
         first = ck.save({"w": torch.zeros(1 << 20)}, 1)
         with pytest.raises(CheckpointError, match="on_busy='raise'"):

@@ -119,7 +119,7 @@ DOCUMENTED_SIGNATURES = [
     ("foresight.plan.locations:open_plan_datasets", "build_plan"),
     ("foresight.checkpoint:Checkpointer", "Checkpointer"),
     ("foresight.checkpoint.checkpointer:save", "Checkpointer"),
-    ("foresight.checkpoint.checkpointer:load", "Checkpointer"),
+    ("foresight.checkpoint.loading:load", "Checkpointer"),
     ("foresight.checkpoint.export:export_safetensors", "Checkpointer"),
     ("foresight.checkpoint:ForesightStorageWriter", "ForesightStorageWriter"),
     ("foresight.checkpoint:ForesightStorageReader", "ForesightStorageWriter"),

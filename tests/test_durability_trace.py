@@ -226,7 +226,7 @@ def test_checkpoints_are_committed_durably_and_written_with_o_direct(tmp_path):
         with Checkpointer([{str(local)!r}, {str(durable)!r}]) as ckpt:
             ckpt.save(state, step=5).wait(durable=True)
     """, tmp_path)
-    from foresight.checkpoint.checkpointer import DATA_FILE
+    from foresight.checkpoint.background_writer import DATA_FILE
     from foresight.checkpoint.store import step_dir
 
     for root in (local, durable):

@@ -2,10 +2,13 @@
 (tests/compact_reference.py), stored as plan.json + block prefix sums, digest-checked, and refusing bad input."""
 from __future__ import annotations
 
+import hashlib
 import json
+import mmap
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -13,10 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from compact_reference import mix, perm, reference_compact
-from foresight import _engine_compact
+from foresight import _compact_kernels
 from foresight.errors import FormatError, PlanError
 from foresight.plan import ArraySource, CompactPlan, build_plan, load_plan
-from foresight.plan.compact import blend_counts
+from foresight.plan import compact
+from foresight.plan.compact import blend_counts, block_layout
 from foresight.plan.permute import derive_key, permute, splitmix64
 
 NAMES = ("item_ptr", "piece_dataset", "piece_sample", "piece_offset", "piece_length")
@@ -26,9 +30,9 @@ def _sources(sizes, weights):
     return [(ArraySource(np.asarray(s), tokens=True), w) for s, w in zip(sizes, weights)]
 
 
-def _assert_equal_to_reference(plan, sizes, weights, seed, seq_len, block_size):
+def _assert_equal_to_reference(plan, sizes, weights, seed, seq_len, block_size, block_group=64):
     ref = reference_compact(sizes, weights, seed=seed, seq_len=seq_len, num_items=plan.num_items,
-                            block_size=block_size)
+                            block_size=block_size, block_group=block_group)
     got = plan.pieces(0, plan.num_items)
     for name, arr in zip(NAMES, got):
         np.testing.assert_array_equal(arr, ref[name], err_msg=name)
@@ -40,15 +44,15 @@ def test_permutation_spec_python_numpy_and_cython_agree():
     for m in (1, 2, 3, 4, 5, 7, 8, 9, 100, 1000, 4097):
         key = derive_key(9, m)
         x = np.arange(m, dtype=np.uint64)
-        fast = _engine_compact.permute_many(x, m, key)
+        fast = _compact_kernels.permute_many(x, m, key)
         spec = permute(x, m, key)
         np.testing.assert_array_equal(fast, spec)
         assert sorted(fast.tolist()) == list(range(m))  # a bijection of [0, m)
         assert [perm(i, m, key) for i in range(m)] == fast.tolist()
     big = np.array([0, 1, 12345, 10**12 - 1], dtype=np.uint64)
-    np.testing.assert_array_equal(_engine_compact.permute_many(big, 10**12, 77), permute(big, 10**12, 77))
+    np.testing.assert_array_equal(_compact_kernels.permute_many(big, 10**12, 77), permute(big, 10**12, 77))
     with pytest.raises(ValueError, match="not below"):
-        _engine_compact.permute_many(np.array([5], np.uint64), 5, 1)
+        _compact_kernels.permute_many(np.array([5], np.uint64), 5, 1)
 
 
 def test_small_corpus_matches_reference_and_stream_is_exact():
@@ -84,8 +88,9 @@ def test_small_corpus_matches_reference_and_stream_is_exact():
     seed=st.integers(0, 2**64 - 1),
     batch=st.sampled_from([1, 2, 4, 6, 8]),
     steps=st.integers(1, 30),
+    group=st.sampled_from([1, 2, 3, 16, 1000]),
 )
-def test_hypothesis_equals_reference(data, num_sources, block_size, seq_len, seed, batch, steps):
+def test_hypothesis_equals_reference(data, num_sources, block_size, seq_len, seed, batch, steps, group):
     sizes, weights = [], []
     for _ in range(num_sources):
         n = data.draw(st.integers(1, 120))
@@ -95,9 +100,11 @@ def test_hypothesis_equals_reference(data, num_sources, block_size, seq_len, see
             arr[0] = 1
         sizes.append(arr)
         weights.append(data.draw(st.floats(0.05, 5.0)))
-    plan = build_plan(_sources(sizes, weights), seed=seed, global_batch_size=batch, seq_len=seq_len,
-                      num_steps=steps, compact=True, block_size=block_size)
-    ref = _assert_equal_to_reference(plan, sizes, weights, seed, seq_len, block_size)
+    with mock.patch.object(compact, "DEFAULT_BLOCK_GROUP", group):
+        plan = build_plan(_sources(sizes, weights), seed=seed, global_batch_size=batch, seq_len=seq_len,
+                          num_steps=steps, compact=True, block_size=block_size)
+    assert plan.inputs["block_group"] == group
+    ref = _assert_equal_to_reference(plan, sizes, weights, seed, seq_len, block_size, group)
     # every world size sees the same global sequence: the rank shares concatenate to the step
     world = data.draw(st.sampled_from([w for w in (1, 2, 3, 4, 6, 8) if batch % w == 0]))
     step = data.draw(st.integers(0, steps - 1))
@@ -148,7 +155,7 @@ def test_save_load_digest_and_datasets(tmp_path):
     plan.save(out)
     assert sorted(os.listdir(out)) == ["block_prefix.npy", "plan.json"]
     doc = json.loads(open(os.path.join(out, "plan.json")).read())
-    assert doc["format_version"] == 2 and doc["digest"] == plan.digest and doc["summary"]["num_pieces"] is None
+    assert doc["format_version"] == 3 and doc["inputs"]["block_group"] == 64 and doc["digest"] == plan.digest and doc["summary"]["num_pieces"] is None
     loaded = load_plan(out)
     assert isinstance(loaded, CompactPlan) and loaded.digest == plan.digest
     with pytest.raises(PlanError, match="attach"):  # built from in-memory sizes: no sources.json to find them by
@@ -201,8 +208,38 @@ def test_corrupt_files_are_refused(tmp_path):
     doc = json.loads(open(os.path.join(out, "plan.json")).read())
     doc["summary"]["datasets"][0]["blocks"] += 1
     open(os.path.join(out, "plan.json"), "w").write(json.dumps(doc))
-    with pytest.raises(FormatError, match="format_version 2.*blocks"):
+    with pytest.raises(FormatError, match="format_version 3.*blocks"):
         load_plan(out)
+    doc["summary"]["datasets"][0]["blocks"] -= 1
+    for bad in (0, 1 << 60):
+        doc["inputs"]["block_group"] = bad
+        open(os.path.join(out, "plan.json"), "w").write(json.dumps(doc))
+        with pytest.raises(FormatError, match="block_group"):
+            load_plan(out)
+    doc["format_version"] = 4
+    open(os.path.join(out, "plan.json"), "w").write(json.dumps(doc))
+    with pytest.raises(FormatError, match="format_version 4") as e:
+        load_plan(out)
+    assert e.value.context["path"].endswith("plan.json")
+
+
+V2_PLAN = os.path.join(os.path.dirname(__file__), "data", "compact_v2_plan")
+
+
+def test_format_2_plans_still_open_and_give_their_steps(tmp_path):
+    # written by the format-2 code (one tile strided over the corpus); its pieces hashed there
+    sizes = np.random.default_rng(11).integers(0, 50, 700)
+    plan = load_plan(V2_PLAN)
+    assert plan.format_version == 2 and "block_group" not in plan.inputs
+    assert plan.digest == "sha256:500da422d90e1ca8fd1656b607098311e67a5d3c48b3f08863ad051374756ffc"
+    plan.attach([ArraySource(sizes, tokens=True, fingerprint="sha256:v2-fixture")])
+    p = plan.pieces(0, plan.num_items)
+    got = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in (p.sample, p.offset, p.length)))
+    assert got.hexdigest() == "4aa2f1cb30d248d9174862ca5d8a5dfad6dd67cd68766cbf5afb8a591cdfaee6"
+    _assert_equal_to_reference(plan, [sizes], [1.0], 9, 24, 8, block_group=None)
+    assert plan.header()["format_version"] == 2  # saved again as it was: same digest
+    plan.save(str(tmp_path / "again"))
+    assert load_plan(str(tmp_path / "again")).digest == plan.digest
 
 
 def test_changed_token_counts_are_caught_when_walked(tmp_path):
@@ -241,6 +278,13 @@ def test_default_block_count():
 
     assert [num_blocks(n, None) for n in (1, 100, 4096, 10**6, 2 * 10**6)] == [1, 100, 4096, 4096, 7813]
     assert num_blocks(1000, 256) == 4 and num_blocks(1, 256) == 1
+    # tiles of group * S documents, group blocks each (a short last tile: ceil(L / S) blocks of about S)
+    assert block_layout(1000, 10, 4) == (100, 4, 40)
+    assert block_layout(1003, 10, 4) == (101, 4, 40)
+    assert block_layout(1035, 10, 4) == (104, 4, 40)  # 25 full tiles, then 35 documents in 4 blocks
+    assert block_layout(2 * 10**6, None, 16) == (488 * 16 + 5, 16, 16 * 256)
+    assert block_layout(100, None, 16) == (100, 16, 16)
+    assert block_layout(10**6, None, None) == (4096, 4096, 10**6)  # format 2: one tile strided by nb
 
 
 def test_memmapped_uint16_counts_are_read_in_place(tmp_path):
@@ -302,7 +346,97 @@ def test_block_totals_match_numpy(dtype, n, nb, monkeypatch):
         assert e.value.context["sample"] == n - 2 and e.value.context["source"] == 3
 
 
+@pytest.mark.parametrize("dtype", ["<u2", "<i8"])
+@pytest.mark.parametrize("n,block_size,group", [(1, None, 16), (100, 7, 3), (50_000, 256, 16), (70_001, 5, 1000),
+                                                 (40_000, 1, 16), (40_013, 3, 7)])
+def test_tiled_block_totals_match_numpy(dtype, n, block_size, group, monkeypatch):
+    layout = block_layout(n, block_size, group)
+    monkeypatch.setattr(compact, "_ROWS_BYTES", 3 * layout[2] * np.dtype(dtype).itemsize)  # chunks of three tiles
+    sizes = np.random.default_rng(n).integers(0, 5000, n).astype(dtype)
+    totals, total = compact.tiled_block_totals(sizes, layout, 0)
+    from compact_reference import blocks
+
+    want = [int(sizes[docs].sum()) for docs in blocks(n, block_size, group)]
+    assert totals.tolist() == want and total == int(sizes.sum(dtype=np.int64))
+    if np.dtype(dtype).kind == "i" and n > 1:
+        sizes[n - 2] = -1
+        with pytest.raises(PlanError, match="negative") as e:
+            compact.tiled_block_totals(sizes, layout, 3)
+        assert e.value.context["sample"] == n - 2
+
+
+def _present_pages(arr: np.ndarray) -> int:
+    """Pages of ``arr``'s mapping present in this process's page table (/proc/self/pagemap, bit 63)."""
+    first = arr.ctypes.data // mmap.PAGESIZE
+    last = (arr.ctypes.data + arr.nbytes - 1) // mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read((last - first + 1) * 8), dtype="<u8")
+    return int((entries >> np.uint64(63)).sum())
+
+
+class _MemfdArray:
+    """An array in a memfd (shmem: small pages), mapped afresh by :meth:`fresh`, so every page a reader touches
+    is a fault that maps only its fault-around window (a file on disk may sit in 2 MiB folios, mapped whole)."""
+
+    def __init__(self, arr: np.ndarray) -> None:
+        self.dtype, self.nbytes = arr.dtype, arr.nbytes
+        self.fd = os.memfd_create("compact-pages")
+        os.write(self.fd, np.ascontiguousarray(arr).tobytes())
+
+    def fresh(self) -> np.ndarray:
+        return np.frombuffer(mmap.mmap(self.fd, self.nbytes, prot=mmap.PROT_READ), dtype=self.dtype)
+
+
+def _pages_per_step(plan, sizes: np.ndarray, steps) -> tuple[list[int], list[int]]:
+    """Pages of the index and of block_prefix each step maps, each step on fresh mappings."""
+    index, prefix = _MemfdArray(sizes), _MemfdArray(np.asarray(plan.arrays["block_prefix"]))
+    index_pages, prefix_pages = [], []
+    try:
+        for step in steps:
+            mine = CompactPlan(inputs=plan.inputs, summary=plan.summary, arrays={"block_prefix": prefix.fresh()})
+            src = ArraySource(sizes, tokens=True, fingerprint="sha256:pages")
+            src.token_counts = index.fresh
+            mine.attach([src])
+            mapped = mine._args()[-1][0], mine.arrays["block_prefix"]
+            before = [_present_pages(a) for a in mapped]
+            mine.pieces(*mine.step_items(int(step)))
+            index_pages.append(_present_pages(mapped[0]) - before[0])
+            prefix_pages.append(_present_pages(mapped[1]) - before[1])
+    finally:
+        os.close(index.fd), os.close(prefix.fd)
+    return index_pages, prefix_pages
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap") or not hasattr(os, "memfd_create"),
+                    reason="needs /proc/self/pagemap and memfd")
+def test_a_random_step_maps_few_pages_of_the_index_and_block_prefix():
+    window = 16  # pages the kernel maps around a fault (fault_around_bytes, 64 KiB by default)
+    n = 4 << 20  # an 8 MiB uint16 index
+    sizes = np.random.default_rng(4).integers(1, 200, n).astype(np.uint16)
+    src = ArraySource(sizes, tokens=True, fingerprint="sha256:pages")
+    steps = np.random.default_rng(5).integers(0, 200, 8)
+    # blocks of 256 documents: a step of 256 x 512 tokens reads ~1,300 documents, in ~6 blocks. Tiled (64 blocks per
+    # tile by default), each block's documents lie in 16,384 index entries (32 KiB); strided over the corpus (format
+    # 2's layout, group = nb) they are 32 KiB apart, over the whole index
+    pages = {}
+    for group in (compact.DEFAULT_BLOCK_GROUP, 1 << 40):
+        with mock.patch.object(compact, "DEFAULT_BLOCK_GROUP", group):
+            plan = build_plan([(src, 1.0)], seed=2, global_batch_size=256, seq_len=512, num_steps=200, compact=True)
+        pages[group] = _pages_per_step(plan, sizes, steps)[0]
+    tiled, strided = max(pages[compact.DEFAULT_BLOCK_GROUP]), min(pages[1 << 40])
+    assert compact.DEFAULT_BLOCK_GROUP == 64
+    assert tiled <= 2 * 8 * window, pages  # at most 8 blocks, each in at most 2 windows
+    assert strided >= 5 * tiled, pages
+    # one document per block (4M blocks, a 32 MiB block_prefix): the step's ~330 blocks are 2.6 KiB of consecutive
+    # prefix sums, found by interpolation (a binary search over 32 MiB would map ~10 windows more)
+    plan = build_plan([(src, 1.0)], seed=2, global_batch_size=64, seq_len=512, num_steps=1000, compact=True,
+                      block_size=1)
+    prefix_pages = _pages_per_step(plan, sizes, steps)[1]
+    assert max(prefix_pages) <= 3 * window, prefix_pages
+
+
 def test_first_decrease():
-    assert _engine_compact.first_decrease(np.array([0, 1, 1, 5], np.int64)) == -1
-    assert _engine_compact.first_decrease(np.array([0, 3, 2, 1], np.int64)) == 2
-    assert _engine_compact.first_decrease(np.zeros(0, np.int64)) == -1
+    assert _compact_kernels.first_decrease(np.array([0, 1, 1, 5], np.int64)) == -1
+    assert _compact_kernels.first_decrease(np.array([0, 3, 2, 1], np.int64)) == 2
+    assert _compact_kernels.first_decrease(np.zeros(0, np.int64)) == -1

@@ -13,9 +13,9 @@ from types import ModuleType
 _WHAT = {
     "_uring": "the C I/O engine, cffi",
     "_core": "the C++ core, pybind11",
-    "_engine_plan": "the plan loops, Cython",
-    "_engine_format": "the shard-writer loops, Cython",
-    "_engine_compact": "the compact plan loops, Cython",
+    "_plan_kernels": "the plan loops, Cython",
+    "_format_kernels": "the shard-writer loops, Cython",
+    "_compact_kernels": "the compact plan loops, Cython",
 }
 
 

@@ -17,15 +17,10 @@ Example::
     ...
     state = ckpt.load("latest", into={"model": model.state_dict(), "optim": opt.state_dict()})
 """
-from foresight.checkpoint.checkpointer import (
-    Checkpointer,
-    LoadedCheckpoint,
-    SaveHandle,
-    copy_checkpoint,
-    latest_step,
-    load,
-    save,
-)
+from foresight.checkpoint.checkpointer import Checkpointer, save
+from foresight.checkpoint.loading import LoadedCheckpoint, latest_step, load
+from foresight.checkpoint.save_handle import SaveHandle
+from foresight.checkpoint.tier_drain import copy_checkpoint
 from foresight.checkpoint.staging import StagingPool
 from foresight.errors import CheckpointError
 
@@ -47,11 +42,11 @@ __all__ = [
 
 def __getattr__(name: str):  # the DCP adapter and the exporter import heavier modules: load them on use
     if name in ("ForesightStorageWriter", "ForesightStorageReader"):
-        from foresight.checkpoint import dcp  # lazy: torch.distributed.checkpoint, on use
+        from foresight.checkpoint import dcp  # lazy: torch.distributed.checkpoint is heavy; loaded on use
 
         return getattr(dcp, name)
     if name == "export_safetensors":
-        from foresight.checkpoint.export import export_safetensors  # lazy: safetensors (checkpoint extra)
+        from foresight.checkpoint.export import export_safetensors  # lazy: safetensors, loaded on use
 
         return export_safetensors
     raise AttributeError(name)

@@ -1,4 +1,5 @@
-"""Asynchronous checkpointing: snapshot to staging, return to training, write, commit, drain to tiers.
+"""The public checkpoint API: :class:`Checkpointer` (snapshot, then write, commit and drain in the background) and
+the module-level ``save``/``load``/``latest_step``.
 
 ``save`` flattens the state dict, copies every tensor into a pinned staging slot (batched for small
 tensors, multi-threaded memcpy for big ones, async D2H copies for CUDA tensors) and returns a
@@ -6,7 +7,9 @@ tensors, multi-threaded memcpy for big ones, async D2H copies for CUDA tensors) 
 (checksumming tensors meanwhile), commits atomically (:mod:`.store`), frees the slot, and hands the
 committed directory to a drain thread that copies it to each slower tier. Each tier keeps at most
 ``keep`` checkpoints. A background failure is re-raised by ``handle.wait()`` or by the next ``save()``
-(or ``close()``), whichever comes first; it is never dropped.
+(or ``close()``), whichever comes first; it is never dropped. The parts live in their own modules:
+:mod:`.save_handle` (what ``save`` returns), :mod:`.background_writer` (the writer thread and its queue),
+:mod:`.tier_drain` (copies to slower tiers, retention), :mod:`.loading` (restore), :mod:`.startup_recovery`.
 
 Which checkpoints survive: "latest" and retention follow commit order, not step numbers (see
 :mod:`.store`). Saving steps 10, 20 and then 5 (a rollback) with ``keep=2`` keeps 20 and 5, and
@@ -29,103 +32,27 @@ from __future__ import annotations
 
 import atexit
 import gc
-import json
 import os
-import queue
-import shutil
 import sys
 import threading
 import time
-import warnings
 import weakref
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from foresight.checkpoint import store
-from foresight.checksum import xxh3_many
-from foresight.checkpoint._fileio import FileIO
-from foresight.checkpoint._recovery import holds_commit, lock_roots, recover_roots, release, undrained
-from foresight.checkpoint._tree import flatten, match_targets, restore_into, unflatten
-from foresight.checkpoint._workers import Workers
-from foresight.checkpoint.layout import Layout, dtype_from_name, plan_layout
-from foresight.checkpoint.reader import read_checkpoint
+from foresight.checkpoint.aligned_io import FileIO
+from foresight.checkpoint.background_writer import BackgroundWriter, WriteJob
+from foresight.checkpoint.layout import plan_layout
+from foresight.checkpoint.loading import LoadedCheckpoint, latest_step, load, tiers_of
+from foresight.checkpoint.save_handle import SaveHandle
 from foresight.checkpoint.staging import StagingPool, copy_into
+from foresight.checkpoint.startup_recovery import lock_roots, recover_roots, release, undrained
+from foresight.checkpoint.state_tree import encode_extra_state, flatten
+from foresight.checkpoint.tier_drain import TierDrain, copy_checkpoint
 from foresight.errors import CheckpointError
-from foresight.io.durable import fsync_dir
 
-DATA_FILE = "data-00000.bin"
-
-
-@dataclass
-class LoadedCheckpoint:
-    """What :func:`load` returns: the restored state dict and the state saved alongside it."""
-
-    step: int
-    state_dict: Any
-    extra_state: Any
-    path: str
-    tier: int
-
-
-class SaveHandle:
-    """Tracks one save. ``wait()`` blocks until it is committed (and drained, with ``durable=True``)."""
-
-    def __init__(self, step: int, owner: Checkpointer) -> None:
-        self.step = step
-        self.path: str | None = None  # the committed directory on the fastest tier
-        # seconds spent in each phase: "snapshot" (caller's thread), "write" (data file written and
-        # fsynced), "commit" (index, marker, rename); filled in as the phases finish
-        self.timings: dict[str, float] = {}
-        self.nbytes = 0  # bytes of the data file
-        self._owner = owner
-        self._local = threading.Event()
-        self._durable = threading.Event()
-        self._error: BaseException | None = None
-        self._reported = False
-        self._drain_tiers: set[int] | None = None  # slower tiers to copy to (None: all)
-
-    def done(self, *, durable: bool = True) -> bool:
-        """True once written and committed (to every tier when ``durable``), or failed."""
-        return (self._durable if durable else self._local).is_set()
-
-    def wait(self, *, durable: bool = True, timeout: float | None = None) -> SaveHandle:
-        """Block until done; re-raise a background failure as :class:`CheckpointError`."""
-        if not (self._durable if durable else self._local).wait(timeout):
-            raise CheckpointError("timed out waiting for checkpoint", step=self.step, timeout=timeout)
-        self._raise()
-        return self
-
-    def _fail(self, error: BaseException) -> None:
-        if self._error is None:
-            self._error = error
-        self._local.set()
-        self._durable.set()
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            self._reported = True
-            self._owner._forget(self)
-            err = self._error
-            if isinstance(err, CheckpointError):
-                raise err
-            raise CheckpointError(f"background checkpoint write failed: {err}", step=self.step) from err
-
-
-@dataclass
-class _Job:
-    handle: SaveHandle
-    slot: Any
-    layout: Layout
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    skeleton: Any
-    extra_state: Any
-    event: Any
+__all__ = ["Checkpointer", "LoadedCheckpoint", "SaveHandle", "copy_checkpoint", "latest_step", "load", "save"]
 
 
 class Checkpointer:
@@ -179,7 +106,7 @@ class Checkpointer:
         self._locks = lock_roots(roots)  # before touching anything in the roots
         try:
             self.quarantined = recover_roots(roots)
-            self._next_seq = store.max_seq(roots) + 1  # commit order continues across restarts and tiers
+            next_seq = store.max_seq(roots) + 1  # commit order continues across restarts and tiers
             to_resume = undrained(roots)
             if staging_bytes is not None:
                 self._pool = StagingPool(staging_bytes, slots=slots, on_busy=on_busy)
@@ -194,25 +121,17 @@ class Checkpointer:
             release(self._locks)
             raise
         self._fio, self._load_fio = self._fios[:2]
-        self._drain_fio = self._fios[2] if len(roots) > 1 else None
-        self._hash_pool = Workers(1, "hash")
         self._lock = threading.Lock()
         self._unreported: list[SaveHandle] = []
-        self._pending_drain: Counter[int] = Counter()  # steps (on tier 0) still to be copied to slower tiers
-        self._write_q: queue.Queue = queue.Queue()
-        self._drain_q: queue.Queue = queue.Queue()
         self._closed = False
-        self._writer = threading.Thread(target=self._writer_loop, name="foresight-ckpt-writer", daemon=True)
-        self._writer.start()
+        self._drain = TierDrain(roots, keeps, self._fios[2] if len(roots) > 1 else None, self._forget_if_ok)
+        self._writer = BackgroundWriter(roots[0], keeps[0], self._fio, direct=direct, replicate=replicate,
+                                        drain=self._drain, on_done=self._forget_if_ok, next_seq=next_seq)
         # finish queued saves at interpreter exit (daemon threads would otherwise die mid-write) and report
         # a failure there rather than lose it; a weak reference so the hook does not keep us alive
         ref = weakref.ref(self)
         atexit.register(lambda: (c := ref()) is not None and c._close_at_exit())
-        self._drainer = None
         self.resumed: list[SaveHandle] = []
-        if len(roots) > 1:
-            self._drainer = threading.Thread(target=self._drain_loop, name="foresight-ckpt-drain", daemon=True)
-            self._drainer.start()
         for commit, behind in to_resume:
             self._resume_drain(commit, behind)
 
@@ -258,7 +177,7 @@ class Checkpointer:
 
     def _snapshot(self, state_dict: Any, step: int, extra_state: Any) -> SaveHandle:
         t0 = time.perf_counter()
-        extra = _encode_extra_state(extra_state, step)
+        extra = encode_extra_state(extra_state, step)
         tensors, names, skeleton = flatten(state_dict)
         dtypes = [str(t.dtype) for t in tensors]
         shapes = [tuple(t.shape) for t in tensors]
@@ -267,7 +186,7 @@ class Checkpointer:
         layout = plan_layout(nbytes, itemsize)
         if self._staging_bytes is None and (self._pool is None or layout.total > self._pool.slot_bytes):
             # automatic sizing: (re)allocate with headroom once the in-flight writes are done with the old pool
-            self._write_q.join()
+            self._writer.join()
             if self._pool is not None:
                 self._pool.close()
             self._pool = StagingPool(max(layout.total + layout.total // 8, 4096), slots=self.slots,
@@ -286,8 +205,8 @@ class Checkpointer:
         handle.nbytes = layout.total
         with self._lock:
             self._unreported.append(handle)
-        self._write_q.put(_Job(handle, slot, layout, names, dtypes, [list(s) for s in shapes], skeleton, extra,
-                               event))
+        self._writer.put(WriteJob(handle, self._pool, slot, layout, names, dtypes, [list(s) for s in shapes], skeleton,
+                                  extra, event))
         return handle
 
     def load(self, step: int | str = "latest", *, into: Any = None, verify: bool | None = None) -> LoadedCheckpoint:
@@ -315,8 +234,8 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Wait for every queued save and drain; raise any unreported failure."""
-        self._write_q.join()
-        self._drain_q.join()
+        self._writer.join()
+        self._drain.join()
         self.raise_pending()
 
     def raise_pending(self) -> None:
@@ -334,15 +253,10 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
-            self._write_q.put(None)
-            if self._drainer is not None:
-                self._drain_q.put(None)
-            self._writer.join()
-            if self._drainer is not None:
-                self._drainer.join()
+            self._writer.stop()
+            self._drain.stop()
             if self._pool is not None:
                 self._pool.close()
-            self._hash_pool.shutdown()
             for fio in self._fios:
                 fio.close()
             release(self._locks)  # last: nothing of ours touches the roots any more
@@ -365,158 +279,9 @@ class Checkpointer:
             if handle in self._unreported:
                 self._unreported.remove(handle)
 
-    def _writer_loop(self) -> None:
-        while True:
-            job = self._write_q.get()
-            try:
-                if job is None:
-                    return
-                self._write_one(job)
-            finally:
-                self._write_q.task_done()
-
-    def _write_one(self, job: _Job) -> None:
-        h = job.handle
-        root = self.tiers[0]
-        tmp = None
-        released = False
-        try:
-            if job.event is not None:
-                job.event.synchronize()
-            t0 = time.perf_counter()
-            tmp = store.new_tmp_dir(root, h.step)
-            data_path = os.path.join(tmp, DATA_FILE)
-            total = job.layout.total
-            view = job.slot.memoryview(total)
-            sums = self._hash_pool.submit(xxh3_many, view, job.layout.offsets, job.layout.nbytes)
-            fd, _ = self._fio.open(data_path, write=True, direct=self.direct)
-            try:
-                if total:
-                    try:
-                        os.posix_fallocate(fd, 0, total)  # no extending writes: they serialise in ext4 DIO
-                    except OSError as e:
-                        raise CheckpointError(f"cannot allocate data file: {e.strerror}", path=data_path) from e
-                self._write_data(fd, view, total, data_path, h.step, tmp)
-                os.fsync(fd)
-            except OSError as e:
-                raise CheckpointError(f"cannot write data file: {e.strerror}", path=data_path) from e
-            finally:
-                os.close(fd)
-            digests = sums.result()
-            t1 = time.perf_counter()
-            h.timings["write"] = t1 - t0
-            self._pool.release(job.slot)
-            released = True
-            self._replication_hook("data_written", h.step, tmp, nbytes=total)  # sends while we commit
-            index = {
-                "format": store.FORMAT, "version": store.VERSION, "step": h.step, "created": time.time(),
-                "torch": torch.__version__,
-                "files": [{"name": DATA_FILE, "bytes": total}],
-                "tensors": {
-                    "name": job.names, "file": [0] * len(job.names), "offset": job.layout.offsets.tolist(),
-                    "nbytes": job.layout.nbytes.tolist(), "dtype": job.dtypes, "shape": job.shapes,
-                    "xxh3": [f"{d:016x}" for d in digests.tolist()],
-                },
-                "skeleton": job.skeleton,
-                **job.extra_state,
-            }
-            seq = self._next_seq  # only this thread commits, so the sequence stays monotonic
-            self._next_seq += 1
-            store.write_index_and_commit(tmp, index, seq=seq)
-            with self._lock:
-                if len(self.tiers) > 1:
-                    self._pending_drain[h.step] += 1
-            try:
-                h.path = store.publish(tmp, root, h.step)
-            except OSError as e:
-                with self._lock:
-                    self._pending_drain[h.step] -= 1
-                raise CheckpointError(f"cannot commit checkpoint: {e.strerror}", path=tmp) from e
-            tmp = None
-            h.timings["commit"] = time.perf_counter() - t1
-            self._replication_hook("committed", h.step, h.path)  # only now may a replica be published
-            h._local.set()
-            if len(self.tiers) > 1:
-                self._drain_q.put(h)
-            else:
-                h._durable.set()
-                self._forget_if_ok(h)
-            _retain(root, self.keep[0], self._protected())  # housekeeping, after the handle is done
-        except BaseException as e:  # noqa: BLE001 - surfaced through the handle, never lost
-            if not released:
-                self._pool.release(job.slot)
-            if tmp is not None:
-                _rmtree_quiet(tmp)
-            self._replication_hook("aborted", h.step)
-            h._fail(e if isinstance(e, CheckpointError) else
-                    CheckpointError(f"checkpoint write failed: {e}", step=h.step, tier=root))
-
-    def _write_data(self, fd: int, view: memoryview, total: int, path: str, step: int, tmp: str) -> None:
-        """Write the data file; for a step being replicated, in pieces of a transfer unit (all submitted at once),
-        reporting each piece as it lands so its unit leaves while the rest is written (send while saving)."""
-        piece = getattr(self.replicate, "progress_bytes", 0) if self.replicate is not None else 0
-        piece -= piece % 4096  # direct I/O: pieces start aligned
-        if piece <= 0 or total <= piece or not self.replicate.wants(step):
-            self._fio.write(fd, view, path=path)
-            return
-        self._replication_hook("data_started", step, tmp, [(DATA_FILE, total)])
-        tokens = [(min(off + piece, total), self._fio.submit_write(fd, view[off:off + piece], file_offset=off,
-                                                                   path=path))
-                  for off in range(0, total, piece)]
-        for i, (end, token) in enumerate(tokens):
-            try:
-                self._fio.wait(token)
-            except BaseException:
-                for _, rest in tokens[i + 1:]:  # never leave writes in flight into a buffer about to be reused
-                    try:
-                        self._fio.wait(rest)
-                    except CheckpointError:
-                        pass  # the first failure is the one reported
-                raise
-            self._replication_hook("data_progress", step, {DATA_FILE: end})
-
-    def _replication_hook(self, name: str, *args: Any, **kwargs: Any) -> None:
-        if self.replicate is None:
-            return
-        try:
-            getattr(self.replicate, name)(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - a replica is an extra: its failure never fails the save
-            warnings.warn(f"foresight.checkpoint: replication {name} failed: {e}", RuntimeWarning, stacklevel=1)
-
     def _forget_if_ok(self, h: SaveHandle) -> None:
         if h._error is None:
             self._forget(h)
-
-    def _protected(self) -> set[int]:
-        with self._lock:
-            return {step for step, n in self._pending_drain.items() if n > 0}
-
-    def _drain_loop(self) -> None:
-        while True:
-            h = self._drain_q.get()
-            try:
-                if h is None:
-                    return
-                root = self.tiers[0]
-                try:
-                    marker = store.read_marker(h.path)
-                    for tier, (root, keep) in enumerate(zip(self.tiers[1:], self.keep[1:]), start=1):
-                        if h._drain_tiers is not None and tier not in h._drain_tiers:
-                            continue
-                        if not holds_commit(root, h.step, marker):  # a resumed drain may find it there
-                            copy_checkpoint(h.path, root, h.step, fio=self._drain_fio)
-                        _retain(root, keep, ())
-                except BaseException as e:  # noqa: BLE001
-                    h._fail(e if isinstance(e, CheckpointError) else
-                            CheckpointError(f"drain failed: {e}", step=h.step, tier=root))
-                finally:
-                    with self._lock:
-                        self._pending_drain[h.step] -= 1
-                    _retain(self.tiers[0], self.keep[0], self._protected())
-                h._durable.set()
-                self._forget_if_ok(h)
-            finally:
-                self._drain_q.task_done()
 
     def _resume_drain(self, commit: store.Commit, tiers: set[int]) -> None:
         """Queue the drain of a local commit that a killed predecessor never finished copying to ``tiers``."""
@@ -526,118 +291,14 @@ class Checkpointer:
         h._local.set()
         with self._lock:
             self._unreported.append(h)
-            self._pending_drain[commit.step] += 1
+        self._drain.reserve(commit.step)
         self.resumed.append(h)
-        self._drain_q.put(h)
-
-
-def _encode_extra_state(extra_state: Any, step: int) -> dict[str, Any]:
-    """Index fields for ``extra_state``: plain JSON as ``extra_state`` (what other tools read) and, when
-    JSON alone would change it (int keys, tuples, nan), an exact encoding as ``extra_state_exact``."""
-    try:
-        tensors, names, tree = flatten(extra_state)
-    except CheckpointError as e:
-        if "key" in e.context:
-            what = f"the key {e.context['key']}"
-        elif "type" in e.context:
-            what = f"a value of type {e.context['type']}"
-        else:
-            raise CheckpointError(f"extra_state is not JSON-serialisable: {e}", step=step) from None
-        raise CheckpointError(f"extra_state is not JSON-serialisable: it holds {what} (dicts, lists, tuples and "
-                              "str/int/float/bool/None can be saved exactly)", step=step,
-                              at=e.context.get("at")) from None
-    if tensors:
-        raise CheckpointError("extra_state holds a tensor; put tensors in the state dict", step=step,
-                              at=names[0] or "<root>")
-    try:
-        plain = json.loads(json.dumps(extra_state))  # a deep copy, and what JSON makes of it
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"extra_state is not JSON-serialisable: {e}", step=step) from e
-    return {"extra_state": plain} if plain == extra_state else {"extra_state": plain, "extra_state_exact": tree}
-
-
-def _decode_extra_state(index: dict[str, Any]) -> Any:
-    tree = index.get("extra_state_exact")
-    return index.get("extra_state") if tree is None else unflatten(tree, [])
-
-
-def _retain(root: str, keep: int | None, protect: Any) -> None:
-    """Apply retention; a failure to delete an old checkpoint is a warning, never a failed save."""
-    try:
-        store.apply_retention(root, keep, protect=protect)
-    except OSError as e:
-        warnings.warn(f"foresight.checkpoint: retention in {root} failed: {e}", RuntimeWarning, stacklevel=1)
-
-
-def _rmtree_quiet(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def copy_checkpoint(src: str, root: str, step: int, *, fio: FileIO | None = None) -> str:
-    """Copy the committed checkpoint dir ``src`` into tier ``root`` with the same atomic commit."""
-    os.makedirs(root, exist_ok=True)
-    tmp = store.new_tmp_dir(root, step)
-    try:
-        names = sorted(os.listdir(src), key=lambda n: n == store.COMMIT)  # COMMIT last
-        for name in names:
-            _copy_file(os.path.join(src, name), os.path.join(tmp, name), fio)
-        fsync_dir(tmp)
-        return store.publish(tmp, root, step)
-    except BaseException as e:
-        _rmtree_quiet(tmp)
-        if isinstance(e, OSError) and not isinstance(e, CheckpointError):
-            raise CheckpointError(f"cannot copy checkpoint: {e.strerror}", path=src, tier=root) from e
-        raise
-
-
-_BOUNCE = 64 << 20
-
-
-def _copy_file(src: str, dst: str, fio: FileIO | None) -> None:
-    """Copy one file; large page-multiple files go through an aligned bounce buffer with O_DIRECT
-    (buffered writes + fsync run at a fraction of the disk's speed here)."""
-    size = os.stat(src).st_size
-    if fio is None or size < (1 << 20) or size % 4096:
-        with open(src, "rb") as fi, open(dst, "wb") as fo:
-            shutil.copyfileobj(fi, fo, 1 << 20)
-            fo.flush()
-            os.fsync(fo.fileno())
-        return
-    import mmap
-
-    bounce = mmap.mmap(-1, min(_BOUNCE, size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    rfd, _ = fio.open(src)
-    try:
-        wfd, _ = fio.open(dst, write=True)
-        try:
-            os.posix_fallocate(wfd, 0, size)
-            pos = 0
-            while pos < size:
-                n = min(len(bounce), size - pos)
-                view = memoryview(bounce)[:n]
-                fio.read(rfd, view, file_offset=pos, path=src)
-                fio.write(wfd, view, file_offset=pos, path=dst)
-                view.release()
-                pos += n
-            os.fsync(wfd)
-        finally:
-            os.close(wfd)
-    finally:
-        os.close(rfd)
-        bounce.close()
+        self._drain.put(h)
 
 
 # -- module-level convenience --------------------------------------------------------------------------
 
 _default: dict[tuple[str, ...], Checkpointer] = {}
-
-
-def _tiers_of(root: Any, tiers: Any) -> list[str]:
-    if (root is None) == (tiers is None):
-        raise ValueError("pass exactly one of root= or tiers=")
-    if root is not None:
-        return [os.fspath(root)]
-    return [os.fspath(tiers)] if isinstance(tiers, (str, os.PathLike)) else [os.fspath(t) for t in tiers]
 
 
 def save(state_dict: Any, step: int, *, root: str | os.PathLike | None = None,
@@ -653,92 +314,8 @@ def save(state_dict: Any, step: int, *, root: str | os.PathLike | None = None,
         h = foresight.checkpoint.save(model.state_dict(), 100, root="/ckpt", extra_state=loader.state_dict())
         h.wait()
     """
-    key = tuple(_tiers_of(root, tiers))
+    key = tuple(tiers_of(root, tiers))
     ckpt = _default.get(key)
     if ckpt is None or ckpt._closed:
         ckpt = _default[key] = Checkpointer(list(key), **config)
     return ckpt.save(state_dict, step, extra_state=extra_state)
-
-
-def load(step: int | str = "latest", *, root: str | os.PathLike | None = None,
-         tiers: Sequence[str | os.PathLike] | None = None, into: Any = None, verify: bool = True,
-         fio: FileIO | None = None, direct: bool = True, _buffer: Any = None) -> LoadedCheckpoint:
-    """Restore a committed checkpoint, preferring the fastest tier that holds a complete copy.
-
-    ``step`` is an int (its newest commit first) or ``"latest"``: the most recent commit (commit order,
-    not the largest step; see :mod:`.store`), and only copies of that commit. With ``into`` (a state dict
-    of existing tensors), tensors whose shape and dtype match are filled in place and the rest replaced;
-    ``state_dict`` of the result is ``into`` itself then. Without it, the tensors are fresh CPU tensors (views of one read buffer).
-    A corrupt copy on one tier falls back to the next tier holding the step; if none is readable the
-    first :class:`CheckpointError` (naming file and tensor) is raised.
-
-    Example::
-
-        ck = foresight.checkpoint.load("latest", root="/ckpt", into=model.state_dict())
-        loader.load_state_dict(ck.extra_state)
-    """
-    roots = _tiers_of(root, tiers)
-    per_tier = [store.commits(r) for r in roots]
-    if step == "latest":
-        newest = _newest_commit(per_tier)
-        if newest is None:
-            unreadable = [c.error for cs in per_tier for c in cs if c.error is not None]
-            if unreadable:
-                raise unreadable[0]
-            raise CheckpointError("no committed checkpoint found", tiers=roots)
-        step = newest.step
-        # copies of that very commit only: an older save that reused the step number is not "latest"
-        candidates = [(tier, c) for tier, cs in enumerate(per_tier) for c in cs
-                      if c.step == step and c.error is None and c.seq == newest.seq]
-    elif isinstance(step, int) and not isinstance(step, bool):
-        # the newest commit of that step first (a rollback may have re-saved it), then the faster tier
-        candidates = sorted(((tier, c) for tier, cs in enumerate(per_tier) for c in cs if c.step == step),
-                            key=lambda tc: (tc[1].error is not None, tuple(-x for x in tc[1].order), tc[0]))
-    else:
-        raise ValueError(f"step must be an int or 'latest', got {step!r}")
-    errors: list[CheckpointError] = []
-    for tier, commit in candidates:
-        path = commit.path
-        if commit.error is not None:
-            errors.append(commit.error)
-            continue
-        try:
-            targets: dict[int, torch.Tensor] = {}
-
-            def pick_targets(index: dict[str, Any]) -> dict[int, torch.Tensor]:
-                meta = index["tensors"]
-                targets.update(match_targets(into, index["skeleton"], meta["shape"],
-                                             [dtype_from_name(d) for d in meta["dtype"]]))
-                return targets
-
-            tensors, index = read_checkpoint(path, verify=verify, fio=fio, direct=direct, buffer=_buffer,
-                                             targets=pick_targets if into is not None else None)
-        except CheckpointError as e:
-            errors.append(e)
-            continue
-        if into is not None:
-            state = restore_into(into, index["skeleton"], tensors, clone_new=_buffer is not None, copied=targets)
-        else:
-            state = unflatten(index["skeleton"], tensors)
-        return LoadedCheckpoint(step=step, state_dict=state, extra_state=_decode_extra_state(index), path=path,
-                                tier=tier)
-    if errors:
-        raise errors[0]
-    raise CheckpointError("checkpoint step not found on any tier", step=step, tiers=roots)
-
-
-def latest_step(*, root: str | os.PathLike | None = None,
-                tiers: Sequence[str | os.PathLike] | None = None) -> int | None:
-    """The step of the most recent commit on any tier (what ``load("latest")`` restores), or ``None``."""
-    roots = _tiers_of(root, tiers)
-    newest = _newest_commit([store.commits(r) for r in roots])
-    return None if newest is None else newest.step
-
-
-def _newest_commit(per_tier: list[list[store.Commit]]) -> store.Commit | None:
-    """The most recent readable commit over all tiers; warns about unreadable markers it had to pass over."""
-    good = [c for cs in per_tier for c in cs if c.error is None]
-    for c in (c for cs in per_tier for c in cs if c.error is not None):
-        warnings.warn(f"foresight.checkpoint: ignoring {c.path} when looking for the latest checkpoint: "
-                      f"{c.error}", RuntimeWarning, stacklevel=3)
-    return max(good, key=lambda c: c.order, default=None)

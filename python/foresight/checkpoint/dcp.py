@@ -63,11 +63,10 @@ from torch.distributed.checkpoint.storage import (
 from torch.futures import Future
 
 from foresight.checkpoint import store
-from foresight.checkpoint._fileio import FileIO
-from foresight.checkpoint._tree import structure_key
-from foresight.checkpoint.checkpointer import _copy_file
+from foresight.checkpoint.aligned_io import FileIO, copy_file
 from foresight.checkpoint.layout import ALIGN, DTYPES, REFUSED, TORCH_SAVE, align_up, dtype_info, plan_layout
 from foresight.checkpoint.safe_pickle import load_dcp_metadata
+from foresight.checkpoint.state_tree import structure_key
 from foresight.checksum import xxh3_many
 from foresight.errors import CheckpointError
 from foresight.io.durable import fsync_dir
@@ -326,7 +325,7 @@ class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageW
             try:
                 for f in sorted(os.listdir(src), key=lambda n: n == METADATA):  # .metadata last
                     if not f.endswith(".tmp"):
-                        _copy_file(os.path.join(src, f), os.path.join(tmp, f), fio)
+                        copy_file(os.path.join(src, f), os.path.join(tmp, f), fio)
             finally:
                 fio.close()
             fsync_dir(tmp)

@@ -16,7 +16,7 @@ import os
 import torch
 from safetensors.torch import save, save_file
 
-from foresight.checkpoint.checkpointer import LoadedCheckpoint
+from foresight.checkpoint.loading import LoadedCheckpoint
 from foresight.checkpoint.reader import read_checkpoint
 from foresight.errors import CheckpointError
 

@@ -3,7 +3,7 @@
 The data file is read with large parallel O_DIRECT requests into one page-aligned buffer; every tensor's
 xxh3 is checked against the index (a mismatch raises :class:`CheckpointError` naming the file, the tensor
 and its offset); tensors are then zero-copy views of that buffer, or are copied into the caller's tensors
-in place (see :func:`foresight.checkpoint._tree.restore_into`).
+in place (see :func:`foresight.checkpoint.state_tree.restore_into`).
 
 Example::
 
@@ -23,7 +23,7 @@ import torch
 
 from foresight.checkpoint import store
 from foresight.checksum import xxh3_many
-from foresight.checkpoint._fileio import FileIO
+from foresight.checkpoint.aligned_io import FileIO
 from foresight.checkpoint.layout import align_up, dtype_from_name
 from foresight.errors import CheckpointError
 

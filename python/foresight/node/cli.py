@@ -17,13 +17,14 @@ import signal
 import sys
 import threading
 
+from foresight.bucket.opener import open_dataset
 from foresight.cluster.auth import connect
 from foresight.cluster.membership import Cluster
 from foresight.cluster.throttle import ServiceLimit, parse_amounts
-from foresight.bucket.opener import open_dataset
 from foresight.node.limits import WorkLimits
 from foresight.node.logs import setup_json_logging
-from foresight.node.server import CANCEL_WAIT_S, DEFAULT_SHUTDOWN_GRACE_S, NodeServer
+from foresight.node.server import NodeServer
+from foresight.node.stream_drain import CANCEL_WAIT_S, DEFAULT_SHUTDOWN_GRACE_S
 from foresight.replication.node_options import mount_from_args, prepare_from_args
 
 #: SIGTERM to exit is at most ``--shutdown-grace-s`` plus this: cancelling streams, leaving etcd, freeing jobs.

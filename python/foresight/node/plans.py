@@ -6,19 +6,30 @@ arrays; nothing else) as record batches of ``(name, data)`` rows. The node write
 it only when the digest is the one claimed; from then on jobs name it like any plan under the root. Steps are never
 sent: the node resolves them from this one copy.
 
+A compact plan (``format_version`` 2 or 3) is sent as its ``plan.json`` alone (its inputs and per-dataset summary, a
+few KB): the node computes ``block_prefix.npy`` again from the datasets it holds (found by the fingerprints the plan
+names; :func:`foresight.plan.compact_store.rebuild_compact`) and keeps the plan only if the result matches the
+digest.
+
 Example::
 
-    upload_plan(client, "plan/", plan.digest, options)        # client side, once per node
+    sent = upload_plan(client, "plan/", plan.digest, options)  # client side, once per node; bytes sent
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
-from foresight.errors import ProtocolError
+from foresight.errors import PlanError, ProtocolError
 from foresight.plan import load_plan
+from foresight.plan.compact import COMPACT_FORMAT_VERSIONS
+from foresight.plan.compact_store import rebuild_compact
+from foresight.plan.files import PLAN_JSON
 
 UPLOAD_DIR = os.path.join(".uploads", "plans")
 _FILE = re.compile(r"^(plan\.json|[a-z_]{1,40}\.npy)$")
@@ -30,26 +41,64 @@ def _schema():
     return pa.schema([("name", pa.string()), ("data", pa.large_binary())])
 
 
-def upload_plan(client, plan_dir: str, digest: str, options) -> None:
-    """Send ``plan_dir``'s plan files to the node behind ``client``."""
+def _is_compact(plan_json: str) -> bool:
+    try:
+        with open(plan_json, "rb") as f:
+            doc = json.loads(f.read())
+    except (OSError, ValueError):
+        return False  # not readable as a plan: sent as it is, and the node refuses it
+    return isinstance(doc, dict) and doc.get("format_version") in COMPACT_FORMAT_VERSIONS
+
+
+def upload_plan(client, plan_dir: str, digest: str, options) -> int:
+    """Send ``plan_dir``'s plan files to the node behind ``client`` (a compact plan's ``plan.json`` alone);
+    returns the bytes of file data sent."""
     import pyarrow as pa
     import pyarrow.flight as flight
 
-    names = sorted(n for n in os.listdir(plan_dir) if _FILE.match(n))
+    if _is_compact(os.path.join(plan_dir, PLAN_JSON)):
+        names = [PLAN_JSON]  # the node derives the rest from its datasets
+    else:
+        names = sorted(n for n in os.listdir(plan_dir) if _FILE.match(n))
+    sent = 0
     writer, reader = client.do_put(flight.FlightDescriptor.for_path("plan", digest), _schema(), options)
     try:
         for name in names:
             with open(os.path.join(plan_dir, name), "rb") as f:
-                writer.write_batch(pa.record_batch([pa.array([name]), pa.array([f.read()], pa.large_binary())],
-                                                   schema=_schema()))
+                data = f.read()
+            writer.write_batch(pa.record_batch([pa.array([name]), pa.array([data], pa.large_binary())],
+                                               schema=_schema()))
+            sent += len(data)
         writer.done_writing()
         reader.read()
     finally:
         writer.close()
+    return sent
 
 
-def receive_plan(root: str, digest: str, reader, *, max_bytes: int) -> str:
-    """Write an uploaded plan under ``root`` and verify it; returns its name relative to ``root``."""
+def _derive_compact(tmp: str, find_dataset: Callable[[str], Any] | None) -> None:
+    """A compact plan uploaded as plan.json alone: its block_prefix.npy computed here from the node's datasets."""
+    try:
+        with open(os.path.join(tmp, PLAN_JSON), "rb") as f:
+            sources = json.loads(f.read())["inputs"]["sources"]
+        fingerprints = [str(s["fingerprint"]) for s in sources]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ProtocolError(f"uploaded compact plan's plan.json has no readable sources: {e}"[:300]) from None
+    found = [find_dataset(fp) if find_dataset is not None else None for fp in fingerprints]
+    missing = [fp for fp, ds in zip(fingerprints, found) if ds is None]
+    if missing:
+        raise ProtocolError("a compact plan is derived from its datasets, and the node does not hold them all",
+                            missing=",".join(missing)[:300])
+    try:
+        rebuild_compact(tmp, found)
+    except (OSError, ValueError, PlanError) as e:
+        raise ProtocolError(f"uploaded compact plan cannot be derived from the node's datasets: {e}"[:300]) from None
+
+
+def receive_plan(root: str, digest: str, reader, *, max_bytes: int,
+                 find_dataset: Callable[[str], Any] | None = None) -> str:
+    """Write an uploaded plan under ``root`` and verify it; returns its name relative to ``root``. A compact plan
+    sent as plan.json alone is completed from the datasets ``find_dataset(fingerprint)`` opens (None: not held)."""
     if not re.match(r"^sha256:[0-9a-f]{64}$", digest):
         raise ProtocolError("plan digest must be 'sha256:<64 hex>'", digest=digest[:80])
     rel = os.path.join(UPLOAD_DIR, digest.split(":", 1)[1])
@@ -73,6 +122,9 @@ def receive_plan(root: str, digest: str, reader, *, max_bytes: int) -> str:
                     raise ProtocolError("plan upload is larger than the node accepts", limit=max_bytes)
                 with open(os.path.join(tmp, name), "wb") as f:
                     f.write(buf)
+        names = set(os.listdir(tmp))
+        if names == {PLAN_JSON} and _is_compact(os.path.join(tmp, PLAN_JSON)):
+            _derive_compact(tmp, find_dataset)
         try:
             plan = load_plan(tmp)
         except (OSError, ValueError) as e:

@@ -10,6 +10,10 @@ Extending: ``server.register_action(name, decoder, handler, job_scoped=True)`` a
 ``server.register_put(kind, handler)`` adds a ``DoPut`` whose descriptor path starts with ``kind`` (checkpoint
 replication plugs in here). Job-scoped handlers run only after the job's token was checked.
 
+This module is the Flight server core (options, the action/DoGet/DoPut registries and entry points, stepping a
+job's queue, shutdown); the built-in job actions and the job registry are :mod:`foresight.node.job_actions`, the
+counting and cancelling of streams in flight :mod:`foresight.node.stream_drain`.
+
 Example::
 
     with NodeServer("/data", location="grpc://127.0.0.1:0", cpu_threshold=80) as node:
@@ -22,32 +26,35 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from typing import Any, Callable
 
 import pyarrow.flight as flight
 
-from foresight.errors import ForesightError, NodeError, ProtocolError
-from foresight.cluster.auth import Admission, HeaderMiddlewareFactory, caller_of, cluster_job
-from foresight.node.guard import CpuGuard
-from foresight.node.jobs import NodeJob, spec_digest
-from foresight.node.limits import WorkLimits
+# the decode stack, imported with the server so that a job's first registration does not pay for it (and time out)
+import foresight.loader  # noqa: F401
+import foresight.media  # noqa: F401
+from foresight.bucket.opener import open_dataset
+from foresight.cluster.auth import Admission, HeaderMiddlewareFactory, read_pem
 from foresight.cluster.metrics import NodeMetrics
-from foresight.node.protocol import (ACTION_DECODERS, PROTOCOL_VERSION, decode_action, decode_ticket,
-                                     parse_request)
+from foresight.errors import ForesightError, NodeError, ProtocolError
+from foresight.io import IOEngine
+from foresight.node.guard import CpuGuard
+from foresight.node.job_actions import JobActions
+from foresight.node.jobs import NodeJob
+from foresight.node.limits import WorkLimits
+from foresight.node.protocol import ACTION_DECODERS, decode_action, decode_ticket, parse_request
 from foresight.node.queue import Scheduler
-from foresight.node.root_index import Changes, RootIndex, scan_root
+from foresight.node.root_index import RootIndex, scan_root
+from foresight.node.stream_drain import (CANCEL_WAIT_S, DEFAULT_SHUTDOWN_GRACE_S, CountedStream, InFlightStreams,
+                                         cut_connections)
+from foresight.plan import load_plan
 
 log = logging.getLogger("foresight.node")
-#: Default seconds streams in flight may run on after :meth:`NodeServer.stop` (SIGTERM) before they are cancelled.
-DEFAULT_SHUTDOWN_GRACE_S = 10.0
-#: Seconds :meth:`NodeServer.stop` waits for gRPC to wind down once the streams left were cancelled.
-CANCEL_WAIT_S = 5.0
 
 
-class NodeServer(flight.FlightServerBase):
+class NodeServer(JobActions, flight.FlightServerBase):
     """See the module docstring. Keyword-only options.
 
     Args:
@@ -86,8 +93,6 @@ class NodeServer(flight.FlightServerBase):
                  shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, admission: str = "open",
                  issued_tokens: Callable[[str], str | None] | None = None, max_jobs_per_caller: int | None = None,
                  cpu_measure: str = "process") -> None:
-        from foresight.cluster.auth import read_pem
-
         if not os.path.isdir(root):
             raise NodeError("data root is not a directory", root=root)
         kwargs: dict[str, Any] = {"middleware": {"auth": HeaderMiddlewareFactory()}}
@@ -126,9 +131,7 @@ class NodeServer(flight.FlightServerBase):
         self._draining = threading.Event()
         self._stopped = threading.Event()
         self.shutdown_grace_s = float(shutdown_grace_s)
-        self._streams = 0  # DoGet streams between their call and their last batch (or their cancellation)
-        self._streams_cond = threading.Condition()
-        self._cancel = threading.Event()
+        self._inflight = InFlightStreams()
         self._actions: dict[str, tuple[Callable, Callable, bool]] = {}
         self._puts: dict[str, Callable] = {}
         self._gets: dict[str, Callable] = {}
@@ -137,7 +140,6 @@ class NodeServer(flight.FlightServerBase):
                                       ("progress", self._progress, True), ("unregister_job", self._unregister, True)):
             self.register_action(name, ACTION_DECODERS[name], handler, job_scoped=scoped)
         self.register_put("plan", self._put_plan)
-        _warm_up()
         self.scheduler = Scheduler(self._produce, workers=workers, engine_factory=self._new_engine,
                                    on_change=self._queue_metrics)
         self._janitor = threading.Thread(target=self._janitor_loop, name="foresight-node-janitor", daemon=True)
@@ -154,37 +156,6 @@ class NodeServer(flight.FlightServerBase):
     @property
     def plans(self) -> dict[str, str]:
         return self.index.plans
-
-    def rescan(self, why: str) -> Changes:
-        """Rescan the root for datasets added, removed or repacked (see :mod:`foresight.node.root_index`): log and
-        count each change, forget opened copies of the datasets that changed, and refuse from now on every job
-        whose datasets are no longer the ones it opened."""
-        changes = self.index.rescan()
-        self._last_scan = time.monotonic()
-        self.metrics.rescans.inc()
-        for change, items in (("added", changes.added), ("removed", changes.removed), ("changed", changes.changed)):
-            for name, fingerprint in items.items():
-                self.metrics.dataset_changes.labels(change).inc()
-                log.info(f"dataset {change} under the root", extra={"node": self.node_id, "dataset": name,
-                                                                    "fingerprint": fingerprint, "scan": why})
-        with self._open_lock:
-            for name in list(changes.removed) + list(changes.changed):
-                self._opened.pop(("dataset", os.path.realpath(os.path.join(self.root, name))), None)
-        with self._jobs_lock:
-            jobs = list(self._jobs.values())
-        current = self.index.datasets
-        for job in jobs:  # every job, every scan: one registered while a change was being noticed is caught too
-            for name, ds in zip(job.dataset_names, job.datasets):
-                now = current.get(name, {}).get("fingerprint")
-                if job.refused is None and now != str(ds.fingerprint):
-                    job.refused = (f"dataset {name!r} was {'removed' if now is None else 'repacked'} on this node "
-                                   f"while job {job.job!r} used it (fingerprint {ds.fingerprint} -> {now}): the "
-                                   "node no longer serves this job; its client decodes here")
-                    self.metrics.refusals.labels("dataset_changed").inc()
-                    log.warning("job refused: its dataset changed under the root",
-                                extra={"node": self.node_id, "job": job.job, "dataset": name,
-                                       "fingerprint": str(ds.fingerprint), "now": now})
-        return changes
 
     # -- extension points -------------------------------------------------------------------------------------
     def register_action(self, name: str, decoder: Callable[[dict], dict], handler: Callable[[Any, dict], Any],
@@ -239,7 +210,7 @@ class NodeServer(flight.FlightServerBase):
     def do_get(self, context, ticket):
         if self._draining.is_set():
             raise flight.FlightUnavailableError("foresight: node is shutting down")
-        with _one_line_errors(self, "stream"), self._stream_starting() as started:
+        with _one_line_errors(self, "stream"), self._inflight.starting() as started:
             kind = _ticket_kind(ticket.ticket) if self._gets else None
             handler = self._gets.get(kind) if kind is not None else None
             if handler is not None:
@@ -257,7 +228,7 @@ class NodeServer(flight.FlightServerBase):
             part = q.take(t["step"], lambda s: self._produce(job, s, self._engine()))
             self.scheduler.wake()
             self._queue_metrics(q)
-            stream = flight.GeneratorStream(part.schema, _CountedStream(self, part.batches))
+            stream = flight.GeneratorStream(part.schema, CountedStream(self._inflight, part.batches))
             started()
         self.metrics.served(job.job, part.kind, nbytes=part.nbytes, samples=part.samples)
         self.metrics.copied.inc(part.copied_bytes)
@@ -273,152 +244,19 @@ class NodeServer(flight.FlightServerBase):
         with _one_line_errors(self, "upload", kind=kind[:40]):
             return handler(context, descriptor, reader, writer)
 
-    # -- actions ------------------------------------------------------------------------------------------
-    def _health(self, context, req: dict) -> dict:
-        return {"ok": not self._draining.is_set(), "node": self.node_id, "instance": self.instance,
-                "version": PROTOCOL_VERSION, "location": self.location, "datasets": self.datasets,
-                "plans": self.plans, "cpu_percent": self.guard.cpu_percent, "guard": self.guard.engaged,
-                "cpu_measure": self.guard.measure,
-                "jobs": len(self._jobs), "max_jobs": self.max_jobs, "streams": self._streams}
-
-    def _status(self, context, req: dict) -> dict:
-        self.metrics.cpu.set(self.guard.cpu_percent)
-        self.metrics.guard.set(1 if self.guard.engaged else 0)
-        self.metrics.jobs.set(len(self._jobs))
-        snap = self.metrics.snapshot()
-        jobs = {}
-        for job_id, q in list(self.scheduler.queues.items()):  # every registered job, with its queue as it is now
-            with q.cond:
-                live = {"queue_depth": len(q.ready), "lead": q.lead(), "queue_bytes": q.nbytes, "progress": q.progress}
-            jobs[job_id] = dict(snap["jobs"].get(job_id, {"fallback_rate": 0.0}), **live)
-        snap.update(jobs=jobs, node=self.node_id, instance=self.instance, location=self.location,
-                    max_jobs=self.max_jobs, streams=self._streams, cpu_measure=self.guard.measure)
-        return snap
-
-    def _register_job(self, context, req: dict) -> dict:
-        with self._register_lock:  # one registration at a time: two racing for one job id must not both open it
-            return self._register_job_locked(context, req)
-
-    def _register_job_locked(self, context, req: dict) -> dict:
-        mw = context.get_middleware("auth")
-        token = None if mw is None else mw.token
-        if mw is None or mw.job != req["job"] or not token or len(token) < 8:
-            self.metrics.refusals.labels("token").inc()
-            raise flight.FlightUnauthenticatedError("foresight: register_job needs the job header and a token "
-                                                    "of at least 8 characters")
-        name, caller = cluster_job(req["job"], req["rank"]), caller_of(context)
-        try:
-            issued = self.admission.check(name, token)
-        except flight.FlightError:
-            self.metrics.refusals.labels("token").inc()
-            raise
-        with self._jobs_lock:
-            old = self._jobs.get(req["job"])
-            if old is not None and not old.check_token(token) and not issued:
-                self.metrics.refusals.labels("token").inc()
-                raise flight.FlightUnauthenticatedError(f"foresight: job {req['job']!r} is registered with "
-                                                        "another token")
-            if old is None and len(self._jobs) >= self.max_jobs:
-                raise ProtocolError("node has as many jobs as it accepts", max_jobs=self.max_jobs)
-            theirs = {n for j, (c, n) in self._callers.items() if c == caller and j != req["job"]}
-            if name not in theirs and len(theirs) >= self.max_jobs_per_caller:
-                self.metrics.refusals.labels("caller_limit").inc()
-                raise ProtocolError("caller has as many jobs registered as one caller may",
-                                    caller=caller, max_jobs_per_caller=self.max_jobs_per_caller)
-        if old is not None and not old.check_token(token):
-            log.info("job re-attached with its issued token; the earlier registration is dropped",
-                     extra={"job": req["job"]})
-        if old is not None:  # re-registration (client restart): start over at its step
-            self._drop_job(req["job"])
-        if self.index.stale(req["datasets"]):  # a dataset added or repacked since the last scan: see it now
-            self.rescan("registration")
-        req = dict(req, lead=min(req["lead"], self.max_lead), queue_bytes=min(req["queue_bytes"], self.max_queue_bytes))
-        job = NodeJob.open(self.root, req, token=token, node=self.node_id, served_shards=self.served_shards,
-                           decode_threads=self.decode_threads, open_cache=self._open_cached, limits=self.limits)
-        with self._jobs_lock:
-            if len(self._jobs) >= self.max_jobs:
-                job.close()
-                raise ProtocolError("node has as many jobs as it accepts", max_jobs=self.max_jobs)
-            self._jobs[job.job] = job
-            self._callers[job.job] = (caller, name)
-        q = self.scheduler.add(job)
-        with q.cond:
-            q.set_progress(req["step"] - 1)
-        self.metrics.jobs.set(len(self._jobs))
-        log.info("job registered", extra={"job": job.job, "rank": job.rank, "world_size": job.world_size,
-                                          "lead": job.lead, "queue_bytes": job.queue_bytes})
-        return dict(job.describe(), instance=self.instance, spec_digest=spec_digest(job.specs), bounds=job.bounds)
-
-    def _progress(self, context, req: dict) -> dict:
-        q = self.scheduler.queues.get(req["job"])
-        if q is None:
-            raise NodeError("job was unregistered", job=req["job"])
-        with q.cond:
-            q.set_progress(req["step"])
-            lead = q.lead()
-        self._queue_metrics(q)
-        return {"job": req["job"], "progress": q.progress, "lead": lead}
-
-    def _unregister(self, context, req: dict) -> dict:
-        self._drop_job(req["job"])
-        return {"job": req["job"], "unregistered": True}
-
-    def _put_plan(self, context, descriptor, reader, writer) -> None:
-        """A plan uploaded by a client that is about to register a job (any caller with a job header and a token
-        of 8+ characters; the upload is capped in bytes and kept only if it verifies against its digest)."""
-        from foresight.node.plans import receive_plan
-
-        mw = context.get_middleware("auth")
-        if mw is None or not mw.job or not mw.token or len(mw.token) < 8:
-            raise flight.FlightUnauthenticatedError("foresight: a plan upload needs the job header and a token")
-        if len(descriptor.path) != 2:
-            raise flight.FlightServerError("foresight: plan upload descriptor is ['plan', digest]")
-        digest = descriptor.path[1].decode("utf-8", "replace")
-        try:
-            rel = receive_plan(self.root, digest, reader, max_bytes=self.max_plan_bytes)
-        except ForesightError as e:
-            self.metrics.refusals.labels("plan_upload").inc()
-            raise flight.FlightServerError(f"foresight: {e}") from None
-        self.plans[digest] = rel
-        log.info("plan uploaded", extra={"digest": digest, "path": rel, "job": mw.job})
-
     # -- internals ----------------------------------------------------------------------------------------
-    def _drop_job(self, job_id: str) -> None:
-        with self._jobs_lock:
-            job = self._jobs.pop(job_id, None)
-            self._callers.pop(job_id, None)
-        q = self.scheduler.remove(job_id)
-        if q is not None:
-            with q.cond:  # wait for workers preparing its steps before closing its files
-                while q.producing:
-                    q.cond.wait(timeout=1.0)
-        if job is not None:
-            job.close()
-            self.metrics.forget(job_id)
-            self.metrics.jobs.set(len(self._jobs))
-            log.info("job dropped", extra={"job": job_id})
-
     def _open_cached(self, kind: str, path: str) -> Any:
         with self._open_lock:
             obj = self._opened.get((kind, path))
             if obj is None:
                 try:
-                    if kind == "dataset":
-                        from foresight.bucket.opener import open_dataset
-
-                        obj = open_dataset(path)
-                    else:
-                        from foresight.plan import load_plan
-
-                        obj = load_plan(path)
+                    obj = open_dataset(path) if kind == "dataset" else load_plan(path)
                 except (OSError, ValueError) as e:
                     raise ProtocolError(f"cannot open {kind}: {e}"[:300]) from None
                 self._opened[(kind, path)] = obj
             return obj
 
     def _new_engine(self):
-        from foresight.io import IOEngine
-
         engine = IOEngine(queue_depth=64)
         self._engines.append(engine)
         return engine
@@ -461,40 +299,6 @@ class NodeServer(flight.FlightServerBase):
                 self._drop_job(j)
 
     # -- lifetime -----------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _stream_starting(self):
-        """Count a DoGet from its call on; ``started()`` hands the count to its :class:`_CountedStream` (which
-        gives it back at the stream's end), else it is given back when the call fails."""
-        with self._streams_cond:
-            self._streams += 1
-        handed = []
-        try:
-            yield lambda: handed.append(True)
-        finally:
-            if not handed:
-                self._stream_ended()
-
-    def _stream_ended(self) -> None:
-        with self._streams_cond:
-            self._streams -= 1
-            self._streams_cond.notify_all()
-
-    def _cut_connections(self) -> int:
-        """Shut down the sockets of this server's client connections (Flight offers no per-call cancel): gRPC sees
-        them close, cancels their calls and unblocks writes stuck on a reader that stopped reading."""
-        import psutil
-
-        cut = 0
-        for c in psutil.Process().net_connections(kind="tcp"):
-            if c.laddr and c.laddr.port == self.port and c.raddr and c.fd >= 0:
-                try:
-                    with socket.socket(fileno=os.dup(c.fd)) as sock:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    cut += 1
-                except OSError:  # closed meanwhile
-                    pass
-        return cut
-
     def stop(self) -> bool:
         """Refuse new calls; let streams in flight run for up to ``shutdown_grace_s``; cancel those still running
         (log line "cancelling in-flight streams"); free everything. Returns within ``shutdown_grace_s +
@@ -505,17 +309,17 @@ class NodeServer(flight.FlightServerBase):
             return self._stopped.is_set()
         self._draining.set()
         deadline = time.monotonic() + self.shutdown_grace_s
-        log.info("node draining", extra={"node": self.node_id, "streams": self._streams,
+        log.info("node draining", extra={"node": self.node_id, "streams": self._inflight.count,
                                          "grace_s": self.shutdown_grace_s})
-        with self._streams_cond:  # the listener stays open meanwhile: new callers hear "shutting down"
-            self._streams_cond.wait_for(lambda: self._streams == 0, timeout=self.shutdown_grace_s)
+        # the listener stays open meanwhile: new callers hear "shutting down"
+        self._inflight.wait_idle(self.shutdown_grace_s)
         grpc_stop = threading.Thread(target=self.shutdown, name="foresight-node-shutdown", daemon=True)
         grpc_stop.start()
         grpc_stop.join(max(0.0, deadline - time.monotonic()))
         if grpc_stop.is_alive():
-            self._cancel.set()  # streams between two batches end at the next one
-            streams = self._streams
-            cut = self._cut_connections()
+            self._inflight.cancel()  # streams between two batches end at the next one
+            streams = self._inflight.count
+            cut = cut_connections(self.port)
             log.warning("shutdown grace over; cancelling in-flight streams",
                         extra={"node": self.node_id, "streams": streams, "connections_cut": cut,
                                "grace_s": self.shutdown_grace_s})
@@ -548,35 +352,6 @@ class NodeServer(flight.FlightServerBase):
         self.stop()
 
 
-class _CountedStream:
-    """The record batches of one DoGet, counted in the server's in-flight streams until the last one is taken,
-    the stream is dropped (client gone, call cancelled) or the server cancels it at shutdown."""
-
-    def __init__(self, server: NodeServer, batches: list) -> None:
-        self._server, self._batches, self._open = server, iter(batches), True
-
-    def __iter__(self) -> "_CountedStream":
-        return self
-
-    def __next__(self):
-        if self._server._cancel.is_set():
-            self._end()
-            raise flight.FlightCancelledError("foresight: node shut down; stream cancelled")
-        try:
-            return next(self._batches)
-        except StopIteration:
-            self._end()
-            raise
-
-    def _end(self) -> None:
-        if self._open:
-            self._open = False
-            self._server._stream_ended()
-
-    def __del__(self) -> None:
-        self._end()
-
-
 def _ticket_kind(body: bytes) -> str | None:
     """The ``kind`` of a JSON ticket registered with :meth:`NodeServer.register_get` (None for step tickets).
     Parsed with the same bounds as every request (size, nesting): a hostile ticket is a ProtocolError."""
@@ -604,14 +379,6 @@ def _one_line_errors(server: NodeServer, what: str, **context: Any):
         log.exception(f"{what} failed inside the node", extra=context)
         raise flight.FlightServerError(f"foresight: internal error ({type(e).__name__}); see the node's log") \
             from None
-
-
-def _warm_up() -> None:
-    """Import the decode stack now, so that a job's first registration does not pay for it (and time out)."""
-    import foresight.format  # noqa: F401
-    import foresight.loader  # noqa: F401
-    import foresight.media  # noqa: F401
-    import foresight.plan  # noqa: F401
 
 
 __all__ = ["NodeServer", "scan_root"]

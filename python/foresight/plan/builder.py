@@ -1,6 +1,6 @@
 """``build_plan``: a mixture of datasets, a seed and a batch shape in; a :class:`Plan` out.
 
-The algorithm, all heavy loops in ``foresight._engine_plan`` (Cython, GIL released):
+The algorithm, all heavy loops in ``foresight._plan_kernels`` (Cython, GIL released):
 
 1. Blend: item i of the global sequence goes to the dataset with the largest
    ``weight[d] * (i + 1) - count[d]`` (Megatron-LM's ``build_blending_indices``), so every prefix
@@ -36,7 +36,7 @@ from foresight.plan.locations import describe_sources
 from foresight.plan.plan import Plan
 from foresight.plan.shuffle import epoch_order, index_dtype
 
-_engine = load("_engine_plan")
+_kernels = load("_plan_kernels")
 
 SHUFFLES = ("global", "block")
 MAX_DATASETS = 65535
@@ -134,12 +134,12 @@ def build_plan(
     if len(srcs) == 1:
         counts[0] = num_items
     else:
-        _engine.blend(weights, choice, counts)
+        _kernels.blend(weights, choice, counts)
 
     order, order_base, epochs_used = _orders(srcs, counts, kind, seq_len, seed, shuffle, block_size)
     sizes, sizes_base = _concat_sizes(srcs)
     if kind == "tokens":
-        item_ptr, p_dataset, p_sample, p_offset, p_length = _engine.pack_tokens(
+        item_ptr, p_dataset, p_sample, p_offset, p_length = _kernels.pack_tokens(
             choice, order, order_base, sizes, sizes_base, seq_len
         )
     else:
@@ -147,7 +147,7 @@ def build_plan(
         p_dataset = np.empty(num_items, dtype=np.uint16)
         p_sample = np.empty(num_items, dtype=np.int64)
         p_length = np.empty(num_items, dtype=np.int64)
-        _engine.fill_samples(choice, order, order_base, sizes, sizes_base, p_dataset, p_sample, p_length)
+        _kernels.fill_samples(choice, order, order_base, sizes, sizes_base, p_dataset, p_sample, p_length)
         p_offset = np.zeros(num_items, dtype=np.int64)  # calloc: costs no memory until read
     del order, choice
 

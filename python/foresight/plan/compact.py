@@ -1,17 +1,20 @@
-"""The compact plan kind: a plan that is a function of the step (``format_version`` 2).
+"""The compact plan kind: a plan that is a function of the step (``format_version`` 3; 2 still opens).
 
 A compact plan stores its inputs and, per dataset and epoch, the token prefix sums of its document
 blocks in their shuffled order (8 bytes per block); any item's pieces are computed on demand from
 those, a keyed Feistel bijection (:mod:`foresight.plan.permute`) and the datasets' token counts.
 
-* Blocks: dataset d's n documents are cut into ``nb`` blocks by stride: block b holds documents
-  ``b, b + nb, b + 2*nb, ...`` (``ceil((n - b) / nb)`` of them), so documents next to each other in the
-  corpus fall in different blocks. ``nb = ceil(n / block_size)`` for a given block_size; by default
-  ``max(ceil(n / 256), min(n, 4096))`` (:func:`num_blocks`): blocks of 256 documents, smaller ones for
-  corpora under a million documents so the block order alone spreads neighbours as a uniform shuffle does.
+* Blocks: dataset d's n documents are cut into tiles of ``group * S`` consecutive documents (S documents per
+  block: ``block_size``, or by default ``ceil(n / max(ceil(n / 256), min(n, 4096)))``, i.e. 256, smaller for
+  corpora under a million documents), each tile into ``group`` blocks by stride: block ``t*group + r`` holds
+  documents ``t*group*S + r + j*group`` (a shorter last tile of L documents has ``ceil(L / S)`` blocks, strided by
+  that count). Documents next to each other in the corpus fall in different blocks
+  (placed independently by the block order), while one block's token counts lie within ``group * S`` entries of
+  the index (64 blocks per tile by default): a random step reads a few pages of it, not one page per document (:func:`block_layout`;
+  format 2 plans are one tile, ``group = nb``, strided over the whole corpus).
 * Epoch e of dataset d visits blocks in the order ``perm(k, nb, block_key(seed, d, e))`` for
   k = 0..nb-1, and inside block b its slots in the order ``perm(j, count_b, inner_key(seed, d, e, b))``
-  (slot j is document ``b + j*nb``). The epochs, one after another, form the dataset's token stream.
+  (slot j is the block's j-th document). The epochs, one after another, form the dataset's token stream.
 * Dataset d's item k is stream tokens ``[k*seq_len, k*seq_len + seq_len + 1)`` (consecutive items
   overlap by one token, as in the materialized plan); zero-token documents give no pieces.
 * Blend: with period R (1 for one dataset, else 65536), the weights are rounded to integer counts
@@ -45,14 +48,16 @@ import numpy as np
 
 from foresight._native import load
 from foresight.errors import PlanError
+from foresight.plan.files import compute_digest
 from foresight.plan.locations import describe_sources, open_plan_datasets
 from foresight.plan.permute import INNER_ORDER, MASK64, block_key, derive_key
 from foresight.plan.plan import FORMAT_NAME, Pieces, Plan
-from foresight.plan.files import compute_digest
 
-_engine = load("_engine_compact")
+_kernels = load("_compact_kernels")
 
-COMPACT_FORMAT_VERSION = 2
+COMPACT_FORMAT_VERSION = 3
+#: Versions this module opens: 2 (blocks strided over the whole corpus, no ``inputs.block_group``) and 3.
+COMPACT_FORMAT_VERSIONS = (2, 3)
 #: The compact kind's one array: every (dataset, epoch)'s block prefix sums, nb + 1 entries each.
 COMPACT_ARRAYS: dict[str, str] = {"block_prefix": "<i8"}
 SHUFFLE = "compact"
@@ -62,6 +67,10 @@ DEFAULT_BLOCK_SIZE = 256
 #: ...but at least this many blocks (or one per document) by default: the spread of corpus neighbours is that of
 #: one random permutation of the blocks, whose relative standard deviation is about 1.2 / sqrt(num_blocks).
 MIN_BLOCKS = 4096
+#: Blocks per tile by default (``inputs.block_group``): corpus neighbours up to this far apart fall in different
+#: blocks (a run of m similar documents spreads over min(m, 64) blocks), and one block's token counts span 64 * 256
+#: entries (32 KiB of a uint16 index: one or two 64 KiB fault-around windows).
+DEFAULT_BLOCK_GROUP = 64
 #: Items per blend period for mixtures (the weights are kept to 1 / BLEND_PERIOD).
 BLEND_PERIOD = 1 << 16
 #: Bytes of token counts per chunk while building (whole rows of nb counts, at least one): the more rows a chunk
@@ -116,11 +125,28 @@ def items_per_source(counts: np.ndarray, pattern: np.ndarray, num_items: int) ->
 
 # ---- building ---------------------------------------------------------------------------------------
 def num_blocks(n: int, block_size: int | None) -> int:
-    """Blocks of a dataset of n documents: ``ceil(n / block_size)``, or by default
+    """Blocks of a format-2 plan's dataset of n documents: ``ceil(n / block_size)``, or by default
     ``max(ceil(n / DEFAULT_BLOCK_SIZE), min(n, MIN_BLOCKS))``."""
     if block_size is not None:
         return -(-n // block_size)
     return max(-(-n // DEFAULT_BLOCK_SIZE), min(n, MIN_BLOCKS))
+
+
+def block_layout(n: int, block_size: int | None, group: int | None) -> tuple[int, int, int]:
+    """``(blocks, group, tile)`` of a dataset of n documents: tiles of ``tile = group * S`` documents
+    (``S = block_size``, or by default ``ceil(n / num_blocks(n, None))``), ``group`` blocks per tile (a shorter
+    last tile of L documents: ``ceil(L / S)``). ``group=None`` is format 2's layout: one tile of ``n``
+    documents strided by ``num_blocks(n, block_size)``.
+
+    >>> block_layout(1000, 10, 4)       # 25 tiles of 40 documents, 4 blocks each
+    (100, 4, 40)
+    """
+    if group is None:
+        nb = num_blocks(n, block_size)
+        return nb, nb, n
+    per_block = block_size if block_size is not None else -(-n // num_blocks(n, None))
+    tile = group * per_block
+    return int(_kernels.tiled_blocks(n, group, tile)), group, tile
 
 
 def _token_counts(ds: Any, index: int) -> np.ndarray:
@@ -137,9 +163,9 @@ def _token_counts(ds: Any, index: int) -> np.ndarray:
 
 
 def block_totals(sizes: np.ndarray, num_blocks: int, index: int) -> tuple[np.ndarray, int]:
-    """Tokens per block (block b = documents b, b + nb, ...) and the total, reading ``sizes`` in chunks
-    of whole rows of nb documents (a memmapped index is streamed, never held): the kernel adds each chunk's rows
-    a cache-sized tile of ``totals`` at a time, while the kernel reads ahead the next chunk."""
+    """Tokens per block of format 2's layout (block b = documents b, b + nb, ...) and the total, reading
+    ``sizes`` in chunks of whole rows of nb documents (a memmapped index is streamed, never held): the kernel adds
+    each chunk's rows a cache-sized tile of ``totals`` at a time, while the kernel reads ahead the next chunk."""
     n = sizes.shape[0]
     totals = np.zeros(num_blocks, dtype=np.int64)
     code = _SIZE_CODES[sizes.dtype.newbyteorder("<")]
@@ -148,7 +174,27 @@ def block_totals(sizes: np.ndarray, num_blocks: int, index: int) -> tuple[np.nda
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         advise(sizes, hi, min(n, hi + step), mmap.MADV_WILLNEED)  # read from disk while this chunk is added
-        bad = _engine.add_rows(base + lo * sizes.itemsize, code, hi - lo, totals)
+        bad = _kernels.add_rows(base + lo * sizes.itemsize, code, hi - lo, totals)
+        if bad >= 0:
+            raise PlanError("token_counts() has a negative entry", source=index, sample=lo + int(bad))
+    return totals, int(totals.sum())
+
+
+def tiled_block_totals(sizes: np.ndarray, layout: tuple[int, int, int], index: int) -> tuple[np.ndarray, int]:
+    """Tokens per block of the tiled layout ``(blocks, group, tile)`` (:func:`block_layout`) and the total: one
+    sequential pass over ``sizes`` in chunks of whole tiles (about 256 MiB; the next chunk read ahead)."""
+    nb, group, tile = layout
+    if group == nb and tile >= sizes.shape[0]:  # format 2: one tile strided over the corpus
+        return block_totals(sizes, nb, index)
+    n = sizes.shape[0]
+    totals = np.zeros(nb, dtype=np.int64)
+    code = _SIZE_CODES[sizes.dtype.newbyteorder("<")]
+    step = max(1, _ROWS_BYTES // (tile * sizes.itemsize)) * tile
+    base = sizes.ctypes.data
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        advise(sizes, hi, min(n, hi + step), mmap.MADV_WILLNEED)
+        bad = _kernels.add_tiles(base + lo * sizes.itemsize, code, lo, hi - lo, n, group, tile, totals)
         if bad >= 0:
             raise PlanError("token_counts() has a negative entry", source=index, sample=lo + int(bad))
     return totals, int(totals.sum())
@@ -167,16 +213,22 @@ def advise(array: np.ndarray, lo: int, hi: int, advice: int) -> None:
 
 
 def build_compact(checked: list[tuple[Any, float]], *, seed: int, global_batch_size: int, seq_len: int,
-                  num_steps: int | None, epochs: float | None, block_size: int | None) -> "CompactPlan":
-    """The compact plan of already-checked sources (``build_plan(..., compact=True)`` calls this)."""
+                  num_steps: int | None, epochs: float | None, block_size: int | None,
+                  block_group: int | None = None) -> "CompactPlan":
+    """The compact plan of already-checked sources (``build_plan(..., compact=True)`` calls this);
+    ``block_group`` blocks per tile (default :data:`DEFAULT_BLOCK_GROUP`)."""
     if seed > MASK64:
         raise PlanError("a compact plan's seed must be below 2**64", seed=seed)
+    group = DEFAULT_BLOCK_GROUP if block_group is None else int(block_group)
+    if group < 1:
+        raise PlanError("block_group (blocks per tile of a compact plan) must be >= 1", block_group=block_group)
     srcs = []
     for i, (ds, _) in enumerate(checked):
         n = int(ds.num_samples)
         sizes = _token_counts(ds, i)
-        nb = num_blocks(n, block_size)
-        totals, total = block_totals(sizes, nb, i)
+        layout = block_layout(n, block_size, group)
+        nb = layout[0]
+        totals, total = tiled_block_totals(sizes, layout, i)
         if total < 1:
             raise PlanError("token dataset holds no tokens", source=i)
         srcs.append((n, nb, totals, total))
@@ -192,13 +244,10 @@ def build_compact(checked: list[tuple[Any, float]], *, seed: int, global_batch_s
     num_items = num_steps * global_batch_size
     items = items_per_source(counts, pattern, num_items)
     epochs_used = [-(-(int(c) * seq_len + 1) // src[3]) if c else 0 for c, src in zip(items, srcs)]
-    prefix = np.empty(sum(e * (src[1] + 1) for e, src in zip(epochs_used, srcs)), dtype=np.int64)
-    datasets, base = [], 0
+    prefix = block_prefix_of(seed, [src[2] for src in srcs], epochs_used)
+    datasets = []
     for d, (n, nb, totals, total) in enumerate(srcs):
         count, used = int(items[d]), epochs_used[d]
-        for e in range(used):  # each (dataset, epoch) segment filled in place: one copy of the array, not two
-            _engine.block_prefix(totals, block_key(seed, d, e), prefix[base : base + nb + 1])
-            base += nb + 1
         datasets.append({
             "items": count, "share": count / num_items, "epochs_started": used,
             "epochs_covered": (count * seq_len + 1) / total if count else 0.0, "tokens": total, "blocks": nb,
@@ -207,7 +256,7 @@ def build_compact(checked: list[tuple[Any, float]], *, seed: int, global_batch_s
         "seed": seed, "global_batch_size": global_batch_size, "seq_len": seq_len,
         "num_steps": num_steps if epochs is None else None,
         "epochs": float(epochs) if epochs is not None else None,
-        "shuffle": SHUFFLE, "block_size": block_size, "blend_period": period,
+        "shuffle": SHUFFLE, "block_size": block_size, "block_group": group, "blend_period": period,
         "sources": [
             {"fingerprint": str(ds.fingerprint), "weight": float(w), "num_samples": int(ds.num_samples),
              "token_dtype": np.dtype(ds.token_dtype).name}
@@ -220,6 +269,36 @@ def build_compact(checked: list[tuple[Any, float]], *, seed: int, global_batch_s
                        datasets=[ds for ds, _ in checked])
     plan.source_locations = describe_sources([ds for ds, _ in checked])
     return plan
+
+
+def block_prefix_of(seed: int, totals: Sequence[np.ndarray], epochs: Sequence[int]) -> np.ndarray:
+    """``block_prefix``: for each dataset d (its block totals ``totals[d]``) and epoch ``e < epochs[d]``, the
+    prefix sums of its blocks in that epoch's order, each (dataset, epoch) segment filled in place."""
+    prefix = np.empty(sum(int(e) * (t.shape[0] + 1) for t, e in zip(totals, epochs)), dtype=np.int64)
+    base = 0
+    for d, (t, used) in enumerate(zip(totals, epochs)):
+        for e in range(int(used)):
+            _kernels.block_prefix(t, block_key(seed, d, e), prefix[base : base + t.shape[0] + 1])
+            base += t.shape[0] + 1
+    return prefix
+
+
+def derive_block_prefix(inputs: dict[str, Any], summary: dict[str, Any], datasets: Sequence[Any]) -> np.ndarray:
+    """A checked compact plan header's ``block_prefix``, computed again from its datasets (what a node does with an
+    uploaded plan.json instead of receiving the array): the same block totals and orders as the build. Raises
+    :class:`PlanError` when a dataset is not the one the plan names (fingerprint, samples, tokens)."""
+    totals = []
+    for d, (ds, src, info) in enumerate(zip(datasets, inputs["sources"], summary["datasets"])):
+        if str(ds.fingerprint) != src["fingerprint"] or int(ds.num_samples) != src["num_samples"]:
+            raise PlanError("dataset is not the one the plan was built over", source=d,
+                            expected=src["fingerprint"], given=str(ds.fingerprint))
+        layout = block_layout(src["num_samples"], inputs["block_size"], inputs.get("block_group"))
+        t, total = tiled_block_totals(_token_counts(ds, d), layout, d)
+        if total != info["tokens"]:
+            raise PlanError("dataset holds other token counts than the plan was built over", source=d,
+                            expected=info["tokens"], given=total)
+        totals.append(t)
+    return block_prefix_of(inputs["seed"], totals, [info["epochs_started"] for info in summary["datasets"]])
 
 
 # ---- the plan ---------------------------------------------------------------------------------------
@@ -265,11 +344,12 @@ class CompactPlan(Plan):
     ``sources.json`` locates (opened on first use and checked by fingerprint)."""
 
     array_dtypes = COMPACT_ARRAYS
-    format_version = COMPACT_FORMAT_VERSION
 
     def __init__(self, *, inputs: dict[str, Any], summary: dict[str, Any], arrays: dict[str, np.ndarray],
-                 digest: str | None = None, path: str | None = None, datasets: Sequence[Any] | None = None) -> None:
+                 digest: str | None = None, path: str | None = None, datasets: Sequence[Any] | None = None,
+                 format_version: int = COMPACT_FORMAT_VERSION) -> None:
         self.inputs, self.summary, self.arrays, self.path = inputs, summary, arrays, path
+        self.format_version = format_version  # 2: opened from an older plan (no inputs.block_group)
         self._digest = digest
         self._datasets = list(datasets) if datasets is not None else None
         self._kernel_args: tuple | None = None
@@ -299,12 +379,17 @@ class CompactPlan(Plan):
     def header(self) -> dict[str, Any]:
         return {
             "format": FORMAT_NAME,
-            "format_version": COMPACT_FORMAT_VERSION,
+            "format_version": self.format_version,
             "inputs": self.inputs,
             "summary": self.summary,
             "arrays": {name: {"dtype": dtype, "shape": [int(self.arrays[name].shape[0])]}
                        for name, dtype in COMPACT_ARRAYS.items()},
         }
+
+    def layout(self, d: int) -> tuple[int, int, int]:
+        """Dataset d's ``(blocks, group, tile)`` (:func:`block_layout`; format 2 has no ``block_group``)."""
+        return block_layout(self.inputs["sources"][d]["num_samples"], self.inputs["block_size"],
+                            self.inputs.get("block_group"))
 
     def attach(self, datasets: Sequence[Any]) -> "CompactPlan":
         """Use ``datasets`` (the plan's sources, in order; checked by fingerprint) for token counts."""
@@ -324,8 +409,8 @@ class CompactPlan(Plan):
         """An upper bound on the pieces of one rank's share of one step, from the block summaries, without walking
         the plan. A share of n items holds k <= n consecutive items of a dataset: ``R = k * seq_len + 1`` tokens of
         its stream, which touch at most ``2 + ceil(R / t_min)`` non-empty blocks (``t_min``: the fewest tokens of a
-        non-empty block) of at most ``ceil(num_samples / blocks)`` documents each, plus one piece per item boundary
-        cutting a document; and never more than ``k * (seq_len + 1)`` (every piece holds a token)."""
+        non-empty block) of at most S documents each (``ceil(num_samples / blocks)`` in format 2), plus one piece per
+        item boundary cutting a document; and never more than ``k * (seq_len + 1)`` (every piece holds a token)."""
         if end_step < 1:
             return 0
         n, seq_len = self.global_batch_size // world_size, self.seq_len
@@ -334,7 +419,9 @@ class CompactPlan(Plan):
             k = min(n, info["items"])
             if k == 0:
                 continue
-            docs = -(-src["num_samples"] // info["blocks"])
+            nb, group, tile = self.layout(d)
+            # documents of the largest block: S (= tile / group) when tiled, ceil(n / nb) in format 2's one tile
+            docs = -(-src["num_samples"] // nb) if group == nb else min(tile // group, src["num_samples"])
             blocks = 2 + -(-(k * seq_len + 1) // self._min_block_tokens(d))
             bound += min(k * (seq_len + 1), blocks * docs + k)
         return min(n * (seq_len + 1), bound)
@@ -346,7 +433,7 @@ class CompactPlan(Plan):
             infos = self.summary["datasets"]
             base = sum(i["epochs_started"] * (i["blocks"] + 1) for i in infos[:d])
             seg = self.arrays["block_prefix"][base : base + infos[d]["blocks"] + 1]
-            cache[d] = max(1, int(_engine.min_positive_step(seg)))
+            cache[d] = max(1, int(_kernels.min_positive_step(seg)))
         return cache[d]
 
     def leading_piece_lengths(self, limit: int = 1 << 20) -> np.ndarray:
@@ -390,6 +477,7 @@ class CompactPlan(Plan):
             ds_info = summary["datasets"]
             epochs = np.array([d["epochs_started"] for d in ds_info], dtype=np.int64)
             n_blocks = np.array([d["blocks"] for d in ds_info], dtype=np.int64)
+            layouts = [self.layout(d) for d in range(len(ds_info))]
             prefix_base = np.zeros(len(ds_info), dtype=np.int64)
             np.cumsum((epochs * (n_blocks + 1))[:-1], out=prefix_base[1:])
             key_base = np.zeros(len(ds_info), dtype=np.int64)
@@ -402,7 +490,9 @@ class CompactPlan(Plan):
                 np.array([s.ctypes.data for s in sizes], dtype=np.uint64),
                 np.array([_SIZE_CODES[s.dtype.newbyteorder("<")] for s in sizes], dtype=np.int32),
                 np.array([s["num_samples"] for s in inputs["sources"]], dtype=np.int64),
-                n_blocks, np.array([d["tokens"] for d in ds_info], dtype=np.int64), epochs, prefix_base, key_base,
+                n_blocks, np.array([g for _, g, _ in layouts], dtype=np.int64),
+                np.array([t for _, _, t in layouts], dtype=np.int64),
+                np.array([d["tokens"] for d in ds_info], dtype=np.int64), epochs, prefix_base, key_base,
                 prefix if prefix.size else np.zeros(1, np.int64),
                 np.array(bkeys or [0], dtype=np.uint64), np.array(ikeys or [0], dtype=np.uint64),
                 sizes,  # kept alive: the kernel reads them through raw pointers
@@ -418,7 +508,7 @@ class CompactPlan(Plan):
             cols = {"piece_dataset": np.empty(capacity, np.uint16), "piece_sample": np.empty(capacity, np.int64),
                     "piece_offset": np.empty(capacity, np.int64), "piece_length": np.empty(capacity, np.int64)}
             info = np.zeros(4, dtype=np.int64)
-            total = _engine.pack_range(start, stop, self.seq_len, *args[:-1], ptr, cols["piece_dataset"],
+            total = _kernels.pack_range(start, stop, self.seq_len, *args[:-1], ptr, cols["piece_dataset"],
                                        cols["piece_sample"], cols["piece_offset"], cols["piece_length"], info)
             if total < 0:
                 d, e, pos, block = (int(x) for x in info)

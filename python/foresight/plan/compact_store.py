@@ -1,4 +1,4 @@
-"""Compact plans on disk: ``plan.json`` (``format_version`` 2) and ``block_prefix.npy`` checked and opened.
+"""Compact plans on disk: ``plan.json`` (``format_version`` 3, or 2) and ``block_prefix.npy`` checked and opened.
 
 :func:`foresight.plan.load_plan` reads ``plan.json`` and hands a version-2 document here. The checks mirror those of
 the materialized kind (``foresight.plan.store``) for what a compact plan holds: every field's type and range, the
@@ -12,6 +12,7 @@ Example::
 """
 from __future__ import annotations
 
+import json
 import mmap
 import os
 from typing import Any
@@ -20,12 +21,12 @@ import numpy as np
 
 from foresight.errors import FormatError, PlanError
 from foresight.plan.compact import (
-    COMPACT_ARRAYS, COMPACT_FORMAT_VERSION, SHUFFLE, CompactPlan, blend_counts, blend_pattern, blend_period,
-    _engine, advise, items_per_source, num_blocks,
+    COMPACT_ARRAYS, COMPACT_FORMAT_VERSIONS, SHUFFLE, CompactPlan, blend_counts, blend_pattern, blend_period,
+    _kernels, advise, block_layout, derive_block_prefix, items_per_source,
 )
+from foresight.plan.files import _DIGEST_RE, PLAN_JSON, _Bad, _field, _load_array, _require, compute_digest
 from foresight.plan.permute import MASK64
 from foresight.plan.plan import FORMAT_NAME
-from foresight.plan.files import _DIGEST_RE, PLAN_JSON, _Bad, _field, _load_array, _require, compute_digest
 
 
 def prefix_length(summary: dict[str, Any]) -> int:
@@ -34,10 +35,12 @@ def prefix_length(summary: dict[str, Any]) -> int:
 
 def check_compact_header(doc: Any, json_path: str) -> tuple[dict[str, Any], str]:
     """plan.json of a compact plan, checked field by field; FormatError naming the file otherwise."""
+    version = doc.get("format_version") if isinstance(doc, dict) else None
     try:
         _require(isinstance(doc, dict), "plan.json must hold an object")
         _require(_field(doc, "format", (str,), "plan") == FORMAT_NAME, "not a foresight plan (format)")
-        _require(_field(doc, "format_version", (int,), "plan") == COMPACT_FORMAT_VERSION, "not a compact plan")
+        _require(_field(doc, "format_version", (int,), "plan") in COMPACT_FORMAT_VERSIONS,
+                 f"not a compact plan this version reads (format_version {COMPACT_FORMAT_VERSIONS})")
         digest = _field(doc, "digest", (str,), "plan")
         _require(bool(_DIGEST_RE.fullmatch(digest)), "digest is not 'sha256:' + 64 hex digits")
         inputs = _field(doc, "inputs", (dict,), "plan")
@@ -52,6 +55,13 @@ def check_compact_header(doc: Any, json_path: str) -> tuple[dict[str, Any], str]
         _field(inputs, "epochs", (float,), "inputs", optional=True)
         _require(_field(inputs, "shuffle", (str,), "inputs") == SHUFFLE, f"inputs.shuffle must be {SHUFFLE!r}")
         block_size = _field(inputs, "block_size", (int,), "inputs", optional=True)
+        if version == 2:  # blocks strided over the whole corpus: no block_group
+            _require("block_group" not in inputs, "inputs.block_group is not in format_version 2")
+            group = None
+        else:
+            group = _field(inputs, "block_group", (int,), "inputs")
+            _require(1 <= group <= 1 << 32 and group * (block_size or 1) < 1 << 62,
+                     "inputs.block_group must be 1 to 2**32, and times block_size below 2**62")
         period = _field(inputs, "blend_period", (int,), "inputs")
         sources = _field(inputs, "sources", (list,), "inputs")
         _require(0 <= seed <= MASK64 and b >= 1 and seq_len >= 1 and (block_size is None or block_size >= 1),
@@ -82,8 +92,8 @@ def check_compact_header(doc: Any, json_path: str) -> tuple[dict[str, Any], str]
             _field(d, "epochs_covered", (float,), where)
             tokens = _field(d, "tokens", (int,), where)
             _require(tokens >= 1, f"{where}.tokens must be >= 1")
-            _require(_field(d, "blocks", (int,), where) == num_blocks(s["num_samples"], block_size),
-                     f"{where}.blocks must be {num_blocks(s['num_samples'], block_size)}")
+            blocks = block_layout(s["num_samples"], block_size, group)[0]
+            _require(_field(d, "blocks", (int,), where) == blocks, f"{where}.blocks must be {blocks}")
             need = -(-(d["items"] * seq_len + 1) // tokens) if d["items"] else 0
             _require(_field(d, "epochs_started", (int,), where) == need, f"{where}.epochs_started must be {need}")
         _require(set(arrays) == set(COMPACT_ARRAYS), f"arrays must be exactly {sorted(COMPACT_ARRAYS)}")
@@ -93,7 +103,7 @@ def check_compact_header(doc: Any, json_path: str) -> tuple[dict[str, Any], str]
         _require(_field(spec, "shape", (list,), "arrays.block_prefix") == [want],
                  f"arrays.block_prefix.shape must be [{want}]")
     except _Bad as e:
-        raise FormatError(f"malformed plan.json of a compact plan (format_version {COMPACT_FORMAT_VERSION}): {e}",
+        raise FormatError(f"malformed plan.json of a compact plan (format_version {version}): {e}",
                           path=json_path) from None
     header = {k: doc[k] for k in ("format", "format_version", "inputs", "summary", "arrays")}
     return header, digest
@@ -112,10 +122,25 @@ def check_prefix(summary: dict[str, Any], prefix: np.ndarray, path: str, *, full
                 raise FormatError(f"block prefix of dataset {i} epoch {e} must run from 0 to {d['tokens']}",
                                   path=file, index=base)
             if full:
-                bad = _engine.first_decrease(seg)  # native, one pass: no temporary the size of the array
+                bad = _kernels.first_decrease(seg)  # native, one pass: no temporary the size of the array
                 if bad >= 0:
                     raise FormatError("block prefix sums must not decrease", path=file, index=base + int(bad))
             base += nb + 1
+
+
+def rebuild_compact(path: str, datasets: list) -> None:
+    """Write ``block_prefix.npy`` into the plan directory ``path``, which holds only a compact plan's
+    ``plan.json``, computed from ``datasets`` (its sources, in order); :func:`load_compact` then checks the result
+    against the digest. The plan's inputs are a few KB; the array, 8 bytes per block and epoch, is not sent."""
+    json_path = os.path.join(path, PLAN_JSON)
+    with open(json_path, "rb") as f:
+        doc = json.loads(f.read())
+    header, _ = check_compact_header(doc, json_path)
+    if len(datasets) != len(header["inputs"]["sources"]):
+        raise PlanError("a compact plan is rebuilt from all its datasets", path=path,
+                        expected=len(header["inputs"]["sources"]), given=len(datasets))
+    prefix = derive_block_prefix(header["inputs"], header["summary"], datasets)
+    np.save(os.path.join(path, "block_prefix.npy"), prefix)
 
 
 def load_compact(path: str, doc: Any, *, verify: bool) -> CompactPlan:
@@ -126,7 +151,7 @@ def load_compact(path: str, doc: Any, *, verify: bool) -> CompactPlan:
         advise(prefix, 0, prefix.shape[0], mmap.MADV_WILLNEED)
     check_prefix(header["summary"], prefix, path, full=verify)
     plan = CompactPlan(inputs=header["inputs"], summary=header["summary"], arrays={"block_prefix": prefix},
-                       digest=digest, path=path)
+                       digest=digest, path=path, format_version=header["format_version"])
     if verify:
         actual = compute_digest(header, plan.arrays, COMPACT_ARRAYS)
         if actual != digest:

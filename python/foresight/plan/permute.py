@@ -5,7 +5,7 @@ cycle-walked back into ``[0, m)`` (apply it again until the value falls below ``
 4m, so fewer than 4 passes on average). Round ``j`` (0..3) maps ``(L, R)`` to
 ``(R, L ^ (splitmix64(key ^ (j << 32 | R)) & (2^h - 1)))``; the input is ``L << h | R``. Keys come from
 :func:`derive_key`, a splitmix64 chain over integers. This module is the specification; the compact
-plan's Cython kernel (``foresight._engine_compact``) computes the same function, and the tests hold them
+plan's Cython kernel (``foresight._compact_kernels``) computes the same function, and the tests hold them
 equal.
 
 Example::

@@ -24,7 +24,7 @@ import numpy as np
 
 from foresight._native import load
 
-_engine = load("_engine_plan")
+_kernels = load("_plan_kernels")
 
 #: Samples per bucket of the global shuffle: 64 Ki int32 entries (256 KiB) stay in L2 cache.
 BUCKET_TARGET = 1 << 16
@@ -83,7 +83,7 @@ def _global_order(n: int, rng: np.random.Generator, out: np.ndarray) -> None:
     cursor = np.zeros(k + 1, dtype=np.int64)
     np.cumsum(np.bincount(keys, minlength=k), out=cursor[1:])
     bounds = cursor.copy()
-    _engine.bucket_scatter(keys, cursor[:k], out)
+    _kernels.bucket_scatter(keys, cursor[:k], out)
     del keys
     for b in range(k):  # k <= 65535 small shuffles; the Python loop is per bucket, not per sample
         rng.shuffle(out[bounds[b] : bounds[b + 1]])
@@ -99,4 +99,4 @@ def _block_order(n: int, rng: np.random.Generator, block_size: int, out: np.ndar
         rng.permuted(rows, axis=1, out=rows)
     if full * block_size < n:
         rng.shuffle(inner[full * block_size :])
-    _engine.block_expand(block_order, inner, out, block_size)
+    _kernels.block_expand(block_order, inner, out, block_size)

@@ -25,13 +25,12 @@ from typing import Any
 import numpy as np
 
 from foresight.errors import FormatError, PlanError
+from foresight.plan.compact import COMPACT_FORMAT_VERSIONS
 from foresight.plan.compact_store import load_compact
 from foresight.plan.files import (
     _DIGEST_RE, CHUNK, MAX_JSON_BYTES, PLAN_JSON, _Bad, _field, _load_array, _recover, _require, compute_digest,
 )
 from foresight.plan.plan import ARRAY_DTYPES, FORMAT_NAME, FORMAT_VERSION, Plan
-
-COMPACT_FORMAT_VERSION = 2  # the compact kind's plan.json (plan/compact_store.py reads it)
 
 SHUFFLES = ("global", "block")
 KINDS = ("tokens", "samples")
@@ -48,7 +47,7 @@ def load_plan(path: str, *, verify: bool = True) -> Plan:
     if not os.path.isfile(json_path):
         raise FormatError("not a plan directory: plan.json is missing (an unfinished save?)", path=json_path)
     doc = _read_json(json_path)
-    if isinstance(doc, dict) and doc.get("format_version") == COMPACT_FORMAT_VERSION:
+    if isinstance(doc, dict) and doc.get("format_version") in COMPACT_FORMAT_VERSIONS:
         return load_compact(path, doc, verify=verify)
     header, digest = _check_header(doc, json_path)
     arrays = {name: _load_array(path, name, header["arrays"][name]) for name in ARRAY_DTYPES}
@@ -88,7 +87,8 @@ def _check_header(doc: Any, json_path: str) -> tuple[dict[str, Any], str]:
         _require(_field(doc, "format", (str,), "plan") == FORMAT_NAME, "not a foresight plan (format)")
         version = _field(doc, "format_version", (int,), "plan")
         _require(version == FORMAT_VERSION,
-                 f"unsupported plan format_version {version} (this reads {FORMAT_VERSION} and {COMPACT_FORMAT_VERSION})")
+                 f"unsupported plan format_version {version} (this reads {FORMAT_VERSION} and compact "
+                 f"{', '.join(map(str, COMPACT_FORMAT_VERSIONS))})")
         digest = _field(doc, "digest", (str,), "plan")
         _require(bool(_DIGEST_RE.fullmatch(digest)), "digest is not 'sha256:' + 64 hex digits")
         inputs = _field(doc, "inputs", (dict,), "plan")

@@ -5,7 +5,7 @@ must still be written by the ``atexit`` hook; this pool has no such cut-off.
 
 Example::
 
-    pool = Workers(2, "hash")
+    pool = ExitSafePool(2, "hash")
     fut = pool.submit(fn, arg)
     fut.result()
 """
@@ -18,7 +18,9 @@ from concurrent.futures import Future
 from typing import Any
 
 
-class Workers:
+class ExitSafePool:
+    """``threads`` daemon threads named ``foresight-ckpt-<name>-<i>`` running submitted calls in order."""
+
     def __init__(self, threads: int, name: str) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._loop, name=f"foresight-ckpt-{name}-{i}", daemon=True)

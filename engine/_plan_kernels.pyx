@@ -10,9 +10,9 @@ functions of their inputs and give byte-identical results on any machine.
 Example::
 
     import numpy as np
-    from foresight import _engine_plan as ep
+    from foresight import _plan_kernels
     choice = np.empty(6, np.uint16); counts = np.zeros(2, np.int64)
-    ep.blend(np.array([0.5, 0.5]), choice, counts)   # choice == [0, 1, 0, 1, 0, 1]
+    _plan_kernels.blend(np.array([0.5, 0.5]), choice, counts)   # choice == [0, 1, 0, 1, 0, 1]
 """
 from libc.stdint cimport int32_t, int64_t, uint16_t
 from libc.string cimport memcpy

@@ -1,4 +1,4 @@
-"""Type stubs for ``foresight._engine_plan`` (Cython, built from ``engine/_engine_plan.pyx``)."""
+"""Type stubs for ``foresight._plan_kernels`` (Cython, built from ``engine/_plan_kernels.pyx``)."""
 import numpy as np
 import numpy.typing as npt
 

@@ -4,9 +4,10 @@
 Example::
 
     import numpy as np
-    from foresight import _engine_format as ef
+    from foresight import _format_kernels
     dst = np.zeros(8192, np.uint8)
-    ef.scatter(np.frombuffer(b"abcde", np.uint8), np.array([0, 2]), np.array([2, 3]), dst, np.array([0, 4096]))
+    src = np.frombuffer(b"abcde", np.uint8)
+    _format_kernels.scatter(src, np.array([0, 2]), np.array([2, 3]), dst, np.array([0, 4096]))
 """
 from libc.stdint cimport int64_t, uint8_t
 from libc.string cimport memcpy

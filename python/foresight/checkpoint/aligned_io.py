@@ -1,4 +1,4 @@
-"""Large aligned reads and writes between page-aligned host buffers and checkpoint files.
+"""Large aligned reads and writes between page-aligned host buffers and checkpoint files, and file copies.
 
 All I/O goes through foresight's C I/O engine (io_uring, or its pread/pwrite thread pool where io_uring is
 missing or refused). A region is split into ``chunk_bytes`` pieces submitted together, so the device sees a
@@ -10,11 +10,14 @@ Example::
     fio = FileIO()
     fd = fio.open(path, write=True)
     fio.write(fd, buffer_view, file_offset=0)
+    copy_file(src, dst, fio)               # one file to another tier, fsynced
 """
 from __future__ import annotations
 
 import errno
+import mmap
 import os
+import shutil
 from typing import Any
 
 import numpy as np
@@ -23,6 +26,7 @@ from foresight.errors import CheckpointError
 from foresight.io import IOEngine
 
 DEFAULT_CHUNK = 8 << 20
+_BOUNCE = 64 << 20  # bytes of the aligned bounce buffer of copy_file
 
 
 def buffer_address(view: memoryview) -> int:
@@ -109,3 +113,35 @@ class FileIO:
             raise CheckpointError(f"{'write' if write else 'read'} failed: {e}", path=path) from e
         return ("engine", ticket, lengths, write, path)
 
+
+def copy_file(src: str, dst: str, fio: FileIO | None) -> None:
+    """Copy one file and fsync it; large page-multiple files go through an aligned bounce buffer with O_DIRECT
+    (buffered writes + fsync run at a fraction of the disk's speed here). Used by the tier drains of the
+    Checkpointer and of the DCP writer."""
+    size = os.stat(src).st_size
+    if fio is None or size < (1 << 20) or size % 4096:
+        with open(src, "rb") as fi, open(dst, "wb") as fo:
+            shutil.copyfileobj(fi, fo, 1 << 20)
+            fo.flush()
+            os.fsync(fo.fileno())
+        return
+    bounce = mmap.mmap(-1, min(_BOUNCE, size), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    rfd, _ = fio.open(src)
+    try:
+        wfd, _ = fio.open(dst, write=True)
+        try:
+            os.posix_fallocate(wfd, 0, size)
+            pos = 0
+            while pos < size:
+                n = min(len(bounce), size - pos)
+                view = memoryview(bounce)[:n]
+                fio.read(rfd, view, file_offset=pos, path=src)
+                fio.write(wfd, view, file_offset=pos, path=dst)
+                view.release()
+                pos += n
+            os.fsync(wfd)
+        finally:
+            os.close(wfd)
+    finally:
+        os.close(rfd)
+        bounce.close()

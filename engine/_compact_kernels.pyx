@@ -9,11 +9,13 @@ functions release the GIL; errors come back as negative codes that the Python si
 Example::
 
     import numpy as np
-    from foresight import _engine_compact as ec
+    from foresight import _compact_kernels
     x = np.arange(10, dtype=np.uint64)
-    ec.permute_many(x, 10, 12345)        # a permutation of 0..9, keyed by 12345
+    _compact_kernels.permute_many(x, 10, 12345)   # a permutation of 0..9, keyed by 12345
 """
-from libc.stdint cimport int64_t, uint64_t, uint16_t, int32_t, uint32_t
+from libc.stdint cimport int64_t, uint64_t, uint16_t, int32_t, uint32_t, uintptr_t
+from posix.mman cimport MADV_WILLNEED, madvise
+from posix.unistd cimport _SC_PAGESIZE, sysconf
 
 # Token-count array element types, one code per dataset (the arrays are read through raw pointers so
 # each dataset keeps its own dtype, e.g. a uint16 memmap for a huge corpus).
@@ -25,6 +27,15 @@ cdef enum:
     # arithmetic), then their token counts in one gather loop whose loads the CPU overlaps, instead of one
     # dependent cache miss per document.
     BLOCK_BUFFER = 512
+
+cdef enum:
+    # Blocks ahead of a located position whose index pages are requested at once (MADV_WILLNEED), so a step whose
+    # index is not in the page cache waits for its reads together rather than one after another.
+    PREFETCH_BLOCKS = 64
+
+cdef uintptr_t PAGE_SIZE = <uintptr_t>sysconf(_SC_PAGESIZE)
+cdef int _SIZE_BYTES[4]
+_SIZE_BYTES[:] = [2, 4, 4, 8]
 
 cdef enum:
     ERR_BLOCK_TOTAL = -1   # a block's documents do not add up to its stored total (token counts changed)
@@ -163,6 +174,64 @@ def add_rows(uint64_t base, int code, int64_t count, int64_t[::1] totals) -> int
     return bad
 
 
+cdef inline int64_t tile_blocks(int64_t length, int64_t group, int64_t tile) noexcept nogil:
+    """Blocks of a tile of ``length`` documents: ``group`` for a whole one; a shorter last tile (then ``tile`` is
+    ``group * S``) keeps blocks of about S documents: ``ceil(length / S)``."""
+    cdef int64_t per_block
+    if length >= tile:
+        return group
+    per_block = tile // group
+    return (length + per_block - 1) // per_block
+
+
+cpdef int64_t tiled_blocks(int64_t n, int64_t group, int64_t tile) noexcept nogil:
+    """Blocks of n documents in tiles of ``tile`` documents, ``group`` blocks per tile (``tile_blocks``: a shorter
+    last tile has blocks of about ``tile / group`` documents, as many as it takes)."""
+    cdef int64_t full = n // tile
+    cdef int64_t rest = n - full * tile
+    return full * group + (tile_blocks(rest, group, tile) if rest else 0)
+
+
+def add_tiles(uint64_t base, int code, int64_t first, int64_t count, int64_t n, int64_t group, int64_t tile,
+              int64_t[::1] totals) -> int64_t:
+    """``totals[block(i)] += sizes[i]`` for documents ``i`` in ``[first, first + count)``, whose token counts
+    start at address ``base`` (element type ``code``); ``first`` is a multiple of ``tile``. ``block(i)`` is the
+    tiled layout's (``block_layout``): one sequential pass, each tile's ``group`` totals in cache. Returns the
+    index of the first negative count, or -1."""
+    cdef int64_t i, t, w, g, length, start, bad = -1, v, row, c
+    cdef int64_t* out
+    cdef const void* p = <const void*>base
+    if first % tile or first + count > n or count < 0:
+        raise ValueError("add_tiles: the range must start at a tile and lie within the dataset")
+    if totals.shape[0] != tiled_blocks(n, group, tile):
+        raise ValueError("add_tiles: totals must have one entry per block")
+    with nogil:
+        i = 0
+        while i < count:
+            t = (first + i) // tile
+            start = t * tile
+            length = n - start if n - start < tile else tile
+            g = tile_blocks(length, group, tile)
+            out = &totals[0] + t * group
+            if start + length > first + count:
+                length = first + count - start
+            w = 0
+            while w < length:   # rows of g documents: document w of the tile adds to the tile's block w % g
+                row = g if g < length - w else length - w
+                if code == 0:
+                    for c in range(row):
+                        out[c] += (<const uint16_t*>p)[i + w + c]
+                else:
+                    for c in range(row):
+                        v = size_at(p, code, i + w + c)
+                        if v < 0 and bad < 0:
+                            bad = i + w + c
+                        out[c] += v
+                w += row
+            i += length
+    return bad
+
+
 def min_positive_step(const int64_t[::1] a) -> int64_t:
     """The smallest ``a[i] - a[i - 1]`` that is > 0 (the fewest tokens of a non-empty block, over a segment of
     block prefix sums), or 0 if there is none."""
@@ -193,6 +262,8 @@ cdef struct Cursor:
     int64_t pos         # block position in the epoch's order
     int64_t block       # block id at that position
     int64_t count       # documents in that block
+    int64_t first       # its first document (tile start + block's residue)
+    int64_t stride      # documents between its slots (the tile's group width)
     uint64_t inner_key  # key of the in-block order
     int64_t slot        # position inside the block
     int64_t acc         # tokens of the block's earlier positions
@@ -209,15 +280,32 @@ cdef struct Source:
     int code
     int64_t n
     int64_t nb
+    int64_t group         # blocks per tile (format 2: nb, one tile)
+    int64_t tile          # documents per tile (format 2: n)
     int64_t total
     int64_t epochs
     int64_t prefix_base   # offset of epoch 0's prefix in block_prefix; epoch e at + e * (nb + 1)
     int64_t key_base      # offset of epoch 0's keys in block_keys / inner_keys
 
 
+cdef inline void block_layout(int64_t n, int64_t group, int64_t tile, int64_t block, int64_t* first,
+                              int64_t* stride, int64_t* count) noexcept nogil:
+    """Block ``block``'s documents: tile ``t = block // group`` holds documents ``[t*tile, t*tile + L)`` (L = tile, or
+    what is left for the last), strided by its block count ``g = tile_blocks(L)``; residue ``r = block % group``
+    holds ``t*tile + r + j*g`` for ``j < ceil((L - r) / g)``."""
+    cdef int64_t t = block // group
+    cdef int64_t base = t * tile
+    cdef int64_t length = n - base if n - base < tile else tile
+    cdef int64_t g = tile_blocks(length, group, tile)
+    cdef int64_t r = block - t * group
+    first[0] = base + r
+    stride[0] = g
+    count[0] = (length - r + g - 1) // g
+
+
 cdef int enter_block(Cursor* c, const Source* s, const uint64_t* bkeys, const uint64_t* ikeys) noexcept nogil:
     c.block = <int64_t>permute(<uint64_t>c.pos, <uint64_t>s.nb, bkeys[s.key_base + c.epoch])
-    c.count = (s.n - c.block + s.nb - 1) // s.nb
+    block_layout(s.n, s.group, s.tile, c.block, &c.first, &c.stride, &c.count)
     c.inner_key = mix64(ikeys[s.key_base + c.epoch] ^ <uint64_t>c.block)
     c.slot = 0
     c.acc = 0
@@ -225,7 +313,7 @@ cdef int enter_block(Cursor* c, const Source* s, const uint64_t* bkeys, const ui
     c.buffered = c.count <= BLOCK_BUFFER
     if c.buffered:
         for j in range(c.count):
-            c.ids[j] = c.block + <int64_t>permute(<uint64_t>j, <uint64_t>c.count, c.inner_key) * s.nb
+            c.ids[j] = c.first + <int64_t>permute(<uint64_t>j, <uint64_t>c.count, c.inner_key) * c.stride
         for j in range(c.count):
             c.sizes[j] = size_at(s.sizes, s.code, c.ids[j])
     return 0
@@ -236,7 +324,7 @@ cdef inline void load_doc(Cursor* c, const Source* s) noexcept nogil:
         c.doc = c.ids[c.slot]
         c.size = c.sizes[c.slot]
         return
-    c.doc = c.block + <int64_t>permute(<uint64_t>c.slot, <uint64_t>c.count, c.inner_key) * s.nb
+    c.doc = c.first + <int64_t>permute(<uint64_t>c.slot, <uint64_t>c.count, c.inner_key) * c.stride
     c.size = size_at(s.sizes, s.code, c.doc)
 
 
@@ -266,18 +354,58 @@ cdef int next_doc(Cursor* c, const Source* s, const int64_t* prefix, const uint6
             return 0
 
 
+cdef void prefetch_blocks(const Source* s, const int64_t* p, int64_t pos, int64_t u_end, uint64_t bkey) noexcept nogil:
+    """Ask the kernel to read ahead the index entries of the blocks at positions ``pos..`` that start before token
+    ``u_end`` of the epoch (at most PREFETCH_BLOCKS): one ``madvise(MADV_WILLNEED)`` per block, so their page faults
+    overlap. Advisory (a hint changes no result; memory that is not a file mapping ignores it). Skipped for blocks
+    strided further apart than a page (format 2), where a block's span is much of the index."""
+    cdef int64_t first, stride, count, last = pos + PREFETCH_BLOCKS
+    cdef uintptr_t item = <uintptr_t>_SIZE_BYTES[s.code], lo, hi
+    while pos < s.nb and pos < last and p[pos] < u_end:
+        block_layout(s.n, s.group, s.tile, <int64_t>permute(<uint64_t>pos, <uint64_t>s.nb, bkey), &first, &stride,
+                     &count)
+        if <uintptr_t>stride * item > PAGE_SIZE:
+            return
+        lo = <uintptr_t>s.sizes + <uintptr_t>first * item
+        hi = <uintptr_t>s.sizes + <uintptr_t>(first + (count - 1) * stride + 1) * item
+        lo -= lo % PAGE_SIZE
+        madvise(<void*>lo, hi - lo, MADV_WILLNEED)
+        pos += 1
+
+
 cdef int locate(Cursor* c, const Source* s, int64_t t, const int64_t* prefix, const uint64_t* bkeys,
-                const uint64_t* ikeys) noexcept nogil:
-    """Place the cursor at stream token t: epoch by division, block by binary search of the epoch's
-    prefix sums, document by walking the block's order from its start."""
+                const uint64_t* ikeys, int64_t tokens_ahead) noexcept nogil:
+    """Place the cursor at stream token t: epoch by division, block by a search of the epoch's prefix sums,
+    document by walking the block's order from its start. The blocks of the next ``tokens_ahead`` tokens (this
+    epoch's) are prefetched first."""
     cdef int64_t e = t // s.total
     cdef int64_t u = t - e * s.total
     cdef const int64_t* p
-    cdef int64_t lo = 0, hi = s.nb, mid, off
+    cdef int64_t lo = 0, hi = s.nb, mid, off, guess, step
     if e >= s.epochs:
         return ERR_EPOCHS
     p = prefix + s.prefix_base + e * (s.nb + 1)
-    while hi - lo > 1:   # largest lo with p[lo] <= u (then p[lo + 1] > u)
+    # largest lo with p[lo] <= u (then p[lo + 1] > u). Block totals are alike, so p is close to a line: start at
+    # the interpolated position and gallop out to a bracket, touching one or two pages of block_prefix where a
+    # plain binary search touches about log2(nb) / 2 of them spread over the segment (page faults when cold).
+    guess = <int64_t>(<double>u / <double>s.total * <double>s.nb)
+    guess = 0 if guess < 0 else (s.nb - 1 if guess > s.nb - 1 else guess)
+    step = 1
+    if p[guess] <= u:
+        lo = guess
+        hi = guess + 1
+        while p[hi] <= u:     # p[nb] = total > u ends it
+            lo = hi
+            hi = lo + step if lo + step < s.nb else s.nb
+            step <<= 1
+    else:
+        hi = guess
+        lo = guess - 1
+        while p[lo] > u:      # p[0] = 0 <= u ends it
+            hi = lo
+            lo = hi - step if hi - step > 0 else 0
+            step <<= 1
+    while hi - lo > 1:
         mid = (lo + hi) >> 1
         if p[mid] <= u:
             lo = mid
@@ -285,6 +413,8 @@ cdef int locate(Cursor* c, const Source* s, int64_t t, const int64_t* prefix, co
             hi = mid
     c.epoch = e
     c.pos = lo
+    if tokens_ahead > 0:
+        prefetch_blocks(s, p, lo, u + tokens_ahead, bkeys[s.key_base + e])
     enter_block(c, s, bkeys, ikeys)
     off = u - p[lo]
     while True:
@@ -304,7 +434,8 @@ cdef int locate(Cursor* c, const Source* s, int64_t t, const int64_t* prefix, co
 def pack_range(int64_t start, int64_t stop, int64_t seq_len,
                const uint16_t[::1] pattern, const int64_t[::1] pattern_rank, const int64_t[::1] period_counts,
                const uint64_t[::1] size_ptrs, const int32_t[::1] size_codes, const int64_t[::1] n_docs,
-               const int64_t[::1] n_blocks, const int64_t[::1] totals, const int64_t[::1] epochs,
+               const int64_t[::1] n_blocks, const int64_t[::1] block_groups, const int64_t[::1] tile_docs,
+               const int64_t[::1] totals, const int64_t[::1] epochs,
                const int64_t[::1] prefix_base, const int64_t[::1] key_base,
                const int64_t[::1] prefix, const uint64_t[::1] block_keys, const uint64_t[::1] inner_keys,
                int64_t[::1] item_ptr, uint16_t[::1] p_dataset, int64_t[::1] p_sample, int64_t[::1] p_offset,
@@ -313,12 +444,15 @@ def pack_range(int64_t start, int64_t stop, int64_t seq_len,
 
     Item i is item ``k = (i // R) * period_counts[d] + pattern_rank[i % R]`` of dataset
     ``d = pattern[i % R]`` (R = len(pattern)); that dataset's item k is its token stream's range
-    ``[k * seq_len, k * seq_len + seq_len + 1)``. Writes ``item_ptr`` (stop - start + 1 entries) and
+    ``[k * seq_len, k * seq_len + seq_len + 1)``; dataset d's blocks are laid out by
+    ``block_groups[d]`` and ``tile_docs[d]`` (see ``tiled_blocks``). Writes ``item_ptr`` (stop - start + 1 entries) and
     the first ``len(p_sample)`` pieces; returns the number of pieces (more than the arrays hold: call
     again with room for that many), or a negative error code with ``info`` = (dataset, epoch,
     block position, block id).
     """
     cdef Py_ssize_t D = n_docs.shape[0]
+    if block_groups.shape[0] != D or tile_docs.shape[0] != D:
+        raise ValueError("pack_range: one block group and tile per dataset")
     cdef int64_t R = pattern.shape[0]
     cdef int64_t capacity = p_sample.shape[0]
     cdef Py_ssize_t d
@@ -331,7 +465,8 @@ def pack_range(int64_t start, int64_t stop, int64_t seq_len,
     if info.shape[0] < 4 or seq_len < 1:
         raise ValueError("pack_range: info needs 4 entries and seq_len >= 1")
     for d in range(D):
-        if (size_ptrs[d] == 0 or n_blocks[d] < 1 or totals[d] < 1 or
+        if (size_ptrs[d] == 0 or n_blocks[d] < 1 or totals[d] < 1 or block_groups[d] < 1 or tile_docs[d] < 1 or
+                n_blocks[d] != tiled_blocks(n_docs[d], block_groups[d], tile_docs[d]) or
                 prefix_base[d] + epochs[d] * (n_blocks[d] + 1) > prefix.shape[0] or
                 key_base[d] + epochs[d] > block_keys.shape[0] or key_base[d] + epochs[d] > inner_keys.shape[0]):
             raise ValueError(f"pack_range: dataset {d} is described inconsistently")
@@ -356,11 +491,13 @@ def pack_range(int64_t start, int64_t stop, int64_t seq_len,
         ss.code = size_codes[d]
         ss.n = n_docs[d]
         ss.nb = n_blocks[d]
+        ss.group = block_groups[d]
+        ss.tile = tile_docs[d]
         ss.total = totals[d]
         ss.epochs = epochs[d]
         ss.prefix_base = prefix_base[d]
         ss.key_base = key_base[d]
-    cdef int64_t i, q, r, k, need, take, avail, out = 0
+    cdef int64_t i, q, r, k, need, take, avail, ahead, out = 0
     cdef int rc = 0
     cdef const int64_t* pre = &prefix[0]
     cdef const uint64_t* bk = &block_keys[0]
@@ -375,7 +512,9 @@ def pack_range(int64_t start, int64_t stop, int64_t seq_len,
             cs = <Cursor*>&cmem[d, 0]
             ss = <Source*>&smem[d, 0]
             if placed[d] != k:
-                rc = locate(cs, ss, k * seq_len, pre, bk, ik)
+                # this call's items of d, about (stop - i) * c_d / R of them, are tokens ahead of k * seq_len
+                ahead = ((min(stop - i, <int64_t>1 << 24) * period_counts[d] + R - 1) // R + 1) * seq_len + 1
+                rc = locate(cs, ss, k * seq_len, pre, bk, ik, ahead)
                 if rc < 0:
                     break
             need = seq_len + 1

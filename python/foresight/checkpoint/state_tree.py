@@ -1,4 +1,4 @@
-"""Flatten a nested state dict into (tensors, JSON skeleton) and back.
+"""Flatten a nested state dict into (tensors, JSON skeleton) and back; encode a save's ``extra_state``.
 
 The skeleton keeps the exact container structure (dicts with str/int keys, lists, tuples) and every
 non-tensor leaf (the step counters, hyper-parameters and flags an optimizer state dict carries), with each
@@ -13,6 +13,7 @@ Example::
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -173,3 +174,34 @@ def structure_key(obj: Any) -> tuple:
         return ("o",)
 
     return key(obj)
+
+
+def encode_extra_state(extra_state: Any, step: int) -> dict[str, Any]:
+    """Index fields for ``extra_state``: plain JSON as ``extra_state`` (what other tools read) and, when
+    JSON alone would change it (int keys, tuples, nan), an exact encoding as ``extra_state_exact``."""
+    try:
+        tensors, names, tree = flatten(extra_state)
+    except CheckpointError as e:
+        if "key" in e.context:
+            what = f"the key {e.context['key']}"
+        elif "type" in e.context:
+            what = f"a value of type {e.context['type']}"
+        else:
+            raise CheckpointError(f"extra_state is not JSON-serialisable: {e}", step=step) from None
+        raise CheckpointError(f"extra_state is not JSON-serialisable: it holds {what} (dicts, lists, tuples and "
+                              "str/int/float/bool/None can be saved exactly)", step=step,
+                              at=e.context.get("at")) from None
+    if tensors:
+        raise CheckpointError("extra_state holds a tensor; put tensors in the state dict", step=step,
+                              at=names[0] or "<root>")
+    try:
+        plain = json.loads(json.dumps(extra_state))  # a deep copy, and what JSON makes of it
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"extra_state is not JSON-serialisable: {e}", step=step) from e
+    return {"extra_state": plain} if plain == extra_state else {"extra_state": plain, "extra_state_exact": tree}
+
+
+def decode_extra_state(index: dict[str, Any]) -> Any:
+    """The ``extra_state`` a checkpoint's index holds, exactly as it was saved."""
+    tree = index.get("extra_state_exact")
+    return index.get("extra_state") if tree is None else unflatten(tree, [])
