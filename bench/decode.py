@@ -56,8 +56,8 @@ from foresight.media import (
     sample_frame_indices,
     video_pts,
 )
-from foresight.media.reference import convert, iter_frames
-from foresight.media.synth import make_video
+from foresight.testing.media_reference import convert, iter_frames
+from foresight.testing.media_synth import make_video
 
 OUT = 224
 METHODS = ("foresight", "pyav_start", "pyav_seek", "decord", "tc_exact", "tc_approx", "tc_mapped")
@@ -223,7 +223,7 @@ def method_fn(method: str, size):
 
 # ---------------------------------------------------------------- correctness
 def reference_frames(data: bytes, pts_needed: set[int], pts_small: set[int] = frozenset()):
-    """The reference (``foresight.media.reference``: every frame from the start with PyAV's own API, no code of
+    """The reference (``foresight.testing.media_reference``: every frame from the start with PyAV's own API, no code of
     foresight's decoder or converter): native frames whose pts is in ``pts_needed`` and OUT x OUT (bilinear)
     ones whose pts is in ``pts_small``."""
     out, small = {}, {}

@@ -1,7 +1,7 @@
 """Training from a bucket: foresight's plan-driven fetch and cache against the ways other loaders read S3.
 
 SeaweedFS (``weed mini``, bound to 127.0.0.1) behind the WAN bed's delaying proxy
-(:mod:`foresight.checkpoint.replicate.wan`: one shared pipe per direction, ``--rtts`` round trips, ``--mbit`` cap)
+(:mod:`foresight.testing.wan`: one shared pipe per direction, ``--rtts`` round trips, ``--mbit`` cap)
 serves two datasets: ``token`` (16 KiB samples) and ``media`` (128 KiB - 2 MiB samples). One random plan per
 dataset (one epoch) is replayed, step by step, by:
 
@@ -326,7 +326,7 @@ def run_mosaic(case: Case, rtt: float, env: dict, cache_root: Path) -> dict:
 
 def run_foresight(case: Case, rtt: float, env: dict, cache_root: Path, *, fill: bool = True) -> dict:
     from foresight.bucket.prefetch import FILL_BLOCK, PlanPrefetcher
-    from foresight.format import open_dataset
+    from foresight import open_dataset
     from foresight.loader import Loader
 
     cache_dir = tempfile.mkdtemp(prefix="fs-", dir=cache_root)
@@ -380,7 +380,7 @@ def hit_rates(case: Case, env: dict, cache_root: Path) -> dict:
     """Foresight's live hit rate at 10% of the dataset over HIT_EPOCHS epochs, beside the replays."""
     from foresight.bucket.policy import compare_policies, plan_accesses
     from foresight.bucket.prefetch import PlanPrefetcher
-    from foresight.format import open_dataset
+    from foresight import open_dataset
     from foresight.loader import Loader
     from foresight.plan import build_plan
 
@@ -501,9 +501,9 @@ def main(argv: list[str] | None = None) -> int:
     data_root = Path(args.data_dir)
     data_root.mkdir(parents=True, exist_ok=True)
 
-    from foresight.bucket.seaweed import SeaweedServer
+    from foresight.testing.seaweed import SeaweedServer
     from foresight.bucket.upload import upload_dataset
-    from foresight.checkpoint.replicate.wan import WanLink
+    from foresight.testing.wan import WanLink
 
     t_start = time.perf_counter()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the server (the finally below)

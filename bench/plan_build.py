@@ -121,7 +121,7 @@ def worker(impl: str, kind: str, n: int) -> dict:
         run = lambda: build_plan([(src, 1.0)], seed=1, global_batch_size=BATCH, seq_len=seq_len, epochs=1,
                                  shuffle="block" if block else "global", block_size=BLOCK if block else None).arrays
     elif impl.startswith("numpy"):
-        from foresight.plan.reference import reference_arrays
+        from foresight.testing.plan_reference import reference_arrays
 
         block = impl == "numpy-block"
         run = lambda: reference_arrays([sizes], weights=[1.0], kind=kind, seed=1, num_items=num_items,

@@ -88,7 +88,7 @@ def make_data(root: Path, *, smoke: bool, videos: int, images: int, steps: int, 
 def _encode(root: Path, *, smoke: bool, videos: int, images: int) -> None:
     from foresight.format import DatasetWriter
     from foresight.media import probe_media
-    from foresight.media.synth import make_image, make_video
+    from foresight.testing.media_synth import make_image, make_video
 
     rng = np.random.default_rng(0)
     with DatasetWriter(str(root / "media"), shard_bytes=(4 << 20) if smoke else (256 << 20)) as w:

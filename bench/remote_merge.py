@@ -62,7 +62,7 @@ def _rank(rank: int, init: str, path: str, node: str, sizes: tuple[int, int, int
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from foresight.checkpoint.replicate.policy import Replication, ReplicatingStorageWriter
+    from foresight.replication.policy import Replication, ReplicatingStorageWriter
 
     from foresight.distributed import run_then_end
 
@@ -113,7 +113,7 @@ def check_merged(written: dict[str, list[str]], state: dict[str, torch.Tensor]) 
 
 
 def timed_merge(source: Any, out: str, **kw: Any) -> tuple[float, dict[str, list[str]]]:
-    from foresight.checkpoint.replicate.merge import merge_checkpoint
+    from foresight.replication.merge import merge_checkpoint
 
     t0 = time.perf_counter()
     written = merge_checkpoint(source, out, groups={"vision.": "vision", "text.": "text"}, **kw)
@@ -123,7 +123,7 @@ def timed_merge(source: Any, out: str, **kw: Any) -> tuple[float, dict[str, list
 def flight_rtt(url: str, n: int = 5) -> float:
     from pyarrow import flight
 
-    from foresight.checkpoint.replicate.service import call
+    from foresight.replication.service import call
 
     c = flight.connect(url)
     call(url, "replication.ping", client=c)  # connection set-up apart
@@ -139,8 +139,8 @@ def flight_rtt(url: str, n: int = 5) -> float:
 def urgent_run(mode: str, work: str, etcd: str, link_url: str, bulk_dir: str, urgent_dir: str, unit: int,
                rtt_link: Any) -> dict[str, Any]:
     """A bulk replication is under way; an unpredicted urgent evaluation asks for another checkpoint."""
-    from foresight.checkpoint.replicate.scheduler import priority_of
-    from foresight.checkpoint.replicate.testbed import SiteProcess
+    from foresight.replication.scheduler import priority_of
+    from foresight.testing.sites import SiteProcess
 
     with SiteProcess("train-a", os.path.join(work, "train"), etcd=etcd, routes={"eval-b": link_url},
                      unit_bytes=unit, fifo=(mode == "fifo")) as tr:
@@ -229,10 +229,11 @@ def main() -> int:
     import torch.multiprocessing as tmp_mp
 
     from foresight.checkpoint import ForesightStorageWriter
-    from foresight.checkpoint.replicate.resolver import Resolver
-    from foresight.checkpoint.replicate.source import RemoteSource
-    from foresight.checkpoint.replicate.testbed import EtcdServer, SiteProcess
-    from foresight.checkpoint.replicate.wan import WanLink, measure_rtt
+    from foresight.replication.resolver import Resolver
+    from foresight.replication.source import RemoteSource
+    from foresight.testing.etcd import EtcdProcess
+    from foresight.testing.sites import SiteProcess
+    from foresight.testing.wan import WanLink, measure_rtt
 
     work = a.dir
     shutil.rmtree(work, ignore_errors=True)
@@ -241,10 +242,10 @@ def main() -> int:
     sizes = (a.small, a.large, int(a.large_mib * (1 << 20)))
     res: dict[str, Any] = {"machine": machine(), "smoke": a.smoke}
     try:
-        with EtcdServer(os.path.join(work, "etcd")) as etcd, \
-                SiteProcess("eval-b", os.path.join(work, "eval"), etcd=etcd.url, unit_bytes=unit) as ev, \
+        with EtcdProcess(os.path.join(work, "etcd")) as etcd, \
+                SiteProcess("eval-b", os.path.join(work, "eval"), etcd=etcd.endpoint, unit_bytes=unit) as ev, \
                 WanLink(("127.0.0.1", ev.port), rtt_ms=a.rtt_ms, mbit=a.mbit) as to_eval, \
-                SiteProcess("train-a", os.path.join(work, "train"), etcd=etcd.url, routes={"eval-b": to_eval.url},
+                SiteProcess("train-a", os.path.join(work, "train"), etcd=etcd.endpoint, routes={"eval-b": to_eval.url},
                             unit_bytes=unit) as tr, \
                 WanLink(("127.0.0.1", tr.port), rtt_ms=a.rtt_ms, mbit=a.mbit) as to_train:
             echo = measure_rtt(rtt_ms=a.rtt_ms, mbit=a.mbit)
@@ -275,7 +276,7 @@ def main() -> int:
             for f in os.listdir(info["path"]):
                 evict_file(os.path.join(info["path"], f))  # the eval site reads its replica from disk
             merged = {}
-            with Resolver(etcd.url, site="eval-b") as resolver, resolver.open(NAME) as (loc, source):
+            with Resolver(etcd.endpoint, site="eval-b") as resolver, resolver.open(NAME) as (loc, source):
                 assert loc.local, loc
                 t_f, merged["foresight"] = timed_merge(source, os.path.join(work, "out_foresight"))
             base_src = RemoteSource(to_train.url, NAME)
@@ -304,7 +305,7 @@ def main() -> int:
             big = {f"w{i}": torch.randn((4 << 20) // 4) for i in range(max(1, a.bulk_mib // 4))}
             dcp.save(big, storage_writer=ForesightStorageWriter(bulk_dir), no_dist=True)
             del big
-            res["urgent"] = [urgent_run(mode, work, etcd.url, to_eval.url, bulk_dir, src, unit, None)
+            res["urgent"] = [urgent_run(mode, work, etcd.endpoint, to_eval.url, bulk_dir, src, unit, None)
                              for mode in ("fifo", "priority")]
     finally:
         shutil.rmtree(work, ignore_errors=True)

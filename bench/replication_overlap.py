@@ -42,9 +42,9 @@ def run(work: str, *, mib: int, unit_mib: float, write_mb_s: float, rtt_ms: floa
     import torch
 
     from foresight.checkpoint import Checkpointer
-    from foresight.checkpoint.replicate.policy import Replication
-    from foresight.checkpoint.replicate.testbed import SiteProcess
-    from foresight.checkpoint.replicate.wan import WanLink
+    from foresight.replication.policy import Replication
+    from foresight.testing.sites import SiteProcess
+    from foresight.testing.wan import WanLink
 
     shutil.rmtree(work, ignore_errors=True)
     with SiteProcess("eval-b", os.path.join(work, "eval")) as ev, \

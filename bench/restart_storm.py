@@ -3,7 +3,7 @@
 Several storage-node processes run on this machine (``foresight node serve --etcd``), each behind a per-node
 service limit (token buckets on bytes and requests: one node serves a bounded load, as a real disk or NIC does).
 A checkpoint lies on them HDFS-style: every file on 3 nodes chosen at random. Then a restore storm: ``--ranks``
-simulated ranks (a thread pool of readers sharing one :class:`~foresight.checkpoint.hint_client.ReplicaReader`,
+simulated ranks (a thread pool of readers sharing one :class:`~foresight.replication.hint_client.ReplicaReader`,
 all released at once), ``--ranks-per-host`` to a host, each read the checkpoint's hot files (``.metadata`` and the
 data file of the replicated tensors: every rank reads them) and its own shard file, every file verified by xxh3.
 
@@ -15,7 +15,7 @@ Side by side, each on a fresh placement of the same files on the same nodes (one
   mid-storm;
 * ``uniform``: every file on 5 copies (2 extra, capped by the nodes), made when the checkpoint was written (HDFS's
   replication factor raised): no placement on the restore's clock, but 2 extra copies of every byte;
-* ``host cache``: a per-host read-through cache alone (:class:`~foresight.checkpoint.host_share.HostShare`: the
+* ``host cache``: a per-host read-through cache alone (:class:`~foresight.replication.host_share.HostShare`: the
   ranks of a host read each hot file once), base copies only;
 * ``hints``: replication hints for the hot files (``ceil(readers / safe readers)`` copies) when the restart is
   declared;
@@ -91,7 +91,7 @@ class Cluster:
     (:meth:`wait_ready` waits for them, so the caller can prepare the checkpoint meanwhile)."""
 
     def __init__(self, work: Path, nodes: int, limit: str, safe_readers: int) -> None:
-        from foresight.node.etcd_process import EtcdProcess
+        from foresight.testing.etcd import EtcdProcess
 
         self.etcd = EtcdProcess(str(work / "etcd"))
         self.roots = [work / f"root-{i}" for i in range(nodes)]
@@ -171,7 +171,7 @@ def write_checkpoint(work: Path, ranks: int, replicated_kib: int, shard_kib: int
 
 def place_default(cluster: Cluster, src: Path, name: str, replicas: int = 3, seed: int = 1) -> dict[str, list[str]]:
     """Every file on ``replicas`` nodes chosen at random (HDFS's default placement), then published there."""
-    from foresight.checkpoint.hint_client import publish_checkpoint
+    from foresight.replication.hint_client import publish_checkpoint
 
     rng = random.Random(seed)
     where: dict[str, list[str]] = {}
@@ -208,7 +208,7 @@ class Placement:
         self._thread.start()
 
     def _run(self) -> None:
-        from foresight.checkpoint.hint_client import set_replication_hints, wait_for_replicas
+        from foresight.replication.hint_client import set_replication_hints, wait_for_replicas
 
         try:
             try:
@@ -266,8 +266,8 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
           share_root: Path | None = None, placement: Placement | None = None,
           detector: Detector | None = None) -> dict:
     """All ranks released at once; each reads the hot files then its own shard. Per-read and per-rank times."""
-    from foresight.checkpoint.hint_client import ReplicaReader
-    from foresight.checkpoint.host_share import HostShare, SharedReplicaReader
+    from foresight.replication.hint_client import ReplicaReader
+    from foresight.replication.host_share import HostShare, SharedReplicaReader
 
     ranks, per_host = args.ranks, args.ranks_per_host
     hosts = math.ceil(ranks / per_host)
@@ -368,7 +368,7 @@ def plan_files(placement: Placement) -> list[dict]:
 def release(cluster: Cluster, name: str, timeout: float = 300.0) -> None:
     """End a mode's hint and wait until the nodes reclaimed its copies: a node checks each copy it holds against
     etcd every second, so copies left from one mode would slow the next one's nodes."""
-    from foresight.checkpoint.hint_client import release_replication_hints
+    from foresight.replication.hint_client import release_replication_hints
 
     release_replication_hints(name, etcd=cluster.etcd.endpoint, job=JOB, token=TOKEN)
     deadline = time.monotonic() + timeout
@@ -379,7 +379,7 @@ def release(cluster: Cluster, name: str, timeout: float = 300.0) -> None:
 
 
 def run_layout(cluster: Cluster, args: argparse.Namespace, layout: str, work: Path, seq: list[int]) -> dict:
-    from foresight.checkpoint.hints import derive_dcp_hints
+    from foresight.replication.hints import derive_dcp_hints
 
     sizes = {k: max(1, int(v * args.scale)) for k, v in LAYOUTS[layout].items()}
     src, shards = write_checkpoint(work / f"ckpt-{layout}", args.ranks, sizes["replicated_kib"], sizes["shard_kib"])

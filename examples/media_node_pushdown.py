@@ -24,7 +24,7 @@ import torch
 from foresight.format import open_dataset, pack_media
 from foresight.loader import Loader, MediaDecodeStage
 from foresight.media import FrameSampling, TransformSpec, output_hash
-from foresight.media.synth import make_image, make_video
+from foresight.testing.media_synth import make_image, make_video
 from foresight.node import NodeSource
 from foresight.plan import build_plan
 

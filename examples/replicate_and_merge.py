@@ -26,9 +26,10 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from foresight.checkpoint.replicate.policy import Replication, ReplicatingStorageWriter
-from foresight.checkpoint.replicate.testbed import EtcdServer, SiteProcess
-from foresight.checkpoint.replicate.wan import WanLink
+from foresight.replication.policy import Replication, ReplicatingStorageWriter
+from foresight.testing.etcd import EtcdProcess
+from foresight.testing.sites import SiteProcess
+from foresight.testing.wan import WanLink
 from foresight.distributed import run_then_end
 
 
@@ -87,13 +88,14 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     if os.path.exists(f"{args.out}/rendezvous"):
         os.unlink(f"{args.out}/rendezvous")  # a stale rendezvous file would hang the ranks
-    with EtcdServer(f"{args.out}/etcd") as etcd, SiteProcess("eval-b", f"{args.out}/eval-site", etcd=etcd.url) as ev, \
+    with EtcdProcess(f"{args.out}/etcd") as etcd, \
+            SiteProcess("eval-b", f"{args.out}/eval-site", etcd=etcd.endpoint) as ev, \
             WanLink(("127.0.0.1", ev.port), rtt_ms=args.rtt_ms) as link, \
-            SiteProcess("train-a", f"{args.out}/train-site", etcd=etcd.url, routes={"eval-b": link.url}) as tr:
+            SiteProcess("train-a", f"{args.out}/train-site", etcd=etcd.endpoint, routes={"eval-b": link.url}) as tr:
         mp.spawn(train, args=(args, tr.url), nprocs=2)
         name = f"vlm/step-{args.steps:08d}"  # at the evaluation site: by name, through etcd
         merged = subprocess.run([sys.executable, "-m", "foresight", "ckpt", "merge", name, f"{args.out}/merged",
-                                 "--etcd", etcd.url, "--site", "eval-b"], capture_output=True, text=True)
+                                 "--etcd", etcd.endpoint, "--site", "eval-b"], capture_output=True, text=True)
         if merged.returncode:
             raise SystemExit(merged.stderr)
     report = json.loads(merged.stdout.strip().splitlines()[-1])

@@ -20,9 +20,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from foresight.checkpoint import ForesightStorageReader, ForesightStorageWriter
-from foresight.checkpoint.hint_client import (ReplicaReader, publish_checkpoint, release_replication_hints,
+from foresight.replication.hint_client import (ReplicaReader, publish_checkpoint, release_replication_hints,
                                               set_replication_hints, wait_for_replicas)
-from foresight.node.etcd_process import EtcdProcess
+from foresight.testing.etcd import EtcdProcess
 
 JOB, TOKEN, NAME = "lm", "example-hints-token", "lm/step-00000100"
 

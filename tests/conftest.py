@@ -3,7 +3,8 @@
 * Scheduling: a test that leaves the test process with another scheduling policy fails, naming itself. The hangs
   once seen late in full runs (a vfork that never returned, a node that could neither start nor die of SIGKILL) came
   from one: SVT-AV1, encoding as root, left the pytest thread SCHED_FIFO 99, so every later child was real-time
-  and a busy one starved the rest for good (``foresight.media.synth.scheduling_kept`` fixes that encoder's calls).
+  and a busy one starved the rest for good (``foresight.testing.media_synth.scheduling_kept`` fixes that
+  encoder's calls).
 * A test still running after ``FORESIGHT_TEST_DUMP_AFTER_S`` (default 300 s) prints the kernel state of every
   process it spawned (state, wait channel, kernel stack, scheduling policy), so a stuck child says where it waits.
   Reading ``/proc/PID/stack`` needs root (CI runs as root); elsewhere the state and wait channel still print. The dump

@@ -62,7 +62,7 @@ def flight_action(client, name: str, body, job: str | None = None, token: str | 
     """One ``DoAction`` on a raw Flight client; its JSON answer."""
     import pyarrow.flight as flight
 
-    from foresight.node.auth import call_options
+    from foresight.cluster.auth import call_options
 
     if not isinstance(body, bytes):
         body = json.dumps(body).encode()

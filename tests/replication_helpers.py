@@ -4,11 +4,12 @@ from __future__ import annotations
 import os
 import time
 
-from foresight.checkpoint.replicate.testbed import EtcdServer, SiteProcess
+from foresight.testing.etcd import EtcdProcess
+from foresight.testing.sites import SiteProcess
 from installed import require
 
 
-class Etcd(EtcdServer):
+class Etcd(EtcdProcess):
     def __init__(self, data_dir: str) -> None:
         require("etcd")  # a failed set-up fails the test, never skips it
         super().__init__(data_dir)

@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from foresight.bucket.seaweed import ACCESS_KEY, SeaweedServer, weed_binary  # noqa: F401  (re-exported)
+from foresight.testing.seaweed import ACCESS_KEY, SeaweedServer, weed_binary  # noqa: F401  (re-exported)
 
 
 @pytest.fixture(scope="session")

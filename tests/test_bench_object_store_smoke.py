@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from foresight.bucket.seaweed import weed_binary
+from foresight.testing.seaweed import weed_binary
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "object_store.py")
 

@@ -50,8 +50,8 @@ def test_merges_are_checked_against_the_saved_state_and_a_reversed_shard_fails(t
     from safetensors.torch import load_file, save_file
 
     from foresight.checkpoint import ForesightStorageWriter
-    from foresight.checkpoint.replicate.merge import merge_checkpoint
-    from foresight.checkpoint.replicate.source import LocalSource
+    from foresight.replication.merge import merge_checkpoint
+    from foresight.replication.source import LocalSource
 
     bench = _bench()
     state = bench.paper_shaped(12, 3, 64 << 10)

@@ -13,7 +13,8 @@ import pytest
 
 from foresight.bucket import BucketDataset
 from foresight.bucket.upload import upload_dataset
-from foresight.format import DatasetWriter, open_dataset
+from foresight import open_dataset
+from foresight.format import DatasetWriter
 from foresight.loader import Loader
 from foresight.plan import build_plan
 from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
@@ -119,7 +120,7 @@ def test_two_processes_wanting_the_same_samples_fetch_them_once(s3_env, tmp_path
     cache = tmp_path / "cache"
     open_dataset("s3://loader/once", cache_dir=cache).close()  # laid out once, before the race
     hold = ("import os, time, numpy as np\n"
-            "from foresight.format import open_dataset\n"
+            "from foresight import open_dataset\n"
             "ds = open_dataset('s3://loader/once', cache_dir=os.environ['CACHE'])\n"
             "sync = os.fdatasync\n"
             "def held(fd):\n"
@@ -217,7 +218,7 @@ def test_a_waiting_lookup_returns_when_its_samples_land_not_when_the_whole_fetch
     import threading
 
     from foresight.bucket import cache as cache_module
-    from foresight.checkpoint.replicate.wan import WanLink
+    from foresight.testing.wan import WanLink
 
     local = _bytes_dataset(tmp_path / "local", n=60, shard_bytes=1 << 30)
     upload_dataset(local.path, "s3://wait/ds")

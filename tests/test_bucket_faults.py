@@ -18,7 +18,8 @@ from foresight.bucket import BucketURL, RetryPolicy
 from foresight.bucket.config import open_store
 from foresight.bucket.upload import upload_dataset
 from foresight.errors import BucketError
-from foresight.format import DatasetWriter, open_dataset
+from foresight import open_dataset
+from foresight.format import DatasetWriter
 from foresight.loader import Loader
 from foresight.plan import build_plan
 from full_disk import full_disk  # noqa: F401  (fixture)
@@ -163,7 +164,7 @@ def test_process_killed_between_write_and_mark_leaves_no_torn_entry(s3_env, tmp_
     # the child dies (os._exit, as a SIGKILL would leave it) after writing samples into the sparse file, before the
     # fdatasync that precedes marking them present
     code = ("import os, numpy as np\n"
-            "from foresight.format import open_dataset\n"
+            "from foresight import open_dataset\n"
             "ds = open_dataset('s3://faults/torn', cache_dir=os.environ['CACHE'])\n"
             "os.fdatasync = lambda fd: os._exit(9)\n"
             "ds.lookup(np.arange(20))\n")

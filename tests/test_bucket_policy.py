@@ -11,7 +11,8 @@ import pytest
 from foresight.bucket.policy import NEVER, Accesses, NextUse, compare_policies, plan_accesses, replay
 from foresight.bucket.prefetch import PlanPrefetcher
 from foresight.bucket.upload import upload_dataset
-from foresight.format import DatasetWriter, open_dataset
+from foresight import open_dataset
+from foresight.format import DatasetWriter
 from foresight.loader import Loader
 from foresight.plan import build_plan
 from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)

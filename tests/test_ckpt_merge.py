@@ -14,8 +14,8 @@ import torch.multiprocessing as tmp_mp
 from safetensors.torch import load_file
 
 from foresight.checkpoint import Checkpointer, ForesightStorageWriter
-from foresight.checkpoint.replicate.merge import group_of, merge_checkpoint
-from foresight.checkpoint.replicate.source import LocalSource
+from foresight.replication.merge import group_of, merge_checkpoint
+from foresight.replication.source import LocalSource
 from foresight.distributed import run_then_end
 from foresight.errors import CheckpointError
 

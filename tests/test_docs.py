@@ -108,14 +108,14 @@ DOCUMENTED_SIGNATURES = [
     ("foresight.format:pack_media", "Packers"),
     ("foresight.format:pack_webdataset", "Packers"),
     ("foresight.format:pack_megatron", "Packers"),
-    ("foresight.format:open_dataset", "Opening"),
+    ("foresight.bucket.opener:open_dataset", "Opening"),
     ("foresight.format:MegatronDataset", "Opening"),
     ("foresight.bucket:open_bucket_dataset", "Buckets"),
     ("foresight.bucket.prefetch:PlanPrefetcher", "Buckets"),
     ("foresight.bucket:RetryPolicy", "Buckets"),
     ("foresight.plan:build_plan", "build_plan"),
     ("foresight.plan:load_plan", "build_plan"),
-    ("foresight.plan.store:save_plan", "build_plan"),
+    ("foresight.plan.files:save_plan", "build_plan"),
     ("foresight.plan.locations:open_plan_datasets", "build_plan"),
     ("foresight.checkpoint:Checkpointer", "Checkpointer"),
     ("foresight.checkpoint.checkpointer:save", "Checkpointer"),
@@ -123,9 +123,9 @@ DOCUMENTED_SIGNATURES = [
     ("foresight.checkpoint.export:export_safetensors", "Checkpointer"),
     ("foresight.checkpoint:ForesightStorageWriter", "ForesightStorageWriter"),
     ("foresight.checkpoint:ForesightStorageReader", "ForesightStorageWriter"),
-    ("foresight.checkpoint.replicate.policy:ReplicatingStorageWriter", "ForesightStorageWriter"),
-    ("foresight.checkpoint.replicate.policy:Replication", "Replication"),
-    ("foresight.checkpoint.hint_client:ReplicaReader", "Replication"),
+    ("foresight.replication.policy:ReplicatingStorageWriter", "ForesightStorageWriter"),
+    ("foresight.replication.policy:Replication", "Replication"),
+    ("foresight.replication.hint_client:ReplicaReader", "Replication"),
     ("foresight.media:DecodePool", "DecodePool"),
     ("foresight.loader:MediaDecodeStage", "DecodePool"),
     ("foresight.media:TransformSpec", "TransformSpec"),
@@ -200,10 +200,10 @@ def written(tmp_path_factory):
     import torch
 
     from foresight.checkpoint import Checkpointer, ForesightStorageWriter
-    from foresight.checkpoint.replicate.units import data_files, plan_units
+    from foresight.replication.units import data_files, plan_units
     from foresight.format import DatasetWriter, pack_media, write_megatron_dataset
     from foresight.media.probe import probe_media
-    from foresight.media.synth import make_audio, make_image, make_video
+    from foresight.testing.media_synth import make_audio, make_image, make_video
     from foresight.plan import build_plan
 
     tmp = tmp_path_factory.mktemp("docs")

@@ -200,7 +200,7 @@ def test_shards_and_plans_are_committed_durably(tmp_path):
         import numpy as np
         from foresight.format import DatasetWriter, open_dataset
         from foresight.plan import build_plan
-        from foresight.plan.store import save_plan
+        from foresight.plan.files import save_plan
 
         rng = np.random.default_rng(0)
         with DatasetWriter({str(tmp_path / "ds")!r}, align=4096, shard_bytes=64 << 10) as w:

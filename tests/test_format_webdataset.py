@@ -16,7 +16,7 @@ from foresight.format.packers.webdataset import expand_braces, expand_shards
 from foresight.loader import Loader
 from foresight.plan import build_plan
 
-synth = pytest.importorskip("foresight.media.synth")
+synth = pytest.importorskip("foresight.testing.media_synth")
 
 
 def write_tar(path, members: list[tuple[str, bytes]], mode: str = "w") -> None:

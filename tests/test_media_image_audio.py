@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from foresight.errors import DecodeError
 from foresight.media import decode_audio, decode_image, probe_media
-from foresight.media.synth import make_audio, make_image
+from foresight.testing.media_synth import make_audio, make_image
 from PIL import Image
 
 

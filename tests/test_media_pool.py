@@ -12,7 +12,7 @@ from foresight.media import (
     output_hash,
     probe_media,
 )
-from foresight.media.synth import make_video
+from foresight.testing.media_synth import make_video
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""The decode reference (``foresight.media.reference``) is right on its own and shares no code with decode_video,
-so the comparisons in test_media_video*.py can fail: a broken converter in foresight is seen, not mirrored."""
+"""The decode reference (``foresight.testing.media_reference``) is right on its own and shares no code with
+decode_video, so the comparisons in test_media_video*.py can fail: a broken converter in foresight is seen, not
+mirrored."""
 from __future__ import annotations
 
 import ast
@@ -11,9 +12,9 @@ import numpy as np
 import pytest
 from foresight.errors import DecodeError
 from foresight.media import probe_media, video_pts
-from foresight.media import reference as ref_module
-from foresight.media.reference import convert, decode_all, frames_shown_at
-from foresight.media.synth import make_video
+from foresight.testing import media_reference as ref_module
+from foresight.testing.media_reference import convert, decode_all, frames_shown_at
+from foresight.testing.media_synth import make_video
 from foresight.media.video import decode_video
 
 RED, GREEN, BLUE = (255, 0, 0), (0, 255, 0), (0, 0, 255)

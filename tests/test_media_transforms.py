@@ -16,7 +16,7 @@ from foresight.media import (
     output_hash,
     probe_media,
 )
-from foresight.media.synth import make_audio, make_image, make_video
+from foresight.testing.media_synth import make_audio, make_image, make_video
 
 VIDEO_SPEC = TransformSpec(modality="video", frames=FrameSampling(4, 1.0), size=(32, 48), crop="random_resized",
                            flip=0.5, mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), dtype="float32")
@@ -111,7 +111,7 @@ def test_image_and_audio_specs():
 _CHILD = r"""
 import sys
 from foresight.media import TransformSpec, output_hash, probe_media
-from foresight.media.synth import make_video
+from foresight.testing.media_synth import make_video
 data = open(sys.argv[1], "rb").read()
 spec = TransformSpec.from_json(sys.argv[2])
 meta = probe_media(data, "video")

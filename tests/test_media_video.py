@@ -1,7 +1,7 @@
 """Frame-selective video decode equals a full reference decode, frame by frame, pixel for pixel.
 
-The reference (``foresight.media.reference``) decodes every frame from the start with PyAV's own API and converts
-it there, so the pixels at every size, crop and interpolation are checked against code decode_video does not run."""
+The reference (``foresight.testing.media_reference``) decodes every frame from the start with PyAV's own API and
+converts it there, so the pixels at every size, crop and interpolation are checked against code decode_video does not run."""
 from __future__ import annotations
 
 import itertools
@@ -19,8 +19,8 @@ from foresight.media import (
     sample_frame_indices,
     video_pts,
 )
-from foresight.media.reference import decode_all
-from foresight.media.synth import make_video, remux
+from foresight.testing.media_reference import decode_all
+from foresight.testing.media_synth import make_video, remux
 from foresight.media.video import NONREF_SKIP_CODECS, DecodeReport
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

@@ -17,7 +17,7 @@ import av
 import numpy as np
 import pytest
 from foresight.media import probe_media, video_pts
-from foresight.media.reference import decode_all
+from foresight.testing.media_reference import decode_all
 from foresight.media.video import DecodeReport, decode_video
 from installed import require_file
 from test_media_video_robust import check_rows

@@ -17,8 +17,8 @@ import pytest
 from installed import require
 from foresight.errors import DecodeError
 from foresight.media import probe_media, video_pts
-from foresight.media.reference import decode_all, frames_shown_at
-from foresight.media.synth import drop_avi_index, ffmpeg_cli, make_video, remux, with_not_coded_vop
+from foresight.testing.media_reference import decode_all, frames_shown_at
+from foresight.testing.media_synth import drop_avi_index, ffmpeg_cli, make_video, remux, with_not_coded_vop
 from foresight.media.video import DecodeReport, decode_video
 
 

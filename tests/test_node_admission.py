@@ -11,7 +11,7 @@ import pytest
 
 from foresight.loader import MediaDecodeStage
 from foresight.node.client import NodeSource
-from foresight.node.etcd_process import EtcdProcess
+from foresight.testing.etcd import EtcdProcess
 from node_helpers import SPECS, NodeProc, flight_action, host_reference, job_request, make_root, run_source
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from foresight.loader import MediaDecodeStage
 from foresight.node.client import NodeSource
-from foresight.node.cluster import Cluster
-from foresight.node.etcd_process import EtcdProcess
+from foresight.cluster.membership import Cluster
+from foresight.testing.etcd import EtcdProcess
 from node_helpers import SPECS, TOKEN, NodeProc, host_reference, make_root, run_source, wait_for
 
 TTL = "3"

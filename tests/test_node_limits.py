@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from foresight.node.auth import call_options, connect
+from foresight.cluster.auth import call_options, connect
 from foresight.node.protocol import decode_tensors
 from node_helpers import SPECS, TOKEN, NodeProc, make_root
 

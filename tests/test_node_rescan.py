@@ -14,10 +14,10 @@ import pyarrow.flight as flight
 import pytest
 
 from foresight.loader import MediaDecodeStage
-from foresight.node.auth import call_options, connect
+from foresight.cluster.auth import call_options, connect
 from foresight.node.client import NodeSource
-from foresight.node.cluster import Cluster
-from foresight.node.etcd_process import EtcdProcess
+from foresight.cluster.membership import Cluster
+from foresight.testing.etcd import EtcdProcess
 from node_helpers import SPECS, TOKEN, NodeProc, host_reference, make_root, run_source, wait_for
 
 

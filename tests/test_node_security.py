@@ -12,7 +12,7 @@ import pyarrow.flight as flight
 import pytest
 
 from foresight.loader import MediaDecodeStage
-from foresight.node.auth import call_options, connect
+from foresight.cluster.auth import call_options, connect
 from foresight.node.client import NodeSource
 from foresight.node.protocol import MAX_MESSAGE_BYTES, decode_tensors, encode_ticket
 from node_helpers import (SPECS, TOKEN, NodeProc, flight_action, host_reference, job_request, make_root,

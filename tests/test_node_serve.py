@@ -104,7 +104,7 @@ def test_two_jobs_on_one_node_are_isolated(root, node):
         # b's token opens nothing of a's
         import pyarrow.flight as flight
 
-        from foresight.node.auth import call_options, connect
+        from foresight.cluster.auth import call_options, connect
         from foresight.node.protocol import encode_ticket
 
         client = connect(node.location)
@@ -253,7 +253,7 @@ def test_slow_node_is_bypassed_then_used_again(root, tmp_path):
 
 @pytest.mark.slow
 def test_node_restarted_on_its_address_is_registered_again(root, tmp_path):
-    from foresight.node.etcd_process import free_port
+    from foresight.testing.processes import free_port
 
     port = str(free_port())
     nodes = [NodeProc(root["root"], str(tmp_path), "--cpu-threshold", "101", "--port", port, name="r0")]
@@ -282,7 +282,7 @@ def test_stop_lets_in_flight_streams_finish_and_refuses_new_ones_clearly(root):
 
     import pyarrow.flight as flight
 
-    from foresight.node.auth import call_options
+    from foresight.cluster.auth import call_options
     from foresight.node.protocol import decode_tensors, encode_ticket
     from foresight.node.server import NodeServer
     from node_helpers import BIG_SPECS, flight_action, job_request
@@ -420,7 +420,7 @@ def test_racing_registrations_of_one_job_leave_one_job_and_no_open_files(root):
 
     import pyarrow.flight as flight
 
-    from foresight.node.auth import call_options, connect
+    from foresight.cluster.auth import call_options, connect
     from foresight.node.jobs import spec_digest
     from foresight.node.server import NodeServer
 

@@ -9,7 +9,7 @@ import subprocess
 import pyarrow.flight as flight
 import pytest
 
-from foresight.node.auth import call_options
+from foresight.cluster.auth import call_options
 from foresight.node.protocol import encode_ticket
 from node_helpers import BIG_SPECS, TOKEN, NodeProc, flight_action, job_request, make_root, wait_for
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from foresight.errors import PlanError
 from foresight.plan import ArraySource, build_plan
-from foresight.plan.reference import reference_arrays
+from foresight.testing.plan_reference import reference_arrays
 from foresight.plan.shuffle import epoch_order
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

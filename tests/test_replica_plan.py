@@ -8,8 +8,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from foresight.checkpoint.dcp import ForesightStorageWriter
-from foresight.checkpoint.hints import FileHint, HintError, _chunk_readers, derive_dcp_hints, validate_hints
-from foresight.checkpoint.replica_plan import paying_replicas, plan_replicas, wanted_replicas
+from foresight.replication.hints import FileHint, HintError, _chunk_readers, derive_dcp_hints, validate_hints
+from foresight.replication.replica_plan import paying_replicas, plan_replicas, wanted_replicas
 
 
 @pytest.fixture

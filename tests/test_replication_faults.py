@@ -11,9 +11,9 @@ import torch.distributed.checkpoint as dcp
 from pyarrow import flight
 
 from foresight.checkpoint import store
-from foresight.checkpoint.replicate.policy import Replication, ReplicatingStorageWriter
-from foresight.checkpoint.replicate.service import call
-from foresight.checkpoint.replicate.testbed import free_port
+from foresight.replication.policy import Replication, ReplicatingStorageWriter
+from foresight.replication.service import call
+from foresight.testing.processes import free_port
 from foresight.errors import CheckpointError
 
 from node_helpers import NodeProc

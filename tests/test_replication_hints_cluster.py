@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from foresight.checkpoint.dcp import ForesightStorageWriter
-from foresight.checkpoint.hint_client import (
+from foresight.replication.hint_client import (
     ReplicaReader,
     publish_checkpoint,
     release_replication_hints,
@@ -28,9 +28,9 @@ from foresight.checkpoint.hint_client import (
     set_replication_hints,
     wait_for_replicas,
 )
-from foresight.checkpoint.hints import FileHint, derive_dcp_hints
+from foresight.replication.hints import FileHint, derive_dcp_hints
 from foresight.errors import NodeError
-from foresight.node.etcd_process import EtcdProcess
+from foresight.testing.etcd import EtcdProcess
 from node_helpers import NodeProc, wait_for
 
 SAFE = 64

@@ -14,9 +14,9 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as tmp_mp
 
 from foresight.checkpoint.dcp import ForesightStorageReader, ForesightStorageWriter
-from foresight.checkpoint.hints import derive_dcp_hints
-from foresight.checkpoint.hot_layout import HotFileStorageWriter
-from foresight.checkpoint.replica_plan import plan_replicas
+from foresight.replication.hints import derive_dcp_hints
+from foresight.replication.hot_layout import HotFileStorageWriter
+from foresight.replication.replica_plan import plan_replicas
 from foresight.distributed import run_then_end
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -9,21 +9,21 @@ import numpy as np
 import pyarrow.flight as flight
 import pytest
 
-from foresight.checkpoint.hint_client import (
+from foresight.replication.hint_client import (
     ReplicaReader,
     publish_checkpoint,
     release_replication_hints,
     set_replication_hints,
     wait_for_replicas,
 )
-from foresight.checkpoint.hints import FileHint
+from foresight.replication.hints import FileHint
 from foresight.errors import ProtocolError
-from foresight.node.auth import call_options
-from foresight.node.cluster import Cluster
-from foresight.node.etcd_process import EtcdProcess
-from foresight.node.replicas import ReplicaManager
+from foresight.cluster.auth import call_options
+from foresight.cluster.membership import Cluster
+from foresight.testing.etcd import EtcdProcess
+from foresight.replication.replica_manager import ReplicaManager
 from foresight.node.server import NodeServer
-from foresight.node.throttle import ServiceLimit, TokenBucket, parse_amounts
+from foresight.cluster.throttle import ServiceLimit, TokenBucket, parse_amounts
 from node_helpers import wait_for
 
 JOB, TOKEN, NAME, FILE = "jobD", "reclaim-token-1", "jobD/step-1", "blob.bin"

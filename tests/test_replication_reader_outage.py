@@ -13,9 +13,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from foresight.checkpoint.dcp import ForesightStorageWriter
-from foresight.checkpoint.hint_client import ReplicaReader, publish_checkpoint
+from foresight.replication.hint_client import ReplicaReader, publish_checkpoint
 from foresight.errors import NodeError
-from foresight.node.etcd_process import EtcdProcess
+from foresight.testing.etcd import EtcdProcess
 from node_helpers import NodeProc
 
 TOKEN = "outage-token"

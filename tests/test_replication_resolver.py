@@ -13,10 +13,10 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from foresight.checkpoint import ForesightStorageReader
-from foresight.checkpoint.replicate.merge import merge_checkpoint
-from foresight.checkpoint.replicate.policy import Replication, ReplicatingStorageWriter
-from foresight.checkpoint.replicate.resolver import Resolver
-from foresight.checkpoint.replicate.source import LocalSource, RemoteSource
+from foresight.replication.merge import merge_checkpoint
+from foresight.replication.policy import Replication, ReplicatingStorageWriter
+from foresight.replication.resolver import Resolver
+from foresight.replication.source import LocalSource, RemoteSource
 from foresight.errors import CheckpointError
 
 from replication_helpers import Etcd, Site, wait_until
@@ -37,8 +37,8 @@ def world(tmp_path_factory):
     etcd = Etcd(str(tmp / "etcd"))
     ev = tr = None
     try:
-        ev = Site("eval-b", str(tmp / "eval"), etcd=etcd.url, replica_ttl=3)
-        tr = Site("train-a", str(tmp / "train"), etcd=etcd.url, routes={"eval-b": ev.url})
+        ev = Site("eval-b", str(tmp / "eval"), etcd=etcd.endpoint, replica_ttl=3)
+        tr = Site("train-a", str(tmp / "train"), etcd=etcd.endpoint, routes={"eval-b": ev.url})
         rep = Replication(every=100, site="eval-b", node=tr.url, job="lm")
         src = os.path.join(tr.root, "lm", "step-00000100")
         dcp.save(state(), storage_writer=ReplicatingStorageWriter(src, replicate=rep, step=100), no_dist=True)
@@ -49,11 +49,11 @@ def world(tmp_path_factory):
         for s in (tr, ev):
             if s is not None:
                 s.stop()
-        etcd.stop()
+        etcd.close()
 
 
 def test_local_replica_first_then_remote_when_expired_and_no_reclaim_while_held(world):
-    with Resolver(world["etcd"].url, site="eval-b") as res:
+    with Resolver(world["etcd"].endpoint, site="eval-b") as res:
         loc = res.resolve(NAME)
         assert loc.local and loc.site == "eval-b" and loc.path == world["replica"]
         with res.open(NAME) as (loc, source):
@@ -84,7 +84,7 @@ def test_local_replica_first_then_remote_when_expired_and_no_reclaim_while_held(
 
 
 def test_a_registered_copy_that_is_missing_on_disk_falls_back(world, tmp_path):
-    with Resolver(world["etcd"].url, site="eval-c") as res:
+    with Resolver(world["etcd"].endpoint, site="eval-c") as res:
         res._etcd.put(f"/foresight/ckpt/{NAME}/copies/eval-c", json.dumps(
             {"site": "eval-c", "path": str(tmp_path / "gone"), "endpoint": "", "source": False}))
         loc = res.resolve(NAME)
@@ -98,7 +98,7 @@ def test_a_registered_copy_that_is_missing_on_disk_falls_back(world, tmp_path):
 def test_merge_cli_resolves_a_name_through_etcd(world, tmp_path):
     out = tmp_path / "cli"
     proc = subprocess.run([sys.executable, "-m", "foresight", "ckpt", "merge", NAME, str(out), "--etcd",
-                           world["etcd"].url, "--site", "eval-d"], capture_output=True, text=True, timeout=120)
+                           world["etcd"].endpoint, "--site", "eval-d"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["source"].startswith("train-a:")  # eval-d holds no copy: read from the source
@@ -113,6 +113,6 @@ def test_reclaim_removes_stale_partial_replicas_only(world, tmp_path):
         d.mkdir(parents=True)
         (d / "data-00000.bin").write_bytes(b"partial")
     os.utime(old, (1, 1))  # a cut transfer nobody resumed
-    with Resolver(world["etcd"].url, site="eval-e") as res:
+    with Resolver(world["etcd"].endpoint, site="eval-e") as res:
         assert res.reclaim(str(root), stale_after=3600) == ["job/.replica-step-00000001"]
     assert not old.exists() and fresh.exists()

@@ -8,9 +8,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from foresight.checkpoint import store
-from foresight.checkpoint.replicate.policy import Replication, ReplicatingStorageWriter
-from foresight.checkpoint.replicate.resolver import Resolver
-from foresight.checkpoint.replicate.wan import WanLink
+from foresight.replication.policy import Replication, ReplicatingStorageWriter
+from foresight.replication.resolver import Resolver
+from foresight.testing.wan import WanLink
 from foresight.errors import CheckpointError
 
 from replication_helpers import Etcd, Site, wait_until, write_checkpoint_phases
@@ -26,17 +26,17 @@ def sites(tmp_path_factory):
     made = []
     made_later = []
     try:
-        ev = Site("eval-b", eval_root, etcd=etcd.url, unit_bytes=UNIT)
+        ev = Site("eval-b", eval_root, etcd=etcd.endpoint, unit_bytes=UNIT)
         made.append(ev)
         link = WanLink(("127.0.0.1", ev.port), rtt_ms=20)
         made.append(link)
-        tr = Site("train-a", train_root, etcd=etcd.url, routes={"eval-b": link.url}, unit_bytes=UNIT)
+        tr = Site("train-a", train_root, etcd=etcd.endpoint, routes={"eval-b": link.url}, unit_bytes=UNIT)
         made.append(tr)
         yield {"etcd": etcd, "train": tr, "eval": ev, "link": link, "tmp": tmp_path, "later": made_later}
     finally:
         for m in reversed(made + made_later):
             m.close() if isinstance(m, WanLink) else m.stop()
-        etcd.stop()
+        etcd.close()
 
 
 def files_of(path):
@@ -54,7 +54,7 @@ def test_replica_is_bit_identical_and_invisible_before_the_source_commit(sites):
                "all units sent")
     # ... but nothing is visible at the evaluation site, and etcd knows no copy
     assert store.committed_steps(os.path.join(ev.root, "job1")) == []
-    with Resolver(sites["etcd"].url, site="eval-b") as res:
+    with Resolver(sites["etcd"].endpoint, site="eval-b") as res:
         assert res.copies("job1/step-00000200") == []
         with pytest.raises(CheckpointError, match="no complete copy"):
             res.resolve("job1/step-00000200")
@@ -143,7 +143,7 @@ def test_a_cut_transfer_leaves_no_replica_and_resumes_when_the_site_is_back(site
     assert store.committed_steps(os.path.join(ev.root, "job3")) == []  # only the hidden temp dir
     assert os.path.isdir(os.path.join(ev.root, "job3", ".replica-step-00000005"))
     # the site comes back on the same port: the sender, still retrying, resumes with the missing units only
-    ev2 = Site("eval-b", ev.root, etcd=etcd.url, unit_bytes=UNIT, port=ev.port)
+    ev2 = Site("eval-b", ev.root, etcd=etcd.endpoint, unit_bytes=UNIT, port=ev.port)
     sites["later"].append(ev2)
     sites["eval"] = ev2
     info = rep.wait(5, timeout=120)
@@ -168,7 +168,7 @@ def test_checkpointer_replicates_scheduled_steps_and_the_eval_site_loads_them(si
     assert rep.wait(2, timeout=60)["path"].endswith("step-00000002")
     got = load(4, root=os.path.dirname(info["path"]))  # the evaluation site loads its replica
     assert torch.equal(got.state_dict["w"], state["w"])
-    with Resolver(sites["etcd"].url, site="eval-b") as res:  # ... or by name, through etcd
+    with Resolver(sites["etcd"].endpoint, site="eval-b") as res:  # ... or by name, through etcd
         got = res.load("ckptjob/step-00000004", sites["eval"].root)
         assert got.path == info["path"] and torch.equal(got.state_dict["w"], state["w"])
     assert torch.equal(got.state_dict["layers"][29]["b"], state["layers"][29]["b"])
@@ -179,7 +179,7 @@ def test_bad_requests_get_clear_errors(sites):
     import numpy as np
     from pyarrow import flight
 
-    from foresight.checkpoint.replicate.source import RemoteSource
+    from foresight.replication.source import RemoteSource
 
     tr = sites["train"]
     with pytest.raises(flight.FlightServerError, match="outside this node's root"):
@@ -200,7 +200,7 @@ def test_bad_requests_get_clear_errors(sites):
         src.read_file("../../etc/passwd")
     with pytest.raises(CheckpointError, match="remote read failed.*No such file.*file=.metadata"):
         src.read_file(".metadata")  # a foresight-format checkpoint has none: the merge then reads index.json
-    from foresight.checkpoint.replicate.merge import read_tensors
+    from foresight.replication.merge import read_tensors
 
     tensors, _ = read_tensors(src)
     assert len(tensors) > 10
@@ -240,7 +240,7 @@ class _WaitsForUnits(Replication):
     units_out_before_commit = None
 
     def data_written(self, step, directory, **kw):
-        from foresight.checkpoint.replicate.service import call
+        from foresight.replication.service import call
 
         if self.wants(step):
             try:

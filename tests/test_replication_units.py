@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from foresight.checkpoint.replicate.scheduler import PriorityLane, priority_of
-from foresight.checkpoint.replicate.units import (
+from foresight.replication.scheduler import PriorityLane, priority_of
+from foresight.replication.units import (
     ReplicaBuilder,
     check_name,
     meta_files,
@@ -15,7 +15,7 @@ from foresight.checkpoint.replicate.units import (
     read_unit,
     verify_checkpoint,
 )
-from foresight.checkpoint.replicate.wan import measure_rtt
+from foresight.testing.wan import measure_rtt
 from foresight.errors import CheckpointError
 
 

@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 
-from foresight.checkpoint.replicate.wan import Pipe, WanLink
+from foresight.testing.wan import Pipe, WanLink
 
 MBIT = 40.0  # 5 MB/s: far below what the proxy moves on a loaded machine, so the cap is what binds
 EACH = 2 << 20

@@ -40,14 +40,14 @@ def _wait_file(path: str, timeout: float = 120.0) -> None:
 
 
 def _rank(mode: str, a: dict) -> None:
-    from foresight.checkpoint.host_share import HostShare, SharedReplicaReader, xxh3_check
+    from foresight.replication.host_share import HostShare, SharedReplicaReader, xxh3_check
 
     share = HostShare(a["key"], directory=a["dir"])
     open(a["out"] + ".ready", "w").close()  # joined: the host's ranks overlap
     _wait_file(a["go"])
     out: dict = {}
     if mode == "replicas":
-        from foresight.checkpoint.hint_client import ReplicaReader
+        from foresight.replication.hint_client import ReplicaReader
 
         with ReplicaReader(a["etcd"], job=JOB, token=TOKEN) as replicas:
             reader = SharedReplicaReader(replicas, share, hot=a["hot"])
@@ -120,9 +120,9 @@ def test_nodes_serve_each_hot_file_once_per_host(tmp_path):
 
     import torch.distributed.checkpoint as dcp
 
-    from foresight.checkpoint.hint_client import publish_checkpoint
-    from foresight.checkpoint.hot_layout import HotFileStorageWriter
-    from foresight.node.etcd_process import EtcdProcess
+    from foresight.replication.hint_client import publish_checkpoint
+    from foresight.replication.hot_layout import HotFileStorageWriter
+    from foresight.testing.etcd import EtcdProcess
     from node_helpers import NodeProc
 
     ranks = 4
@@ -170,7 +170,7 @@ def test_nodes_serve_each_hot_file_once_per_host(tmp_path):
 def test_dcp_load_reads_the_hot_file_and_metadata_once_per_host(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from foresight.checkpoint.hot_layout import HotFileStorageWriter
+    from foresight.replication.hot_layout import HotFileStorageWriter
 
     torch.manual_seed(3)
     state = {"emb": torch.randn(300, 64), "norm": torch.randn(64), "head": torch.randn(64, 17)}
@@ -223,7 +223,7 @@ def test_a_fetcher_killed_mid_write_is_taken_over_and_never_leaves_a_torn_file(t
 def test_a_stuck_fetch_times_out_naming_the_file_and_its_holder(tmp_path):
     import pytest
 
-    from foresight.checkpoint.host_share import HostShare
+    from foresight.replication.host_share import HostShare
     from foresight.errors import CheckpointError
 
     data = tmp_path / "hot.bin"
@@ -242,7 +242,7 @@ def test_a_stuck_fetch_times_out_naming_the_file_and_its_holder(tmp_path):
 
 
 def test_a_damaged_shared_copy_is_fetched_again(tmp_path):
-    from foresight.checkpoint.host_share import HostShare, xxh3_check
+    from foresight.replication.host_share import HostShare, xxh3_check
     from foresight.checksum import file_xxh3
 
     data = tmp_path / "hot.bin"

@@ -12,11 +12,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from foresight.checkpoint import ForesightStorageReader, ForesightStorageWriter
-from foresight.checkpoint.hints import derive_dcp_hints
-from foresight.checkpoint.hot_layout import HotFileStorageWriter
-from foresight.checkpoint.replicate.merge import read_tensors
-from foresight.checkpoint.replicate.source import LocalSource
-from foresight.checkpoint.replicate.units import ReplicaBuilder, verify_checkpoint
+from foresight.replication.hints import derive_dcp_hints
+from foresight.replication.hot_layout import HotFileStorageWriter
+from foresight.replication.merge import read_tensors
+from foresight.replication.source import LocalSource
+from foresight.replication.units import ReplicaBuilder, verify_checkpoint
 from foresight.checkpoint.safe_pickle import load_dcp_metadata
 from foresight.errors import CheckpointError
 
@@ -149,7 +149,7 @@ def test_the_receiving_node_refuses_a_malicious_replica_over_flight(tmp_path):
     """The real receiving path: a site process gets ``DoPut replica.commit`` whose ``.metadata`` runs code."""
     from pyarrow import flight
 
-    from foresight.checkpoint.replicate.service import SCHEMA, binary_batch
+    from foresight.replication.service import SCHEMA, binary_batch
 
     from replication_helpers import Site
 

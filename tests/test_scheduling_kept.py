@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from foresight.media.synth import make_video, scheduling_kept
+from foresight.testing.media_synth import make_video, scheduling_kept
 
 
 def test_an_av1_encode_leaves_the_scheduling_policy_as_it_was():

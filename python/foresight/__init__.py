@@ -24,7 +24,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "open_dataset": "foresight.format",
+    "open_dataset": "foresight.bucket.opener",
     "DatasetWriter": "foresight.format",
     "Modality": "foresight.format",
     "build_plan": "foresight.plan",

@@ -35,7 +35,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
              "pack JSONL/Parquet, a media folder, WebDataset tars or a Megatron dataset into shards"),
     "plan": ("foresight.plan.cli", "build a deterministic per-step sample plan"),
     "inspect": ("foresight.plan.inspect_cli", "print a dataset's manifest, a plan's summary, or step k"),
-    "ckpt": ("foresight.checkpoint.replicate.cli", "checkpoint tools: merge a distributed checkpoint to safetensors"),
+    "ckpt": ("foresight.replication.cli", "checkpoint tools: merge a distributed checkpoint to safetensors"),
     "node": ("foresight.node.cli", "run a storage node (serve), print node status, place shards on nodes"),
     "demo": ("foresight.demo", "pack, serve, train a toy model, checkpoint and resume, print what was measured"),
 }
@@ -155,7 +155,7 @@ def _main(argv: list[str]) -> int:
     if unknown:
         sub.error(_suggest(sub, unknown))
     args = parser.parse_args(argv)
-    from foresight.loader.logs import ensure_default_logging  # here: --help stays free of numpy
+    from foresight.loader.logs import ensure_default_logging  # lazy: --help stays free of numpy
 
     ensure_default_logging()  # foresight's warnings as one concise line each (e.g. a pack of untokenized text)
     try:

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from foresight.cli import main as cli_main
+
 VOCAB = 512
 
 
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     token_ds, media_ds = _pack_corpus(out, args.seed, measured)
 
     _section("2. plans")
-    from foresight.plan import build_plan
+    from foresight.plan import build_plan  # lazy: demo --help stays fast
 
     t0 = time.perf_counter()
     token_plan = build_plan([(token_ds, 1.0)], seed=args.seed, global_batch_size=8, seq_len=64,
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _pack_corpus(out: str, seed: int, measured: dict):
-    from foresight.format import open_dataset, pack_jsonl, pack_media
+    from foresight.format import open_dataset, pack_jsonl, pack_media  # lazy: demo --help stays fast
 
     rng = np.random.default_rng(seed)
     src = os.path.join(out, "src")
@@ -179,8 +181,8 @@ class _ToyLM:
 
 
 def _train(out: str, ds, plan, steps: int, seed: int):
-    from foresight.checkpoint import Checkpointer
-    from foresight.loader import Loader
+    from foresight.checkpoint import Checkpointer  # lazy: demo --help stays fast
+    from foresight.loader import Loader  # lazy: demo --help stays fast
 
     lm = _ToyLM(seed)
     ckpt = Checkpointer([os.path.join(out, "ckpt-local"), os.path.join(out, "ckpt-durable")], keep=[2, 3])
@@ -205,8 +207,8 @@ def _train(out: str, ds, plan, steps: int, seed: int):
 
 
 def _resume(out: str, ds, plan, steps: int, seed: int) -> list[float]:
-    from foresight.checkpoint import Checkpointer
-    from foresight.loader import Loader
+    from foresight.checkpoint import Checkpointer  # lazy: demo --help stays fast
+    from foresight.loader import Loader  # lazy: demo --help stays fast
 
     lm = _ToyLM(seed + 100)  # a fresh process would start from different weights: the checkpoint must win
     ckpt = Checkpointer([os.path.join(out, "ckpt-local"), os.path.join(out, "ckpt-durable")], keep=[2, 3])
@@ -225,8 +227,8 @@ def _resume(out: str, ds, plan, steps: int, seed: int) -> list[float]:
 
 
 def _media_stage(ds, seed: int):
-    from foresight.loader import MediaDecodeStage
-    from foresight.media import FrameSampling, TransformSpec
+    from foresight.loader import MediaDecodeStage  # lazy: demo --help stays fast
+    from foresight.media import FrameSampling, TransformSpec  # lazy: demo --help stays fast
 
     return MediaDecodeStage([ds], {
         "image": TransformSpec(modality="image", size=(64, 64), crop="random_resized", dtype="uint8"),
@@ -237,8 +239,8 @@ def _media_stage(ds, seed: int):
 
 def _decode_pass(ds, plan, source) -> tuple[list[str], dict, dict]:
     """One pass over the media plan: each batch's output hashes, shapes per modality, decode time by modality."""
-    from foresight.loader import Loader
-    from foresight.media import output_hash
+    from foresight.loader import Loader  # lazy: demo --help stays fast
+    from foresight.media import output_hash  # lazy: demo --help stays fast
 
     hashes, shapes = [], {}
     with Loader(ds, plan, decode=source) as loader:
@@ -275,7 +277,7 @@ def _through_a_node(ds, plan, seed: int, out: str) -> tuple[list[str], dict]:
     import subprocess
     import sys
 
-    from foresight.node import NodeSource
+    from foresight.node import NodeSource  # lazy: demo --help stays fast
 
     ready = os.path.join(out, "node.ready.json")
     log = open(os.path.join(out, "node.log"), "w")
@@ -321,8 +323,6 @@ def _head(step: dict, n: int) -> dict:
 
 def main() -> int:
     import sys
-
-    from foresight.cli import main as cli_main
 
     return cli_main(["demo", *sys.argv[1:]])  # its error handling: one line for a missing module
 

@@ -47,6 +47,7 @@ from foresight.errors import BucketError
 from foresight.format.types import Extents
 
 from .fetch import ObjectRef, RangedFetcher
+from foresight.io import IOEngine
 
 log = logging.getLogger("foresight.bucket")
 
@@ -336,8 +337,6 @@ class SampleCache:
         """Re-hash the present samples of ``ids`` (all present ones by default) from the local files and unmark
         those whose bytes no longer match the map (a disk or a hand corrupted them): the next :meth:`ensure`
         refetches them. Returns the ids found corrupt (each logged once, counted in ``stats.corrupt``)."""
-        from foresight.io import IOEngine
-
         ids = np.flatnonzero(self.present) if ids is None else np.unique(np.asarray(ids, dtype=np.int64))
         with self._exclusive():
             ids = ids[self.present[ids] != 0]

@@ -71,7 +71,7 @@ class Checkpointer:
         on_busy: when every slot is still being written, ``"block"`` until one drains or ``"raise"``.
         verify: check per-tensor checksums on load.
         direct: use O_DIRECT for data files where the file system supports it.
-        replicate: a :class:`foresight.checkpoint.replicate.Replication`: its ``data_written``, ``committed``
+        replicate: a :class:`foresight.replication.Replication`: its ``data_written``, ``committed``
             and ``aborted`` hooks run on the writer thread (a failing hook warns; the save itself stands).
 
     Attributes set at start-up: ``quarantined`` (paths moved aside), ``resumed`` (handles of the drains

@@ -63,11 +63,11 @@ from torch.distributed.checkpoint.storage import (
 from torch.futures import Future
 
 from foresight.checkpoint import store
-from foresight.checksum import xxh3_many
 from foresight.checkpoint.aligned_io import FileIO, copy_file
-from foresight.checkpoint.state_tree import structure_key
 from foresight.checkpoint.layout import ALIGN, DTYPES, REFUSED, TORCH_SAVE, align_up, dtype_info, plan_layout
 from foresight.checkpoint.safe_pickle import load_dcp_metadata
+from foresight.checkpoint.state_tree import structure_key
+from foresight.checksum import xxh3_many
 from foresight.errors import CheckpointError
 from foresight.io.durable import fsync_dir
 
@@ -344,7 +344,7 @@ class ForesightStorageReader(_DirectoryCheckpoint, StorageReader):
         path: the checkpoint directory.
         verify: check each item's xxh3 (a mismatch raises CheckpointError naming file, item and offset).
         max_gap: extents closer than this are read as one request (the gap bytes are read and dropped).
-        host_share: a :class:`~foresight.checkpoint.host_share.HostShare`: ``.metadata`` and the hot files (those
+        host_share: a :class:`~foresight.replication.host_share.HostShare`: ``.metadata`` and the hot files (those
             whose bytes are mostly items every rank reads: whole tensors, bytes items; or ``shared_files``) are
             read once per host and mapped by the host's other ranks, every item verified by each of them.
         shared_files: the data files to share (relative paths); default: derived from the metadata.
@@ -552,7 +552,7 @@ def _items_by_file(metadata: Metadata) -> dict[str, tuple[np.ndarray, np.ndarray
 
 def hot_files(metadata: Metadata) -> set[str]:
     """Data files whose bytes are mostly items every rank that loads them reads (bytes items, tensors saved whole,
-    as :func:`foresight.checkpoint.hot_layout.read_by_every_rank` puts them in a file of their own)."""
+    as :func:`foresight.replication.hot_layout.read_by_every_rank` puts them in a file of their own)."""
     hot: dict[str, int] = {}
     total: dict[str, int] = {}
     for index, info in metadata.storage_data.items():

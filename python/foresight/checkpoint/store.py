@@ -44,7 +44,7 @@ from typing import Any
 import xxhash
 
 from foresight.errors import CheckpointError
-from foresight.io.durable import fsync_dir
+from foresight.io.durable import fsync_dir, pid_alive
 
 INDEX = "index.json"
 COMMIT = "COMMIT"
@@ -204,16 +204,6 @@ def max_seq(roots: Iterable[str]) -> int:
     return max((c.seq for r in roots for c in commits(r) if c.seq is not None), default=-1)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale(root: str) -> list[str]:
     """Remove temp dirs of dead local writers and retired checkpoints; undo an interrupted replace.
 
@@ -229,7 +219,7 @@ def cleanup_stale(root: str) -> list[str]:
     for name in names:
         path = os.path.join(root, name)
         m = _TMP_RE.match(name)
-        if m and m.group(2) == host and not _pid_alive(int(m.group(3))):
+        if m and m.group(2) == host and not pid_alive(int(m.group(3))):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
             continue

@@ -22,6 +22,9 @@ import argparse
 import os
 import re
 
+from . import pack_media, pack_megatron, pack_records, pack_webdataset
+from .reader import open_dataset
+
 __all__ = ["add_arguments", "run", "parse_size", "split_kind", "KINDS"]
 
 KINDS = ("auto", "jsonl", "parquet", "media", "webdataset", "megatron")
@@ -86,9 +89,6 @@ def split_kind(inputs: list[str]) -> tuple[str, list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import pack_media, pack_megatron, pack_records, pack_webdataset
-    from .reader import open_dataset
-
     args.kind, args.inputs = split_kind(args.inputs)
     # Errors (bad input, a full disk, an existing OUT) are reported by foresight.cli as one line naming the path.
     common = dict(shard_bytes=args.shard_bytes, overwrite=args.overwrite, progress=not args.no_progress)

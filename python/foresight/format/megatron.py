@@ -64,6 +64,10 @@ class MegatronDataset(Dataset):
 
     kind = "megatron"
 
+    def __reduce__(self) -> tuple:
+        # Mapped files do not travel between processes: reopen (and revalidate) by prefix.
+        return (MegatronDataset, (self.path,))
+
     def __init__(self, prefix: str | os.PathLike, *, fingerprint: str = "index") -> None:
         super().__init__()
         if fingerprint not in FINGERPRINTS:

@@ -20,55 +20,36 @@ import numpy as np
 import xxhash
 
 from ..errors import FormatError
-from foresight.checksum import file_xxh3
-from foresight.io.durable import recover_overwrite
 from .manifest import MANIFEST_NAME, Manifest, parse_manifest, token_dtype_of
+from .megatron import MegatronDataset
 from .shard_map import ShardMap, read_map
 from .types import Dataset, Extents, Modality
+from foresight.checksum import file_xxh3
+from foresight.io.durable import recover_overwrite
 
 __all__ = ["open_dataset", "ShardedDataset"]
 
 
-def open_dataset(path: str | os.PathLike, *, fingerprint: str = "index", cache_dir: str | os.PathLike | None = None,
-                 **bucket_options: Any) -> Dataset:
-    """Open a foresight dataset directory (with ``manifest.json``) or a Megatron-LM ``.idx``/``.bin`` prefix.
-
-    ``s3://bucket/prefix`` opens a foresight dataset in a bucket through a local cache under ``cache_dir``
-    (or ``$FORESIGHT_BUCKET_CACHE``): see :func:`foresight.bucket.open_bucket_dataset`, which takes
-    ``bucket_options`` (``options``, ``concurrency``, ``max_gap``, ``max_transfer``, ``retry``).
+def open_dataset(path: str | os.PathLike, *, fingerprint: str = "index") -> Dataset:
+    """Open a local foresight dataset directory (with ``manifest.json``) or a Megatron-LM ``.idx``/``.bin`` prefix.
 
     ``fingerprint="content"`` makes a Megatron dataset's fingerprint cover every byte of its ``.bin`` (see
     :class:`MegatronDataset`); a foresight directory's fingerprint always does (its manifest holds each shard's xxh3).
-    Raises :class:`FormatError` naming the file when the dataset is missing, incomplete or malformed.
+    Raises :class:`FormatError` naming the file when the dataset is missing, incomplete or malformed. Datasets in a
+    bucket (``s3://``, or a bucket dataset's cache directory) open with ``foresight.open_dataset``
+    (:mod:`foresight.bucket.opener`), which calls this one for local paths.
     """
     path = os.fspath(path)
     if fingerprint not in ("index", "content"):
         raise ValueError(f"fingerprint must be 'index' or 'content', got {fingerprint!r}")
-    if path.startswith("s3://"):
-        from foresight.bucket import open_bucket_dataset
-
-        cache_dir = cache_dir or os.environ.get("FORESIGHT_BUCKET_CACHE")
-        if not cache_dir:
-            raise ValueError(f"{path}: a bucket dataset is read through a local cache: pass cache_dir= "
-                             "or set FORESIGHT_BUCKET_CACHE (a node-local directory)")
-        return open_bucket_dataset(path, cache_dir, **bucket_options)
-    if cache_dir is not None:
-        raise TypeError(f"cache_dir applies to s3:// datasets only, not {path!r}")
+    if path.startswith("s3://") or os.path.isfile(os.path.join(path, ".foresight-cache", "state.json")):
+        raise FormatError("a dataset in a bucket (or its cache directory): open it with foresight.open_dataset",
+                          path=path)
     recover_overwrite(path, has_manifest)  # a pack --overwrite that crashed between its renames
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, ".foresight-cache", "state.json")):
-            # a bucket dataset's cache (a plan's recorded location): through its bucket, never its sparse files alone
-            from foresight.bucket.dataset import reopen_cache_dir
-
-            return reopen_cache_dir(path, **bucket_options)
-    if bucket_options:
-        raise TypeError(f"{', '.join(sorted(bucket_options))}: options of s3:// datasets only, not {path!r}")
     if os.path.isdir(path):
         return ShardedDataset(path)
     prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
     if os.path.exists(prefix + ".idx") or os.path.exists(prefix + ".bin"):
-        from .megatron import MegatronDataset
-
         return MegatronDataset(prefix, fingerprint=fingerprint)
     if os.path.exists(path):
         raise FormatError("not a foresight dataset directory nor a Megatron .idx/.bin prefix", path=path)
@@ -84,6 +65,10 @@ class ShardedDataset(Dataset):
     """A foresight dataset directory: ``manifest.json`` + ``shard-NNNNN.bin`` / ``shard-NNNNN.map`` pairs."""
 
     kind = "foresight"
+
+    def __reduce__(self) -> tuple:
+        # Mapped files and descriptors do not travel between processes: reopen (and revalidate) by path.
+        return (open_dataset, (self.path,))
 
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__()

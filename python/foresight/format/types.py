@@ -21,7 +21,8 @@ import numpy as np
 import xxhash
 
 from .._closing import Closing
-from ..errors import ChecksumError
+from ..errors import ChecksumError, FormatError
+from foresight.checksum import xxh3_many
 
 __all__ = ["Modality", "Extents", "Dataset", "TOKEN_DTYPES", "modality_names"]
 
@@ -169,8 +170,6 @@ class Dataset(Closing):
         shard, offset, length = int(ext.shard[0]), int(ext.offset[0]), int(ext.length[0])
         data = os.pread(self._fd(shard), length, offset)
         if len(data) != length:
-            from ..errors import FormatError
-
             raise FormatError(
                 f"short read: got {len(data)} of {length} bytes", path=self.shard_paths[shard], offset=offset,
                 sample=int(ids[0]),
@@ -196,8 +195,6 @@ class Dataset(Closing):
     def verify_packed(self, ids: np.ndarray | Sequence[int], buffer: np.ndarray, positions: np.ndarray) -> None:
         """Batch form of :meth:`verify`: sample ``ids[k]`` sits at ``buffer[positions[k]:]`` (its byte length
         comes from the map). Hashes in one native call when ``foresight._core`` provides ``xxh3_batch``."""
-        from foresight.checksum import xxh3_many
-
         ids = self._check_ids(ids)
         if self.checksums() is None or ids.size == 0:
             return
@@ -227,9 +224,3 @@ class Dataset(Closing):
             fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
-
-    def __reduce__(self) -> tuple:
-        # Mapped files and descriptors do not travel between processes: reopen (and revalidate) by path.
-        from .reader import open_dataset
-
-        return (open_dataset, (self.path,))

@@ -40,7 +40,7 @@ import xxhash
 from .. import __version__
 from foresight.checksum import file_xxh3, xxh3_many
 from foresight.errors import ForesightError
-from foresight.io.durable import aside_path, fsync_dir, recover_overwrite
+from foresight.io.durable import aside_path, fsync_dir, pid_alive, recover_overwrite
 from .manifest import MANIFEST_NAME, Manifest, ShardEntry
 from .reader import has_manifest
 from .shard_map import write_map
@@ -486,12 +486,6 @@ class DatasetWriter:
             m = pattern.match(entry)
             if not m:
                 continue
-            pid = int(m.group(1))
-            try:
-                os.kill(pid, 0)
+            if pid_alive(int(m.group(1))):
                 continue  # its writer still runs
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from foresight.errors import FormatError
 
-__all__ = ["aside_path", "fsync_dir", "fsync_path", "recover_overwrite"]
+__all__ = ["aside_path", "fsync_dir", "fsync_path", "pid_alive", "recover_overwrite"]
 
 log = logging.getLogger("foresight.io")
 
@@ -72,7 +72,7 @@ def recover_overwrite(path: str | os.PathLike, complete: Callable[[str], bool], 
         m = pattern.match(entry)
         if m:
             aside = os.path.join(parent, entry)
-            (live if m.group(1) and _alive(int(m.group(1))) else dead).append(aside)
+            (live if m.group(1) and pid_alive(int(m.group(1))) else dead).append(aside)
     if not (live or dead):
         return None
     target = os.path.join(parent, name)
@@ -116,7 +116,8 @@ def _pid_of(aside: str) -> int:
     return int(os.path.basename(aside).rsplit(".old-", 1)[1].split("-", 1)[0])
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (someone else's counts: signal 0 is refused, not unanswered)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

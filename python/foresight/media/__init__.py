@@ -16,7 +16,6 @@ from .audio import decode_audio
 from .image import decode_image
 from .pool import BatchHandle, DecodePool, estimate_cost
 from .probe import probe_media, video_pts
-from .reference import decode_all
 from .rng import keyed_rng
 from .sampling import AudioSampling, FrameSampling, draw_window, sample_frame_indices
 from .transforms import TransformSpec, library_versions, output_hash
@@ -28,7 +27,6 @@ __all__ = [
     "DecodePool",
     "FrameSampling",
     "TransformSpec",
-    "decode_all",
     "decode_audio",
     "decode_cost",
     "decode_image",

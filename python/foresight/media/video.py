@@ -45,7 +45,6 @@ from av.video.reformatter import VideoReformatter
 from ..errors import DecodeError
 from ._av import MEDIA_ERRORS, ensure_quiet_logging, open_media
 from .probe import INDEX_VERSION, mpeg4_packed, probe_media, video_pts
-from .reference import decode_all, frames_shown_at  # noqa: F401 - moved to reference.py; old imports still work
 from .sampling import FrameSampling, sample_frame_indices
 
 LAYOUTS = ("THWC", "TCHW")

@@ -2,7 +2,7 @@
 
 * :class:`NodeServer` (``server.py``): Arrow Flight daemon; actions, per-job queues, CPU guard, metrics.
 * :class:`NodeSource` (``client.py``): a loader decode stage whose decoding runs on the nodes, with local fallback.
-* :class:`Cluster` (``cluster.py``): nodes, shard placement and jobs in etcd; :class:`EtcdProcess` starts one.
+The etcd membership, auth and service limit it shares with replication live in :mod:`foresight.cluster`.
 
 Example::
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_EXPORTS = {"NodeServer": "server", "NodeSource": "client", "Cluster": "cluster", "EtcdProcess": "etcd_process"}
+_EXPORTS = {"NodeServer": "server", "NodeSource": "client"}
 
 
 def __getattr__(name: str) -> Any:

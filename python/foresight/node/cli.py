@@ -17,7 +17,15 @@ import signal
 import sys
 import threading
 
+from foresight.bucket.opener import open_dataset
+from foresight.cluster.auth import connect
+from foresight.cluster.membership import Cluster
+from foresight.cluster.throttle import ServiceLimit, parse_amounts
+from foresight.node.limits import WorkLimits
+from foresight.node.logs import setup_json_logging
+from foresight.node.server import NodeServer
 from foresight.node.stream_drain import CANCEL_WAIT_S, DEFAULT_SHUTDOWN_GRACE_S
+from foresight.replication.node_options import mount_from_args, prepare_from_args
 
 #: SIGTERM to exit is at most ``--shutdown-grace-s`` plus this: cancelling streams, leaving etcd, freeing jobs.
 EXIT_MARGIN_S = CANCEL_WAIT_S + 10.0
@@ -103,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _add_replication_arguments(p: argparse.ArgumentParser) -> None:
-    """Predictive checkpoint replication to another site (``--site`` mounts it; see checkpoint/replicate/).
+    """Predictive checkpoint replication to another site (``--site`` mounts it; see replication/).
     Defined here, not imported: importing foresight.checkpoint loads torch, which `node status` must not pay."""
     g = p.add_argument_group("checkpoint replication")
     g.add_argument("--site", default=None, help="this node's site; mounts checkpoint replication")
@@ -122,10 +130,6 @@ def _add_replication_arguments(p: argparse.ArgumentParser) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    from foresight.node.limits import WorkLimits
-    from foresight.node.logs import setup_json_logging
-    from foresight.node.server import NodeServer
-
     setup_json_logging(args.log_level)
     log = logging.getLogger("foresight.node")
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -134,12 +138,9 @@ def _serve(args: argparse.Namespace) -> int:
     cluster = None
     node_id_box: list[str] = []
     if args.etcd:
-        from foresight.node.cluster import Cluster
-
         cluster = Cluster(args.etcd)
     elif args.admission == "issued":
         raise SystemExit("foresight node serve: --admission issued needs --etcd (tokens are issued there)")
-    from foresight.checkpoint.replicate.node_options import mount_from_args, prepare_from_args
 
     replication = prepare_from_args(args)  # its slow imports before the node answers: mounted before serving
     server = NodeServer(
@@ -211,8 +212,7 @@ def _mount_replicas(server, cluster, args: argparse.Namespace):
     """The replica manager (replication hints, checkpoint reads under the service limit); needs etcd."""
     if cluster is None:
         return None
-    from foresight.node.replicas import ReplicaManager
-    from foresight.node.throttle import ServiceLimit, parse_amounts
+    from foresight.replication.replica_manager import ReplicaManager  # lazy: loads torch (node status must not)
 
     quota_bytes, quota_copies = parse_amounts(args.replica_quota, "--replica-quota")
     kw = {"safe_readers": args.safe_readers} if args.safe_readers else {}
@@ -225,13 +225,9 @@ def _mount_replicas(server, cluster, args: argparse.Namespace):
 def _node_statuses(args: argparse.Namespace) -> list[dict]:
     import pyarrow.flight as flight
 
-    from foresight.node.auth import connect
-
     if args.node:
         locations = args.node
     elif args.etcd:
-        from foresight.node.cluster import Cluster
-
         locations = [r["location"] for _, r in sorted(Cluster(args.etcd).nodes().items())]
     else:
         raise SystemExit("foresight node status: give --etcd or --node")
@@ -279,9 +275,6 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _place(args: argparse.Namespace) -> int:
-    from foresight.format import open_dataset
-    from foresight.node.cluster import Cluster
-
     ds = open_dataset(args.dataset)
     cluster = Cluster(args.etcd)
     fp = str(ds.fingerprint)
@@ -299,7 +292,5 @@ def _place(args: argparse.Namespace) -> int:
 
 
 def _job_token(args: argparse.Namespace) -> int:
-    from foresight.node.cluster import Cluster
-
     print(Cluster(args.etcd).issue_job_token(args.job))
     return 0

@@ -40,11 +40,11 @@ import numpy as np
 import pyarrow.flight as flight
 
 from foresight.errors import NodeError
+from foresight.cluster.auth import call_options, connect
+from foresight.cluster.membership import DEFAULT_PREFIX, Cluster
 from foresight.loader.batch import Batch
 from foresight.loader.options import resolve_rank
 from foresight.media import output_hash
-from foresight.node.auth import call_options, connect
-from foresight.node.cluster import DEFAULT_PREFIX, Cluster
 from foresight.node.jobs import spec_digest
 from foresight.node.plans import upload_plan
 from foresight.node.protocol import (GUARD_REPLIES, KIND_DEFERRED, KIND_RAW, corrupt_positions, decode_blocks,

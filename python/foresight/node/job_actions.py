@@ -20,7 +20,7 @@ import time
 import pyarrow.flight as flight
 
 from foresight.errors import ForesightError, NodeError, ProtocolError
-from foresight.node.auth import caller_of, cluster_job
+from foresight.cluster.auth import caller_of, cluster_job
 from foresight.node.jobs import NodeJob, resolve_under, spec_digest
 from foresight.node.plans import receive_plan
 from foresight.node.protocol import PROTOCOL_VERSION

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from foresight.errors import ProtocolError
+from foresight.format import Modality
 
 CHANNELS = 3  # images and video frames decode to RGB
 ITEMSIZE = {"uint8": 1, "float16": 2, "bfloat16": 2, "float32": 4}
@@ -176,8 +177,6 @@ def check_job(limits: WorkLimits, specs: dict, datasets: list, *, samples_per_st
     """Refuse (:class:`ProtocolError`, one line naming the spec field) a job whose specs can make a sample, a step
     part or its decoding larger than the node's caps; returns the bounds (``output_bytes_per_sample``,
     ``step_bytes``, ``decode_bytes``) for the registration's answer."""
-    from foresight.format import Modality
-
     per_sample = {}
     for name, spec in specs.items():
         code = int(Modality.parse(name))

@@ -26,7 +26,10 @@ from collections.abc import Callable
 from typing import Any
 
 from foresight.errors import PlanError, ProtocolError
-from foresight.plan.store import COMPACT_FORMAT_VERSIONS, PLAN_JSON
+from foresight.plan import load_plan
+from foresight.plan.compact import COMPACT_FORMAT_VERSIONS
+from foresight.plan.compact_store import rebuild_compact
+from foresight.plan.files import PLAN_JSON
 
 UPLOAD_DIR = os.path.join(".uploads", "plans")
 _FILE = re.compile(r"^(plan\.json|[a-z_]{1,40}\.npy)$")
@@ -75,8 +78,6 @@ def upload_plan(client, plan_dir: str, digest: str, options) -> int:
 
 def _derive_compact(tmp: str, find_dataset: Callable[[str], Any] | None) -> None:
     """A compact plan uploaded as plan.json alone: its block_prefix.npy computed here from the node's datasets."""
-    from foresight.plan.compact_store import rebuild_compact
-
     try:
         with open(os.path.join(tmp, PLAN_JSON), "rb") as f:
             sources = json.loads(f.read())["inputs"]["sources"]
@@ -98,8 +99,6 @@ def receive_plan(root: str, digest: str, reader, *, max_bytes: int,
                  find_dataset: Callable[[str], Any] | None = None) -> str:
     """Write an uploaded plan under ``root`` and verify it; returns its name relative to ``root``. A compact plan
     sent as plan.json alone is completed from the datasets ``find_dataset(fingerprint)`` opens (None: not held)."""
-    from foresight.plan import load_plan
-
     if not re.match(r"^sha256:[0-9a-f]{64}$", digest):
         raise ProtocolError("plan digest must be 'sha256:<64 hex>'", digest=digest[:80])
     rel = os.path.join(UPLOAD_DIR, digest.split(":", 1)[1])

@@ -29,15 +29,17 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable
 
 import numpy as np
 
+from foresight._native import load
+from foresight.cluster.requests import check_fields, check_ident, fail
 from foresight.errors import ProtocolError
+from foresight.format import Modality
+from foresight.media import TransformSpec
 
 PROTOCOL_VERSION = 1
-HEADER_JOB = "x-foresight-job"
-HEADER_TOKEN = "x-foresight-token"
 #: Largest action body or ticket accepted, in bytes (plans never travel in actions).
 MAX_MESSAGE_BYTES = 64 << 10
 #: Deepest nesting of arrays and objects accepted in a request (the deepest real one, register_job, has 4).
@@ -47,57 +49,44 @@ MAX_BATCH_BYTES = 8 << 20
 KIND_DECODED, KIND_RAW, KIND_DEFERRED = "decoded", "raw", "deferred"
 #: What a job asks a node under its CPU guard to answer: the raw sample bytes, or "read them yourself".
 GUARD_REPLIES = ("raw", "defer")
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bfloat16")
-
-
-def _fail(message: str, **context: Any) -> None:
-    raise ProtocolError(message, **context)
 
 
 def _int(v: Any, name: str, lo: int, hi: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        _fail(f"{name} must be an integer in [{lo}, {hi}]", got=repr(v)[:40])
-    return v
-
-
-def _ident(v: Any, name: str) -> str:
-    if not isinstance(v, str) or not _ID.match(v):
-        _fail(f"{name} must be 1-128 characters of [A-Za-z0-9._-] starting with a letter or digit", got=repr(v)[:40])
+        fail(f"{name} must be an integer in [{lo}, {hi}]", got=repr(v)[:40])
     return v
 
 
 def _relpath(v: Any, name: str) -> str:
     """A dataset or plan name relative to the node's data root; the server also checks it resolves inside."""
     if not isinstance(v, str) or not 0 < len(v) <= 512 or "\x00" in v:
-        _fail(f"{name} must be a non-empty path of at most 512 characters", got=repr(v)[:40])
+        fail(f"{name} must be a non-empty path of at most 512 characters", got=repr(v)[:40])
     if v.startswith("/") or any(part in ("..", "") for part in v.split("/")):
-        _fail(f"{name} must be relative to the data root, without '..' or empty parts", got=v[:80])
+        fail(f"{name} must be relative to the data root, without '..' or empty parts", got=v[:80])
     return v
 
 
 def _digest(v: Any, name: str) -> str:
     if not isinstance(v, str) or not re.match(r"^[a-z0-9]{2,16}:[0-9a-f]{8,128}$", v):
-        _fail(f"{name} must look like 'sha256:<hex>'", got=repr(v)[:40])
+        fail(f"{name} must look like 'sha256:<hex>'", got=repr(v)[:40])
     return v
 
 
 def _spec_dict(v: Any, modality: str) -> dict:
-    from foresight.media import TransformSpec
-
     if not isinstance(v, dict):
-        _fail("a transform spec must be a JSON object", modality=modality)
+        fail("a transform spec must be a JSON object", modality=modality)
     allowed = set(TransformSpec.__dataclass_fields__)
     unknown = sorted(set(v) - allowed)
     if unknown:
-        _fail("unknown transform spec fields (only the registered TransformSpec fields are accepted)",
-              modality=modality, fields=",".join(unknown)[:80])
+        fail("unknown transform spec fields (only the registered TransformSpec fields are accepted)",
+             modality=modality, fields=",".join(unknown)[:80])
     try:
         spec = TransformSpec.from_dict(v)
     except (TypeError, ValueError, KeyError) as e:
         raise ProtocolError(f"bad transform spec: {e}", modality=modality) from None
     if spec.modality != modality:
-        _fail("spec modality differs from its key", key=modality, modality=spec.modality)
+        fail("spec modality differs from its key", key=modality, modality=spec.modality)
     return spec.to_dict()
 
 
@@ -105,19 +94,19 @@ def _parse(body: bytes, what: str) -> dict:
     """A request body as a JSON object, bounded before parsing: at most :data:`MAX_MESSAGE_BYTES` bytes and
     :data:`MAX_NESTING` levels (the parser recurses per level); anything else is one-line :class:`ProtocolError`."""
     if not isinstance(body, (bytes, bytearray, memoryview)):
-        _fail(f"{what} must be bytes")
+        fail(f"{what} must be bytes")
     body = bytes(body)
     if len(body) > MAX_MESSAGE_BYTES:
-        _fail(f"{what} is larger than the node accepts", bytes=len(body), limit=MAX_MESSAGE_BYTES)
+        fail(f"{what} is larger than the node accepts", bytes=len(body), limit=MAX_MESSAGE_BYTES)
     depth = nesting_depth(body)
     if depth > MAX_NESTING:
-        _fail(f"{what} is nested deeper than the node accepts", depth=depth, limit=MAX_NESTING)
+        fail(f"{what} is nested deeper than the node accepts", depth=depth, limit=MAX_NESTING)
     try:
         obj = json.loads(body.decode("utf-8") or "{}", parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError) as e:
         raise ProtocolError(f"{what} is not valid JSON: {e}"[:200]) from None
     if not isinstance(obj, dict):
-        _fail(f"{what} must be a JSON object")
+        fail(f"{what} must be a JSON object")
     return obj
 
 
@@ -139,36 +128,25 @@ def parse_request(body: bytes, what: str = "request") -> dict:
 
 
 def _no_constant(name: str) -> None:
-    _fail(f"JSON constant {name} is not accepted")
-
-
-def _only(obj: dict, required: Sequence[str], optional: Sequence[str], what: str) -> None:
-    missing = [k for k in required if k not in obj]
-    if missing:
-        _fail(f"{what} lacks fields", missing=",".join(missing))
-    unknown = sorted(set(obj) - set(required) - set(optional))
-    if unknown:
-        _fail(f"{what} has unknown fields", fields=",".join(unknown)[:80])
+    fail(f"JSON constant {name} is not accepted")
 
 
 def _register_job(o: dict) -> dict:
-    from foresight.format import Modality
-
-    _only(o, ("job", "datasets", "plan", "plan_digest", "rank", "world_size", "specs", "seed"),
-          ("step", "lead", "queue_bytes", "spec_digest", "version", "guard_reply"), "register_job")
+    check_fields(o, ("job", "datasets", "plan", "plan_digest", "rank", "world_size", "specs", "seed"),
+                 ("step", "lead", "queue_bytes", "spec_digest", "version", "guard_reply"), "register_job")
     ds = o["datasets"]
     if not isinstance(ds, list) or not 1 <= len(ds) <= 64:
-        _fail("datasets must be a list of 1 to 64 names")
+        fail("datasets must be a list of 1 to 64 names")
     specs = o["specs"]
     labels = {m.label for m in Modality}
     if not isinstance(specs, dict) or not 1 <= len(specs) <= len(labels):
-        _fail("specs must map modality names to transform specs")
+        fail("specs must map modality names to transform specs")
     for k in specs:
         if k not in labels:
-            _fail(f"spec for unknown modality; allowed: {sorted(labels)}", modality=str(k)[:20])
+            fail(f"spec for unknown modality; allowed: {sorted(labels)}", modality=str(k)[:20])
     world = _int(o["world_size"], "world_size", 1, 1 << 20)
     out = {
-        "job": _ident(o["job"], "job"),
+        "job": check_ident(o["job"], "job"),
         "datasets": [_relpath(d, "dataset") for d in ds],
         "plan": _relpath(o["plan"], "plan"),
         "plan_digest": _digest(o["plan_digest"], "plan_digest"),
@@ -179,27 +157,27 @@ def _register_job(o: dict) -> dict:
         "step": _int(o.get("step", 0), "step", 0, 1 << 40),
         "lead": _int(o.get("lead", 2), "lead", 1, 64),
         "queue_bytes": _int(o.get("queue_bytes", 256 << 20), "queue_bytes", 1, 1 << 40),
-        "spec_digest": None if o.get("spec_digest") is None else _ident(o["spec_digest"], "spec_digest"),
+        "spec_digest": None if o.get("spec_digest") is None else check_ident(o["spec_digest"], "spec_digest"),
         "version": _int(o.get("version", PROTOCOL_VERSION), "version", PROTOCOL_VERSION, PROTOCOL_VERSION),
         "guard_reply": o.get("guard_reply", "raw"),
     }
     if out["guard_reply"] not in GUARD_REPLIES:
-        _fail(f"guard_reply must be one of {list(GUARD_REPLIES)}")
+        fail(f"guard_reply must be one of {list(GUARD_REPLIES)}")
     return out
 
 
 def _progress(o: dict) -> dict:
-    _only(o, ("job", "step"), ("rank",), "progress")
-    return {"job": _ident(o["job"], "job"), "step": _int(o["step"], "step", -1, 1 << 40)}
+    check_fields(o, ("job", "step"), ("rank",), "progress")
+    return {"job": check_ident(o["job"], "job"), "step": _int(o["step"], "step", -1, 1 << 40)}
 
 
 def _job_only(o: dict) -> dict:
-    _only(o, ("job",), (), "request")
-    return {"job": _ident(o["job"], "job")}
+    check_fields(o, ("job",), (), "request")
+    return {"job": check_ident(o["job"], "job")}
 
 
 def _empty(o: dict) -> dict:
-    _only(o, (), (), "request")
+    check_fields(o, (), (), "request")
     return {}
 
 
@@ -217,7 +195,7 @@ def decode_action(name: str, body: bytes, decoders: dict | None = None) -> dict:
     """The checked request of action ``name``; :class:`ProtocolError` for anything unexpected."""
     decoders = ACTION_DECODERS if decoders is None else decoders
     if name not in decoders:
-        _fail(f"unknown action; known: {sorted(decoders)}", action=str(name)[:40])
+        fail(f"unknown action; known: {sorted(decoders)}", action=str(name)[:40])
     return decoders[name](_parse(body, f"{name} request"))
 
 
@@ -227,8 +205,8 @@ def encode_ticket(job: str, *, rank: int, step: int) -> bytes:
 
 def decode_ticket(body: bytes) -> dict:
     o = _parse(body, "ticket")
-    _only(o, ("job", "rank", "step"), (), "ticket")
-    return {"job": _ident(o["job"], "job"), "rank": _int(o["rank"], "rank", 0, 1 << 20),
+    check_fields(o, ("job", "rank", "step"), (), "ticket")
+    return {"job": check_ident(o["job"], "job"), "rank": _int(o["rank"], "rank", 0, 1 << 20),
             "step": _int(o["step"], "step", 0, 1 << 40)}
 
 
@@ -255,7 +233,7 @@ def corrupt_positions(schema) -> np.ndarray:
     try:
         return np.asarray([int(p) for p in raw.split(b",") if p], dtype=np.int64)
     except ValueError:
-        _fail("a part's corrupt metadata is not a list of positions", got=raw[:40])
+        fail("a part's corrupt metadata is not a list of positions", got=raw[:40])
 
 
 def _as_numpy(t) -> tuple[np.ndarray, str]:
@@ -326,8 +304,6 @@ def encode_raw(region: np.ndarray, x_dest: np.ndarray, lengths: np.ndarray, posi
     alignment padding dropped) by one native call per batch. Returns ``(schema, batches, copied_bytes)``."""
     import pyarrow as pa
 
-    from foresight._native import load
-
     core = load("_core")
     schema = _schema(KIND_RAW, step, node, corrupt)
     lengths = np.ascontiguousarray(lengths, dtype=np.int64)
@@ -380,7 +356,7 @@ def raw_samples(batches: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
         values = col.buffers()[2]
         data = np.frombuffer(values, dtype=np.uint8) if values is not None else np.zeros(0, np.uint8)
         if offs[-1] > data.nbytes or np.any(np.diff(offs) < 0):
-            _fail("raw record batch has offsets outside its data")
+            fail("raw record batch has offsets outside its data")
         parts.append((b.column(0).to_numpy(), data, offs[:-1].copy(), np.diff(offs)))
     if not parts:
         z = np.zeros(0, np.int64)
@@ -418,7 +394,7 @@ def decode_tensors(table_batches: Iterable, *, as_torch: bool = True) -> list[tu
     for batch in table_batches:
         cols = {name: batch.column(i) for i, name in enumerate(batch.schema.names)}
         if set(cols) != {"position", "modality", "dtype", "shape", "data"}:
-            _fail("record batch has unexpected columns", columns=",".join(batch.schema.names))
+            fail("record batch has unexpected columns", columns=",".join(batch.schema.names))
         data = cols["data"]
         offsets = np.frombuffer(data.buffers()[1], dtype=np.int64)[data.offset: data.offset + len(data) + 1]
         values = data.buffers()[2]
@@ -430,11 +406,11 @@ def decode_tensors(table_batches: Iterable, *, as_torch: bool = True) -> list[tu
         for i in range(len(batch)):
             dtype, shape = dtypes[i], tuple(shapes[i])
             if dtype not in _DTYPES or any(s < 0 for s in shape):
-                _fail("tensor row has a bad dtype or shape", position=int(positions[i]), dtype=dtype)
+                fail("tensor row has a bad dtype or shape", position=int(positions[i]), dtype=dtype)
             np_dtype = np.dtype("int16" if dtype == "bfloat16" else dtype)
             view = raw[int(offsets[i]): int(offsets[i + 1])]
             if view.nbytes != int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize:
-                _fail("tensor row's bytes do not match its shape", position=int(positions[i]), shape=shape)
+                fail("tensor row's bytes do not match its shape", position=int(positions[i]), shape=shape)
             arr = view.view(np_dtype).reshape(shape)
             out.append((int(positions[i]), modalities[i], _to_torch(arr, dtype) if as_torch else arr))
     return out
@@ -452,7 +428,7 @@ def decode_blocks(batches: Iterable) -> list[tuple[str, np.ndarray, Any]]:
             continue
         names = batch.schema.names
         if names != ["position", "modality", "dtype", "shape", "data"]:
-            _fail("record batch has unexpected columns", columns=",".join(names))
+            fail("record batch has unexpected columns", columns=",".join(names))
         shape_col, data = batch.column(3), batch.column(4)
         n = len(batch)
         uniform = (pc.count_distinct(batch.column(1)).as_py() == 1 and pc.count_distinct(batch.column(2)).as_py() == 1)
@@ -471,16 +447,16 @@ def decode_blocks(batches: Iterable) -> list[tuple[str, np.ndarray, Any]]:
             continue
         dtype, shape = batch.column(2)[0].as_py(), tuple(int(d) for d in dims[0])
         if dtype not in _DTYPES or any(d < 0 for d in shape):
-            _fail("tensor block has a bad dtype or shape", dtype=dtype)
+            fail("tensor block has a bad dtype or shape", dtype=dtype)
         np_dtype = np.dtype("int16" if dtype == "bfloat16" else dtype)
         per = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
         offsets = np.frombuffer(data.buffers()[1], dtype=np.int64)[data.offset: data.offset + n + 1]
         if not np.array_equal(offsets - offsets[0], np.arange(n + 1, dtype=np.int64) * per):
-            _fail("tensor block's bytes do not match its shape", shape=shape)
+            fail("tensor block's bytes do not match its shape", shape=shape)
         values = data.buffers()[2]
         raw = np.frombuffer(values, dtype=np.uint8) if values is not None else np.zeros(0, np.uint8)
         if int(offsets[-1]) > raw.nbytes:
-            _fail("tensor block runs past its data")
+            fail("tensor block runs past its data")
         arr = raw[int(offsets[0]): int(offsets[-1])].view(np_dtype).reshape((n, *shape))
         out.append((batch.column(1)[0].as_py(), batch.column(0).to_numpy(), _to_torch(arr, dtype)))
     return out
@@ -497,7 +473,7 @@ def _to_torch(arr: np.ndarray, dtype: str):
 
 
 __all__ = [
-    "ACTION_DECODERS", "HEADER_JOB", "HEADER_TOKEN", "KIND_DECODED", "KIND_RAW", "MAX_BATCH_BYTES", "MAX_NESTING",
+    "ACTION_DECODERS", "KIND_DECODED", "KIND_RAW", "MAX_BATCH_BYTES", "MAX_NESTING",
     "nesting_depth", "parse_request",
     "MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "ProtocolError", "decode_action", "decode_blocks", "decode_ticket",
     "decode_tensors",

@@ -35,15 +35,15 @@ import pyarrow.flight as flight
 # the decode stack, imported with the server so that a job's first registration does not pay for it (and time out)
 import foresight.loader  # noqa: F401
 import foresight.media  # noqa: F401
+from foresight.bucket.opener import open_dataset
+from foresight.cluster.auth import Admission, HeaderMiddlewareFactory, read_pem
+from foresight.cluster.metrics import NodeMetrics
 from foresight.errors import ForesightError, NodeError, ProtocolError
-from foresight.format import open_dataset
 from foresight.io import IOEngine
-from foresight.node.auth import Admission, HeaderMiddlewareFactory, read_pem
 from foresight.node.guard import CpuGuard
 from foresight.node.job_actions import JobActions
 from foresight.node.jobs import NodeJob
 from foresight.node.limits import WorkLimits
-from foresight.node.metrics import NodeMetrics
 from foresight.node.protocol import ACTION_DECODERS, decode_action, decode_ticket, parse_request
 from foresight.node.queue import Scheduler
 from foresight.node.root_index import RootIndex, scan_root
@@ -80,7 +80,7 @@ class NodeServer(JobActions, flight.FlightServerBase):
             then they are cancelled: :meth:`stop` returns within ``shutdown_grace_s + CANCEL_WAIT_S``.
         admission: ``"open"`` (a job without an issued token is bound by its first caller's token) or ``"issued"``
             (only tokens issued in the cluster admit); issued_tokens: ``job -> sha256 of its issued token or None``
-            (:meth:`Cluster.job_token_digest`); see :class:`~foresight.node.auth.Admission`.
+            (:meth:`Cluster.job_token_digest`); see :class:`~foresight.cluster.auth.Admission`.
         max_jobs_per_caller: distinct jobs one caller may have registered at once (default ``max_jobs // 2``).
     """
 

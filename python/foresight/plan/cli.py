@@ -46,9 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from foresight.format import open_dataset
-    from foresight.format.writer import check_parent_dir
-    from foresight.plan.builder import build_plan
+    from foresight.bucket.opener import open_dataset  # lazy: pyarrow, numpy (plan --help stays fast)
+    from foresight.format.writer import check_parent_dir  # lazy: plan --help stays fast
+    from foresight.plan.builder import build_plan  # lazy: plan --help stays fast
 
     # Errors are reported by foresight.cli as one line naming the path.
     weights = args.weights or [1.0] * len(args.datasets)

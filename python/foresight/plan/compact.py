@@ -48,7 +48,8 @@ import numpy as np
 
 from foresight._native import load
 from foresight.errors import PlanError
-from foresight.plan.locations import describe_sources
+from foresight.plan.files import compute_digest
+from foresight.plan.locations import describe_sources, open_plan_datasets
 from foresight.plan.permute import INNER_ORDER, MASK64, block_key, derive_key
 from foresight.plan.plan import FORMAT_NAME, Pieces, Plan
 
@@ -372,8 +373,6 @@ class CompactPlan(Plan):
     @property
     def digest(self) -> str:
         if self._digest is None:
-            from foresight.plan.store import compute_digest
-
             self._digest = compute_digest(self.header(), self.arrays, COMPACT_ARRAYS)
         return self._digest
 
@@ -457,8 +456,6 @@ class CompactPlan(Plan):
     # ---- internals ------------------------------------------------------------------------------------
     def _sources(self) -> list:
         if self._datasets is None:
-            from foresight.plan.locations import open_plan_datasets
-
             try:
                 self._datasets = open_plan_datasets(self)
             except PlanError as e:

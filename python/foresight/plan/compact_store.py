@@ -24,9 +24,9 @@ from foresight.plan.compact import (
     COMPACT_ARRAYS, COMPACT_FORMAT_VERSIONS, SHUFFLE, CompactPlan, blend_counts, blend_pattern, blend_period,
     _kernels, advise, block_layout, derive_block_prefix, items_per_source,
 )
+from foresight.plan.files import _DIGEST_RE, PLAN_JSON, _Bad, _field, _load_array, _require, compute_digest
 from foresight.plan.permute import MASK64
 from foresight.plan.plan import FORMAT_NAME
-from foresight.plan.store import _DIGEST_RE, PLAN_JSON, _Bad, _field, _load_array, _require, compute_digest
 
 
 def prefix_length(summary: dict[str, Any]) -> int:

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> str:
-    from foresight.plan.store import load_plan
+    from foresight.plan.store import load_plan  # lazy: numpy (inspect --help stays fast)
 
     plan = load_plan(args.path, verify=not args.no_verify)
     if args.step is None:
@@ -74,7 +74,7 @@ def step_text(step: dict) -> str:
 
 
 def _dataset(path: str) -> str:
-    from foresight.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest
+    from foresight.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest  # lazy: --help stays fast
 
     manifest = os.path.join(path, MANIFEST_NAME)
     if os.path.isfile(manifest):
@@ -82,7 +82,7 @@ def _dataset(path: str) -> str:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
         # Only a valid foresight manifest is printed (any other JSON there is refused, naming the file).
         return json.dumps(parse_manifest(raw, path=manifest).to_json(), indent=1)
-    from foresight.format import open_dataset
+    from foresight.bucket.opener import open_dataset  # lazy: pyarrow (inspect --help stays fast)
 
     ds = open_dataset(path)
     info = {

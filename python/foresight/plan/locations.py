@@ -20,6 +20,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from foresight.bucket.opener import open_dataset
 from foresight.errors import FormatError, PlanError
 
 SOURCES_JSON = "sources.json"
@@ -69,8 +70,6 @@ def read_sources(plan_dir: str) -> list[dict[str, Any]] | None:
 
 
 def _open(path: str, mode: str):
-    from foresight.format import open_dataset
-
     return open_dataset(path, fingerprint=mode if mode in ("index", "content") else "index")
 
 

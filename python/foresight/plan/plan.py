@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from foresight.errors import PlanError
+from foresight.plan.files import compute_digest, save_plan
 
 #: The arrays of a plan, in digest order, with their on-disk dtypes (little-endian).
 ARRAY_DTYPES: dict[str, str] = {
@@ -50,6 +51,8 @@ class Pieces(NamedTuple):
 class Plan:
     """A built or loaded plan. Build with :func:`foresight.plan.build_plan`, open with
     :func:`foresight.plan.load_plan`; ``plan.save(dir)`` writes it atomically."""
+
+    array_dtypes = ARRAY_DTYPES  # the files of this plan kind (the compact kind has its own)
 
     def __init__(
         self,
@@ -109,9 +112,7 @@ class Plan:
     def digest(self) -> str:
         """``"sha256:<hex>"`` over the canonical inputs, summary and array bytes."""
         if self._digest is None:
-            from foresight.plan.store import compute_digest
-
-            self._digest = compute_digest(self.header(), self.arrays)
+            self._digest = compute_digest(self.header(), self.arrays, ARRAY_DTYPES)
         return self._digest
 
     def header(self) -> dict[str, Any]:
@@ -231,8 +232,6 @@ class Plan:
 
     def save(self, path: str, *, overwrite: bool = False) -> str:
         """Write the plan directory atomically (temp dir, fsync, rename); returns ``path``."""
-        from foresight.plan.store import save_plan
-
         return save_plan(self, path, overwrite=overwrite)
 
     def _check_step(self, step: int) -> int:

@@ -18,111 +18,22 @@ Example::
 """
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
-import numbers
 import os
-import re
-import shutil
-import tempfile
 from typing import Any
 
 import numpy as np
 
 from foresight.errors import FormatError, PlanError
-from foresight.io.durable import aside_path, fsync_dir, recover_overwrite
-from foresight.plan.locations import write_sources
+from foresight.plan.compact import COMPACT_FORMAT_VERSIONS
+from foresight.plan.compact_store import load_compact
+from foresight.plan.files import (
+    _DIGEST_RE, CHUNK, MAX_JSON_BYTES, PLAN_JSON, _Bad, _field, _load_array, _recover, _require, compute_digest,
+)
 from foresight.plan.plan import ARRAY_DTYPES, FORMAT_NAME, FORMAT_VERSION, Plan
 
-PLAN_JSON = "plan.json"
-MAX_JSON_BYTES = 64 << 20
-COMPACT_FORMAT_VERSIONS = (2, 3)  # read by plan/compact_store.py (imported lazily: it imports this module)
-CHUNK = 1 << 22  # elements per chunk of the structural checks and hashing (bounded memory)
-_DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 SHUFFLES = ("global", "block")
 KINDS = ("tokens", "samples")
-
-
-def canonical_json(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-
-
-def compute_digest(header: dict[str, Any], arrays: dict[str, np.ndarray],
-                   dtypes: dict[str, str] = ARRAY_DTYPES) -> str:
-    """sha256 over the canonical header and each array's little-endian bytes, in a fixed order (``dtypes``:
-    the plan kind's arrays)."""
-    h = hashlib.sha256(canonical_json(header))
-    for name, dtype in dtypes.items():
-        arr = arrays[name]
-        for lo in range(0, arr.shape[0], CHUNK):
-            h.update(np.ascontiguousarray(arr[lo : lo + CHUNK], dtype=dtype).data)
-    return "sha256:" + h.hexdigest()
-
-
-def save_plan(plan: Plan, path: str, *, overwrite: bool = False) -> str:
-    """Write ``plan`` to the directory ``path``: files go to a temp dir beside it, are fsynced,
-    then the dir is renamed into place, so a crash never leaves a half-written plan at ``path`` (an overwrite that
-    crashed between its two renames leaves the old plan aside: the next save or load renames it back)."""
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    _recover(path)
-    if os.path.lexists(path) and not overwrite:
-        raise PlanError("plan directory already exists (pass overwrite=True to replace it)", path=path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-    current = tmp
-    try:
-        for name, dtype in getattr(plan, "array_dtypes", ARRAY_DTYPES).items():  # a compact plan has its own
-            current = os.path.join(tmp, name + ".npy")
-            with open(current, "wb") as f:
-                np.save(f, np.asarray(plan.arrays[name]).astype(dtype, copy=False), allow_pickle=False)
-                f.flush()
-                os.fsync(f.fileno())
-        doc = dict(plan.header(), digest=plan.digest)
-        current = os.path.join(tmp, PLAN_JSON)
-        with open(current, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        current = tmp
-        write_sources(tmp, getattr(plan, "source_locations", None))  # outside the digest: machine-specific
-        fsync_dir(tmp)
-        os.chmod(tmp, 0o755)
-        current = path
-        if os.path.lexists(path):
-            aside = aside_path(path)  # a crash before the next rename: load_plan renames it back
-            os.rename(path, aside)
-            os.rename(tmp, path)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.rename(tmp, path)
-        fsync_dir(parent)
-    except OSError as e:
-        # np.save reports a short write ("N requested and M written") with no errno and no file name: tell a full
-        # disk apart (no free blocks left), name the file, and say that nothing was left behind
-        code = e.errno
-        if code is None:
-            try:
-                code = errno.ENOSPC if os.statvfs(parent).f_bavail == 0 else errno.EIO
-            except OSError:
-                code = errno.EIO
-        shutil.rmtree(tmp, ignore_errors=True)
-        reason = os.strerror(code) + ("" if e.errno is not None else f" ({e})")
-        raise OSError(code, f"{reason}; the plan {path} was not written (its partial files were removed)",
-                      current) from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    plan.path = path
-    return path
-
-
-def _recover(path: str) -> None:
-    """Finish an overwrite that crashed between its two renames (earlier versions kept the old plan in
-    ``.NAME.old-XXXXXXXX/plan``)."""
-    recover_overwrite(path, lambda d: os.path.isfile(os.path.join(d, PLAN_JSON)), legacy_inner="plan")
 
 
 def load_plan(path: str, *, verify: bool = True) -> Plan:
@@ -137,15 +48,13 @@ def load_plan(path: str, *, verify: bool = True) -> Plan:
         raise FormatError("not a plan directory: plan.json is missing (an unfinished save?)", path=json_path)
     doc = _read_json(json_path)
     if isinstance(doc, dict) and doc.get("format_version") in COMPACT_FORMAT_VERSIONS:
-        from foresight.plan.compact_store import load_compact
-
         return load_compact(path, doc, verify=verify)
     header, digest = _check_header(doc, json_path)
     arrays = {name: _load_array(path, name, header["arrays"][name]) for name in ARRAY_DTYPES}
     _check_arrays(header, arrays, path)
     plan = Plan(inputs=header["inputs"], summary=header["summary"], arrays=arrays, digest=digest, path=path)
     if verify:
-        actual = compute_digest(header, arrays)
+        actual = compute_digest(header, arrays, ARRAY_DTYPES)
         if actual != digest:
             raise PlanError("plan files do not match their digest (corrupt or edited)", path=path,
                             expected=digest, actual=actual)
@@ -170,32 +79,6 @@ def _read_json(json_path: str) -> Any:
         raise FormatError(f"plan.json is not valid JSON: {e.msg}", path=json_path, offset=e.pos) from None
     except RecursionError:
         raise FormatError("plan.json nests too deeply", path=json_path) from None
-
-
-class _Bad(Exception):
-    pass
-
-
-def _field(obj: Any, key: str, kinds: tuple, where: str, *, optional: bool = False) -> Any:
-    if not isinstance(obj, dict) or key not in obj:
-        raise _Bad(f"{where}.{key} is missing")
-    value = obj[key]
-    if value is None and optional:
-        return None
-    ok = any(
-        (k is int and isinstance(value, int) and not isinstance(value, bool))
-        or (k is float and isinstance(value, numbers.Real) and not isinstance(value, bool))
-        or (k not in (int, float) and isinstance(value, k))
-        for k in kinds
-    )
-    if not ok:
-        raise _Bad(f"{where}.{key} has the wrong type ({type(value).__name__})")
-    return value
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise _Bad(message)
 
 
 def _check_header(doc: Any, json_path: str) -> tuple[dict[str, Any], str]:
@@ -267,22 +150,6 @@ def _check_header(doc: Any, json_path: str) -> tuple[dict[str, Any], str]:
 
 
 # ---- arrays ----------------------------------------------------------------------------------
-def _load_array(path: str, name: str, spec: dict[str, Any]) -> np.ndarray:
-    file = os.path.join(path, name + ".npy")
-    if not os.path.isfile(file):
-        raise FormatError("plan array file is missing", path=file)
-    try:
-        arr = np.load(file, mmap_mode="r", allow_pickle=False)
-    except Exception as e:  # noqa: BLE001  numpy raises ValueError/OSError/EOFError/SyntaxError... on bad headers
-        raise FormatError(f"unreadable .npy file: {type(e).__name__}: {e}", path=file) from None
-    if not isinstance(arr, np.ndarray) or arr.dtype.str != spec["dtype"] or arr.ndim != 1:
-        raise FormatError(f"{name} must be a 1-D {spec['dtype']} array", path=file,
-                          dtype=getattr(arr, "dtype", None), shape=getattr(arr, "shape", None))
-    if list(arr.shape) != spec["shape"]:
-        raise FormatError(f"{name} has the wrong length", path=file, expected=spec["shape"][0], actual=arr.shape[0])
-    return arr
-
-
 def _check_arrays(header: dict[str, Any], a: dict[str, np.ndarray], path: str) -> None:
     inputs, summary = header["inputs"], header["summary"]
     num_items, num_pieces = summary["num_items"], summary["num_pieces"]

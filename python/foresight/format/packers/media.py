@@ -104,7 +104,7 @@ def media_meta(probe_media: Probe | None, data: bytes, mod: Modality, on_error: 
 
 def load_probe() -> Probe | None:
     try:
-        from ...media.probe import probe_media
+        from ...media.probe import probe_media  # lazy: PyAV (media extra); packing works without it
     except Exception as e:  # the media layer is optional here: store basic meta instead
         log.warning("foresight.media.probe not importable (%s); packing with basic meta only", e)
         return None

@@ -32,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from foresight.checkpoint.replicate.merge import merge_checkpoint
-    from foresight.checkpoint.replicate.source import LocalSource
+    from foresight.replication.merge import merge_checkpoint  # lazy: torch, safetensors (ckpt --help must not)
+    from foresight.replication.source import LocalSource  # lazy: ckpt --help stays fast
 
     groups = {}
     for g in args.group:
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not (args.etcd and args.site):
             raise SystemExit(f"{args.source!r} is not a directory; pass --etcd and --site to resolve it by name")
-        from foresight.checkpoint.replicate.resolver import Resolver
+        from foresight.replication.resolver import Resolver  # lazy: ckpt --help stays fast
 
         with Resolver(args.etcd, site=args.site) as res, res.open(args.source, token=args.token) as (loc, src):
             written = merge_checkpoint(src, args.out, groups=groups or None, depth=args.depth, reshard=args.reshard)

@@ -19,12 +19,13 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+
+from foresight.testing.processes import free_ports
 
 __all__ = ["SeaweedServer", "weed_binary", "ACCESS_KEY"]
 
@@ -44,19 +45,6 @@ def weed_binary() -> str | None:
     return here if os.access(here, os.X_OK) else shutil.which("weed")
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class SeaweedServer:
     """``weed mini`` as a child process with one S3 identity; ``stop()``/``start()`` keep its data and ports."""
 
@@ -74,7 +62,7 @@ class SeaweedServer:
                 "name": "foresight", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": self.secret_key}],
                 "actions": ["Admin", "Read", "Write", "List", "Tagging"],
             }]}, f)
-        self.ports = dict(zip(PORT_FLAGS, _free_ports(len(PORT_FLAGS))))
+        self.ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
         self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
         self.log_path = os.path.join(workdir, "weed.log")
         self.proc: subprocess.Popen | None = None

@@ -3,7 +3,7 @@
 Replication is per file. :class:`~foresight.checkpoint.dcp.ForesightStorageWriter` packs each rank's items into one
 ``__{rank}_data.bin``, so the rank that saves the replicated (whole) tensors packs them with its shards of the
 sharded ones, and a replication hint for the hot tensors copies those cold shards to every new replica as well
-(:meth:`~foresight.checkpoint.replica_plan.ReplicaPlan.wasteful` reports such files). :class:`HotFileStorageWriter`
+(:meth:`~foresight.replication.replica_plan.ReplicaPlan.wasteful` reports such files). :class:`HotFileStorageWriter`
 writes the items every rank reads -- whole tensors and bytes items -- to ``__{rank}_hot_data.bin`` and the shards
 of sharded tensors to ``__{rank}_data.bin``; the reader and the hints need nothing new.
 

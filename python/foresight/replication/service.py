@@ -43,9 +43,11 @@ import numpy as np
 import pyarrow as pa
 from pyarrow import flight
 
-from foresight.checkpoint.replicate.scheduler import PriorityLane
-from foresight.checkpoint.replicate.source import WIRE_CHUNK
-from foresight.checkpoint.replicate.units import (
+from foresight.errors import CheckpointError, ForesightError, ProtocolError
+from foresight.replication.resolver import Resolver
+from foresight.replication.scheduler import PriorityLane
+from foresight.replication.source import WIRE_CHUNK
+from foresight.replication.units import (
     UNIT_BYTES,
     ReplicaBuilder,
     Unit,
@@ -56,7 +58,6 @@ from foresight.checkpoint.replicate.units import (
     plan_units,
     read_unit,
 )
-from foresight.errors import CheckpointError, ForesightError, ProtocolError
 
 log = logging.getLogger("foresight.replicate")
 SCHEMA = pa.schema([("data", pa.binary())])
@@ -122,8 +123,6 @@ class ReplicationService:
         os.makedirs(self.root, exist_ok=True)
         self.resolver = None
         if etcd:
-            from foresight.checkpoint.replicate.resolver import Resolver
-
             self.resolver = Resolver(etcd, site=site)
         self.lane = PriorityLane(fifo=fifo)
         self.transfers: dict[str, Transfer] = {}

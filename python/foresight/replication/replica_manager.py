@@ -3,11 +3,11 @@
 Mounted on a :class:`~foresight.node.server.NodeServer` that is part of a cluster (``foresight node serve --etcd``).
 A job publishes the checkpoint files a node holds (``replicas.publish``: the base copies), declares before a
 restart which files its ranks will read and how many at once (``set_replication_hints``, see
-:mod:`foresight.checkpoint.hint_client`), and the node that receives the hint plans the extra copies
-(:func:`~foresight.checkpoint.replica_plan.plan_replicas`) and writes one *task* per copy in etcd. Each target node
+:mod:`foresight.replication.hint_client`), and the node that receives the hint plans the extra copies
+(:func:`~foresight.replication.replica_plan.plan_replicas`) and writes one *task* per copy in etcd. Each target node
 picks up its tasks (at once: the planning node wakes it with ``replicas.wake``; else within ``poll_s``), pulls the file from a holder over Flight (``DoGet ckpt.get`` with the task's grant), writes it
 under a temp name, checks its xxh3 against the base copy's, renames it into place and registers it under the
-hint's lease. Ranks read through :class:`~foresight.checkpoint.hint_client.ReplicaReader`, which picks the least
+hint's lease. Ranks read through :class:`~foresight.replication.hint_client.ReplicaReader`, which picks the least
 loaded live copy and verifies every file it reads.
 
 etcd keys (``{p}`` = the cluster prefix, ``{ckpt}`` = the checkpoint name URL-quoted; values JSON):
@@ -47,14 +47,17 @@ from urllib.parse import quote
 
 import pyarrow.flight as flight
 
-from foresight.checkpoint.hints import MAX_TTL_S, FileHint, HintError, validate_hints
-from foresight.checkpoint.replica_plan import DEFAULT_BASE_REPLICAS, DEFAULT_SAFE_READERS, plan_replicas
 from foresight.checksum import file_xxh3
+from foresight.cluster.auth import connect
+from foresight.cluster.requests import check_fields, check_ident, fail
+from foresight.cluster.throttle import ServiceLimit
 from foresight.errors import NodeError, ProtocolError
-from foresight.node.protocol import _fail, _ident, _only
-from foresight.node.throttle import ServiceLimit
+from foresight.replication.hints import MAX_TTL_S, FileHint, HintError, validate_hints
+from foresight.replication.replica_plan import DEFAULT_BASE_REPLICAS, DEFAULT_SAFE_READERS, plan_replicas
+from foresight.replication.service import SCHEMA, binary_batch
+from foresight.replication.units import check_file_name, check_name
 
-log = logging.getLogger("foresight.node.replicas")
+log = logging.getLogger("foresight.replication.replica_manager")
 CHUNK = 1 << 20  # bytes per record batch: fine enough for the byte bucket to interleave readers
 REPLICA_DIR = ".replicas"  # hinted copies live under <root>/.replicas/<checkpoint>/<file>
 MAX_FILES = 1 << 16
@@ -66,25 +69,21 @@ def ckpt_key(name: str) -> str:
 
 def check_checkpoint(job: str, name: Any) -> str:
     """A checkpoint name ``<job>/...`` of safe parts: a job hints and reads only its own checkpoints."""
-    from foresight.checkpoint.replicate.units import check_name
-
     if not isinstance(name, str):
-        _fail("checkpoint must be a string", got=repr(name)[:40])
+        fail("checkpoint must be a string", got=repr(name)[:40])
     try:
         check_name(name)
     except Exception as e:
         raise ProtocolError(str(e)) from None
     if name.split("/")[0] != job:
-        _fail("a job may hint, publish and read only its own checkpoints (named '<job>/...')", job=job,
-              checkpoint=name)
+        fail("a job may hint, publish and read only its own checkpoints (named '<job>/...')", job=job,
+             checkpoint=name)
     return name
 
 
 def check_file(name: Any) -> str:
-    from foresight.checkpoint.replicate.units import check_file_name
-
     if not isinstance(name, str):
-        _fail("file must be a string", got=repr(name)[:40])
+        fail("file must be a string", got=repr(name)[:40])
     try:
         return check_file_name(name)
     except Exception as e:
@@ -93,14 +92,14 @@ def check_file(name: Any) -> str:
 
 # -- request decoders (checked before any handler runs) ------------------------------------------------------
 def _decode_ckpt_request(o: dict) -> dict:
-    _only(o, ("job", "checkpoint"), (), "request")
-    job = _ident(o["job"], "job")
+    check_fields(o, ("job", "checkpoint"), (), "request")
+    job = check_ident(o["job"], "job")
     return {"job": job, "checkpoint": check_checkpoint(job, o["checkpoint"])}
 
 
 def _decode_hints(o: dict) -> dict:
-    _only(o, ("job", "checkpoint", "ttl_s", "files"), ("allow_partial",), "set_replication_hints")
-    job = _ident(o["job"], "job")
+    check_fields(o, ("job", "checkpoint", "ttl_s", "files"), ("allow_partial",), "set_replication_hints")
+    job = check_ident(o["job"], "job")
     ttl = o["ttl_s"]
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL_S:
         raise HintError(f"hint TTL {ttl!r} s is not in (0, {MAX_TTL_S}]")
@@ -191,9 +190,9 @@ class ReplicaManager:
                                    ("replicas.progress", _decode_ckpt_request, self._progress),
                                    ("replicas.release", _decode_ckpt_request, self._release)):
             server.register_action(name, dec, handler, job_scoped=False)  # own auth: jobs here register no plan
-        server.register_action("replicas.wake", lambda o: _only(o, (), (), "replicas.wake") or {},
+        server.register_action("replicas.wake", lambda o: check_fields(o, (), (), "replicas.wake") or {},
                                lambda context, req: self.wake(), job_scoped=False)  # only polls sooner: no auth
-        server.register_action("replicas.stats", lambda o: _only(o, (), (), "replicas.stats") or {},
+        server.register_action("replicas.stats", lambda o: check_fields(o, (), (), "replicas.stats") or {},
                                lambda context, req: self.describe(), job_scoped=False)
         server.register_get("ckpt.get", self._get)
         self._thread = threading.Thread(target=self._loop, name="foresight-replica-manager", daemon=True)
@@ -364,8 +363,6 @@ class ReplicaManager:
     def _wake_targets(self, nodes: set[str], live: dict[str, dict]) -> None:
         """Tell each target of new tasks at once, from a thread (the hint's reply does not wait); a target not
         reached finds its tasks at its next poll (logged, ``stats['wake_failures']``)."""
-        from foresight.node.auth import connect
-
         def send(node: str) -> None:
             if node == self.node_id:
                 self.wake()
@@ -428,13 +425,11 @@ class ReplicaManager:
 
     # -- reads ---------------------------------------------------------------------------------------------
     def _get(self, context: Any, t: dict) -> Any:
-        from foresight.checkpoint.replicate.service import SCHEMA, binary_batch
-
-        _only(t, ("kind", "job", "checkpoint", "file"), ("grant", "node"), "ckpt.get ticket")
-        job = _ident(t["job"], "job")
+        check_fields(t, ("kind", "job", "checkpoint", "file"), ("grant", "node"), "ckpt.get ticket")
+        job = check_ident(t["job"], "job")
         name, f = check_checkpoint(job, t["checkpoint"]), check_file(t["file"])
         if "grant" in t:  # a node pulling a copy for a task: the task's grant is its credential
-            task = self._get1(self._k("replicas", ".tasks", _ident(t.get("node"), "node"), ckpt_key(name), f))
+            task = self._get1(self._k("replicas", ".tasks", check_ident(t.get("node"), "node"), ckpt_key(name), f))
             if task is None or not hmac.compare_digest(str(task.get("grant")), str(t["grant"])):
                 raise flight.FlightUnauthenticatedError("foresight: no live copy task with this grant")
         else:
@@ -445,7 +440,7 @@ class ReplicaManager:
                 raise NodeError("this node serves no copy of the file", checkpoint=name, file=f, node=self.node_id)
             local.refs += 1
             self.inflight += 1
-        copy = "grant" in t  # a copy's source read goes ahead of the readers' queue (see node/throttle.py)
+        copy = "grant" in t  # a copy's source read goes ahead of the readers' queue (see cluster/throttle.py)
         try:
             self.limit.request(priority=copy)
             fd = os.open(local.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -569,8 +564,6 @@ class ReplicaManager:
             self._busy.discard(key)
 
     def _pull(self, task: dict, src: dict) -> str:
-        from foresight.node.auth import connect
-
         name, f = task["checkpoint"], task["file"]
         final_dir = os.path.join(self.root, REPLICA_DIR, *name.split("/"))
         os.makedirs(final_dir, exist_ok=True)

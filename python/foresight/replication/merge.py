@@ -30,10 +30,10 @@ from safetensors.torch import save_file
 
 from foresight.checkpoint import store
 from foresight.checkpoint.layout import dtype_from_name
-from foresight.checkpoint.replicate.units import DCP_METADATA
 from foresight.checkpoint.safe_pickle import load_dcp_metadata
 from foresight.checksum import xxh3_many
 from foresight.errors import CheckpointError
+from foresight.replication.units import DCP_METADATA
 
 
 @dataclass

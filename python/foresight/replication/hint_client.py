@@ -1,8 +1,9 @@
 """The client side of replication hints: declare a restart's hot files, watch the copies, read them spread out.
 
 * :func:`set_replication_hints` derives the hints from a DCP checkpoint and the world size that will load it
-  (:func:`~foresight.checkpoint.hints.derive_dcp_hints`), or takes them ready-made, and sends them with the job's
-  token to a storage node of the cluster, which plans and starts the extra copies (:mod:`foresight.node.replicas`).
+  (:func:`~foresight.replication.hints.derive_dcp_hints`), or takes them ready-made, and sends them with the job's
+  token to a storage node of the cluster, which plans and starts the extra copies
+  (:mod:`foresight.replication.replica_manager`).
 * :func:`replication_progress` / :func:`wait_for_replicas` report the copies (made, pending, failed, bytes, time).
 * :class:`ReplicaReader` reads a checkpoint file from the least loaded live copy (its own in-flight reads per node
   plus the load nodes advertise in etcd), verifies the bytes against the file's xxh3, and on any failure or
@@ -27,8 +28,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from foresight.checkpoint.hints import FileHint, derive_dcp_hints
+from foresight.checksum import xxh3_many
+from foresight.cluster.auth import call_options, connect
+from foresight.cluster.membership import DEFAULT_PREFIX, Cluster
 from foresight.errors import NodeError
+from foresight.replication.hints import FileHint, derive_dcp_hints
+from foresight.replication.replica_manager import ckpt_key
 
 DEFAULT_TIMEOUT = 60.0
 log = logging.getLogger("foresight.replicate")
@@ -37,8 +42,6 @@ log = logging.getLogger("foresight.replicate")
 def _action(location: str, action: str, body: dict, *, job: str, token: str, timeout: float = DEFAULT_TIMEOUT,
             client: Any = None) -> dict:
     import pyarrow.flight as flight
-
-    from foresight.node.auth import call_options, connect
 
     own = client is None
     client = client or connect(location)
@@ -61,7 +64,6 @@ def _cluster_action(action: str, body: dict, *, job: str, token: str, etcd: str 
         return _action(node, action, body, job=job, token=token)
     if etcd is None:
         raise ValueError("give etcd=<endpoint> or node=<location>")
-    from foresight.node.cluster import DEFAULT_PREFIX, Cluster
 
     locations = [r["location"] for r in Cluster(etcd, prefix=prefix or DEFAULT_PREFIX).nodes().values()]
     random.shuffle(locations)
@@ -86,7 +88,7 @@ def set_replication_hints(checkpoint: str, *, job: str, token: str, ttl_s: float
     """Declare the files a restart of ``world_size`` ranks will read from ``checkpoint`` (named ``<job>/...``).
 
     Hints come from ``checkpoint_dir`` (a local copy of the DCP checkpoint) and ``world_size``, or from ``hints``.
-    With ``ranks_per_host`` > 1 the ranks of a host share their reads (:mod:`foresight.checkpoint.host_share`):
+    With ``ranks_per_host`` > 1 the ranks of a host share their reads (:mod:`foresight.replication.host_share`):
     a file read by at least that many ranks has one reader per host, ``ceil(readers / ranks_per_host)``.
     Returns the node's plan: per file the readers, replicas wanted and placed, new nodes, the cap that bit and
     the bytes the file granularity copies in vain; ``copy_bytes`` and ``new_replicas`` in total.
@@ -161,8 +163,6 @@ class ReplicaReader:
     def __init__(self, etcd: str, *, job: str, token: str, prefix: str | None = None, refresh_s: float = 2.0,
                  load_refresh_s: float = 0.5, retry_s: float = 5.0, timeout: float = DEFAULT_TIMEOUT,
                  max_stale_s: float = 60.0) -> None:
-        from foresight.node.cluster import DEFAULT_PREFIX, Cluster
-
         self.cluster = Cluster(etcd, prefix=prefix or DEFAULT_PREFIX)
         self.job, self.token = job, token
         self.refresh_s, self.retry_s, self.timeout, self.max_stale_s = refresh_s, retry_s, timeout, max_stale_s
@@ -227,8 +227,6 @@ class ReplicaReader:
         return out
 
     def _fetch_copies(self, checkpoint: str) -> dict[str, dict[str, dict]]:
-        from foresight.node.replicas import ckpt_key
-
         live = self.cluster.nodes()
         base = self.cluster.key("replicas", ckpt_key(checkpoint)) + "/"
         out: dict[str, dict[str, dict]] = {}
@@ -264,8 +262,6 @@ class ReplicaReader:
         return [k[3] for k in keyed]
 
     def _client(self, location: str) -> Any:
-        from foresight.node.auth import connect
-
         with self._lock:
             c = self._clients.get(location)
             if c is None:
@@ -295,9 +291,6 @@ class ReplicaReader:
     def _read_from(self, rec: dict, checkpoint: str, file: str) -> bytes:
         import numpy as np
         import pyarrow.flight as flight
-
-        from foresight.checksum import xxh3_many
-        from foresight.node.auth import call_options
 
         node = rec["node"]
         ticket = json.dumps({"kind": "ckpt.get", "job": self.job, "checkpoint": checkpoint, "file": file}).encode()

@@ -42,9 +42,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from foresight.checkpoint import store
-from foresight.checkpoint.replicate.scheduler import priority_of
-from foresight.checkpoint.replicate.units import check_name
+from foresight.checkpoint.dcp import ForesightStorageWriter
 from foresight.errors import CheckpointError
+from foresight.replication.scheduler import priority_of
+from foresight.replication.service import call
+from foresight.replication.units import UNIT_BYTES, check_name
 
 log = logging.getLogger("foresight.replicate")
 RETRY_EVERY_S = 30.0  # a save whose replication could not be started is retried this often (in the background)
@@ -91,12 +93,9 @@ class Replication:
     @property
     def progress_bytes(self) -> int:
         """How often a writer reports progress (:meth:`data_progress`): one transfer unit."""
-        from foresight.checkpoint.replicate.units import UNIT_BYTES
-
         return int(self.unit_bytes or UNIT_BYTES)
 
     def _call(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
-        from foresight.checkpoint.replicate.service import call
         from pyarrow import flight
 
         with self._lock:
@@ -308,8 +307,6 @@ class Replication:
 
 @functools.cache
 def _dcp_writer_class() -> type:
-    from foresight.checkpoint.dcp import ForesightStorageWriter
-
     class ReplicatingStorageWriter(ForesightStorageWriter):
         """:class:`~foresight.checkpoint.dcp.ForesightStorageWriter` that replicates per a :class:`Replication`.
 

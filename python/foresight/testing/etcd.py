@@ -1,4 +1,4 @@
-"""Start and stop a local etcd (Debian ``etcd-server``) for tests, the demo and single-machine clusters.
+"""The one etcd launcher: a local etcd (Debian ``etcd-server``) for the tests, benches, examples and the demo.
 
 Example::
 
@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
 
 from foresight.errors import NodeError
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from foresight.testing.processes import free_ports, stop_process
 
 
 class EtcdProcess:
@@ -33,7 +27,8 @@ class EtcdProcess:
         if not os.path.exists(binary):
             raise NodeError("etcd not found (Debian package etcd-server; scripts/setup.sh installs it)", path=binary)
         os.makedirs(data_dir, exist_ok=True)
-        client, peer = port or free_port(), free_port()  # port: restart on the same endpoint
+        client, peer = free_ports(2)
+        client = port or client  # port: restart on the same endpoint
         self.endpoint = f"http://127.0.0.1:{client}"
         self.log_path = os.path.join(data_dir, "etcd.log")
         self._log = open(self.log_path, "ab")
@@ -63,17 +58,7 @@ class EtcdProcess:
         """SIGTERM, 10 s to exit, then SIGKILL; an etcd still not reaped 60 s later is stuck in the kernel, and is
         reported instead of waited on forever."""
         try:
-            if self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    try:
-                        self.proc.wait(timeout=60)
-                    except subprocess.TimeoutExpired:
-                        raise NodeError("etcd did not exit within 60 s of SIGKILL", pid=self.proc.pid,
-                                        log=self.log_path) from None
+            stop_process(self.proc, f"etcd ({self.log_path})", grace=10)
         finally:
             self._log.close()
 
@@ -84,4 +69,4 @@ class EtcdProcess:
         self.close()
 
 
-__all__ = ["EtcdProcess", "free_port"]
+__all__ = ["EtcdProcess"]

@@ -30,7 +30,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from foresight.checkpoint.hints import FileHint, HintError
+from foresight.replication.hints import FileHint, HintError
 
 DEFAULT_BASE_REPLICAS = 3
 DEFAULT_SAFE_READERS = 64  # concurrent readers one replica serves before its node's queue dominates the read

@@ -28,9 +28,10 @@ from typing import Callable
 import pyarrow.flight as flight
 
 from foresight.errors import NodeError
-from foresight.node.protocol import HEADER_JOB, HEADER_TOKEN
-
-log = logging.getLogger("foresight.node.auth")
+log = logging.getLogger("foresight.cluster.auth")
+#: The two gRPC headers every Flight call carries (the node's and replication's alike).
+HEADER_JOB = "x-foresight-job"
+HEADER_TOKEN = "x-foresight-token"
 ADMISSION_MODES = ("open", "issued")
 
 
@@ -141,5 +142,5 @@ def connect(location: str, *, tls_root: str | None = None, cert: tuple[str, str]
     return flight.FlightClient(location, **kwargs)
 
 
-__all__ = ["ADMISSION_MODES", "Admission", "caller_of", "cluster_job", "token_digest",
+__all__ = ["ADMISSION_MODES", "HEADER_JOB", "HEADER_TOKEN", "Admission", "caller_of", "cluster_job", "token_digest",
            "HeaderMiddleware", "HeaderMiddlewareFactory", "call_options", "connect", "read_pem"]

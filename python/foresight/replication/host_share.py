@@ -7,14 +7,14 @@ host-local directory, ``/dev/shm`` by default: no daemon) into ``.tmp-<pid>-<thr
 renames the file into place, the rename being the completion marker. The other processes wait for that name and map
 the file (copy-on-write, so tensors can view it), verifying it as the fetcher did. A fetcher killed mid-write
 releases its lock with its death and never renamed its torn file, so the next waiter takes the lock, removes the
-torn file and fetches again. Replication hints (:mod:`foresight.checkpoint.hint_client`) spread the remaining
+torn file and fetches again. Replication hints (:mod:`foresight.replication.hint_client`) spread the remaining
 fan-out, one read per host, over the copies across hosts.
 
 Each process opens the share for the restore (a shared lock on ``<key>.users``) and closes it after; the last one
 out removes the files. A process that opens it after that fetches again (correct, one more read); open it before
 the restore's first read (e.g. before the load's first collective) so the host's ranks overlap.
 
-:class:`SharedReplicaReader` is a :class:`~foresight.checkpoint.hint_client.ReplicaReader` front: hot files through
+:class:`SharedReplicaReader` is a :class:`~foresight.replication.hint_client.ReplicaReader` front: hot files through
 the share, the rest straight through; ``ForesightStorageReader(path, host_share=...)`` shares the DCP reader's hot
 files the same way.
 
@@ -44,7 +44,7 @@ import numpy as np
 from foresight.checksum import xxh3_many
 from foresight.errors import CheckpointError
 
-log = logging.getLogger("foresight.checkpoint.host_share")
+log = logging.getLogger("foresight.replication.host_share")
 DEFAULT_DIR = "/dev/shm/foresight-host-share" if os.path.isdir("/dev/shm") else None
 _POLL_MAX_S = 0.01  # longest sleep between looks at a file another process is fetching
 
@@ -288,7 +288,7 @@ class HostShare:
 
 
 class SharedReplicaReader:
-    """A :class:`~foresight.checkpoint.hint_client.ReplicaReader` whose ``hot`` files are read once per host.
+    """A :class:`~foresight.replication.hint_client.ReplicaReader` whose ``hot`` files are read once per host.
 
     ``read`` returns the file's bytes (a read-only view of the shared copy for hot files); every byte verified
     against the xxh3 the copy list records, both by the fetcher and by each process that maps the copy.

@@ -11,7 +11,7 @@ link stays pipelined, like a real long fat pipe); the bytes queued inside the pr
 Contention mode (``background=k``): k background flows share the pipe with the proxy's connections, each taking
 an equal share with every connection that has bytes waiting (a fair-queued link), so m busy connections get
 ``m / (m + k)`` of the cap: one stream against 3 background flows gets a quarter, 4 parallel streams half.
-It runs as its own process (``python -m foresight.checkpoint.replicate.wan``), so it never competes for the
+It runs as its own process (``python -m foresight.testing.wan``), so it never competes for the
 GIL with what it carries. See docs/wan_bed.md.
 
 Example::
@@ -156,7 +156,7 @@ class WanLink:
                  background: int = 0) -> None:
         self.target, self.rtt_ms, self.mbit, self.background = target, rtt_ms, mbit, background
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "foresight.checkpoint.replicate.wan", "--target", f"{target[0]}:{target[1]}",
+            [sys.executable, "-m", "foresight.testing.wan", "--target", f"{target[0]}:{target[1]}",
              "--rtt-ms", str(rtt_ms), "--mbit", str(mbit), "--background", str(background)],
             stdout=subprocess.PIPE, text=True)
         line = self._proc.stdout.readline()

@@ -19,7 +19,7 @@ Key layout (``prefix`` defaults to ``/foresight/v1``; values are JSON):
 ``{prefix}/jobs/{job}/{rank:06d}``           under the client's lease: ``{plan_digest, step, nodes, updated}``
 ``{prefix}/tokens/{job}``                   no lease, written by the operator (``foresight node job-token``):
                                              ``{sha256, issued}``, the digest of the job's token; nodes admit a
-                                             registration of the job only with that token (see node/auth.py)
+                                             registration of the job only with that token (see cluster/auth.py)
 ``{prefix}/replicas/...``, ``{prefix}/hints/...``  reserved for checkpoint replication and replication hints (same
                                              rules: liveness through leases, one JSON value per key)
 
@@ -41,9 +41,10 @@ import time
 from typing import Any, Callable
 from urllib.parse import urlparse
 
+from foresight.cluster.auth import token_digest
 from foresight.errors import NodeError
 
-log = logging.getLogger("foresight.node.cluster")
+log = logging.getLogger("foresight.cluster.membership")
 DEFAULT_PREFIX = "/foresight/v1"
 
 
@@ -145,8 +146,6 @@ class Cluster:
     def issue_job_token(self, job: str, token: str | None = None) -> str:
         """Issue ``job``'s token, or rotate it (the earlier one stops admitting registrations at once); etcd keeps
         its sha256 only. Returns the token (a fresh random one unless given)."""
-        from foresight.node.auth import token_digest
-
         if not job or "/" in job or len(job) > 128:
             raise NodeError("a job name is 1-128 characters without '/'", job=job[:130])
         if token is None:

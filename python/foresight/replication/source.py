@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from foresight.checkpoint.replicate.units import check_file_name, check_name
 from foresight.errors import CheckpointError
 from foresight.io.coalesce import Transfers, coalesce
+from foresight.replication.units import check_file_name, check_name
 
 MAX_GAP = 1 << 20  # a remote round trip costs far more than reading a 1 MiB hole
 MAX_TRANSFER = 64 << 20

@@ -1,88 +1,23 @@
-"""Two sites on one machine, as real processes: an etcd server and replication nodes (tests and the bench).
+"""Replication sites on one machine, as real processes (``foresight node serve --site``; tests, benches, examples).
 
 Example::
 
-    with EtcdServer("/tmp/etcd") as etcd, SiteProcess("eval-b", "/tmp/eval", etcd=etcd.url) as ev:
+    with EtcdProcess("/tmp/etcd") as etcd, SiteProcess("eval-b", "/tmp/eval", etcd=etcd.endpoint) as ev:
         with WanLink(("127.0.0.1", ev.port), rtt_ms=100) as link, \\
-             SiteProcess("train-a", "/tmp/train", etcd=etcd.url, routes={"eval-b": link.url}) as tr:
+             SiteProcess("train-a", "/tmp/train", etcd=etcd.endpoint, routes={"eval-b": link.url}) as tr:
             ...
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from typing import Any
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop_process(proc: subprocess.Popen, what: str, grace: float) -> None:
-    """SIGTERM and ``grace`` s to exit (0: SIGKILL at once), then SIGKILL; one still not reaped 60 s after SIGKILL
-    is stuck in the kernel: RuntimeError naming it, never an endless wait."""
-    if proc.poll() is None and grace > 0:
-        proc.terminate()
-        try:
-            proc.wait(grace)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-    if proc.poll() is None:
-        proc.kill()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"{what} (pid {proc.pid}) did not exit within 60 s of SIGKILL") from None
-
-
-class EtcdServer:
-    """A single-member etcd (Debian ``etcd-server``) on loopback, its data in ``data_dir``."""
-
-    def __init__(self, data_dir: str) -> None:
-        exe = shutil.which("etcd")
-        if exe is None:
-            raise FileNotFoundError("etcd is not installed (scripts/setup.sh installs etcd-server)")
-        self.port, peer = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        os.makedirs(os.path.dirname(os.path.abspath(data_dir)), exist_ok=True)
-        self._log = open(f"{data_dir}.log", "w")
-        self.proc = subprocess.Popen(
-            [exe, "--data-dir", data_dir, "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls",
-             f"http://127.0.0.1:{peer}", "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
-            stdout=self._log, stderr=subprocess.STDOUT)
-        for _ in range(400):
-            try:
-                urllib.request.urlopen(f"{self.url}/health", timeout=1).read()
-                return
-            except OSError:
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"etcd did not start (see {data_dir}.log)")
-
-    def stop(self) -> None:
-        """SIGTERM, 10 s to exit, then SIGKILL (never left running); bounded waits throughout."""
-        try:
-            _stop_process(self.proc, "etcd", grace=10)
-        finally:
-            self._log.close()
-
-    def __enter__(self) -> EtcdServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+from foresight.replication.service import call
+from foresight.testing.processes import stop_process
 
 
 class SiteProcess:
@@ -129,20 +64,18 @@ class SiteProcess:
 
     def call(self, action: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         """One action on this site, with the site's token."""
-        from foresight.checkpoint.replicate.service import call
-
         return call(self.url, action, {**(body or {}), **({"token": self.token} if self.token else {})})
 
     def kill(self) -> None:
         """SIGKILL: the site dies mid-whatever (tests of cut transfers)."""
         try:
-            _stop_process(self.proc, f"site {self.site}", grace=0)
+            stop_process(self.proc, f"site {self.site}", grace=0)
         finally:
             self._log.close()
 
     def stop(self) -> None:
         try:
-            _stop_process(self.proc, f"site {self.site}", grace=60)
+            stop_process(self.proc, f"site {self.site}", grace=60)
         finally:
             self._log.close()
 

@@ -14,7 +14,7 @@ from typing import Any
 
 
 def prepare_from_args(args: argparse.Namespace) -> Any:
-    """The :class:`~foresight.checkpoint.replicate.service.ReplicationService` the options ask for (None without
+    """The :class:`~foresight.replication.service.ReplicationService` the options ask for (None without
     ``--site``), built before the node server starts answering, so :func:`mount_from_args` right after the server
     is constructed leaves no window in which a restarted site refuses units ("no DoPut for 'replica.unit'")."""
     if not getattr(args, "site", None) or not os.path.isdir(args.root):
@@ -23,7 +23,7 @@ def prepare_from_args(args: argparse.Namespace) -> Any:
     # busy host): pay that once at start-up, not inside the first replica's commit-to-ready time
     import torch.distributed.checkpoint.metadata  # noqa: F401
 
-    from foresight.checkpoint.replicate.service import ReplicationService
+    from foresight.replication.service import ReplicationService  # lazy: loads torch (node.cli's parser must not)
 
     try:
         routes = dict(r.split("=", 1) for r in args.route)

@@ -34,8 +34,12 @@ from typing import Any
 from urllib.parse import urlparse
 
 from foresight.checkpoint import store
-from foresight.checkpoint.replicate.units import DCP_METADATA, check_name
+from foresight.checkpoint.checkpointer import load
+from foresight.checkpoint.dcp import ForesightStorageReader
+from foresight.checksum import xxh3_many
 from foresight.errors import CheckpointError
+from foresight.replication.source import LocalSource, RemoteSource
+from foresight.replication.units import DCP_METADATA, ReplicaBuilder, check_name, plan_units
 
 PREFIX = "/foresight/ckpt/"
 READER_TTL = 10
@@ -133,8 +137,6 @@ class Resolver:
     @contextlib.contextmanager
     def open(self, name: str, *, token: str = "") -> Iterator[tuple[Location, Any]]:
         """Hold ``name`` and yield ``(location, source)``: a local directory or the remote site's node."""
-        from foresight.checkpoint.replicate.source import LocalSource, RemoteSource
-
         with self.hold(name) as loc:
             if loc.local:
                 yield loc, LocalSource(loc.path)
@@ -152,9 +154,6 @@ class Resolver:
             path = res.pull("job/step-00001000", "/eval/replicas")
             foresight.checkpoint.load(1000, root=os.path.dirname(path))
         """
-        from foresight.checkpoint.replicate.source import RemoteSource
-        from foresight.checkpoint.replicate.units import ReplicaBuilder, plan_units
-        from foresight.checksum import xxh3_many
         import numpy as np
 
         loc = self.resolve(name)
@@ -184,8 +183,6 @@ class Resolver:
     def load(self, name: str, root: str, *, token: str = "", **kwargs: Any) -> Any:
         """``foresight.checkpoint.load`` of ``name`` (``job/step-00001000``) from the nearest copy, pulled into
         ``root`` if this site has none; held against reclaim while it is read. ``kwargs`` go to ``load``."""
-        from foresight.checkpoint.checkpointer import load
-
         m = re.match(r"^step-(\d+)$", name.rsplit("/", 1)[-1])
         if m is None:
             raise CheckpointError("not a foresight checkpoint name (.../step-N)", name=name)
@@ -196,8 +193,6 @@ class Resolver:
     def dcp_reader(self, name: str, root: str, *, token: str = "", **kwargs: Any) -> Any:
         """A :class:`~foresight.checkpoint.dcp.ForesightStorageReader` over the nearest copy of ``name`` (pulled
         into ``root`` if this site has none)."""
-        from foresight.checkpoint.dcp import ForesightStorageReader
-
         return ForesightStorageReader(self.pull(name, root, token=token), **kwargs)
 
     def readers(self, name: str) -> int:
