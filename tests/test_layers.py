@@ -21,7 +21,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "python" / "foresight"
 
 #: Bottom to top. A module may import its own package and the layers below; the root package ``foresight`` (its
-#: ``__version__`` and lazy attribute table, no imports of its own) counts as base. ``source`` may not exist yet.
+#: ``__version__`` and lazy attribute table, no imports of its own) counts as base.
 LAYERS: list[set[str]] = [
     {"", "errors", "checksum", "_native", "_closing", "distributed", "_core", "_uring"},
     {"io", "media"},
@@ -41,13 +41,6 @@ SHARED = ({"", "errors", "checksum", "_native", "_closing", "distributed", "_cor
           {"cli", "demo", "__main__", "testing"})
 #: Who may import the test beds (foresight.testing): nothing on a user's code path.
 TESTING_USERS = {"cli", "demo", "__main__", "testing"}
-
-#: TEMPORARY: the files the read-path (source/) branch rewrites still hold in-function imports; exempt from
-#: check (c) only. Removed when the source branch merges.
-TEMPORARY_LAZY_ALLOWED = {
-    "loader/__init__.py", "loader/loader.py", "loader/media_stage.py", "node/jobs.py", "node/client.py",
-}
-
 
 #: foresight's own submodules and packages (sources and built extensions alike).
 SUBMODULES = {p.name.split(".")[0] for p in PACKAGE.iterdir() if p.suffix in (".py", ".so") or p.is_dir()}
@@ -152,9 +145,9 @@ def package_cycles(imports) -> list[str]:
     return sorted({" <-> ".join(sorted((a, b))) for a in list(graph) for b in graph[a] if reaches(b, a)})
 
 
-def unexplained_lazy(imports, allowed=frozenset()) -> list[str]:
+def unexplained_lazy(imports) -> list[str]:
     return [f"{rel}:{line}: {text.strip()}" for rel, _, _, line, in_function, text in imports
-            if in_function and "# lazy:" not in text and rel not in allowed]
+            if in_function and "# lazy:" not in text]
 
 
 IMPORTS = _all_imports()
@@ -175,7 +168,7 @@ def test_no_cycle_between_packages():
 
 
 def test_imports_inside_functions_say_why():
-    bad = unexplained_lazy(IMPORTS, TEMPORARY_LAZY_ALLOWED)
+    bad = unexplained_lazy(IMPORTS)
     assert not bad, ("imports inside functions without '# lazy: <reason>' (move them to the top; a cycle is "
                      "fixed by moving code to its layer, never by a late import):\n" + "\n".join(bad))
 
