@@ -26,6 +26,7 @@ Usage::
     python bench/read_path.py                    # full: 4 x 4 GiB datasets cached in /tmp/foresight-bench (~1 h)
     python bench/read_path.py --smoke            # a few MiB, one run of each, seconds
     python bench/read_path.py --sizes 16K --runs 5
+    python bench/read_path.py --sizes 16K --modes warm --methods fs-uring,fio --no-sweep   # one case against fio
     python bench/read_path.py --clean            # delete the cached datasets
 """
 from __future__ import annotations
@@ -201,11 +202,14 @@ def run_foresight(case: Case, cold: bool, *, shuffle: str = "global", backend: s
             samples += len(batch["lengths"])
         wall, cpu = meter.stop()
         stats = loader.stats.as_dict()
+        io = loader._engine.stats  # the knobs the engine runs with, printed beside fio's
+        engine_config = (f"{io['backend']} queue_depth={io['queue_depth']} io_threads={io['threads']} "
+                         f"prefetch={PREFETCH} max_gap={loader.max_gap}")
     finally:
         loader.close()
     return result(samples, samples * case.size, wall, cpu, backend=stats["backend"],
                   ios_per_sample=stats["ios"] / max(1, stats["samples"]), amplification=stats["amplification"],
-                  max_transfer=loader.max_transfer,
+                  max_transfer=loader.max_transfer, config=engine_config,
                   stages_s={k: stats[k] for k in ("plan_s", "coalesce_s", "submit_s", "io_wait_s", "collate_s",
                                                    "h2d_s", "stall_s")})
 
@@ -288,9 +292,13 @@ def token_rows(root: Path, dataset_bytes: int, run_bytes: int, runs: int, modes:
     return rows
 
 
-def methods(fio: bool, dl_cfg: dict, fio_cfg: dict | None) -> dict:
+METHODS = ("fs-uring", "fs-uring-nocoal", "fs-pread", "fs-uring-block", "fs-uring-nocoal-block", "fs-pread-block",
+           "torch-dl", "torch-dl-block", "memmap", "memmap-block", "fio")
+
+
+def methods(fio: bool, dl_cfg: dict | None, fio_cfg: dict | None, only: set[str] | None = None) -> dict:
     """Name -> runner(case, cold). Anchors run in the configuration their sweep picked; ``-block`` rows (ours and
-    the anchors') read the block-local plan's order, the others the global plan's."""
+    the anchors') read the block-local plan's order, the others the global plan's. ``only``: these names alone."""
     m = {
         "fs-uring": lambda c, cold: run_foresight(c, cold),
         "fs-uring-nocoal": lambda c, cold: run_foresight(c, cold, max_gap=-1),
@@ -305,14 +313,18 @@ def methods(fio: bool, dl_cfg: dict, fio_cfg: dict | None) -> dict:
     }
     if fio and fio_cfg:
         m["fio"] = lambda c, cold: anchors.run_fio(c, cold, **fio_cfg)
-    return m
+    if dl_cfg is None:
+        m = {k: v for k, v in m.items() if not k.startswith("torch-dl")}
+    return {k: v for k, v in m.items() if only is None or k in only}
 
 
-def pick_anchors(case: Case, cold: bool, runs: int, cache: "CacheControl", fio: bool, smoke: bool):
-    """Sweep the DataLoader's and fio's knobs on the global plan; the best (median MB/s) of each is the anchor."""
+def pick_anchors(case: Case, cold: bool, runs: int, cache: "CacheControl", fio: bool, smoke: bool,
+                 dataloader: bool = True):
+    """Sweep the DataLoader's (unless not ``dataloader``) and fio's knobs on the global plan; the best (median MB/s)
+    of each is the anchor (None: not swept)."""
     rows, best = [], {}
     sweeps = [("torch-dl", cfg, lambda c, cold, cfg=cfg: anchors.run_dataloader(c, cold, c.order("global"), **cfg))
-              for cfg in anchors.dataloader_configs(cold, smoke=smoke)]
+              for cfg in (anchors.dataloader_configs(cold, smoke=smoke) if dataloader else [])]
     if fio:
         sweeps += [("fio", cfg, lambda c, cold, cfg=cfg: anchors.run_fio(c, cold, **cfg))
                    for cfg in anchors.fio_configs(smoke=smoke)]
@@ -325,7 +337,8 @@ def pick_anchors(case: Case, cold: bool, runs: int, cache: "CacheControl", fio: 
             except Exception as e:  # a mode this machine lacks (hipri without poll queues) is reported, not fatal
                 results.append({"error": f"{type(e).__name__}: {e}"})
         ok = [r for r in results if "error" not in r]
-        row = {"size": case.label, "mode": "cold" if cold else "warm", "anchor": anchor, **cfg,
+        row = {**{("submit" if k == "mode" else k): v for k, v in cfg.items()}, "size": case.label,
+               "mode": "cold" if cold else "warm", "anchor": anchor,
                "config": ok[0]["config"] if ok else str(cfg), "runs": len(ok),
                "error": next((r["error"] for r in results if "error" in r), None)}
         if ok:
@@ -337,7 +350,8 @@ def pick_anchors(case: Case, cold: bool, runs: int, cache: "CacheControl", fio: 
     for r in rows:
         if r.get("mb_per_s") and r["anchor"] in best:
             r["x_best"] = r["mb_per_s"] / best[r["anchor"]][1]
-    return best["torch-dl"][0], (best["fio"][0] if "fio" in best else None), rows
+    pick = {k: v[0] for k, v in best.items()}
+    return pick.get("torch-dl"), pick.get("fio"), rows
 
 
 # -- running ------------------------------------------------------------------------------------------------------
@@ -361,17 +375,19 @@ class CacheControl:
 
 
 def run_case(case: Case, runs: int, sweep_runs: int, cache: CacheControl, modes: list[str], fio: bool,
-             smoke: bool) -> tuple[list[dict], list[dict]]:
+             smoke: bool, only: set[str] | None = None) -> tuple[list[dict], list[dict]]:
     """Per mode: sweep the anchors' knobs, then every method ``runs`` times, interleaved so drift hits all alike."""
     raw: dict[tuple[str, str], list[dict]] = {}
     anchor_rows: list[dict] = []
     for mode in modes:
         cold = mode == "cold"
-        dl_cfg, fio_cfg, swept = pick_anchors(case, cold, sweep_runs, cache, fio, smoke)
+        dl_cfg, fio_cfg, swept = pick_anchors(case, cold, sweep_runs, cache, fio and (only is None or "fio" in only),
+                                              smoke, dataloader=only is None or bool(only & {"torch-dl", "torch-dl-block"}))
         anchor_rows += swept
-        print(f"  {case.label} {mode}: anchors DataLoader [{anchors.config_label(dl_cfg)}]"
-              + (f", fio [{fio_cfg}]" if fio_cfg else ""), flush=True)
-        runners = methods(fio, dl_cfg, fio_cfg)
+        print(f"  {case.label} {mode}: anchors"
+              + (f" DataLoader [{anchors.config_label(dl_cfg)}]" if dl_cfg else "")
+              + (f" fio [{fio_cfg}]" if fio_cfg else ""), flush=True)
+        runners = methods(fio, dl_cfg, fio_cfg, only)
         for r in range(runs):
             for name, fn in runners.items():
                 cache.prepare(case.path, cold)
@@ -480,6 +496,10 @@ def targets(rows: list[dict]) -> list[dict]:
     fs, fio = get("16K", "cold", "fs-uring"), get("16K", "cold", "fio")
     add("16K O_DIRECT bandwidth vs fio's best", fs and fio and fs["mb_per_s"] / fio["mb_per_s"], ">= 0.85x",
         lambda v: v >= 0.85, fs and fio and f"{fs['mb_per_s']:.0f} vs {fio['mb_per_s']:.0f} MB/s")
+    fs, fio = get("16K", "warm", "fs-uring"), get("16K", "warm", "fio")
+    add("16K warm (page cache) bandwidth vs fio's best", fs and fio and fs["mb_per_s"] / fio["mb_per_s"], ">= 1.0x",
+        lambda v: v >= 1.0, fs and fio and f"{fs['mb_per_s']:.0f} vs {fio['mb_per_s']:.0f} MB/s "
+        f"[{fs.get('config')}] vs [{fio.get('config')}]")
     for mode in ("cold", "warm"):
         fs, dl = get("16K", mode, "fs-uring"), get("16K", mode, "torch-dl")
         add(f"16K {mode} samples/s vs DataLoader", fs and dl and fs["samples_per_s"] / dl["samples_per_s"],
@@ -579,6 +599,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--anchor-runs", type=int, default=2,
                     help="runs of each anchor configuration in the sweep that picks the anchors")
     ap.add_argument("--modes", default="cold,warm")
+    ap.add_argument("--methods", default=None,
+                    help=f"only these rows (and only the anchors they need swept), from {list(METHODS)}; e.g. the warm "
+                         "16K case against fio: --sizes 16K --modes warm --methods fs-uring,fio --no-sweep")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--clean", action="store_true", help="delete the cached datasets (alone: and exit)")
     ap.add_argument("--from-json", metavar="PATH", help="re-render tables, ratios and PNG from a saved result")
@@ -600,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--sizes takes {list(SIZES)}, got {bad or sizes}")
     if any(m not in ("cold", "warm") for m in modes):
         ap.error(f"--modes takes cold,warm; got {modes}")
+    only = None if args.methods is None else {m.strip() for m in args.methods.split(",") if m.strip()}
+    if only is not None and (not only or only - set(METHODS)):
+        ap.error(f"--methods takes {list(METHODS)}; got {sorted(only - set(METHODS)) or args.methods!r}")
     only_clean = args.clean and not any(a for a in (argv if argv is not None else sys.argv[1:])
                                         if a not in ("--clean",) and not a.startswith("--data-dir"))
     if only_clean:
@@ -639,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
                             "samples_per_run": case.steps * case.batch,
                             "file": case.path, "file_bytes": os.path.getsize(case.path)}
             print(f"{label}: {ds.num_samples} samples, batch {case.batch}, {case.steps} steps per run", flush=True)
-            case_rows, case_anchor_rows = run_case(case, runs, sweep_runs, cache, modes, fio, args.smoke)
+            case_rows, case_anchor_rows = run_case(case, runs, sweep_runs, cache, modes, fio, args.smoke, only)
             rows += case_rows
             anchor_rows += case_anchor_rows
             if label == "16K" and not args.no_sweep and "cold" in modes:
@@ -663,7 +689,9 @@ def main(argv: list[str] | None = None) -> int:
         "sweep_large": large_rows,
     }
     # a partial run (some sizes) keeps its own file, so it never replaces the full run's figures
-    name = "read_path_smoke" if args.smoke else "read_path" + ("" if sizes == list(SIZES) else "_" + "_".join(sizes))
+    part = ([] if sizes == list(SIZES) else sizes) + ([] if set(modes) == {"cold", "warm"} else modes) \
+        + ([] if only is None else sorted(only))
+    name = "read_path_smoke" if args.smoke else "_".join(["read_path", *part])
     report(payload, name)
     return 0
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -543,6 +544,79 @@ def test_page_cache_pass_with_errors_and_eof_in_the_batch(data_file, threads):
             assert got[i] == 4096
             assert np.array_equal(buf[i * 4096:(i + 1) * 4096], data[offsets[i]:offsets[i] + 4096]), i
         assert eng.stats["nowait_hits"] >= 2 * (n - 3)
+
+
+def _permuted_reads(n: int, size: int, seed: int, buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` reads of ``size`` bytes at shuffled offsets, each into its own part of ``buf``: (offsets, addrs)."""
+    offsets = np.random.default_rng(seed).permutation(n).astype(np.int64) * size
+    return offsets, buf.ctypes.data + np.arange(n, dtype=np.uint64) * size
+
+
+def _expected(data: np.ndarray, offsets: np.ndarray, size: int) -> np.ndarray:
+    return np.concatenate([data[o:o + size] for o in offsets.tolist()])
+
+
+@pytest.mark.parametrize("kind", ["uring", "pread"])
+def test_batches_in_flight_are_copied_behind_each_other_without_engine_calls(tmp_path, kind):
+    """Warm batches submitted back to back are all copied by the engine's threads with no further call: on io_uring
+    each batch's page-cache pass is queued at submit and the helpers go from one to the next (before, the second
+    batch's pass waited until the caller collected the first). Waiting out of order gives every byte."""
+    if kind == "uring" and (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: the page-cache pass has no helper threads, the waiting caller copies")
+    n, size = 2048, 4096
+    data = np.random.default_rng(1).integers(0, 256, n * size, dtype=np.uint8)
+    path = tmp_path / "warm.bin"
+    path.write_bytes(data.tobytes())  # just written: in the page cache
+    fd = open_file(path)
+    bufs = [np.zeros(n * size, np.uint8) for _ in range(3)]
+    reads = [_permuted_reads(n, size, seed, buf) for seed, buf in enumerate(bufs)]
+    try:
+        with make_engine(kind, threads=4) as eng:
+            tickets = [eng.submit_reads(fd, offsets, size, addrs) for offsets, addrs in reads]
+            want = [_expected(data, offsets, size) for offsets, _ in reads]
+            deadline = time.monotonic() + 60  # a bounded wait for an event, not a timing assertion
+            while not all(np.array_equal(b, w) for b, w in zip(bufs, want)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert all(np.array_equal(b, w) for b, w in zip(bufs, want)), "later batches waited for an engine call"
+            for t in (tickets[2], tickets[0], tickets[1]):
+                assert (eng.wait(t) == size).all()
+            if kind == "uring":
+                assert eng.stats["nowait_hits"] == 3 * n and eng.stats["threads"] >= 2
+    finally:
+        os.close(fd)
+    assert all(np.array_equal(b, w) for b, w in zip(bufs, want))
+
+
+@pytest.mark.parametrize("kind", ["uring", "pread"])
+def test_batches_in_flight_keep_their_own_eof_and_errors(tmp_path, kind):
+    """Two warm batches in flight at once, waited for out of order: the one reaching the end of the file gets its
+    short read (allow_eof) and its bytes, the one reading past it fails naming the file and the offset, and neither
+    outcome leaks into the other batch."""
+    n, size = 64, 4096
+    data = np.random.default_rng(2).integers(0, 256, n * size - 100, dtype=np.uint8)  # the last block is short
+    path = tmp_path / "short.bin"
+    path.write_bytes(data.tobytes())
+    fd = open_file(path)
+    bufs = [np.zeros(n * size, np.uint8) for _ in range(2)]
+    (off_a, addr_a), (off_b, addr_b) = (_permuted_reads(n, size, seed, buf) for seed, buf in enumerate(bufs))
+    off_b[5] = n * size + 8192  # past the end
+    try:
+        with make_engine(kind, threads=4) as eng:
+            ta = eng.submit_reads(fd, off_a, size, addr_a, allow_eof=True)
+            tb = eng.submit_reads(fd, off_b, size, addr_b)
+            with pytest.raises(IOEngineError) as ei:
+                eng.wait(tb)
+            got = eng.wait(ta)
+    finally:
+        os.close(fd)
+    assert str(path) in str(ei.value) and f"offset={n * size + 8192}" in str(ei.value).replace(" ", "")
+    results = ei.value.results
+    assert results[5] == -errno.ENODATA and (np.delete(results, 5) == np.where(np.delete(off_b, 5) == (n - 1) * size,
+                                                                                -errno.ENODATA, size)).all()
+    last = int(np.flatnonzero(off_a == (n - 1) * size)[0])
+    assert got[last] == size - 100 and (np.delete(got, last) == size).all()
+    for j, o in enumerate(off_a.tolist()):
+        assert np.array_equal(bufs[0][j * size:j * size + got[j]], data[o:o + got[j]]), j
 
 
 @pytest.mark.slow

@@ -3,15 +3,19 @@
  * A buffered read whose pages are cached is a memcpy: preadv2(RWF_NOWAIT) does it without the ring's
  * overhead, but on one thread it is bound by one core's copy bandwidth, where the pread pool copies on
  * all of its threads. So before a batch's buffered reads go to the ring, the thread feeding the ring
- * and a few helpers probe them together (fork-join, the feeder taking part), large reads in 1 MiB
- * pieces so that one big transfer spreads over the threads too: a request whose pieces were all read
- * is finished, any other goes to the ring whole. The pass gives up (the rest go straight to the ring)
- * once most probes miss, so cold data costs a few syscalls.
+ * and a few helpers probe them together, large reads in 1 MiB pieces so that one big transfer spreads
+ * over the threads too: a request whose pieces were all read is finished, any other goes to the ring
+ * whole. A pass gives up (the rest go straight to the ring) once most probes miss, so cold data costs
+ * a few syscalls.
  *
- * The pass is asynchronous: submit starts it and returns (the caller can collate the previous step
- * while the helpers copy this one); poll collects it once done; wait takes part in it, then collects it.
+ * Passes are queued, one per batch, in submission order, and the helpers work through them without
+ * waiting for anyone: a batch submitted while the previous one is still being copied gets its pass at
+ * once, and the helpers move on to it as soon as the previous pass has nothing left to claim. The
+ * caller collects a pass (poll: when done; wait: taking part first). A thread that waits for a pass
+ * whose last pieces a helper still holds (a helper the scheduler put aside, on a loaded machine) copies
+ * pieces of later passes meanwhile instead of sleeping, so no thread idles while there is copying to do.
  * Helpers start on the first pass; an engine that only does O_DIRECT or writes never starts them.
- * Passes are started and collected under the engine lock, one at a time. */
+ * Passes are started, collected and released under the engine lock. */
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,37 +25,45 @@
 #include "fs_internal.h"
 
 #define CHUNK (1ll << 20) /* a large read is probed in pieces of this size, so one request spreads over threads */
+#define MAX_TAKE 16       /* units per claim at most: few claims, yet a small tail for the last thread */
 
-struct fs_cached {
-    pthread_mutex_t mu;
-    pthread_cond_t go;   /* a pass started, or stop */
-    pthread_cond_t idle; /* a helper left the pass */
-    pthread_t *tids;
-    uint32_t want, started;
-    int stop;
-    uint64_t generation;
-    uint32_t busy; /* helpers inside the current pass */
-    /* the current pass (job == NULL: none). Request first + k owns units [unit_ptr[k], unit_ptr[k + 1]). */
+struct fs_cached_pass {
+    struct fs_cached_pass *link; /* in the queue (started first, first), or in the spares */
     const struct fs_job *job;
-    int64_t first, count, units, take;
+    /* Request first + k owns units [unit_ptr[k], unit_ptr[k + 1]). */
+    int64_t first, count, units;
     int64_t *unit_ptr;
     uint32_t *chunks_ok; /* per request: units read whole (atomic) */
     uint8_t *missed;     /* per request: a unit was not cached, or the request is not for the pass (atomic) */
+    uint8_t *state;      /* per request, once collected: FS_PROBE_DONE or FS_PROBE_MISS */
     size_t cap;          /* requests the arrays above hold */
     int64_t next;         /* next unit to claim (atomic) */
     int64_t probes, hits; /* atomic */
-    int off;              /* atomic: most probes missed, stop probing */
+    int off;              /* atomic: most probes missed, stop probing (claims are then skipped) */
+    uint32_t busy;        /* helpers working on it (under mu) */
+    int64_t threads;      /* threads that may claim its units, the feeder included (sizes the claims) */
+};
+
+struct fs_cached {
+    pthread_mutex_t mu;
+    pthread_cond_t go;   /* a pass has units to claim, or stop */
+    pthread_cond_t idle; /* a helper left a pass */
+    pthread_t *tids;
+    uint32_t want, started;
+    int stop;
+    struct fs_cached_pass *head, *tail; /* started, not yet released (under mu) */
+    struct fs_cached_pass *spares;      /* released, reused by the next start */
 };
 
 /* Read unit u (request k's piece) from the page cache only; 1 when it was read whole. Not cached, O_DIRECT, an
  * invalid request or the end of the file: 0, and the ring reads the whole request and reports. */
-static int probe_unit(const struct fs_cached *c, int64_t k, int64_t u, struct fs_fd_cache *cache) {
-    const struct fs_batch *b = &c->job->b;
-    int64_t i = c->first + k;
+static int probe_unit(const struct fs_cached_pass *p, int64_t k, int64_t u, struct fs_fd_cache *cache) {
+    const struct fs_batch *b = &p->job->b;
+    int64_t i = p->first + k;
     int direct = 0;
-    if (fs_req_check(c->job, i, cache, &direct) < 0 || direct)
+    if (fs_req_check(p->job, i, cache, &direct) < 0 || direct)
         return 0;
-    int64_t from = (u - c->unit_ptr[k]) * CHUNK;
+    int64_t from = (u - p->unit_ptr[k]) * CHUNK;
     int64_t len = b->lengths[i] - from < CHUNK ? b->lengths[i] - from : CHUNK;
     int64_t done = 0;
     while (done < len) {
@@ -64,58 +76,77 @@ static int probe_unit(const struct fs_cached *c, int64_t k, int64_t u, struct fs
     return 1;
 }
 
-/* Claim units of the current pass, ``take`` at a time, and probe them until none are left or the pass gives up. */
-static void work(struct fs_cached *c) {
-    struct fs_fd_cache cache = {.job = NULL, .fd = -1};
-    for (;;) {
-        if (__atomic_load_n(&c->off, __ATOMIC_RELAXED))
-            return;
-        int64_t u = __atomic_fetch_add(&c->next, c->take, __ATOMIC_RELAXED);
-        if (u >= c->units)
-            return;
-        int64_t end = u + c->take < c->units ? u + c->take : c->units;
-        int64_t lo = 0, hi = c->count; /* the request owning unit u: last k with unit_ptr[k] <= u */
-        while (hi - lo > 1) {
-            int64_t mid = lo + (hi - lo) / 2;
-            if (c->unit_ptr[mid] <= u)
-                lo = mid;
-            else
-                hi = mid;
-        }
-        int64_t hits = 0, probed = end - u;
-        for (int64_t k = lo; u < end; u++) {
-            while (c->unit_ptr[k + 1] <= u)
-                k++;
-            if (probe_unit(c, k, u, &cache)) {
-                __atomic_add_fetch(&c->chunks_ok[k], 1, __ATOMIC_RELAXED);
-                hits++;
-            } else {
-                __atomic_store_n(&c->missed[k], 1, __ATOMIC_RELAXED);
-            }
-        }
-        int64_t probes = __atomic_add_fetch(&c->probes, probed, __ATOMIC_RELAXED);
-        hits = __atomic_add_fetch(&c->hits, hits, __ATOMIC_RELAXED);
-        if (probes >= 32 && hits * 8 < probes)
-            __atomic_store_n(&c->off, 1, __ATOMIC_RELAXED);
+/* Claim a few units of p and probe them (or, once the pass gave up, mark them missed); 0 when p has none left.
+ * The claim shrinks with what is left, so the last threads finish together. */
+static int claim(struct fs_cached_pass *p, struct fs_fd_cache *cache) {
+    int64_t seen = __atomic_load_n(&p->next, __ATOMIC_RELAXED);
+    if (seen >= p->units)
+        return 0;
+    int64_t take = (p->units - seen) / (2 * p->threads);
+    take = take < 1 ? 1 : take > MAX_TAKE ? MAX_TAKE : take;
+    int64_t u = __atomic_fetch_add(&p->next, take, __ATOMIC_RELAXED);
+    if (u >= p->units)
+        return 0;
+    int64_t end = u + take < p->units ? u + take : p->units;
+    int64_t lo = 0, hi = p->count; /* the request owning unit u: last k with unit_ptr[k] <= u */
+    while (hi - lo > 1) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (p->unit_ptr[mid] <= u)
+            lo = mid;
+        else
+            hi = mid;
     }
+    int off = __atomic_load_n(&p->off, __ATOMIC_RELAXED);
+    int64_t hits = 0, probed = end - u;
+    for (int64_t k = lo; u < end; u++) {
+        while (p->unit_ptr[k + 1] <= u)
+            k++;
+        if (!off && probe_unit(p, k, u, cache)) {
+            __atomic_add_fetch(&p->chunks_ok[k], 1, __ATOMIC_RELAXED);
+            hits++;
+        } else {
+            __atomic_store_n(&p->missed[k], 1, __ATOMIC_RELAXED);
+        }
+    }
+    if (!off) {
+        int64_t probes = __atomic_add_fetch(&p->probes, probed, __ATOMIC_RELAXED);
+        hits = __atomic_add_fetch(&p->hits, hits, __ATOMIC_RELAXED);
+        if (probes >= 32 && hits * 8 < probes)
+            __atomic_store_n(&p->off, 1, __ATOMIC_RELAXED);
+    }
+    return 1;
+}
+
+/* The oldest pass with units left to claim, or NULL (mu held). */
+static struct fs_cached_pass *claimable(const struct fs_cached *c) {
+    for (struct fs_cached_pass *p = c->head; p; p = p->link)
+        if (__atomic_load_n(&p->next, __ATOMIC_RELAXED) < p->units)
+            return p;
+    return NULL;
+}
+
+/* Claim units of p while it has any (the caller holds p->busy, or owns p). */
+static void drain(struct fs_cached_pass *p) {
+    struct fs_fd_cache cache = {.job = NULL, .fd = -1};
+    while (claim(p, &cache))
+        ;
 }
 
 static void *helper(void *arg) {
     struct fs_cached *c = arg;
-    uint64_t seen = 0;
     pthread_mutex_lock(&c->mu);
     for (;;) {
-        while (!c->stop && (c->generation == seen || !c->job))
+        struct fs_cached_pass *p = NULL;
+        while (!c->stop && !(p = claimable(c)))
             pthread_cond_wait(&c->go, &c->mu);
         if (c->stop)
             break;
-        seen = c->generation;
-        c->busy++;
+        p->busy++; /* the pass is not collected while a helper is in it */
         pthread_mutex_unlock(&c->mu);
-        work(c); /* the pass's fields stay put until busy drops to 0 */
+        drain(p);
         pthread_mutex_lock(&c->mu);
-        if (--c->busy == 0)
-            pthread_cond_signal(&c->idle);
+        if (--p->busy == 0)
+            pthread_cond_broadcast(&c->idle);
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;
@@ -149,6 +180,14 @@ fail:
     return -ret;
 }
 
+static void free_pass(struct fs_cached_pass *p) {
+    free(p->unit_ptr);
+    free(p->chunks_ok);
+    free(p->missed);
+    free(p->state);
+    free(p);
+}
+
 void fs_cached_destroy(struct fs_cached *c) {
     if (!c)
         return;
@@ -161,37 +200,67 @@ void fs_cached_destroy(struct fs_cached *c) {
     pthread_cond_destroy(&c->idle);
     pthread_cond_destroy(&c->go);
     pthread_mutex_destroy(&c->mu);
-    free(c->unit_ptr);
-    free(c->chunks_ok);
-    free(c->missed);
+    for (struct fs_cached_pass *lists[2] = {c->head, c->spares}, **l = lists; l < lists + 2; l++)
+        for (struct fs_cached_pass *p = *l, *next; p; p = next) {
+            next = p->link;
+            free_pass(p);
+        }
     free(c->tids);
     free(c);
 }
 
-int fs_cached_start(struct fs_cached *c, const struct fs_job *job, int64_t first, int64_t count) {
-    const struct fs_batch *b = &job->b;
-    if ((size_t)count > c->cap) {
-        int64_t *unit_ptr = realloc(c->unit_ptr, sizeof(*unit_ptr) * (size_t)(count + 1));
+/* A pass with room for count requests: a spare, or a new one; NULL without memory. */
+static struct fs_cached_pass *new_pass(struct fs_cached *c, int64_t count) {
+    pthread_mutex_lock(&c->mu);
+    struct fs_cached_pass *p = c->spares;
+    if (p)
+        c->spares = p->link;
+    pthread_mutex_unlock(&c->mu);
+    if (!p && !(p = calloc(1, sizeof(*p))))
+        return NULL;
+    if ((size_t)count > p->cap) {
+        int64_t *unit_ptr = realloc(p->unit_ptr, sizeof(*unit_ptr) * (size_t)(count + 1));
         if (unit_ptr)
-            c->unit_ptr = unit_ptr;
-        uint32_t *chunks_ok = realloc(c->chunks_ok, sizeof(*chunks_ok) * (size_t)count);
+            p->unit_ptr = unit_ptr;
+        uint32_t *chunks_ok = realloc(p->chunks_ok, sizeof(*chunks_ok) * (size_t)count);
         if (chunks_ok)
-            c->chunks_ok = chunks_ok;
-        uint8_t *missed = realloc(c->missed, (size_t)count);
+            p->chunks_ok = chunks_ok;
+        uint8_t *missed = realloc(p->missed, (size_t)count);
         if (missed)
-            c->missed = missed;
-        if (!unit_ptr || !chunks_ok || !missed)
-            return -ENOMEM;
-        c->cap = (size_t)count;
+            p->missed = missed;
+        uint8_t *state = realloc(p->state, (size_t)count);
+        if (state)
+            p->state = state;
+        if (!unit_ptr || !chunks_ok || !missed || !state) {
+            free_pass(p);
+            return NULL;
+        }
+        p->cap = (size_t)count;
     }
-    c->unit_ptr[0] = 0;
+    p->link = NULL;
+    return p;
+}
+
+int fs_cached_start(struct fs_cached *c, const struct fs_job *job, int64_t first, int64_t count,
+                    struct fs_cached_pass **out) {
+    const struct fs_batch *b = &job->b;
+    struct fs_cached_pass *p = new_pass(c, count);
+    if (!p)
+        return -ENOMEM;
+    p->job = job;
+    p->first = first;
+    p->count = count;
+    p->unit_ptr[0] = 0;
     for (int64_t k = 0; k < count; k++) {
         int64_t len = b->lengths[first + k];
-        c->unit_ptr[k + 1] = c->unit_ptr[k] + (len > 0 ? (len + CHUNK - 1) / CHUNK : 0);
+        p->unit_ptr[k + 1] = p->unit_ptr[k] + (len > 0 ? (len + CHUNK - 1) / CHUNK : 0);
     }
-    memset(c->chunks_ok, 0, sizeof(*c->chunks_ok) * (size_t)count);
-    memset(c->missed, 0, (size_t)count);
-    int64_t units = c->unit_ptr[count];
+    memset(p->chunks_ok, 0, sizeof(*p->chunks_ok) * (size_t)count);
+    memset(p->missed, 0, (size_t)count);
+    p->units = p->unit_ptr[count];
+    p->next = p->probes = p->hits = 0;
+    p->off = 0;
+    p->busy = 0;
 
     pthread_mutex_lock(&c->mu);
     while (c->started < c->want) { /* first pass: start the helpers (fewer if the system refuses) */
@@ -201,50 +270,77 @@ int fs_cached_start(struct fs_cached *c, const struct fs_job *job, int64_t first
         }
         c->started++;
     }
-    int64_t take = units / (4 * ((int64_t)c->started + 1)); /* a few claims per thread: cheap, balanced */
-    c->job = job;
-    c->first = first;
-    c->count = count;
-    c->units = units;
-    c->take = take < 1 ? 1 : take > 16 ? 16 : take;
-    __atomic_store_n(&c->next, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&c->probes, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&c->hits, 0, __ATOMIC_RELAXED);
-    __atomic_store_n(&c->off, 0, __ATOMIC_RELAXED);
-    c->generation++;
+    p->threads = (int64_t)c->started + 1;
+    if (c->tail)
+        c->tail->link = p;
+    else
+        c->head = p;
+    c->tail = p;
     if (c->started)
         pthread_cond_broadcast(&c->go);
     pthread_mutex_unlock(&c->mu);
+    *out = p;
     return 0;
 }
 
-int fs_cached_finish(struct fs_cached *c, int block, uint8_t *state, int *gave_up) {
+int fs_cached_finish(struct fs_cached *c, struct fs_cached_pass *p, int block, int *gave_up) {
     if (block || !c->started) /* take part: the pass's work is this thread's best use now */
-        work(c);
+        drain(p);
     pthread_mutex_lock(&c->mu);
-    if (!block) {
-        int claimed = __atomic_load_n(&c->next, __ATOMIC_RELAXED) >= c->units || __atomic_load_n(&c->off, __ATOMIC_RELAXED);
-        if (c->busy || !claimed) {
-            pthread_mutex_unlock(&c->mu);
-            return 0;
-        }
+    if (!block && (p->busy || __atomic_load_n(&p->next, __ATOMIC_RELAXED) < p->units)) {
+        pthread_mutex_unlock(&c->mu);
+        return 0;
     }
-    while (c->busy)
-        pthread_cond_wait(&c->idle, &c->mu);
-    const struct fs_job *job = c->job;
-    c->job = NULL; /* helpers waking late find no pass */
-    *gave_up = __atomic_load_n(&c->off, __ATOMIC_RELAXED);
+    while (p->busy) { /* helpers hold its last units: copy for later passes meanwhile, a claim at a time */
+        struct fs_cached_pass *q = claimable(c);
+        if (!q) {
+            pthread_cond_wait(&c->idle, &c->mu);
+            continue;
+        }
+        q->busy++;
+        pthread_mutex_unlock(&c->mu);
+        struct fs_fd_cache cache = {.job = NULL, .fd = -1};
+        claim(q, &cache);
+        pthread_mutex_lock(&c->mu);
+        if (--q->busy == 0)
+            pthread_cond_broadcast(&c->idle);
+    }
+    *gave_up = __atomic_load_n(&p->off, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&c->mu);
 
     /* A request is served when every one of its units was read whole; the ring reads the rest from the start. */
-    const struct fs_batch *b = &job->b;
-    for (int64_t k = 0; k < c->count; k++) {
-        int64_t units_k = c->unit_ptr[k + 1] - c->unit_ptr[k];
-        int whole = units_k > 0 && !c->missed[k] && c->chunks_ok[k] == (uint32_t)units_k;
-        state[k] = whole ? FS_PROBE_DONE : FS_PROBE_MISS;
-        b->results[c->first + k] = whole ? b->lengths[c->first + k] : 0;
+    const struct fs_batch *b = &p->job->b;
+    for (int64_t k = 0; k < p->count; k++) {
+        int64_t units_k = p->unit_ptr[k + 1] - p->unit_ptr[k];
+        int whole = units_k > 0 && !p->missed[k] && p->chunks_ok[k] == (uint32_t)units_k;
+        p->state[k] = whole ? FS_PROBE_DONE : FS_PROBE_MISS;
+        b->results[p->first + k] = whole ? b->lengths[p->first + k] : 0;
     }
     return 1;
+}
+
+uint8_t fs_cached_state(const struct fs_cached_pass *p, int64_t i) {
+    if (i < p->first || i >= p->first + p->count)
+        return FS_PROBE_NONE;
+    return p->state[i - p->first];
+}
+
+void fs_cached_release(struct fs_cached *c, struct fs_cached_pass *p) {
+    pthread_mutex_lock(&c->mu);
+    struct fs_cached_pass **at = &c->head, *prev = NULL;
+    while (*at && *at != p) {
+        prev = *at;
+        at = &(*at)->link;
+    }
+    if (*at) {
+        *at = p->link;
+        if (c->tail == p)
+            c->tail = prev;
+    }
+    p->job = NULL;
+    p->link = c->spares;
+    c->spares = p;
+    pthread_mutex_unlock(&c->mu);
 }
 
 uint32_t fs_cached_threads(const struct fs_cached *c) {

@@ -20,6 +20,8 @@ struct fs_job {
     int64_t failed; /* requests finished with an error */
     uint32_t probes, hits; /* RWF_NOWAIT pass, adaptive per batch */
     int nowait_off;
+    struct fs_cached_pass *pass; /* io_uring: its page-cache pass, until all its requests are started */
+    int pass_state; /* io_uring: 0 no pass considered yet, 1 running, 2 collected, 3 none (or released) */
     int waiting; /* a thread is in fs_engine_wait for it */
     struct fs_job *link;
 };
@@ -74,15 +76,19 @@ struct fs_job *fs_jobs_feedable(struct fs_engine *eng);
 #define FS_PROBE_MISS 1 /* probed, not (all) cached, or not for the page cache: the ring does it (results[i] = 0) */
 #define FS_PROBE_DONE 2 /* results[i] is the final result */
 struct fs_cached;
+struct fs_cached_pass;
 int fs_cached_create(uint32_t helpers, struct fs_cached **out); /* helpers start on the first pass */
-void fs_cached_destroy(struct fs_cached *c); /* no pass may be running */
-/* Start probing requests [first, first + count) of job on the helpers: 0, or -ENOMEM (no pass). The requests
+void fs_cached_destroy(struct fs_cached *c); /* every pass collected */
+/* Queue a pass probing requests [first, first + count) of job: 0 and *out, or -ENOMEM (no pass). The requests
  * belong to the pass until fs_cached_finish returns 1. */
-int fs_cached_start(struct fs_cached *c, const struct fs_job *job, int64_t first, int64_t count);
-/* Collect the running pass: 1 with state[k] for request first + k (FS_PROBE_DONE: results final; FS_PROBE_MISS:
- * results 0) and *gave_up (most probes missed, the pass stopped early); 0 when it is not done yet and !block.
- * block: take part in the work, then wait for the helpers. */
-int fs_cached_finish(struct fs_cached *c, int block, uint8_t *state, int *gave_up);
+int fs_cached_start(struct fs_cached *c, const struct fs_job *job, int64_t first, int64_t count,
+                    struct fs_cached_pass **out);
+/* Collect pass p: 1 when its states are final (fs_cached_state; results[i] = length when DONE, 0 when MISS) and
+ * *gave_up (most probes missed, the pass stopped early); 0 when it is not done yet and !block. block: take part
+ * in the work, then wait for the helpers (copying for later passes meanwhile). */
+int fs_cached_finish(struct fs_cached *c, struct fs_cached_pass *p, int block, int *gave_up);
+uint8_t fs_cached_state(const struct fs_cached_pass *p, int64_t i); /* FS_PROBE_* of request i, once collected */
+void fs_cached_release(struct fs_cached *c, struct fs_cached_pass *p); /* collected, all its requests started */
 uint32_t fs_cached_threads(const struct fs_cached *c); /* threads a pass runs on, the feeder included */
 
 int fs_uring_create(struct fs_engine *eng); /* 0 or -errno (ENOSYS without liburing) */

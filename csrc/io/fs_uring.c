@@ -1,8 +1,9 @@
 /* io_uring backend: keeps up to queue_depth requests in flight across all submitted batches,
  * refilling from the oldest batch as completions are reaped (in poll/wait). Cached extents of
  * buffered reads are served first by preadv2(RWF_NOWAIT), which beats the ring on warm data, on
- * several threads for batches of FS_CACHED_MIN_BATCH requests or bytes (fs_cached.c); only the misses go to
- * the ring. Short transfers are continued, EAGAIN/EINTR retried. */
+ * several threads for batches of FS_CACHED_MIN_BATCH requests or bytes (fs_cached.c: each batch's
+ * pass is queued at submit, so the helpers copy batch after batch without waiting for the caller);
+ * only the misses go to the ring. Short transfers are continued, EAGAIN/EINTR retried. */
 #include <errno.h>
 
 #include "fs_internal.h"
@@ -61,12 +62,13 @@ struct fs_uring {
     struct fs_fd_cache fdc;
     int draining;
     struct fs_cached *cached;  /* page-cache pass helpers, NULL: probe on the feeding thread */
-    struct fs_job *pass_job;   /* the job whose pass is running, NULL: none */
-    const struct fs_job *probe_job; /* the job probe_state describes (cleared once it is all started) */
-    int64_t probe_first, probe_count;
-    uint8_t *probe_state;
-    size_t probe_cap;
 };
+
+/* fs_job.pass_state */
+#define PASS_UNDECIDED 0 /* not looked at yet */
+#define PASS_RUNNING 1   /* job->pass queued or being copied */
+#define PASS_COLLECTED 2 /* job->pass's states are final */
+#define PASS_NONE 3      /* no pass (not worth one, or released once all its requests started) */
 
 static int queue_sqe(struct fs_engine *eng, struct fs_uring *u, uint32_t s) {
     struct slot *sl = &u->slots[s];
@@ -179,70 +181,70 @@ static int fixed_index(struct fs_uring *u, int fd) {
 }
 
 /* What the page-cache pass found for request i of job (FS_PROBE_NONE when it was not probed). */
-static uint8_t probed(const struct fs_uring *u, const struct fs_job *job, int64_t i) {
-    if (job != u->probe_job || i < u->probe_first || i >= u->probe_first + u->probe_count)
-        return FS_PROBE_NONE;
-    return u->probe_state[i - u->probe_first];
+static uint8_t probed(const struct fs_job *job, int64_t i) {
+    return job->pass_state == PASS_COLLECTED ? fs_cached_state(job->pass, i) : FS_PROBE_NONE;
 }
 
-/* Start the page-cache pass over job's remaining buffered reads on the helpers, when it is worth it;
- * 1 when started. */
-static int start_pass(struct fs_engine *eng, struct fs_uring *u, struct fs_job *job) {
+/* Queue the page-cache pass over job's remaining buffered reads on the helpers, when it is worth it (decided
+ * once per job). */
+static void start_pass(struct fs_engine *eng, struct fs_uring *u, struct fs_job *job) {
+    if (job->pass_state != PASS_UNDECIDED)
+        return;
+    job->pass_state = PASS_NONE;
     int64_t count = job->b.n - job->next;
-    if (!u->cached || u->pass_job || job == u->probe_job || job->b.op != FS_OP_READ ||
-        eng->opts.disable_nowait || job->nowait_off || count < 1)
-        return 0;
+    if (!u->cached || job->b.op != FS_OP_READ || eng->opts.disable_nowait || job->nowait_off || count < 1)
+        return;
     if (count < FS_CACHED_MIN_BATCH) { /* a few requests: worth it only if they are large */
         int64_t bytes = 0;
         for (int64_t i = job->next; i < job->b.n; i++)
             bytes += job->b.lengths[i];
         if (bytes < FS_CACHED_MIN_BYTES)
-            return 0;
+            return;
     }
     int direct = 0;
     if (fs_req_check(job, job->next, &u->fdc, &direct) == 0 && direct)
-        return 0; /* an O_DIRECT batch: nothing is served from the page cache */
-    if ((size_t)count > u->probe_cap) {
-        uint8_t *state = realloc(u->probe_state, (size_t)count);
-        if (!state)
-            return 0; /* no memory for the pass: the feeding thread probes alone */
-        u->probe_state = state;
-        u->probe_cap = (size_t)count;
-    }
-    if (fs_cached_start(u->cached, job, job->next, count) < 0)
-        return 0;
-    u->pass_job = job;
-    u->probe_first = job->next;
-    u->probe_count = count;
-    return 1;
+        return; /* an O_DIRECT batch: nothing is served from the page cache */
+    if (fs_cached_start(u->cached, job, job->next, count, &job->pass) < 0)
+        return; /* no memory for the pass: the feeding thread probes alone */
+    job->pass_state = PASS_RUNNING;
 }
 
-/* Collect the running pass (block: take part and wait); 1 when collected, 0 while it runs. */
-static int finish_pass(struct fs_uring *u, int block) {
+/* Collect job's running pass (block: take part and wait); 1 when collected, 0 while it runs. */
+static int finish_pass(struct fs_uring *u, struct fs_job *job, int block) {
     int gave_up = 0;
-    if (!fs_cached_finish(u->cached, block, u->probe_state, &gave_up))
+    if (!fs_cached_finish(u->cached, job->pass, block, &gave_up))
         return 0;
-    struct fs_job *job = u->pass_job;
-    u->pass_job = NULL;
-    u->probe_job = job;
+    job->pass_state = PASS_COLLECTED;
     if (gave_up)
         job->nowait_off = 1;
     return 1;
 }
 
-/* Start requests, oldest batch first, while slots and the in-flight byte budget allow. A batch in a running
- * page-cache pass stops the feeding until the pass is collected (block: take part and wait for it). */
-static int feed(struct fs_engine *eng, struct fs_uring *u, int block) {
+/* Give the pass's memory back once all of job's requests are started. */
+static void release_pass(struct fs_uring *u, struct fs_job *job) {
+    if (job->pass_state == PASS_COLLECTED) {
+        fs_cached_release(u->cached, job->pass);
+        job->pass = NULL;
+        job->pass_state = PASS_NONE;
+    }
+}
+
+/* Start requests, oldest batch first, while slots and the in-flight byte budget allow. Every batch not yet
+ * looked at gets its page-cache pass queued first, so the helpers go from one batch's copies to the next
+ * without waiting for this thread. A batch whose pass runs stops the feeding until it is collected; up to and
+ * including target (the batch a caller waits for, NULL: none) this thread takes part and waits. */
+static int feed(struct fs_engine *eng, struct fs_uring *u, struct fs_job *target) {
     struct fs_job *job = fs_jobs_feedable(eng);
+    for (struct fs_job *j = job; j; j = j->link)
+        start_pass(eng, u, j);
+    int block = target != NULL;
     while (job) {
-        if (start_pass(eng, u, job) || job == u->pass_job) { /* its requests are the pass's until collected */
-            if (!finish_pass(u, block))
-                return 0;
-        }
+        if (job->pass_state == PASS_RUNNING && !finish_pass(u, job, block))
+            return 0; /* its requests are the pass's until collected */
         int ret;
         while (job->next < job->b.n) {
             int64_t i = job->next;
-            uint8_t found = probed(u, job, i);
+            uint8_t found = probed(job, i);
             if (found == FS_PROBE_DONE) { /* served from the page cache: needs no slot */
                 job->next++;
                 eng->info.nowait_hits++;
@@ -277,8 +279,9 @@ static int feed(struct fs_engine *eng, struct fs_uring *u, int block) {
             if (found == FS_PROBE_MISS && !direct)
                 eng->info.nowait_misses++;
         }
-        if (u->probe_job == job)
-            u->probe_job = NULL; /* all started: the job may be freed, and its address reused */
+        release_pass(u, job); /* all started: the job may be freed once done */
+        if (job == target)
+            block = 0; /* later batches: their passes go on on the helpers */
         job = job->link;
     }
     return 0;
@@ -350,12 +353,12 @@ static int transient(int ret) {
     return ret == -EINTR || ret == -EAGAIN || ret == -EBUSY || ret == -ETIME;
 }
 
-/* One round: start what fits, submit, optionally wait for one completion, reap. */
-static int pump(struct fs_engine *eng, struct fs_uring *u, int block) {
-    int ret = feed(eng, u, block);
+/* One round: start what fits, submit, wait for one completion while target (NULL: none) is not done, reap. */
+static int pump(struct fs_engine *eng, struct fs_uring *u, struct fs_job *target) {
+    int ret = feed(eng, u, target);
     if (ret < 0 && !transient(ret))
         return ret;
-    unsigned wait_nr = block && u->inflight ? 1 : 0;
+    unsigned wait_nr = target && target->done < target->b.n && u->inflight ? 1 : 0;
     ret = wait_nr ? io_uring_submit_and_wait(&u->ring, wait_nr) : io_uring_submit(&u->ring);
     eng->info.syscalls++;
     if (ret < 0 && !transient(ret))
@@ -369,7 +372,7 @@ static int pump(struct fs_engine *eng, struct fs_uring *u, int block) {
 }
 
 static int u_submit(struct fs_engine *eng, struct fs_job *job) {
-    int ret = pump(eng, eng->impl, 0);
+    int ret = pump(eng, eng->impl, NULL);
     if (ret < 0)
         eng->error = ret;
     return ret;
@@ -378,7 +381,7 @@ static int u_submit(struct fs_engine *eng, struct fs_job *job) {
 static int u_poll(struct fs_engine *eng, struct fs_job *job) {
     if (eng->error)
         return eng->error;
-    int ret = pump(eng, eng->impl, 0);
+    int ret = pump(eng, eng->impl, NULL);
     if (ret < 0)
         return eng->error = ret;
     return job->done == job->b.n;
@@ -389,7 +392,7 @@ static int u_wait(struct fs_engine *eng, struct fs_job *job) {
     while (job->done < job->b.n) {
         if (eng->error)
             return eng->error;
-        int ret = pump(eng, u, 1);
+        int ret = pump(eng, u, job);
         if (ret < 0)
             return eng->error = ret;
     }
@@ -525,8 +528,11 @@ static int u_register_buffers(struct fs_engine *eng, const uint64_t *addrs, cons
 static void u_destroy(struct fs_engine *eng) {
     struct fs_uring *u = eng->impl;
     pthread_mutex_lock(&eng->lock);
-    if (u->pass_job) /* the helpers write into caller memory: let them finish first */
-        finish_pass(u, 1);
+    for (struct fs_job *job = eng->head; job; job = job->link) { /* helpers write into caller memory */
+        if (job->pass_state == PASS_RUNNING)
+            finish_pass(u, job, 1);
+        release_pass(u, job);
+    }
     fs_jobs_cancel_unstarted(eng);
     u->draining = 1;
     /* No I/O may land in caller memory after destroy returns: wait for everything in flight. */
@@ -537,8 +543,7 @@ static void u_destroy(struct fs_engine *eng) {
         reap(eng, u);
     }
     pthread_mutex_unlock(&eng->lock);
-    fs_cached_destroy(u->cached); /* its helpers are idle: the pass was collected above */
-    free(u->probe_state);
+    fs_cached_destroy(u->cached); /* its helpers are idle: every pass was collected above */
     io_uring_queue_exit(&u->ring); /* also drops registered files and buffers */
     free(u->bufs);
     free(u->files);

@@ -190,6 +190,31 @@ static int run_cached_pass(const char *dir) {
     for (int i = 0; i < N; i++)
         CHECK(a.results[i] == BS && a2.results[i] == BS);
     CHECK(memcmp(src, dst, (size_t)N * BS) == 0 && memcmp(src, dst2, (size_t)N * BS) == 0);
+
+    /* three batches queued on the helpers, the last waited for first (its wait takes part in the passes before
+     * it), then the others */
+    static struct arrays a3;
+    unsigned char *dst3 = calloc(N, BS);
+    CHECK(dst3);
+    memset(dst, 0, (size_t)N * BS);
+    memset(dst2, 0, (size_t)N * BS);
+    for (int i = 0; i < N; i++) {
+        a3.offsets[i] = (int64_t)i * BS;
+        a3.fds[i] = fd;
+        a3.lengths[i] = BS;
+        a3.addrs[i] = (uint64_t)(uintptr_t)(dst3 + (size_t)i * BS);
+    }
+    struct fs_batch p3 = make(&a3, FS_OP_READ, N);
+    uint64_t pt3;
+    CHECK(fs_engine_submit(eng, &p1, &pt1) == 0);
+    CHECK(fs_engine_submit(eng, &p2, &pt2) == 0);
+    CHECK(fs_engine_submit(eng, &p3, &pt3) == 0);
+    CHECK(fs_engine_wait(eng, pt3) == 0 && fs_engine_wait(eng, pt1) == 0 && fs_engine_wait(eng, pt2) == 0);
+    for (int i = 0; i < N; i++)
+        CHECK(a.results[i] == BS && a2.results[i] == BS && a3.results[i] == BS);
+    CHECK(memcmp(src, dst, (size_t)N * BS) == 0 && memcmp(src, dst2, (size_t)N * BS) == 0 &&
+          memcmp(src, dst3, (size_t)N * BS) == 0);
+    free(dst3);
     free(dst2);
 
     /* large reads are probed in 1 MiB pieces spread over the threads: pieces of one request, odd edges,

@@ -173,7 +173,8 @@ class IOEngine(Closing):
         sqpoll: ask io_uring for a kernel submission thread (falls back to none if refused).
         nowait: serve page-cache hits of buffered reads with ``preadv2(RWF_NOWAIT)`` first. Batches of 8 requests
             or 2 MiB are served on helper threads behind :meth:`submit_reads` (``wait`` takes part), so warm reads
-            copy at the pread pool's speed while the caller does other work.
+            copy at the pread pool's speed while the caller does other work; each batch's pass is queued at submit,
+            so with several batches in flight the helpers copy one after the other without waiting for a call.
         max_inflight_bytes: cap on bytes in flight, so large extents don't need a deep queue.
     """
 
