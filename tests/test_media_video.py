@@ -242,6 +242,19 @@ def test_probe_rejects_garbage():
         probe_media(b"", "text")
 
 
+def test_a_stream_whose_codec_ffmpeg_cannot_open_is_a_decode_error(clips):
+    """Damaged codec parameters leave a video stream with no decoder (PyAV: ``codec_context`` is None); found by
+    the flips below in a stress run (one byte of the sample entry zeroed): a DecodeError naming the sample, from the
+    probe and from the decode, never an AttributeError."""
+    data = clips["h264_short_gop"]
+    meta = probe_media(data, "video")
+    bad = data.replace(b"avc1", b"zzzz")  # the sample entry's codec: no decoder for it
+    with pytest.raises(DecodeError, match="no decoder.*sample=5"):
+        decode_video(bad, meta, [0, 30, 60], sample_id=5)
+    with pytest.raises(DecodeError, match="no decoder.*sample=5"):
+        probe_media(bad, "video", sample=5)
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(0, 10**9), st.integers(0, 255)), min_size=1, max_size=20))
 def test_corrupt_bytes_never_crash(clips, flips):

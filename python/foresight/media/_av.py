@@ -42,6 +42,17 @@ def open_media(data: bytes | bytearray | memoryview, **ctx: Any) -> Iterator[av.
         container.close()
 
 
+def first_stream(container: av.container.InputContainer, kind: str, **ctx: Any) -> Any:
+    """The container's first ``kind`` ("video" or "audio") stream, with a decoder: damaged bytes can leave a stream
+    whose codec FFmpeg cannot open (no ``codec_context``); that is a :class:`DecodeError` naming the sample, as a
+    missing stream is."""
+    streams = getattr(container.streams, kind)
+    if not streams:
+        raise DecodeError(f"no {kind} stream", **ctx)
+    if streams[0].codec_context is None:
+        raise DecodeError(f"{kind} stream has no decoder FFmpeg can open (damaged codec parameters?)", **ctx)
+    return streams[0]
+
 
 #: Exceptions that PyAV raises for bad media; anything else is a bug and propagates.
 MEDIA_ERRORS = (av.FFmpegError, ValueError, OSError, IndexError, KeyError, EOFError, RuntimeError, ZeroDivisionError)

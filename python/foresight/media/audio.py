@@ -15,7 +15,7 @@ import av
 import numpy as np
 
 from ..errors import DecodeError
-from ._av import MEDIA_ERRORS, ensure_quiet_logging, open_media
+from ._av import MEDIA_ERRORS, ensure_quiet_logging, first_stream, open_media
 
 PREROLL_S = 0.5
 
@@ -34,9 +34,7 @@ def decode_audio(data: bytes | bytearray | memoryview, *,
     layout = "mono" if mono else "stereo"
     chunks: list[np.ndarray] = []
     with open_media(data, **ctx) as c:
-        if not c.streams.audio:
-            raise DecodeError("no audio stream", **ctx)
-        s = c.streams.audio[0]
+        s = first_stream(c, "audio", **ctx)
         tb = s.time_base
         first_time = None
         try:

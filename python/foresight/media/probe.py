@@ -31,7 +31,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import DecodeError
-from ._av import MEDIA_ERRORS, open_media
+from ._av import MEDIA_ERRORS, first_stream, open_media
 
 MODALITIES = ("video", "image", "audio")
 INDEX_VERSION = 1
@@ -72,9 +72,7 @@ def _frac(x: Fraction | None) -> list[int] | None:
 
 def _probe_video(data: bytes, ctx: dict) -> dict[str, Any]:
     with open_media(data, **ctx) as c:
-        if not c.streams.video:
-            raise DecodeError("no video stream", **ctx)
-        s = c.streams.video[0]
+        s = first_stream(c, "video", **ctx)
         pts_list: list[int] = []
         key_list: list[int] = []
         untimed = corrupt = 0
@@ -157,9 +155,7 @@ def _decoded_key_pts(data: bytes, ctx: dict) -> list[int]:
 
 def _probe_audio(data: bytes, ctx: dict) -> dict[str, Any]:
     with open_media(data, **ctx) as c:
-        if not c.streams.audio:
-            raise DecodeError("no audio stream", **ctx)
-        s = c.streams.audio[0]
+        s = first_stream(c, "audio", **ctx)
         tb = s.time_base
         first = last = None
         last_dur = 0

@@ -43,7 +43,7 @@ import numpy as np
 from av.video.reformatter import VideoReformatter
 
 from ..errors import DecodeError
-from ._av import MEDIA_ERRORS, ensure_quiet_logging, open_media
+from ._av import MEDIA_ERRORS, ensure_quiet_logging, first_stream, open_media
 from .probe import INDEX_VERSION, mpeg4_packed, probe_media, video_pts
 from .sampling import FrameSampling, sample_frame_indices
 
@@ -273,7 +273,7 @@ def _from_start(data, ctx: dict, configure, keep, missing: np.ndarray, pts_all: 
     """Plain decode from the start of the stream (fresh container, no seek, no skipping) of the ``missing``
     pts: (pts -> frame, pts -> pts of the earlier frame shown instead). Raises where neither exists."""
     with open_media(data, **ctx) as container:
-        stream = container.streams.video[0]
+        stream = first_stream(container, "video", **ctx)
         configure(stream.codec_context)
         run = _Run(container, stream, keep, missing, track_previous=True)
         try:  # send every packet up to the last missing pts, so all frames before each one come out
@@ -357,9 +357,7 @@ def decode_video(
         cc.thread_type = "AUTO" if threads > 1 else "SLICE"
 
     with open_media(data, **ctx) as container:
-        if not container.streams.video:
-            raise DecodeError("no video stream", **ctx)
-        stream = container.streams.video[0]
+        stream = first_stream(container, "video", **ctx)
         cc = stream.codec_context
         configure(cc)
         report.packed_bframes = cc.name == "mpeg4" and bool(meta.get("packed_bframes")
