@@ -29,6 +29,8 @@ Example::
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import hmac
 import json
@@ -64,6 +66,7 @@ RETRY_S = 60.0  # how long a sender waits for a site that is down or restarting 
 BACKOFF = (0.25, 4.0)  # first and longest pause between attempts (doubling)
 WINDOW_BYTES = 64 << 20  # a sender's window: units sent back to back under one acknowledgement (one sync per file)
 WINDOW_UNITS = 64
+WINDOWS_IN_FLIGHT = 2  # per sending thread: the next window streams while the previous one is synced and acked
 # a site whose node answers but has not mounted replication yet (it is starting): wait for it like for one down
 _NOT_MOUNTED = ("no DoPut for 'replica.", "unknown action")
 
@@ -73,6 +76,18 @@ def binary_batch(view: memoryview) -> pa.RecordBatch:
     offsets = pa.py_buffer(np.array([0, len(view)], np.int32).tobytes())
     arr = pa.Array.from_buffers(pa.binary(), 1, [None, offsets, pa.py_buffer(view)])
     return pa.record_batch([arr], schema=SCHEMA)
+
+
+@dataclass
+class _Window:
+    """Units of one transfer sent under one acknowledgement; ``stream`` is its open DoPut awaiting the answer."""
+
+    t: Transfer
+    units: list[Unit]
+    todo: list[Unit] = field(default_factory=list)  # those the site did not hold already
+    client: Any = None
+    stream: tuple[Any, Any] | None = None
+    error: Exception | None = None
 
 
 @dataclass
@@ -93,6 +108,7 @@ class Transfer:
     held: list[Unit] = field(default_factory=list)  # units whose bytes the writer has not written yet
     written: dict[str, int] = field(default_factory=dict)  # bytes written so far per file (a save in progress)
     written_at: float | None = None  # when the last unit's bytes were written (all units released)
+    unit_bytes: int = 0
     bytes_left_at_commit: int | None = None  # bytes not yet acknowledged by the site at the source commit
     path: str | None = None  # the published replica
     ready_at: float | None = None
@@ -130,6 +146,7 @@ class ReplicationService:
         self.sent_log: list[tuple[str, int]] = []
         self.retries = 0  # attempts repeated because a site was down or starting
         self.received = {"windows": 0, "units": 0, "syncs": 0}  # as a receiving site
+        self.sending = {"windows": 0, "in_flight_max": 0}  # as a sender: windows put, most unacknowledged at once
         self._lock = threading.Condition()
         self._clients: dict[tuple[str, int], flight.FlightClient] = {}
         self._workers = [threading.Thread(target=self._send_loop, name=f"foresight-repl-send-{i}", daemon=True)
@@ -156,7 +173,7 @@ class ReplicationService:
             "replicate.abort": self.abort,
             "replicate.urgent": self.urgent, "replicate.wait": self.wait, "replicate.pause": self.pause,
             "replicate.resume": self.resume,
-            "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received},
+            "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received, "sending": self.sending},
             "replica.status": self.replica_status,
         }
         out: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"replication.ping": lambda b: {"site": self.site}}
@@ -200,16 +217,29 @@ class ReplicationService:
 
         Without ``files`` the data files are complete. With ``files`` (``[[name, size], ...]``, declared by a
         writer that is still writing) only units inside ``written`` (``{file: bytes written}``) leave now; the
-        rest leave as :meth:`written` reports their bytes (send while saving)."""
+        rest leave as :meth:`written` reports their bytes (send while saving). With ``extend`` (each rank of a
+        DCP save declares its own file) the files join the transfer of that name in progress, if any; files it
+        already has are ignored (a rank's late call after the commit found the file on disk)."""
         name, src = check_name(b["name"]), self._under_root(b["src"])
         declared = b.get("files")
         listed = [(check_file_name(str(f)), int(n)) for f, n in declared] if declared is not None else data_files(src)
-        units = plan_units(listed, int(b.get("unit_bytes") or self.unit_bytes))
+        unit_bytes = int(b.get("unit_bytes") or self.unit_bytes)
+        if b.get("extend"):
+            with self._lock:
+                old = self.transfers.get(name)
+                joins = old is not None and old.src == src and (
+                    not old.done.is_set() or {f for f, _ in listed} <= {u.file for u in old.units})
+            if joins:
+                added = self._declare(old, listed, src, unit_bytes)
+                self._release(old, b.get("written") or {})
+                return {"units": len(added), "bytes": sum(u.length for u in added)}
+        units = plan_units(listed, unit_bytes)
         # open now: the writer renames the directory at its commit, open descriptors survive that
         fds = {f: os.open(os.path.join(src, f), os.O_RDONLY | os.O_CLOEXEC) for f in {u.file for u in units}}
         t = Transfer(name, b["site"], src, float(b.get("priority", 1.0)), units, fds)
         t.written = dict(listed) if declared is None else {}
         t.held = list(units)
+        t.unit_bytes = unit_bytes
         with self._lock:
             old = self.transfers.get(name)
             if old is not None and not old.done.is_set():
@@ -220,6 +250,26 @@ class ReplicationService:
         if not units:
             self._maybe_publish(t)
         return {"units": len(units), "bytes": sum(u.length for u in units)}
+
+    def _declare(self, t: Transfer, files: list[tuple[str, int]], directory: str, unit_bytes: int) -> list[Unit]:
+        """Add ``files`` (those ``t`` lacks) to transfer ``t``, their units held until written; returns them."""
+        with self._lock:
+            known = {u.file: u.file_size for u in t.units}
+            clash = [(f, n, known[f]) for f, n in files if f in known and known[f] != n]
+            if clash:
+                raise ProtocolError("file declared again with another size", name=t.name, file=clash[0][0],
+                                    size=clash[0][1], declared=clash[0][2])
+            new = [(f, n) for f, n in files if f not in known]
+            if not new or t.done.is_set():
+                return []
+            base = len(t.units)
+            added = [dataclasses.replace(u, id=base + u.id) for u in plan_units(new, unit_bytes)]
+            for f in {u.file for u in added}:
+                t.fds[f] = os.open(os.path.join(directory, f), os.O_RDONLY | os.O_CLOEXEC)
+            t.units.extend(added)
+            t.held.extend(added)
+            t.written_at = None
+        return added
 
     def written(self, b: dict[str, Any]) -> dict[str, Any]:
         """The writer of ``b["name"]`` has written ``b["written"]`` (``{file: bytes}``): those units may leave."""
@@ -246,6 +296,8 @@ class ReplicationService:
         """The source of ``b["name"]`` committed at ``b["path"]``: register it; publish the replica when sent."""
         t = self._transfer(b["name"])
         path = self._under_root(b["path"])
+        # data files no writer declared (a rank whose call has not arrived yet): complete now that it committed
+        self._declare(t, data_files(path), path, t.unit_bytes)
         t.meta = meta_files(path)
         t.committed_at = time.time()
         with self._lock:
@@ -320,12 +372,25 @@ class ReplicationService:
                     ("grpc.use_local_subchannel_pool", 1)])  # gRPC would share one connection among them
         return c
 
-    def _retrying(self, site: str, fn: Callable[[flight.FlightClient, int], Any]) -> Any:
+    def _drop_client(self, client: flight.FlightClient | None) -> None:
+        """Forget a channel that failed: the next attempt connects afresh."""
+        with self._lock:
+            for k, c in list(self._clients.items()):
+                if c is client:
+                    del self._clients[k]
+
+    def _retrying(self, site: str, fn: Callable[[flight.FlightClient, int], Any], *,
+                  first_pause: bool = False) -> Any:
         """``fn(client, attempt)``; a site that is down or still starting (restarting) is waited for, with
-        back-off, for up to ``retry_s``, each attempt on a fresh channel."""
+        back-off, for up to ``retry_s``, each attempt on a fresh channel (``first_pause``: the caller saw the
+        site fail already: pause before the first attempt too)."""
         deadline = time.monotonic() + self.retry_s
         pause = BACKOFF[0]
         attempt = 0
+        if first_pause:
+            self.retries += 1
+            time.sleep(pause)
+            pause = min(pause * 2, BACKOFF[1])
         while True:
             client = self._client(site)
             try:
@@ -333,10 +398,7 @@ class ReplicationService:
             except (flight.FlightUnavailableError, flight.FlightServerError) as e:
                 if isinstance(e, flight.FlightServerError) and not any(m in str(e) for m in _NOT_MOUNTED):
                     raise  # a refusal (bad token, bad unit): retrying cannot help
-                with self._lock:
-                    for k, c in list(self._clients.items()):
-                        if c is client:
-                            del self._clients[k]
+                self._drop_client(client)
                 if time.monotonic() + pause > deadline:
                     raise
                 log.warning("site unreachable or starting, retrying",
@@ -352,10 +414,17 @@ class ReplicationService:
         return json.loads(res[0].body.to_pybytes()) if res else {}
 
     def _send_loop(self) -> None:
+        """One sending thread: windows of a transfer's units, up to ``WINDOWS_IN_FLIGHT`` of them unacknowledged
+        (the next window streams while the site syncs and acknowledges the previous one, so the link never idles
+        for a round trip and a sync per window)."""
+        in_flight: collections.deque[_Window] = collections.deque()
         while True:
-            item = self.lane.pop()
+            item = self.lane.pop(timeout=0 if in_flight else None)
             if item is None:
-                return
+                if not in_flight:
+                    return  # the lane is closed
+                self._settle(in_flight.popleft())  # nothing to send now: collect the oldest acknowledgement
+                continue
             name, unit = item
             # a window: this transfer's next units, sent back to back in one stream under one acknowledgement
             units = [unit, *self.lane.take(name, max(1, min(WINDOW_UNITS, WINDOW_BYTES // max(1, unit.length))) - 1)]
@@ -363,62 +432,111 @@ class ReplicationService:
                 t = self.transfers.get(name)
             if t is None or t.done.is_set():
                 continue
+            w = _Window(t, units)
             try:
                 if t.skip is None:
-                    t.skip = set(self._call(t.site, "replica.status", {"name": name})["units"])
+                    t.skip = self._held_at_site(t)
                     t.status_at = time.time()
-                todo = [u for u in units if u.id not in t.skip]
-                if todo:
-                    self._send_window(t, todo)
-                with self._lock:
-                    now = time.time()
-                    t.acked.update(u.id for u in units)
-                    self.sent_log.extend((name, u.id, now) for u in units)
-                self._maybe_publish(t)
+                w.todo = [u for u in units if u.id not in t.skip]
+                if w.todo:
+                    w.client = self._client(t.site)
+                    w.stream = self._put_window(w.client, t, w.todo)
+            except (flight.FlightUnavailableError, flight.FlightServerError) as e:
+                w.stream, w.error = None, e  # retried (or reported) when the window settles
             except Exception as e:  # noqa: BLE001 - recorded on the transfer, raised by replicate.wait
-                if t.done.is_set():
-                    continue  # aborted meanwhile: that is the transfer's outcome
-                log.warning("replication failed", extra={"checkpoint": name, "error": str(e)})
-                t.error = str(e)
-                self.lane.remove(name)
-                self._close_fds(t)
-                t.done.set()
+                self._fail(t, e)
+                continue
+            in_flight.append(w)
+            with self._lock:
+                self.sending["windows"] += 1
+                self.sending["in_flight_max"] = max(self.sending["in_flight_max"], len(in_flight))
+            while len(in_flight) >= WINDOWS_IN_FLIGHT:
+                self._settle(in_flight.popleft())
 
-    def _send_window(self, t: Transfer, units: list[Unit]) -> None:
-        """``units`` back to back in one ``DoPut replica.units``; the site verifies each, makes them durable
-        together (one sync per file) and acknowledges them at once: one round trip per window, not per unit."""
+    def _settle(self, w: _Window) -> None:
+        """Wait for window ``w``'s acknowledgement (a window the site dropped is sent again, by unit, with the
+        retries of :meth:`_retrying`); then its units count as acknowledged and the replica may be published."""
+        t = w.t
+        if t.done.is_set():
+            return  # aborted or failed meanwhile: that is the transfer's outcome
+        try:
+            if w.todo:
+                sent = None
+                if w.stream is not None:
+                    try:
+                        sent = self._window_acked(t, w.todo, *w.stream)
+                    except (flight.FlightUnavailableError, flight.FlightServerError) as e:
+                        w.error = e
+                if sent is None:
+                    if isinstance(w.error, flight.FlightServerError) and \
+                            not any(m in str(w.error) for m in _NOT_MOUNTED):
+                        raise w.error  # a refusal (bad token, bad unit): retrying cannot help
+                    self._drop_client(w.client)
+                    log.warning("site unreachable or starting, retrying",
+                                extra={"site": t.site, "attempt": 0, "error": str(w.error)[:200]})
+                    sent = self._retrying(t.site, lambda c, attempt: self._resend(c, t, w.todo), first_pause=True)
+                t.bytes_sent += sum(u.length for u in sent)
+                t.units_put += len(sent)
+            with self._lock:
+                now = time.time()
+                t.acked.update(u.id for u in w.units)
+                self.sent_log.extend((t.name, u.id, now) for u in w.units)
+            self._maybe_publish(t)
+        except Exception as e:  # noqa: BLE001 - recorded on the transfer, raised by replicate.wait
+            self._fail(t, e)
+
+    def _fail(self, t: Transfer, e: Exception) -> None:
+        if t.done.is_set():
+            return  # aborted meanwhile: that is the transfer's outcome
+        log.warning("replication failed", extra={"checkpoint": t.name, "error": str(e)})
+        t.error = str(e)
+        self.lane.remove(t.name)
+        self._close_fds(t)
+        t.done.set()
+
+    def _put_window(self, client: flight.FlightClient, t: Transfer, units: list[Unit]) -> tuple[Any, Any]:
+        """``units`` back to back in one ``DoPut replica.units`` (written, not yet acknowledged); the site verifies
+        each, makes them durable together (one sync per file) and acknowledges them at once."""
         cmd = {"op": "replica.units", "name": t.name, "token": self.token}
+        writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.units", json.dumps(cmd)), SCHEMA)
+        for u in units:
+            body, digest = read_unit(t.fds[u.file], u)
+            mv = memoryview(body)
+            header = pa.py_buffer(json.dumps(u.header(digest)).encode())
+            for pos in range(0, max(len(mv), 1), WIRE_CHUNK):
+                batch = binary_batch(mv[pos:pos + WIRE_CHUNK])
+                if pos == 0:
+                    writer.write_with_metadata(batch, header)
+                else:
+                    writer.write_batch(batch)
+        writer.done_writing()
+        return writer, reader
 
-        def put(client: flight.FlightClient, attempt: int) -> list[Unit]:
-            todo = units
-            if attempt:  # the site came back (restarted?): resume by unit, from what it journaled
-                done = set(self._call(t.site, "replica.status", {"name": t.name})["units"])
-                with self._lock:
-                    t.skip = (t.skip or set()) | done
-                todo = [u for u in units if u.id not in done]
-                if not todo:
-                    return []
-            writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.units", json.dumps(cmd)), SCHEMA)
-            for u in todo:
-                body, digest = read_unit(t.fds[u.file], u)
-                mv = memoryview(body)
-                header = pa.py_buffer(json.dumps(u.header(digest)).encode())
-                for pos in range(0, max(len(mv), 1), WIRE_CHUNK):
-                    batch = binary_batch(mv[pos:pos + WIRE_CHUNK])
-                    if pos == 0:
-                        writer.write_with_metadata(batch, header)
-                    else:
-                        writer.write_batch(batch)
-            writer.done_writing()
-            answer = _ack(writer, reader)  # verified and durable at the site
-            if sorted(answer["units"]) != sorted(u.id for u in todo):
-                raise CheckpointError("site acknowledged other units than sent", name=t.name,
-                                      sent=len(todo), acked=len(answer["units"]))
-            return todo
+    def _window_acked(self, t: Transfer, units: list[Unit], writer: Any, reader: Any) -> list[Unit]:
+        answer = _ack(writer, reader)  # verified and durable at the site
+        if sorted(answer["units"]) != sorted(u.id for u in units):
+            raise CheckpointError("site acknowledged other units than sent", name=t.name,
+                                  sent=len(units), acked=len(answer["units"]))
+        return units
 
-        sent = self._retrying(t.site, put)
-        t.bytes_sent += sum(u.length for u in sent)
-        t.units_put += len(sent)
+    def _held_at_site(self, t: Transfer) -> set[int]:
+        """Ids of ``t``'s units the site journaled already. A unit counts only if the site journaled that id for
+        the same extent: a transfer planned again (files declared in another order) never skips a unit by id."""
+        res = self._call(t.site, "replica.status", {"name": t.name})
+        if "extents" not in res:
+            return set(res["units"])  # a site that journals ids alone
+        have = {int(i): (f, int(o), int(n)) for i, f, o, n in res["extents"]}
+        with self._lock:
+            units = list(t.units)
+        return {u.id for u in units if have.get(u.id) == (u.file, u.offset, u.length)}
+
+    def _resend(self, client: flight.FlightClient, t: Transfer, units: list[Unit]) -> list[Unit]:
+        """A window again after the site dropped it (restarted?): resume by unit, from what it journaled."""
+        done = self._held_at_site(t)
+        with self._lock:
+            t.skip = (t.skip or set()) | done
+        todo = [u for u in units if u.id not in done]
+        return self._window_acked(t, todo, *self._put_window(client, t, todo)) if todo else []
 
     def _maybe_publish(self, t: Transfer) -> None:
         with self._lock:
@@ -449,7 +567,9 @@ class ReplicationService:
 
     # -- receiver --------------------------------------------------------------------------------
     def replica_status(self, b: dict[str, Any]) -> dict[str, Any]:
-        return {"units": sorted(ReplicaBuilder(self.root, check_name(b["name"])).done_units())}
+        """Units journaled here: ``units`` (ids) and ``extents`` (``[id, file, offset, length]``)."""
+        done = ReplicaBuilder(self.root, check_name(b["name"])).done_extents()
+        return {"units": sorted(done), "extents": [[i, *e] for i, e in sorted(done.items()) if e is not None]}
 
     def _put_unit(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
         cmd = _command(descriptor)

@@ -162,6 +162,15 @@ def verify_checkpoint(path: str) -> int:
     return len(extents)
 
 
+def _preallocate(fd: int, size: int, path: str) -> None:
+    """Give the replica file its size with its blocks allocated up front (units land anywhere in it, in any order;
+    writes into allocated blocks are faster than filling a sparse file, and a full disk shows now, by name)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        raise CheckpointError(f"cannot allocate the replica file: {e.strerror}", path=path, size=size) from e
+
+
 class _UnitSink:
     """One unit being received: its bytes go to their place in the (hidden) replica file, hashed on the way."""
 
@@ -175,7 +184,7 @@ class _UnitSink:
         if fd is None:
             fd = fds[self.file] = os.open(os.path.join(tmp, self.file), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
             if os.fstat(fd).st_size != size:
-                os.ftruncate(fd, size)
+                _preallocate(fd, size, os.path.join(tmp, self.file))
         self.fd, self.pos, self.h = fd, self.offset, xxhash.xxh3_64()
 
     def write(self, chunk: Any) -> None:
@@ -196,6 +205,9 @@ class _UnitSink:
             raise CheckpointError("unit checksum mismatch", file=self.file, offset=self.offset, unit=self.header["id"])
         return int(self.header["id"])
 
+    def journal_line(self) -> str:
+        return f"{int(self.header['id'])}\t{self.file}\t{self.offset}\t{self.length}\n"
+
 
 class ReplicaBuilder:
     """Receiver side of one checkpoint: units land in ``<root>/<job>/.replica-<step>``, published by rename."""
@@ -209,11 +221,22 @@ class ReplicaBuilder:
 
     def done_units(self) -> set[int]:
         """Units already journaled (their bytes verified and fsynced): a resumed transfer skips them."""
+        return set(self.done_extents())
+
+    def done_extents(self) -> dict[int, tuple[str, int, int] | None]:
+        """Journaled units: id -> ``(file, offset, length)`` (None for a line of the id alone). A sender whose plan
+        numbers units differently (files declared in another order) skips only the units whose extent matches."""
         try:
             with open(os.path.join(self.tmp, JOURNAL)) as f:
-                return {int(x) for x in f.read().split()}
+                lines = f.read().splitlines()
         except FileNotFoundError:
-            return set()
+            return {}
+        out: dict[int, tuple[str, int, int] | None] = {}
+        for line in lines:
+            parts = line.split("\t")
+            if parts[0]:
+                out[int(parts[0])] = (parts[1], int(parts[2]), int(parts[3])) if len(parts) == 4 else None
+        return out
 
     def write_unit(self, header: dict[str, Any], chunks: Iterable[Any]) -> None:
         """Write a unit's body (``chunks`` in order) at its offset; journal it only if its xxh3 matches."""
@@ -232,17 +255,20 @@ class ReplicaBuilder:
         fds: dict[str, int] = {}
         done: list[int] = []
         cur: _UnitSink | None = None
+        lines: list[str] = []
         try:
             for header, chunk in parts:
                 if header is not None:
                     if cur is not None:
                         done.append(cur.finish())
+                        lines.append(cur.journal_line())
                     cur = _UnitSink(self.tmp, header, fds)
                 elif cur is None:
                     raise CheckpointError("unit body before its header", name=self.name)
                 cur.write(chunk)
             if cur is not None:
                 done.append(cur.finish())
+                lines.append(cur.journal_line())
             for fd in fds.values():
                 os.fdatasync(fd)
         finally:
@@ -251,7 +277,7 @@ class ReplicaBuilder:
         if done:
             jfd = os.open(os.path.join(self.tmp, JOURNAL), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
             try:
-                os.write(jfd, "".join(f"{i}\n" for i in done).encode())
+                os.write(jfd, "".join(lines).encode())
                 os.fdatasync(jfd)
             finally:
                 os.close(jfd)
