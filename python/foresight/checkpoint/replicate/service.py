@@ -114,6 +114,8 @@ class Transfer:
     ready_at: float | None = None
     error: str | None = None
     status_at: float | None = None  # when the receiver said which units it already holds
+    status_asked: bool = False
+    put: set[int] = field(default_factory=set)  # units on the wire (their window written whole), maybe unacknowledged
     publishing: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -146,6 +148,7 @@ class ReplicationService:
         self.sent_log: list[tuple[str, int]] = []
         self.retries = 0  # attempts repeated because a site was down or starting
         self.received = {"windows": 0, "units": 0, "syncs": 0}  # as a receiving site
+        self._receiving: dict[str, int] = {}  # windows being received per checkpoint
         self.sending = {"windows": 0, "in_flight_max": 0}  # as a sender: windows put, most unacknowledged at once
         self._lock = threading.Condition()
         self._clients: dict[tuple[str, int], flight.FlightClient] = {}
@@ -313,9 +316,10 @@ class ReplicationService:
     def abort(self, b: dict[str, Any]) -> dict[str, Any]:
         t = self._transfer(b["name"])
         self.lane.remove(t.name)
-        t.error = "aborted: the source save failed"
+        with self._lock:  # a window acknowledged from now on is not recorded (see _settle)
+            t.error = "aborted: the source save failed"
+            t.done.set()
         self._close_fds(t)
-        t.done.set()
         return {}
 
     def urgent(self, b: dict[str, Any]) -> dict[str, Any]:
@@ -434,10 +438,8 @@ class ReplicationService:
                 continue
             w = _Window(t, units)
             try:
-                if t.skip is None:
-                    t.skip = self._held_at_site(t)
-                    t.status_at = time.time()
-                w.todo = [u for u in units if u.id not in t.skip]
+                self._ask_status(t)
+                w.todo = [u for u in units if u.id not in (t.skip or ())]
                 if w.todo:
                     w.client = self._client(t.site)
                     w.stream = self._put_window(w.client, t, w.todo)
@@ -450,6 +452,9 @@ class ReplicationService:
             with self._lock:
                 self.sending["windows"] += 1
                 self.sending["in_flight_max"] = max(self.sending["in_flight_max"], len(in_flight))
+                if w.error is None:
+                    t.put.update(u.id for u in units)
+            self._maybe_publish(t, early=True)
             while len(in_flight) >= WINDOWS_IN_FLIGHT:
                 self._settle(in_flight.popleft())
 
@@ -457,8 +462,13 @@ class ReplicationService:
         """Wait for window ``w``'s acknowledgement (a window the site dropped is sent again, by unit, with the
         retries of :meth:`_retrying`); then its units count as acknowledged and the replica may be published."""
         t = w.t
-        if t.done.is_set():
-            return  # aborted or failed meanwhile: that is the transfer's outcome
+        if t.done.is_set():  # aborted or failed meanwhile: that is the transfer's outcome
+            if w.stream is not None:
+                try:
+                    _ack(*w.stream)  # still end the call (an abandoned stream holds its channel)
+                except Exception:  # noqa: BLE001 - the transfer's outcome is decided already
+                    pass
+            return
         try:
             if w.todo:
                 sent = None
@@ -478,6 +488,8 @@ class ReplicationService:
                 t.bytes_sent += sum(u.length for u in sent)
                 t.units_put += len(sent)
             with self._lock:
+                if t.done.is_set():
+                    return  # aborted while the window was acknowledged: not progress of a transfer that ended
                 now = time.time()
                 t.acked.update(u.id for u in w.units)
                 self.sent_log.extend((t.name, u.id, now) for u in w.units)
@@ -499,17 +511,24 @@ class ReplicationService:
         each, makes them durable together (one sync per file) and acknowledges them at once."""
         cmd = {"op": "replica.units", "name": t.name, "token": self.token}
         writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.units", json.dumps(cmd)), SCHEMA)
-        for u in units:
-            body, digest = read_unit(t.fds[u.file], u)
-            mv = memoryview(body)
-            header = pa.py_buffer(json.dumps(u.header(digest)).encode())
-            for pos in range(0, max(len(mv), 1), WIRE_CHUNK):
-                batch = binary_batch(mv[pos:pos + WIRE_CHUNK])
-                if pos == 0:
-                    writer.write_with_metadata(batch, header)
-                else:
-                    writer.write_batch(batch)
-        writer.done_writing()
+        try:
+            for u in units:
+                body, digest = read_unit(t.fds[u.file], u)
+                mv = memoryview(body)
+                header = pa.py_buffer(json.dumps(u.header(digest)).encode())
+                for pos in range(0, max(len(mv), 1), WIRE_CHUNK):
+                    batch = binary_batch(mv[pos:pos + WIRE_CHUNK])
+                    if pos == 0:
+                        writer.write_with_metadata(batch, header)
+                    else:
+                        writer.write_batch(batch)
+            writer.done_writing()
+        except BaseException:
+            try:
+                writer.close()  # end the call: the site drops the cut unit, nothing of it is journaled
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                pass
+            raise
         return writer, reader
 
     def _window_acked(self, t: Transfer, units: list[Unit], writer: Any, reader: Any) -> list[Unit]:
@@ -518,6 +537,28 @@ class ReplicationService:
             raise CheckpointError("site acknowledged other units than sent", name=t.name,
                                   sent=len(units), acked=len(answer["units"]))
         return units
+
+    def _ask_status(self, t: Transfer) -> None:
+        """Ask the site once which of ``t``'s units it holds (a resumed transfer skips them), without waiting:
+        the windows that leave before the answer arrives cost no round trip, and the site drops the units of
+        them it journaled already (see :meth:`ReplicaBuilder.write_units`)."""
+        with self._lock:
+            if t.status_asked:
+                return
+            t.status_asked = True
+
+        def ask() -> None:
+            try:
+                held = self._held_at_site(t)
+            except Exception as e:  # noqa: BLE001 - the windows meet the same trouble and retry by unit
+                log.warning("replica status failed; windows go without it", extra={"checkpoint": t.name,
+                                                                                  "error": str(e)[:200]})
+                held = set()
+            with self._lock:
+                t.skip = (t.skip or set()) | held
+                t.status_at = time.time()
+
+        threading.Thread(target=ask, name="foresight-repl-status", daemon=True).start()
 
     def _held_at_site(self, t: Transfer) -> set[int]:
         """Ids of ``t``'s units the site journaled already. A unit counts only if the site journaled that id for
@@ -538,15 +579,27 @@ class ReplicationService:
         todo = [u for u in units if u.id not in done]
         return self._window_acked(t, todo, *self._put_window(client, t, todo)) if todo else []
 
-    def _maybe_publish(self, t: Transfer) -> None:
+    def _maybe_publish(self, t: Transfer, *, early: bool = False) -> None:
+        """Publish ``t``'s replica once its source committed and the site acknowledged every unit; ``early``: as soon
+        as every unit is on the wire (the site publishes only once it journaled them all, so the publish round trip
+        overlaps the last windows' sync and acknowledgement; if a window fails the site says so and the
+        acknowledgements publish it later). ``t`` is done once published and every acknowledgement is in."""
         with self._lock:
-            if t.meta is None or len(t.acked) < len(t.units) or t.done.is_set() or t.publishing:
+            if t.done.is_set() or t.publishing:
+                return
+            all_acked = len(t.acked) >= len(t.units)
+            if t.path is not None:  # published early: done with the last acknowledgement
+                if all_acked:
+                    self._close_fds(t)
+                    t.done.set()
+                return
+            if t.meta is None or not (all_acked or (early and len(t.acked | t.put) >= len(t.units))):
                 return
             t.publishing = True
         try:
             names = sorted(t.meta)
             cmd = {"op": "replica.commit", "name": t.name, "units": len(t.units), "source_site": self.site,
-                   "files": [[n, len(t.meta[n])] for n in names], "token": self.token}
+                   "files": [[n, len(t.meta[n])] for n in names], "token": self.token, "early": not all_acked}
             body = b"".join(t.meta[n] for n in names)  # index + COMMIT, or DCP .metadata: any size
 
             def put(client: flight.FlightClient, attempt: int) -> dict[str, Any]:
@@ -559,11 +612,19 @@ class ReplicationService:
                 return _ack(writer, reader)
 
             res = self._retrying(t.site, put)
-            t.path, t.ready_at = res["path"], time.time()
         except Exception as e:  # noqa: BLE001
+            if not all_acked and "units missing" in str(e):
+                with self._lock:  # a window did not make it: it is resent, its acknowledgement publishes
+                    t.publishing = False
+                log.info("early publish refused: units missing at the site", extra={"checkpoint": t.name})
+                return
             t.error = f"publishing the replica failed: {e}"
-        self._close_fds(t)
-        t.done.set()
+            self._close_fds(t)
+            t.done.set()
+            return
+        with self._lock:
+            t.path, t.ready_at, t.publishing = res["path"], time.time(), False
+        self._maybe_publish(t)
 
     # -- receiver --------------------------------------------------------------------------------
     def replica_status(self, b: dict[str, Any]) -> dict[str, Any]:
@@ -582,7 +643,16 @@ class ReplicationService:
         cmd = _command(descriptor)
         self.check_token(cmd)
         rb = ReplicaBuilder(self.root, check_name(cmd["name"]))
-        done, syncs = rb.write_units(_unit_parts(reader))
+        with self._lock:
+            self._receiving[rb.name] = self._receiving.get(rb.name, 0) + 1
+        try:
+            done, syncs = rb.write_units(_unit_parts(reader))
+        finally:
+            with self._lock:
+                self._receiving[rb.name] -= 1
+                if not self._receiving[rb.name]:
+                    del self._receiving[rb.name]
+                self._lock.notify_all()
         with self._lock:
             self.received["windows"] += 1
             self.received["units"] += len(done)
@@ -601,7 +671,11 @@ class ReplicationService:
             pos += int(n)
         if pos != len(body):
             raise CheckpointError("commit body does not match its file list", name=rb.name)
-        path = rb.finalize(meta, int(cmd["units"]))
+        if cmd.get("early"):  # sent with the last windows: wait while they are still being received here
+            with self._lock:
+                self._lock.wait_for(lambda: not self._receiving.get(rb.name) or
+                                    len(rb.done_units()) >= int(cmd["units"]), timeout=self.retry_s)
+        path = rb.finalize(meta, int(cmd["units"]))  # never published before every unit is journaled and verified
         if self.resolver is not None:
             self.resolver.register(rb.name, path, self.endpoint, ttl=self.replica_ttl)
         writer.write(pa.py_buffer(json.dumps({"path": path}).encode()))

@@ -174,23 +174,33 @@ def _preallocate(fd: int, size: int, path: str) -> None:
 class _UnitSink:
     """One unit being received: its bytes go to their place in the (hidden) replica file, hashed on the way."""
 
-    def __init__(self, tmp: str, header: dict[str, Any], fds: dict[str, int]) -> None:
+    def __init__(self, tmp: str, header: dict[str, Any], fds: dict[str, int],
+                 held: dict[int, tuple[str, int, int] | None] | None = None) -> None:
         self.header = header
         self.file = check_file_name(str(header["file"]))
         self.offset, self.length, size = int(header["offset"]), int(header["length"]), int(header["file_size"])
         if self.offset < 0 or self.length < 0 or self.offset + self.length > size:
             raise CheckpointError("unit lies outside its file", file=self.file, offset=self.offset, length=self.length)
+        self.pos, self.h = self.offset, xxhash.xxh3_64()
+        # journaled already (a sender that had not heard the status yet): its bytes are drained, not rewritten
+        self.held = (held or {}).get(int(header["id"]), 0) == (self.file, self.offset, self.length)
+        if self.held:
+            self.fd = -1
+            return
         fd = fds.get(self.file)
         if fd is None:
             fd = fds[self.file] = os.open(os.path.join(tmp, self.file), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
             if os.fstat(fd).st_size != size:
                 _preallocate(fd, size, os.path.join(tmp, self.file))
-        self.fd, self.pos, self.h = fd, self.offset, xxhash.xxh3_64()
+        self.fd = fd
 
     def write(self, chunk: Any) -> None:
         mv = memoryview(chunk).cast("B")
         if self.pos + len(mv) > self.offset + self.length:
             raise CheckpointError("unit body longer than its header", file=self.file, offset=self.pos)
+        if self.held:
+            self.pos += len(mv)
+            return
         self.h.update(mv)
         done = 0
         while done < len(mv):
@@ -201,7 +211,7 @@ class _UnitSink:
         if self.pos != self.offset + self.length:
             raise CheckpointError("unit body cut short", file=self.file, offset=self.pos,
                                   expected=self.offset + self.length)
-        if self.h.intdigest() != int(self.header["xxh3"], 16):
+        if not self.held and self.h.intdigest() != int(self.header["xxh3"], 16):
             raise CheckpointError("unit checksum mismatch", file=self.file, offset=self.offset, unit=self.header["id"])
         return int(self.header["id"])
 
@@ -250,25 +260,27 @@ class ReplicaBuilder:
     def write_units(self, parts: Iterable[tuple[dict[str, Any] | None, Any]]) -> tuple[list[int], int]:
         """Units back to back: ``(header, first chunk)`` opens a unit, ``(None, chunk)`` continues it. Each unit is
         verified against its xxh3 as it ends; then the files touched get one ``fdatasync`` each and the units one
-        journal append (durability batched per window, never a unit journaled before its bytes are on disk).
+        journal append (durability batched per window, never a unit journaled before its bytes are on disk). A unit
+        journaled already for the same extent is drained and acknowledged, not written again.
         Returns the unit ids journaled and the syncs made."""
         fds: dict[str, int] = {}
         done: list[int] = []
         cur: _UnitSink | None = None
         lines: list[str] = []
+        held = self.done_extents()  # a unit journaled already (same id, same extent) is drained, not rewritten
         try:
             for header, chunk in parts:
                 if header is not None:
                     if cur is not None:
                         done.append(cur.finish())
-                        lines.append(cur.journal_line())
-                    cur = _UnitSink(self.tmp, header, fds)
+                        lines += [] if cur.held else [cur.journal_line()]
+                    cur = _UnitSink(self.tmp, header, fds, held=held)
                 elif cur is None:
                     raise CheckpointError("unit body before its header", name=self.name)
                 cur.write(chunk)
             if cur is not None:
                 done.append(cur.finish())
-                lines.append(cur.journal_line())
+                lines += [] if cur.held else [cur.journal_line()]
             for fd in fds.values():
                 os.fdatasync(fd)
         finally:
