@@ -4,16 +4,19 @@ The same handlers run on every site's node; which role they play depends on the 
 
 - training site (sender; every action but ``replication.ping`` checks the replication token):
   ``replicate.start`` (the data files are written, or being written with their sizes declared: cut them into
-  units, queue those written in the :class:`~.scheduler.PriorityLane`), ``replicate.written`` (a writer's
+  units, queue those written in the :class:`~.scheduler.PriorityLane`; ``extend``: a DCP rank adds its own file to
+  the transfer), ``replicate.written`` (a writer's
   progress: the units it completed leave now), ``replicate.commit`` (the source committed: the replica may now
   be published), ``replicate.abort``, ``replicate.urgent`` (raise a transfer's priority), ``replicate.wait``,
   ``replicate.pause``/``replicate.resume`` (``{"units": n}`` lets exactly n more units go: throttling, and a
   deterministic order for tests), ``replicate.log`` (units in the order they went on the wire);
 - evaluation site (receiver): ``DoPut`` of ``replica.units`` (a window of units back to back, each opened by its
-  JSON header in the batch metadata; verified, synced once per file, journaled and acknowledged together; the
-  older ``replica.unit`` takes one), ``replica.status``
-  (units already journaled: a resumed transfer skips them), ``DoPut`` of ``replica.commit`` (the source's index
-  and COMMIT or ``.metadata``; verify every tensor, rename, register in etcd under the replica TTL);
+  JSON header in the batch metadata; verified, synced once per file, journaled and acknowledged together; a unit
+  journaled already is drained; each sending thread keeps two windows unacknowledged; the older ``replica.unit``
+  takes one), ``replica.status`` (units already journaled, with their extents: a resumed transfer skips them),
+  ``DoPut`` of ``replica.commit`` (the source's index and COMMIT or ``.metadata``, sent as soon as every unit is on
+  the wire; wait while windows of it are being received, check every unit is journaled, verify every tensor,
+  rename, register in etcd under the replica TTL);
 - any site: ``DoGet`` of ``ckpt.file`` / ``ckpt.read`` / ``ckpt.list`` (a small file; many byte ranges of one
   data file in one stream, so a remote reader pays a round trip per file; the data files and sizes),
   ``replication.ping``.
@@ -29,13 +32,13 @@ Example::
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import hmac
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -418,45 +421,62 @@ class ReplicationService:
         return json.loads(res[0].body.to_pybytes()) if res else {}
 
     def _send_loop(self) -> None:
-        """One sending thread: windows of a transfer's units, up to ``WINDOWS_IN_FLIGHT`` of them unacknowledged
-        (the next window streams while the site syncs and acknowledges the previous one, so the link never idles
-        for a round trip and a sync per window)."""
-        in_flight: collections.deque[_Window] = collections.deque()
-        while True:
-            item = self.lane.pop(timeout=0 if in_flight else None)
-            if item is None:
-                if not in_flight:
+        """One sending thread: windows of a transfer's units, up to ``WINDOWS_IN_FLIGHT`` of them unacknowledged. A
+        companion thread collects the acknowledgements, so the next window streams while the site syncs and
+        acknowledges the previous one, and a unit released meanwhile (a save in progress) leaves at once."""
+        slots = threading.Semaphore(WINDOWS_IN_FLIGHT)
+        unacked = [0]
+        acks: queue.Queue[_Window | None] = queue.Queue()
+
+        def collect() -> None:
+            while (w := acks.get()) is not None:
+                try:
+                    self._settle(w)
+                finally:
+                    with self._lock:
+                        unacked[0] -= 1
+                    slots.release()
+
+        collector = threading.Thread(target=collect, name=f"{threading.current_thread().name}-acks", daemon=True)
+        collector.start()
+        try:
+            while True:
+                slots.acquire()  # at most WINDOWS_IN_FLIGHT unacknowledged: the other threads take the next units
+                item = self.lane.pop()
+                if item is None:
                     return  # the lane is closed
-                self._settle(in_flight.popleft())  # nothing to send now: collect the oldest acknowledgement
-                continue
-            name, unit = item
-            # a window: this transfer's next units, sent back to back in one stream under one acknowledgement
-            units = [unit, *self.lane.take(name, max(1, min(WINDOW_UNITS, WINDOW_BYTES // max(1, unit.length))) - 1)]
-            with self._lock:
-                t = self.transfers.get(name)
-            if t is None or t.done.is_set():
-                continue
-            w = _Window(t, units)
-            try:
-                self._ask_status(t)
-                w.todo = [u for u in units if u.id not in (t.skip or ())]
-                if w.todo:
-                    w.client = self._client(t.site)
-                    w.stream = self._put_window(w.client, t, w.todo)
-            except (flight.FlightUnavailableError, flight.FlightServerError) as e:
-                w.stream, w.error = None, e  # retried (or reported) when the window settles
-            except Exception as e:  # noqa: BLE001 - recorded on the transfer, raised by replicate.wait
-                self._fail(t, e)
-                continue
-            in_flight.append(w)
-            with self._lock:
-                self.sending["windows"] += 1
-                self.sending["in_flight_max"] = max(self.sending["in_flight_max"], len(in_flight))
-                if w.error is None:
-                    t.put.update(u.id for u in units)
-            self._maybe_publish(t, early=True)
-            while len(in_flight) >= WINDOWS_IN_FLIGHT:
-                self._settle(in_flight.popleft())
+                name, unit = item
+                # a window: this transfer's next units, sent back to back in one stream under one acknowledgement
+                units = [unit, *self.lane.take(name, max(1, min(WINDOW_UNITS, WINDOW_BYTES // max(1, unit.length))) - 1)]
+                with self._lock:
+                    t = self.transfers.get(name)
+                if t is None or t.done.is_set():
+                    slots.release()
+                    continue
+                w = _Window(t, units)
+                with self._lock:
+                    unacked[0] += 1
+                    self.sending["windows"] += 1
+                    self.sending["in_flight_max"] = max(self.sending["in_flight_max"], unacked[0])
+                try:
+                    self._ask_status(t)
+                    w.todo = [u for u in units if u.id not in (t.skip or ())]
+                    if w.todo:
+                        w.client = self._client(t.site)
+                        w.stream = self._put_window(w.client, t, w.todo)
+                except (flight.FlightUnavailableError, flight.FlightServerError) as e:
+                    w.stream, w.error = None, e  # retried (or reported) when the window settles
+                except Exception as e:  # noqa: BLE001 - recorded on the transfer, raised by replicate.wait
+                    self._fail(t, e)
+                    w.todo, w.units = [], []
+                acks.put(w)
+                if w.error is None and w.units:
+                    with self._lock:
+                        t.put.update(u.id for u in units)
+                    self._maybe_publish(t, early=True)
+        finally:
+            acks.put(None)
+            collector.join()
 
     def _settle(self, w: _Window) -> None:
         """Wait for window ``w``'s acknowledgement (a window the site dropped is sent again, by unit, with the
@@ -485,8 +505,9 @@ class ReplicationService:
                     log.warning("site unreachable or starting, retrying",
                                 extra={"site": t.site, "attempt": 0, "error": str(w.error)[:200]})
                     sent = self._retrying(t.site, lambda c, attempt: self._resend(c, t, w.todo), first_pause=True)
-                t.bytes_sent += sum(u.length for u in sent)
-                t.units_put += len(sent)
+                with self._lock:
+                    t.bytes_sent += sum(u.length for u in sent)
+                    t.units_put += len(sent)
             with self._lock:
                 if t.done.is_set():
                     return  # aborted while the window was acknowledged: not progress of a transfer that ended
@@ -617,6 +638,7 @@ class ReplicationService:
                 with self._lock:  # a window did not make it: it is resent, its acknowledgement publishes
                     t.publishing = False
                 log.info("early publish refused: units missing at the site", extra={"checkpoint": t.name})
+                self._maybe_publish(t)  # the last acknowledgement may have come in meanwhile
                 return
             t.error = f"publishing the replica failed: {e}"
             self._close_fds(t)
