@@ -8,15 +8,27 @@ Reported per write speed: the save's duration (call -> commit), the bytes the ev
 at the commit, and commit -> replica ready. The issue's target: bytes left at the commit <= what the link carries
 in 10% of the save's duration, whenever the save lasts at least as long as the transfer.
 
+Then, in the same run and on the same bed (a second proxy with the same delay and cap, or ``--background`` flows
+sharing each), how fast replication moves a committed checkpoint against what a practitioner does without it:
+one plain TCP stream of the data file (``sendfile``; the receiver writes a new file and syncs it), and N parallel
+plain streams (N = the sender's streams, each a slice of the file). Replication is timed start -> replica ready
+(a status round trip, the windows, the publish round trip and its verification included); each plain copy
+connect -> the receiver's acknowledgement after its sync. Target: replication >= 0.9x one plain stream, and
+>= 0.9x N plain streams when the link is shared.
+
     python bench/replication_overlap.py            # 256 MiB, 8 MiB units, write speeds 100 and 400 MB/s
     python bench/replication_overlap.py --smoke    # 16 MiB over a 100 Mbit/s link; what the smoke test runs
+    python bench/replication_overlap.py --write-mb-s "" --repeats 3 --background 0,1   # the link comparison alone
 """
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
+import socket
+import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -70,31 +82,148 @@ def run(work: str, *, mib: int, unit_mib: float, write_mb_s: float, rtt_ms: floa
             "save_start_to_ready_s": info["ready_at"] - t0}
 
 
+class SyncingSink:
+    """A TCP receiver: each connection's bytes go to a new file, synced, then one byte of acknowledgement."""
+
+    def __init__(self, directory: str) -> None:
+        self.dir = directory
+        os.makedirs(directory, exist_ok=True)
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self.srv.getsockname()[1]
+        self._n = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            self._n += 1
+            threading.Thread(target=self._receive, args=(conn, self._n), daemon=True).start()
+
+    def _receive(self, conn: socket.socket, n: int) -> None:
+        buf = bytearray(1 << 20)
+        fd = os.open(os.path.join(self.dir, f"copy-{n}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            with conn:
+                while k := conn.recv_into(buf):
+                    os.write(fd, memoryview(buf)[:k])
+                os.fdatasync(fd)
+                conn.sendall(b"k")
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        self.srv.close()
+
+
+def plain_copy(path: str, port: int, streams: int) -> float:
+    """Seconds to copy ``path`` through ``port`` in ``streams`` parallel TCP streams (slices of the file), each
+    until the receiver acknowledged its synced copy."""
+    size = os.path.getsize(path)
+    cuts = [size * i // streams for i in range(streams + 1)]
+
+    def one(lo: int, hi: int) -> None:
+        with socket.create_connection(("127.0.0.1", port)) as s, open(path, "rb") as f:
+            s.sendfile(f, lo, hi - lo)
+            s.shutdown(socket.SHUT_WR)
+            if s.recv(1) != b"k":
+                raise RuntimeError("plain copy: the receiver did not acknowledge")
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(cuts[i], cuts[i + 1])) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def link_compare(work: str, *, mib: int, unit_mib: float, rtt_ms: float, mbit: float, background: int,
+                 streams: int, repeats: int) -> dict[str, Any]:
+    """Replication of a committed checkpoint vs 1 and ``streams`` plain TCP streams, on the same bed, alternating,
+    ``repeats`` times each; medians."""
+    import torch
+
+    from foresight.checkpoint import Checkpointer
+    from foresight.testing.sites import SiteProcess
+    from foresight.testing.wan import WanLink
+
+    shutil.rmtree(work, ignore_errors=True)
+    unit = int(unit_mib * (1 << 20))
+    sink = SyncingSink(os.path.join(work, "plain"))
+    times: dict[str, list[float]] = {"plain_1": [], f"plain_{streams}": [], "foresight": []}
+    try:
+        with SiteProcess("eval-b", os.path.join(work, "eval"), unit_bytes=unit) as ev, \
+                WanLink(("127.0.0.1", ev.port), rtt_ms=rtt_ms, mbit=mbit, background=background) as link, \
+                WanLink(("127.0.0.1", sink.port), rtt_ms=rtt_ms, mbit=mbit, background=background) as plink, \
+                SiteProcess("train-a", os.path.join(work, "train"), routes={"eval-b": link.url}, unit_bytes=unit,
+                            streams=streams) as tr:
+            with Checkpointer(os.path.join(work, "train", "job")) as ck:
+                src = ck.save({f"w{i}": torch.randn(1 << 18) for i in range(mib)}, 1).wait().path
+            data = os.path.join(src, "data-00000.bin")
+            nbytes = os.path.getsize(data)
+            tr.call("replicate.start", {"name": "job/warm", "src": src, "site": "eval-b", "unit_bytes": unit})
+            tr.call("replicate.commit", {"name": "job/warm", "path": src})  # connections, the site's imports
+            tr.call("replicate.wait", {"name": "job/warm", "timeout": 3600})
+            plain_copy(data, plink.port, 1)
+            for r in range(repeats):
+                times["plain_1"].append(plain_copy(data, plink.port, 1))
+                times[f"plain_{streams}"].append(plain_copy(data, plink.port, streams))
+                name = f"job/copy-{r}"
+                t0 = time.time()
+                tr.call("replicate.start", {"name": name, "src": src, "site": "eval-b", "unit_bytes": unit})
+                tr.call("replicate.commit", {"name": name, "path": src})
+                info = tr.call("replicate.wait", {"name": name, "timeout": 3600})
+                times["foresight"].append(info["ready_at"] - t0)
+    finally:
+        sink.close()
+        shutil.rmtree(work, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"background": background, "MiB": nbytes / (1 << 20), "streams": streams, "runs": times,
+            **{f"{k}_s": v for k, v in med.items()}, **{f"{k}_MB_s": nbytes / v / 1e6 for k, v in med.items()},
+            "vs_plain_1": med["plain_1"] / med["foresight"],
+            f"vs_plain_{streams}": med[f"plain_{streams}"] / med["foresight"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--unit-mib", type=float, default=8)
-    ap.add_argument("--write-mb-s", default="100,400", help="simulated disk write speeds (MB/s)")
+    ap.add_argument("--write-mb-s", default="100,400", help="simulated disk write speeds (MB/s); empty: skip")
     ap.add_argument("--rtt-ms", type=float, default=100.0)
     ap.add_argument("--mbit", type=float, default=1000.0)
+    ap.add_argument("--background", default="0,1", help="background flows on the link for the link comparison "
+                                                        "(one comparison each); empty: skip it")
+    ap.add_argument("--streams", type=int, default=2, help="the sender's streams = the parallel plain streams")
+    ap.add_argument("--repeats", type=int, default=3, help="link comparison: runs of each method (medians)")
     ap.add_argument("--dir", default="/var/tmp/foresight-bench-replication-overlap")
     a = ap.parse_args()
     if a.smoke:
-        a.mib, a.unit_mib, a.write_mb_s, a.mbit = 16, 1, "10", 100.0
-    rows = []
+        a.mib, a.unit_mib, a.write_mb_s, a.mbit, a.background, a.repeats = 16, 1, "10", 100.0, "0", 1
+    rows, links = [], []
     try:
-        for speed in (float(x) for x in a.write_mb_s.split(",")):
+        for speed in (float(x) for x in a.write_mb_s.split(",") if x):
             rows.append(run(a.dir, mib=a.mib, unit_mib=a.unit_mib, write_mb_s=speed, rtt_ms=a.rtt_ms, mbit=a.mbit))
+        for bg in (int(x) for x in a.background.split(",") if x):
+            links.append(link_compare(a.dir, mib=a.mib, unit_mib=a.unit_mib, rtt_ms=a.rtt_ms, mbit=a.mbit,
+                                      background=bg, streams=a.streams, repeats=a.repeats))
     finally:
         shutil.rmtree(a.dir, ignore_errors=True)
-    print_table(rows, ["write_MB_s", "save_s", "transfer_s_at_link_rate", "MiB_left_at_commit", "target_MiB_left",
-                       "commit_to_ready_s", "save_start_to_ready_s"],
-                f"send while saving: {a.mib} MiB, {a.unit_mib:g} MiB units, link {a.rtt_ms:g} ms / {a.mbit:g} Mbit/s "
-                f"(WAN bed, one shared pipe)")
+    title = f"{a.mib} MiB, {a.unit_mib:g} MiB units, link {a.rtt_ms:g} ms / {a.mbit:g} Mbit/s (WAN bed, one shared pipe)"
+    if rows:
+        print_table(rows, ["write_MB_s", "save_s", "transfer_s_at_link_rate", "MiB_left_at_commit", "target_MiB_left",
+                           "commit_to_ready_s", "save_start_to_ready_s"], f"send while saving: {title}")
+    n = a.streams
+    if links:
+        print_table(links, ["background", "plain_1_s", f"plain_{n}_s", "foresight_s", "plain_1_MB_s",
+                            f"plain_{n}_MB_s", "foresight_MB_s", "vs_plain_1", f"vs_plain_{n}"],
+                    f"fill the link (committed checkpoint, medians of {a.repeats}): {title}")
     write_results("replication_overlap_smoke" if a.smoke else "replication_overlap",
                   {"machine": machine(), "smoke": a.smoke, "unit_mib": a.unit_mib, "rtt_ms": a.rtt_ms,
-                   "mbit": a.mbit, "rows": rows})
+                   "mbit": a.mbit, "rows": rows, "link": links})
     return 0
 
 

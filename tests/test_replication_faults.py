@@ -124,7 +124,7 @@ def test_every_control_action_checks_the_token(tmp_path):
         final = next(phases)
         rep.committed(1, final)
         assert files_of(rep.wait(1, timeout=60)["path"]) == files_of(final)
-        assert tr.call("replica.status", {"name": "job/step-00000001"}) == {"units": []}
+        assert tr.call("replica.status", {"name": "job/step-00000001"}) == {"units": [], "extents": []}
         rep.close()
     finally:
         tr.stop()

@@ -283,3 +283,116 @@ def test_a_window_of_units_shares_one_acknowledgement_and_one_sync_per_file(site
     # 12 units in one stream: one acknowledgement, one sync of the data file and one of the journal (was 12 and 24)
     assert {k: after[k] - before[k] for k in after} == {"windows": 1, "units": 12, "syncs": 2}
     rep.close()
+
+
+DCP_NAME = "dcpstream/step-00000020"
+
+
+def _dcp_stream_rank(rank: int, init_file: str, path: str, node: str, out: str) -> None:
+    """One of 2 gloo ranks saving through ReplicatingStorageWriter. The coordinator's ``finish`` first waits
+    (bounded) until the node has sent every unit of every rank's data file, and records whether that happened:
+    only a writer that sends as each rank writes gets them out before ``finish``."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from foresight.replication.service import call
+    from foresight.replication.units import data_files
+    from foresight.distributed import run_then_end
+
+    class Waits(ReplicatingStorageWriter):
+        def finish(self, metadata, results):
+            def all_sent():
+                want = sum(-(-n // UNIT) for _, n in data_files(self.path))
+                return sum(n == DCP_NAME for n, *_ in call(node, "replicate.log")["sent"]) == want
+
+            try:
+                wait_until(all_sent, "every unit sent before finish", timeout=30)
+                sent = True
+            except AssertionError:
+                sent = False
+            with open(out, "w") as f:
+                json.dump({"sent_before_finish": sent}, f)
+            super().finish(metadata, results)
+
+    def save() -> None:
+        mesh = init_device_mesh("cpu", (2,))
+        g = torch.Generator().manual_seed(3)
+        state = {"w": distribute_tensor(torch.randn(512, 300, generator=g), mesh, [Shard(0)]),
+                 "b": torch.arange(5000)}
+        rep = Replication(every=20, site="eval-b", node=node, job="dcpstream", unit_bytes=UNIT)
+        dcp.save(state, storage_writer=Waits(path, replicate=rep, step=20))
+        rep.close()
+        assert rep.stats["hook_failures"] == 0, rep.stats
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    run_then_end(save)
+
+
+def test_a_dcp_save_sends_each_ranks_units_as_they_are_written_before_finish(sites):
+    import json
+
+    import torch.multiprocessing as tmp_mp
+
+    tr = sites["train"]
+    path = os.path.join(tr.root, "dcpstream", "step-00000020")
+    out = str(sites["tmp"] / "dcpstream.json")
+    tmp_mp.spawn(_dcp_stream_rank, args=(str(sites["tmp"] / "dcpstream-init"), path, tr.url, out), nprocs=2,
+                 join=True)
+    assert json.load(open(out)) == {"sent_before_finish": True}
+    info = tr.call("replicate.wait", {"name": DCP_NAME, "timeout": 60})
+    assert files_of(info["path"]) == files_of(path)  # both ranks' files, and .metadata
+    assert sorted(n for n in os.listdir(path) if n.endswith("data.bin")) == ["__0_data.bin", "__1_data.bin"]
+    assert info["bytes_left_at_commit"] == 0
+
+
+def test_files_a_writer_never_declared_join_the_transfer_at_the_commit(sites):
+    """Each rank declares its own file (``extend``); a rank whose call has not arrived when the coordinator
+    commits is found on disk, and its late call is then ignored."""
+    tr = sites["train"]
+    phases = write_checkpoint_phases(os.path.join(tr.root, "extend1"), 1, 5 * UNIT)
+    tmp = next(phases)
+    name = "extend1/step-00000001"
+    with open(os.path.join(tmp, "data-00001.bin"), "wb") as f:  # a second rank's file, never declared
+        f.write(os.urandom(3 * UNIT))
+    with open(os.path.join(tmp, "data-00000.bin"), "rb") as f:
+        first = len(f.read())
+    assert tr.call("replicate.start", {"name": name, "src": tmp, "site": "eval-b", "unit_bytes": UNIT,
+                                       "files": [["data-00000.bin", first]], "written": {"data-00000.bin": first},
+                                       "extend": True})["units"] == 5
+    assert tr.call("replicate.start", {"name": name, "src": tmp, "site": "eval-b", "unit_bytes": UNIT,
+                                       "files": [["data-00000.bin", first]], "extend": True})["units"] == 0
+    with pytest.raises(Exception, match="another size"):
+        tr.call("replicate.start", {"name": name, "src": tmp, "site": "eval-b", "unit_bytes": UNIT,
+                                    "files": [["data-00000.bin", first + 1]], "extend": True})
+    final = next(phases)
+    tr.call("replicate.commit", {"name": name, "path": final})
+    info = tr.call("replicate.wait", {"name": name, "timeout": 60})
+    assert info["units"] == 8 and files_of(info["path"]) == files_of(final)
+    late = tr.call("replicate.start", {"name": name, "src": tmp, "site": "eval-b", "unit_bytes": UNIT,
+                                       "files": [["data-00001.bin", 3 * UNIT]], "extend": True})
+    assert late["units"] == 0 and tr.call("replicate.wait", {"name": name, "timeout": 60})["path"] == info["path"]
+
+
+def test_a_sender_streams_the_next_window_while_the_previous_one_is_acknowledged(sites):
+    """One sending thread (the fixture's sites have one stream) keeps two windows unacknowledged: the next one
+    goes on the wire while the site syncs and acknowledges the previous one (the link never idles for a round
+    trip and a sync per window); still every unit is journaled before the replica is published."""
+    from foresight.replication.service import WINDOW_UNITS
+
+    tr, ev = sites["train"], sites["eval"]
+    before_rx, before_tx = ev.call("replicate.log")["received"], tr.call("replicate.log")["sending"]
+    n = 2 * WINDOW_UNITS + 3  # three windows
+    rep = Replication(every=1, site="eval-b", node=tr.url, job="window2")
+    phases = write_checkpoint_phases(os.path.join(tr.root, "window2"), 1, n * UNIT)
+    rep.data_written(1, next(phases), nbytes=n * UNIT)
+    final = next(phases)
+    rep.committed(1, final)
+    info = rep.wait(1, timeout=120)
+    assert files_of(info["path"]) == files_of(final) and info["units_put"] == n
+    rx, tx = ev.call("replicate.log")["received"], tr.call("replicate.log")["sending"]
+    assert rx["windows"] - before_rx["windows"] == 3 and rx["units"] - before_rx["units"] == n
+    assert tx["windows"] - before_tx["windows"] == 3 and tx["in_flight_max"] == 2
+    rep.close()

@@ -9,6 +9,7 @@ import pytest
 from foresight.replication.scheduler import PriorityLane, priority_of
 from foresight.replication.units import (
     ReplicaBuilder,
+    Unit,
     check_name,
     meta_files,
     plan_units,
@@ -87,6 +88,28 @@ def test_a_cut_transfer_is_never_a_replica_and_resumes_by_unit(tmp_path):
     assert rb2.done_units() == {0, 1}
     send(src, rb2, units, only=set(range(len(units))) - rb2.done_units())
     assert verify_checkpoint(rb2.finalize(meta_files(src), len(units))) == 4
+
+
+def test_a_unit_journaled_already_is_drained_not_rewritten_and_a_replanned_one_is_written(tmp_path):
+    """A sender may put a window before the site's status answer arrives: the units the site journaled (same id,
+    same extent) are acknowledged without writing them again; an id journaled for another extent (a transfer
+    planned in another order) is written and journaled anew."""
+    src = make_source(tmp_path)
+    units = plan_units([("data-00000.bin", 300_000)], unit_bytes=64 << 10)
+    rb = ReplicaBuilder(str(tmp_path / "dst"), "job/step-00000007")
+    send(src, rb, units, only={0, 1})
+    replica = os.path.join(rb.tmp, "data-00000.bin")
+    with open(replica, "r+b") as f:  # marks unit 0's place: a rewrite would overwrite it
+        f.write(b"MARK")
+    fd = os.open(os.path.join(src, "data-00000.bin"), os.O_RDONLY)
+    (b0, h0), (b1, h1) = read_unit(fd, units[0]), read_unit(fd, units[1])
+    os.close(fd)
+    moved = Unit(0, units[1].file, units[1].offset, units[1].length, units[1].file_size)  # id 0, unit 1's bytes
+    done, syncs = rb.write_units([(units[0].header(h0), memoryview(b0)), (moved.header(h1), memoryview(b1))])
+    assert done == [0, 0] and syncs == 2
+    assert open(replica, "rb").read(4) == b"MARK"  # unit 0 drained, not written again
+    assert rb.done_extents()[0] == ("data-00000.bin", units[1].offset, units[1].length)
+    assert rb.done_units() == {0, 1}
 
 
 def test_a_corrupt_replica_fails_verification(tmp_path):

@@ -18,7 +18,7 @@ import errno
 import mmap
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -69,6 +69,27 @@ class FileIO:
     def write(self, fd: int, view: memoryview, *, file_offset: int = 0, path: str | None = None) -> None:
         """Write all of ``view`` at ``file_offset``."""
         self._run(fd, view, file_offset, write=True, path=path)
+
+    def write_reporting(self, fd: int, view: memoryview, piece: int, on_written: Callable[[int], None], *,
+                        path: str | None = None) -> None:
+        """Write all of ``view`` at offset 0 in pieces of ``piece`` bytes, all submitted at once, calling
+        ``on_written(end)`` as each lands, in file order (``end``: bytes written from the start): what a
+        replicated save reports so its units leave while the rest is written. A failure waits for the writes
+        still in flight (the buffer may be reused) and raises the first."""
+        total = len(view)
+        tokens = [(min(off + piece, total), self.submit_write(fd, view[off:off + piece], file_offset=off, path=path))
+                  for off in range(0, total, piece)]
+        for i, (end, token) in enumerate(tokens):
+            try:
+                self.wait(token)
+            except BaseException:
+                for _, rest in tokens[i + 1:]:  # never leave writes in flight into a buffer about to be reused
+                    try:
+                        self.wait(rest)
+                    except CheckpointError:
+                        pass  # the first failure is the one reported
+                raise
+            on_written(end)
 
     def read(self, fd: int, view: memoryview, *, file_offset: int = 0, path: str | None = None) -> None:
         """Fill all of ``view`` from ``file_offset``; a short file raises :class:`CheckpointError`."""

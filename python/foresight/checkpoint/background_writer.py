@@ -180,20 +180,8 @@ class BackgroundWriter:
             self._fio.write(fd, view, path=path)
             return
         self._replication_hook("data_started", step, tmp, [(DATA_FILE, total)])
-        tokens = [(min(off + piece, total), self._fio.submit_write(fd, view[off:off + piece], file_offset=off,
-                                                                   path=path))
-                  for off in range(0, total, piece)]
-        for i, (end, token) in enumerate(tokens):
-            try:
-                self._fio.wait(token)
-            except BaseException:
-                for _, rest in tokens[i + 1:]:  # never leave writes in flight into a buffer about to be reused
-                    try:
-                        self._fio.wait(rest)
-                    except CheckpointError:
-                        pass  # the first failure is the one reported
-                raise
-            self._replication_hook("data_progress", step, {DATA_FILE: end})
+        self._fio.write_reporting(fd, view, piece, lambda end: self._replication_hook(
+            "data_progress", step, {DATA_FILE: end}), path=path)
 
     def _replication_hook(self, name: str, *args: Any, **kwargs: Any) -> None:
         if self.replicate is None:

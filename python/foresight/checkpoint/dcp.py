@@ -274,7 +274,7 @@ class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageW
             try:
                 if layout.total:
                     os.posix_fallocate(fd, 0, layout.total)
-                fio.write(fd, view, path=path)
+                self._write_file(fio, fd, view, path)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -290,6 +290,10 @@ class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageW
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _write_file(self, fio: FileIO, fd: int, view: memoryview, path: str) -> None:
+        """Write this rank's packed data file (a subclass may report progress as it goes)."""
+        fio.write(fd, view, path=path)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         self.wait_drain()  # one drain at a time; surfaces an earlier drain's failure

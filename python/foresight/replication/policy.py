@@ -19,9 +19,10 @@ from their committed directory, then committed) at the next hook, in :meth:`Repl
 The checkpoint directory must lie under the training site's node ``--root`` (the node reads the data files
 itself and refuses paths outside its root); the replica's name is ``<job>/<directory name>``.
 
-For ``torch.distributed.checkpoint``, :class:`ReplicatingStorageWriter` wraps foresight's DCP writer: the
-coordinator starts the replica when every rank's data file is written (``finish``, before ``.metadata``) and
-commits it once ``.metadata`` is in place.
+For ``torch.distributed.checkpoint``, :class:`ReplicatingStorageWriter` wraps foresight's DCP writer: each rank
+declares its data file to the node as it creates it and reports its bytes as they are written (the units leave
+during ``write_data``, as with the Checkpointer); the coordinator commits the replica once ``.metadata`` is in
+place (``finish``), and the node adds any data file whose rank's call has not arrived by then.
 
 Example::
 
@@ -117,10 +118,11 @@ class Replication:
 
     # -- hooks called by the writer (never raise: a replica is an extra) --------------------------------
     def data_started(self, step: int, directory: str, files: list[tuple[str, int]], *,
-                     leaf: str | None = None) -> None:
+                     leaf: str | None = None, shared: bool = False) -> None:
         """The writer created ``files`` (``[(name, size)]``) in ``directory`` and is writing them: their units
         leave as :meth:`data_progress` reports their bytes written (send while saving). Returns at once: the
-        node calls go on a background lane, in order."""
+        node calls go on a background lane, in order. ``shared``: other writers (the ranks of a DCP save) add
+        their own files to the same checkpoint's transfer."""
         self._sizes[step] = sum(int(n) for _, n in files)
         if not self.wants(step):
             return
@@ -130,7 +132,7 @@ class Replication:
         for old in sorted(self._streamed)[:-8]:
             self._streamed.discard(old)
         self._submit("data_started", step, self._start, step, os.path.abspath(directory),
-                     [[f, int(n)] for f, n in files])
+                     [[f, int(n)] for f, n in files], shared)
 
     def data_progress(self, step: int, written: dict[str, int]) -> None:
         """``written`` (``{file: bytes}``) of ``step``'s files are written: their units may leave. Returns at once;
@@ -221,11 +223,11 @@ class Replication:
             except CheckpointError as e:  # the node never heard of it, or is down: nothing will be published
                 self._failed("aborted", step, None, e)
 
-    def _start(self, step: int, directory: str, files: list[list[Any]] | None = None) -> None:
+    def _start(self, step: int, directory: str, files: list[list[Any]] | None = None, shared: bool = False) -> None:
         body = {"name": self._started[step], "src": directory, "site": self.site, "priority": self._priority(step),
                 "unit_bytes": self.unit_bytes}
         if files is not None:  # still being written: units leave as their bytes are reported
-            body.update(files=files, written={})
+            body.update(files=files, written={}, extend=shared)
         self._call("replicate.start", body)
 
     def _failed(self, hook: str, step: int, need: str | None, e: Exception) -> None:
@@ -316,6 +318,21 @@ def _dcp_writer_class() -> type:
         def __init__(self, path: str | os.PathLike, *, replicate: Replication, step: int, **kwargs: Any) -> None:
             super().__init__(path, **kwargs)
             self.replicate, self.step = replicate, step
+
+        def _write_file(self, fio: Any, fd: int, view: memoryview, path: str) -> None:
+            """This rank's data file in pieces of a transfer unit, each reported as it lands: its units leave
+            while the rest is written and while the other ranks write theirs (send while saving). The hooks
+            never raise and return at once (the node calls go on the policy's background lane)."""
+            piece = self.replicate.progress_bytes
+            piece -= piece % 4096  # direct I/O: pieces start aligned
+            total = len(view)
+            if piece <= 0 or not self.replicate.wants(self.step):
+                super()._write_file(fio, fd, view, path)
+                return
+            name, leaf = os.path.basename(path), os.path.basename(os.path.normpath(self.path))
+            self.replicate.data_started(self.step, self.path, [(name, total)], leaf=leaf, shared=True)
+            fio.write_reporting(fd, view, piece, lambda end: self.replicate.data_progress(self.step, {name: end}),
+                                path=path)
 
         def finish(self, metadata: Any, results: Any) -> None:
             # the hooks never raise: a replication node that is down never fails the save (see Replication)

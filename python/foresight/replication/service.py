@@ -4,16 +4,19 @@ The same handlers run on every site's node; which role they play depends on the 
 
 - training site (sender; every action but ``replication.ping`` checks the replication token):
   ``replicate.start`` (the data files are written, or being written with their sizes declared: cut them into
-  units, queue those written in the :class:`~.scheduler.PriorityLane`), ``replicate.written`` (a writer's
+  units, queue those written in the :class:`~.scheduler.PriorityLane`; ``extend``: a DCP rank adds its own file to
+  the transfer), ``replicate.written`` (a writer's
   progress: the units it completed leave now), ``replicate.commit`` (the source committed: the replica may now
   be published), ``replicate.abort``, ``replicate.urgent`` (raise a transfer's priority), ``replicate.wait``,
   ``replicate.pause``/``replicate.resume`` (``{"units": n}`` lets exactly n more units go: throttling, and a
   deterministic order for tests), ``replicate.log`` (units in the order they went on the wire);
 - evaluation site (receiver): ``DoPut`` of ``replica.units`` (a window of units back to back, each opened by its
-  JSON header in the batch metadata; verified, synced once per file, journaled and acknowledged together; the
-  older ``replica.unit`` takes one), ``replica.status``
-  (units already journaled: a resumed transfer skips them), ``DoPut`` of ``replica.commit`` (the source's index
-  and COMMIT or ``.metadata``; verify every tensor, rename, register in etcd under the replica TTL);
+  JSON header in the batch metadata; verified, synced once per file, journaled and acknowledged together; a unit
+  journaled already is drained; each sending thread keeps two windows unacknowledged; the older ``replica.unit``
+  takes one), ``replica.status`` (units already journaled, with their extents: a resumed transfer skips them),
+  ``DoPut`` of ``replica.commit`` (the source's index and COMMIT or ``.metadata``, sent as soon as every unit is on
+  the wire; wait while windows of it are being received, check every unit is journaled, verify every tensor,
+  rename, register in etcd under the replica TTL);
 - any site: ``DoGet`` of ``ckpt.file`` / ``ckpt.read`` / ``ckpt.list`` (a small file; many byte ranges of one
   data file in one stream, so a remote reader pays a round trip per file; the data files and sizes),
   ``replication.ping``.
@@ -29,11 +32,13 @@ Example::
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hmac
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -65,6 +70,7 @@ RETRY_S = 60.0  # how long a sender waits for a site that is down or restarting 
 BACKOFF = (0.25, 4.0)  # first and longest pause between attempts (doubling)
 WINDOW_BYTES = 64 << 20  # a sender's window: units sent back to back under one acknowledgement (one sync per file)
 WINDOW_UNITS = 64
+WINDOWS_IN_FLIGHT = 2  # per sending thread: the next window streams while the previous one is synced and acked
 # a site whose node answers but has not mounted replication yet (it is starting): wait for it like for one down
 _NOT_MOUNTED = ("no DoPut for 'replica.", "unknown action")
 
@@ -74,6 +80,18 @@ def binary_batch(view: memoryview) -> pa.RecordBatch:
     offsets = pa.py_buffer(np.array([0, len(view)], np.int32).tobytes())
     arr = pa.Array.from_buffers(pa.binary(), 1, [None, offsets, pa.py_buffer(view)])
     return pa.record_batch([arr], schema=SCHEMA)
+
+
+@dataclass
+class _Window:
+    """Units of one transfer sent under one acknowledgement; ``stream`` is its open DoPut awaiting the answer."""
+
+    t: Transfer
+    units: list[Unit]
+    todo: list[Unit] = field(default_factory=list)  # those the site did not hold already
+    client: Any = None
+    stream: tuple[Any, Any] | None = None
+    error: Exception | None = None
 
 
 @dataclass
@@ -94,11 +112,14 @@ class Transfer:
     held: list[Unit] = field(default_factory=list)  # units whose bytes the writer has not written yet
     written: dict[str, int] = field(default_factory=dict)  # bytes written so far per file (a save in progress)
     written_at: float | None = None  # when the last unit's bytes were written (all units released)
+    unit_bytes: int = 0
     bytes_left_at_commit: int | None = None  # bytes not yet acknowledged by the site at the source commit
     path: str | None = None  # the published replica
     ready_at: float | None = None
     error: str | None = None
     status_at: float | None = None  # when the receiver said which units it already holds
+    status_asked: bool = False
+    put: set[int] = field(default_factory=set)  # units on the wire (their window written whole), maybe unacknowledged
     publishing: bool = False
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -129,6 +150,8 @@ class ReplicationService:
         self.sent_log: list[tuple[str, int]] = []
         self.retries = 0  # attempts repeated because a site was down or starting
         self.received = {"windows": 0, "units": 0, "syncs": 0}  # as a receiving site
+        self._receiving: dict[str, int] = {}  # windows being received per checkpoint
+        self.sending = {"windows": 0, "in_flight_max": 0}  # as a sender: windows put, most unacknowledged at once
         self._lock = threading.Condition()
         self._clients: dict[tuple[str, int], flight.FlightClient] = {}
         self._workers = [threading.Thread(target=self._send_loop, name=f"foresight-repl-send-{i}", daemon=True)
@@ -155,7 +178,7 @@ class ReplicationService:
             "replicate.abort": self.abort,
             "replicate.urgent": self.urgent, "replicate.wait": self.wait, "replicate.pause": self.pause,
             "replicate.resume": self.resume,
-            "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received},
+            "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received, "sending": self.sending},
             "replica.status": self.replica_status,
         }
         out: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"replication.ping": lambda b: {"site": self.site}}
@@ -199,16 +222,29 @@ class ReplicationService:
 
         Without ``files`` the data files are complete. With ``files`` (``[[name, size], ...]``, declared by a
         writer that is still writing) only units inside ``written`` (``{file: bytes written}``) leave now; the
-        rest leave as :meth:`written` reports their bytes (send while saving)."""
+        rest leave as :meth:`written` reports their bytes (send while saving). With ``extend`` (each rank of a
+        DCP save declares its own file) the files join the transfer of that name in progress, if any; files it
+        already has are ignored (a rank's late call after the commit found the file on disk)."""
         name, src = check_name(b["name"]), self._under_root(b["src"])
         declared = b.get("files")
         listed = [(check_file_name(str(f)), int(n)) for f, n in declared] if declared is not None else data_files(src)
-        units = plan_units(listed, int(b.get("unit_bytes") or self.unit_bytes))
+        unit_bytes = int(b.get("unit_bytes") or self.unit_bytes)
+        if b.get("extend"):
+            with self._lock:
+                old = self.transfers.get(name)
+                joins = old is not None and old.src == src and (
+                    not old.done.is_set() or {f for f, _ in listed} <= {u.file for u in old.units})
+            if joins:
+                added = self._declare(old, listed, src, unit_bytes)
+                self._release(old, b.get("written") or {})
+                return {"units": len(added), "bytes": sum(u.length for u in added)}
+        units = plan_units(listed, unit_bytes)
         # open now: the writer renames the directory at its commit, open descriptors survive that
         fds = {f: os.open(os.path.join(src, f), os.O_RDONLY | os.O_CLOEXEC) for f in {u.file for u in units}}
         t = Transfer(name, b["site"], src, float(b.get("priority", 1.0)), units, fds)
         t.written = dict(listed) if declared is None else {}
         t.held = list(units)
+        t.unit_bytes = unit_bytes
         with self._lock:
             old = self.transfers.get(name)
             if old is not None and not old.done.is_set():
@@ -219,6 +255,26 @@ class ReplicationService:
         if not units:
             self._maybe_publish(t)
         return {"units": len(units), "bytes": sum(u.length for u in units)}
+
+    def _declare(self, t: Transfer, files: list[tuple[str, int]], directory: str, unit_bytes: int) -> list[Unit]:
+        """Add ``files`` (those ``t`` lacks) to transfer ``t``, their units held until written; returns them."""
+        with self._lock:
+            known = {u.file: u.file_size for u in t.units}
+            clash = [(f, n, known[f]) for f, n in files if f in known and known[f] != n]
+            if clash:
+                raise ProtocolError("file declared again with another size", name=t.name, file=clash[0][0],
+                                    size=clash[0][1], declared=clash[0][2])
+            new = [(f, n) for f, n in files if f not in known]
+            if not new or t.done.is_set():
+                return []
+            base = len(t.units)
+            added = [dataclasses.replace(u, id=base + u.id) for u in plan_units(new, unit_bytes)]
+            for f in {u.file for u in added}:
+                t.fds[f] = os.open(os.path.join(directory, f), os.O_RDONLY | os.O_CLOEXEC)
+            t.units.extend(added)
+            t.held.extend(added)
+            t.written_at = None
+        return added
 
     def written(self, b: dict[str, Any]) -> dict[str, Any]:
         """The writer of ``b["name"]`` has written ``b["written"]`` (``{file: bytes}``): those units may leave."""
@@ -245,6 +301,8 @@ class ReplicationService:
         """The source of ``b["name"]`` committed at ``b["path"]``: register it; publish the replica when sent."""
         t = self._transfer(b["name"])
         path = self._under_root(b["path"])
+        # data files no writer declared (a rank whose call has not arrived yet): complete now that it committed
+        self._declare(t, data_files(path), path, t.unit_bytes)
         t.meta = meta_files(path)
         t.committed_at = time.time()
         with self._lock:
@@ -260,9 +318,10 @@ class ReplicationService:
     def abort(self, b: dict[str, Any]) -> dict[str, Any]:
         t = self._transfer(b["name"])
         self.lane.remove(t.name)
-        t.error = "aborted: the source save failed"
+        with self._lock:  # a window acknowledged from now on is not recorded (see _settle)
+            t.error = "aborted: the source save failed"
+            t.done.set()
         self._close_fds(t)
-        t.done.set()
         return {}
 
     def urgent(self, b: dict[str, Any]) -> dict[str, Any]:
@@ -319,12 +378,25 @@ class ReplicationService:
                     ("grpc.use_local_subchannel_pool", 1)])  # gRPC would share one connection among them
         return c
 
-    def _retrying(self, site: str, fn: Callable[[flight.FlightClient, int], Any]) -> Any:
+    def _drop_client(self, client: flight.FlightClient | None) -> None:
+        """Forget a channel that failed: the next attempt connects afresh."""
+        with self._lock:
+            for k, c in list(self._clients.items()):
+                if c is client:
+                    del self._clients[k]
+
+    def _retrying(self, site: str, fn: Callable[[flight.FlightClient, int], Any], *,
+                  first_pause: bool = False) -> Any:
         """``fn(client, attempt)``; a site that is down or still starting (restarting) is waited for, with
-        back-off, for up to ``retry_s``, each attempt on a fresh channel."""
+        back-off, for up to ``retry_s``, each attempt on a fresh channel (``first_pause``: the caller saw the
+        site fail already: pause before the first attempt too)."""
         deadline = time.monotonic() + self.retry_s
         pause = BACKOFF[0]
         attempt = 0
+        if first_pause:
+            self.retries += 1
+            time.sleep(pause)
+            pause = min(pause * 2, BACKOFF[1])
         while True:
             client = self._client(site)
             try:
@@ -332,10 +404,7 @@ class ReplicationService:
             except (flight.FlightUnavailableError, flight.FlightServerError) as e:
                 if isinstance(e, flight.FlightServerError) and not any(m in str(e) for m in _NOT_MOUNTED):
                     raise  # a refusal (bad token, bad unit): retrying cannot help
-                with self._lock:
-                    for k, c in list(self._clients.items()):
-                        if c is client:
-                            del self._clients[k]
+                self._drop_client(client)
                 if time.monotonic() + pause > deadline:
                     raise
                 log.warning("site unreachable or starting, retrying",
@@ -351,54 +420,119 @@ class ReplicationService:
         return json.loads(res[0].body.to_pybytes()) if res else {}
 
     def _send_loop(self) -> None:
-        while True:
-            item = self.lane.pop()
-            if item is None:
-                return
-            name, unit = item
-            # a window: this transfer's next units, sent back to back in one stream under one acknowledgement
-            units = [unit, *self.lane.take(name, max(1, min(WINDOW_UNITS, WINDOW_BYTES // max(1, unit.length))) - 1)]
+        """One sending thread: windows of a transfer's units, up to ``WINDOWS_IN_FLIGHT`` of them unacknowledged. A
+        companion thread collects the acknowledgements, so the next window streams while the site syncs and
+        acknowledges the previous one, and a unit released meanwhile (a save in progress) leaves at once."""
+        slots = threading.Semaphore(WINDOWS_IN_FLIGHT)
+        unacked = [0]
+        acks: queue.Queue[_Window | None] = queue.Queue()
+
+        def collect() -> None:
+            while (w := acks.get()) is not None:
+                try:
+                    self._settle(w)
+                finally:
+                    with self._lock:
+                        unacked[0] -= 1
+                    slots.release()
+
+        collector = threading.Thread(target=collect, name=f"{threading.current_thread().name}-acks", daemon=True)
+        collector.start()
+        try:
+            while True:
+                slots.acquire()  # at most WINDOWS_IN_FLIGHT unacknowledged: the other threads take the next units
+                item = self.lane.pop()
+                if item is None:
+                    return  # the lane is closed
+                name, unit = item
+                # a window: this transfer's next units, sent back to back in one stream under one acknowledgement
+                units = [unit, *self.lane.take(name, max(1, min(WINDOW_UNITS, WINDOW_BYTES // max(1, unit.length))) - 1)]
+                with self._lock:
+                    t = self.transfers.get(name)
+                if t is None or t.done.is_set():
+                    slots.release()
+                    continue
+                w = _Window(t, units)
+                with self._lock:
+                    unacked[0] += 1
+                    self.sending["windows"] += 1
+                    self.sending["in_flight_max"] = max(self.sending["in_flight_max"], unacked[0])
+                try:
+                    self._ask_status(t)
+                    w.todo = [u for u in units if u.id not in (t.skip or ())]
+                    if w.todo:
+                        w.client = self._client(t.site)
+                        w.stream = self._put_window(w.client, t, w.todo)
+                except (flight.FlightUnavailableError, flight.FlightServerError) as e:
+                    w.stream, w.error = None, e  # retried (or reported) when the window settles
+                except Exception as e:  # noqa: BLE001 - recorded on the transfer, raised by replicate.wait
+                    self._fail(t, e)
+                    w.todo, w.units = [], []
+                acks.put(w)
+                if w.error is None and w.units:
+                    with self._lock:
+                        t.put.update(u.id for u in units)
+                    self._maybe_publish(t, early=True)
+        finally:
+            acks.put(None)
+            collector.join()
+
+    def _settle(self, w: _Window) -> None:
+        """Wait for window ``w``'s acknowledgement (a window the site dropped is sent again, by unit, with the
+        retries of :meth:`_retrying`); then its units count as acknowledged and the replica may be published."""
+        t = w.t
+        if t.done.is_set():  # aborted or failed meanwhile: that is the transfer's outcome
+            if w.stream is not None:
+                try:
+                    _ack(*w.stream)  # still end the call (an abandoned stream holds its channel)
+                except Exception:  # noqa: BLE001 - the transfer's outcome is decided already
+                    pass
+            return
+        try:
+            if w.todo:
+                sent = None
+                if w.stream is not None:
+                    try:
+                        sent = self._window_acked(t, w.todo, *w.stream)
+                    except (flight.FlightUnavailableError, flight.FlightServerError) as e:
+                        w.error = e
+                if sent is None:
+                    if isinstance(w.error, flight.FlightServerError) and \
+                            not any(m in str(w.error) for m in _NOT_MOUNTED):
+                        raise w.error  # a refusal (bad token, bad unit): retrying cannot help
+                    self._drop_client(w.client)
+                    log.warning("site unreachable or starting, retrying",
+                                extra={"site": t.site, "attempt": 0, "error": str(w.error)[:200]})
+                    sent = self._retrying(t.site, lambda c, attempt: self._resend(c, t, w.todo), first_pause=True)
+                with self._lock:
+                    t.bytes_sent += sum(u.length for u in sent)
+                    t.units_put += len(sent)
             with self._lock:
-                t = self.transfers.get(name)
-            if t is None or t.done.is_set():
-                continue
-            try:
-                if t.skip is None:
-                    t.skip = set(self._call(t.site, "replica.status", {"name": name})["units"])
-                    t.status_at = time.time()
-                todo = [u for u in units if u.id not in t.skip]
-                if todo:
-                    self._send_window(t, todo)
-                with self._lock:
-                    now = time.time()
-                    t.acked.update(u.id for u in units)
-                    self.sent_log.extend((name, u.id, now) for u in units)
-                self._maybe_publish(t)
-            except Exception as e:  # noqa: BLE001 - recorded on the transfer, raised by replicate.wait
                 if t.done.is_set():
-                    continue  # aborted meanwhile: that is the transfer's outcome
-                log.warning("replication failed", extra={"checkpoint": name, "error": str(e)})
-                t.error = str(e)
-                self.lane.remove(name)
-                self._close_fds(t)
-                t.done.set()
+                    return  # aborted while the window was acknowledged: not progress of a transfer that ended
+                now = time.time()
+                t.acked.update(u.id for u in w.units)
+                self.sent_log.extend((t.name, u.id, now) for u in w.units)
+            self._maybe_publish(t)
+        except Exception as e:  # noqa: BLE001 - recorded on the transfer, raised by replicate.wait
+            self._fail(t, e)
 
-    def _send_window(self, t: Transfer, units: list[Unit]) -> None:
-        """``units`` back to back in one ``DoPut replica.units``; the site verifies each, makes them durable
-        together (one sync per file) and acknowledges them at once: one round trip per window, not per unit."""
+    def _fail(self, t: Transfer, e: Exception) -> None:
+        if t.done.is_set():
+            return  # aborted meanwhile: that is the transfer's outcome
+        log.warning("replication failed", extra={"checkpoint": t.name, "error": str(e)})
+        t.error = str(e)
+        self.lane.remove(t.name)
+        self._close_fds(t)
+        t.done.set()
+
+    def _put_window(self, client: flight.FlightClient, t: Transfer, units: list[Unit]) -> tuple[Any, Any]:
+        """``units`` back to back in one ``DoPut replica.units`` (written, not yet acknowledged); the site verifies
+        each, makes them durable together (one sync per file) and acknowledges them at once."""
         cmd = {"op": "replica.units", "name": t.name, "token": self.token}
-
-        def put(client: flight.FlightClient, attempt: int) -> list[Unit]:
-            todo = units
-            if attempt:  # the site came back (restarted?): resume by unit, from what it journaled
-                done = set(self._call(t.site, "replica.status", {"name": t.name})["units"])
-                with self._lock:
-                    t.skip = (t.skip or set()) | done
-                todo = [u for u in units if u.id not in done]
-                if not todo:
-                    return []
-            writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.units", json.dumps(cmd)), SCHEMA)
-            for u in todo:
+        writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.units", json.dumps(cmd)), SCHEMA)
+        try:
+            for u in units:
                 body, digest = read_unit(t.fds[u.file], u)
                 mv = memoryview(body)
                 header = pa.py_buffer(json.dumps(u.header(digest)).encode())
@@ -409,25 +543,83 @@ class ReplicationService:
                     else:
                         writer.write_batch(batch)
             writer.done_writing()
-            answer = _ack(writer, reader)  # verified and durable at the site
-            if sorted(answer["units"]) != sorted(u.id for u in todo):
-                raise CheckpointError("site acknowledged other units than sent", name=t.name,
-                                      sent=len(todo), acked=len(answer["units"]))
-            return todo
+        except BaseException:
+            try:
+                writer.close()  # end the call: the site drops the cut unit, nothing of it is journaled
+            except Exception:  # noqa: BLE001 - the first error is the one raised
+                pass
+            raise
+        return writer, reader
 
-        sent = self._retrying(t.site, put)
-        t.bytes_sent += sum(u.length for u in sent)
-        t.units_put += len(sent)
+    def _window_acked(self, t: Transfer, units: list[Unit], writer: Any, reader: Any) -> list[Unit]:
+        answer = _ack(writer, reader)  # verified and durable at the site
+        if sorted(answer["units"]) != sorted(u.id for u in units):
+            raise CheckpointError("site acknowledged other units than sent", name=t.name,
+                                  sent=len(units), acked=len(answer["units"]))
+        return units
 
-    def _maybe_publish(self, t: Transfer) -> None:
+    def _ask_status(self, t: Transfer) -> None:
+        """Ask the site once which of ``t``'s units it holds (a resumed transfer skips them), without waiting:
+        the windows that leave before the answer arrives cost no round trip, and the site drops the units of
+        them it journaled already (see :meth:`ReplicaBuilder.write_units`)."""
         with self._lock:
-            if t.meta is None or len(t.acked) < len(t.units) or t.done.is_set() or t.publishing:
+            if t.status_asked:
+                return
+            t.status_asked = True
+
+        def ask() -> None:
+            try:
+                held = self._held_at_site(t)
+            except Exception as e:  # noqa: BLE001 - the windows meet the same trouble and retry by unit
+                log.warning("replica status failed; windows go without it", extra={"checkpoint": t.name,
+                                                                                  "error": str(e)[:200]})
+                held = set()
+            with self._lock:
+                t.skip = (t.skip or set()) | held
+                t.status_at = time.time()
+
+        threading.Thread(target=ask, name="foresight-repl-status", daemon=True).start()
+
+    def _held_at_site(self, t: Transfer) -> set[int]:
+        """Ids of ``t``'s units the site journaled already. A unit counts only if the site journaled that id for
+        the same extent: a transfer planned again (files declared in another order) never skips a unit by id."""
+        res = self._call(t.site, "replica.status", {"name": t.name})
+        if "extents" not in res:
+            return set(res["units"])  # a site that journals ids alone
+        have = {int(i): (f, int(o), int(n)) for i, f, o, n in res["extents"]}
+        with self._lock:
+            units = list(t.units)
+        return {u.id for u in units if have.get(u.id) == (u.file, u.offset, u.length)}
+
+    def _resend(self, client: flight.FlightClient, t: Transfer, units: list[Unit]) -> list[Unit]:
+        """A window again after the site dropped it (restarted?): resume by unit, from what it journaled."""
+        done = self._held_at_site(t)
+        with self._lock:
+            t.skip = (t.skip or set()) | done
+        todo = [u for u in units if u.id not in done]
+        return self._window_acked(t, todo, *self._put_window(client, t, todo)) if todo else []
+
+    def _maybe_publish(self, t: Transfer, *, early: bool = False) -> None:
+        """Publish ``t``'s replica once its source committed and the site acknowledged every unit; ``early``: as soon
+        as every unit is on the wire (the site publishes only once it journaled them all, so the publish round trip
+        overlaps the last windows' sync and acknowledgement; if a window fails the site says so and the
+        acknowledgements publish it later). ``t`` is done once published and every acknowledgement is in."""
+        with self._lock:
+            if t.done.is_set() or t.publishing:
+                return
+            all_acked = len(t.acked) >= len(t.units)
+            if t.path is not None:  # published early: done with the last acknowledgement
+                if all_acked:
+                    self._close_fds(t)
+                    t.done.set()
+                return
+            if t.meta is None or not (all_acked or (early and len(t.acked | t.put) >= len(t.units))):
                 return
             t.publishing = True
         try:
             names = sorted(t.meta)
             cmd = {"op": "replica.commit", "name": t.name, "units": len(t.units), "source_site": self.site,
-                   "files": [[n, len(t.meta[n])] for n in names], "token": self.token}
+                   "files": [[n, len(t.meta[n])] for n in names], "token": self.token, "early": not all_acked}
             body = b"".join(t.meta[n] for n in names)  # index + COMMIT, or DCP .metadata: any size
 
             def put(client: flight.FlightClient, attempt: int) -> dict[str, Any]:
@@ -440,15 +632,26 @@ class ReplicationService:
                 return _ack(writer, reader)
 
             res = self._retrying(t.site, put)
-            t.path, t.ready_at = res["path"], time.time()
         except Exception as e:  # noqa: BLE001
+            if not all_acked and "units missing" in str(e):
+                with self._lock:  # a window did not make it: it is resent, its acknowledgement publishes
+                    t.publishing = False
+                log.info("early publish refused: units missing at the site", extra={"checkpoint": t.name})
+                self._maybe_publish(t)  # the last acknowledgement may have come in meanwhile
+                return
             t.error = f"publishing the replica failed: {e}"
-        self._close_fds(t)
-        t.done.set()
+            self._close_fds(t)
+            t.done.set()
+            return
+        with self._lock:
+            t.path, t.ready_at, t.publishing = res["path"], time.time(), False
+        self._maybe_publish(t)
 
     # -- receiver --------------------------------------------------------------------------------
     def replica_status(self, b: dict[str, Any]) -> dict[str, Any]:
-        return {"units": sorted(ReplicaBuilder(self.root, check_name(b["name"])).done_units())}
+        """Units journaled here: ``units`` (ids) and ``extents`` (``[id, file, offset, length]``)."""
+        done = ReplicaBuilder(self.root, check_name(b["name"])).done_extents()
+        return {"units": sorted(done), "extents": [[i, *e] for i, e in sorted(done.items()) if e is not None]}
 
     def _put_unit(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
         cmd = _command(descriptor)
@@ -461,7 +664,16 @@ class ReplicationService:
         cmd = _command(descriptor)
         self.check_token(cmd)
         rb = ReplicaBuilder(self.root, check_name(cmd["name"]))
-        done, syncs = rb.write_units(_unit_parts(reader))
+        with self._lock:
+            self._receiving[rb.name] = self._receiving.get(rb.name, 0) + 1
+        try:
+            done, syncs = rb.write_units(_unit_parts(reader))
+        finally:
+            with self._lock:
+                self._receiving[rb.name] -= 1
+                if not self._receiving[rb.name]:
+                    del self._receiving[rb.name]
+                self._lock.notify_all()
         with self._lock:
             self.received["windows"] += 1
             self.received["units"] += len(done)
@@ -480,7 +692,11 @@ class ReplicationService:
             pos += int(n)
         if pos != len(body):
             raise CheckpointError("commit body does not match its file list", name=rb.name)
-        path = rb.finalize(meta, int(cmd["units"]))
+        if cmd.get("early"):  # sent with the last windows: wait while they are still being received here
+            with self._lock:
+                self._lock.wait_for(lambda: not self._receiving.get(rb.name) or
+                                    len(rb.done_units()) >= int(cmd["units"]), timeout=self.retry_s)
+        path = rb.finalize(meta, int(cmd["units"]))  # never published before every unit is journaled and verified
         if self.resolver is not None:
             self.resolver.register(rb.name, path, self.endpoint, ttl=self.replica_ttl)
         writer.write(pa.py_buffer(json.dumps({"path": path}).encode()))

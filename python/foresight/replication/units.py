@@ -162,26 +162,45 @@ def verify_checkpoint(path: str) -> int:
     return len(extents)
 
 
+def _preallocate(fd: int, size: int, path: str) -> None:
+    """Give the replica file its size with its blocks allocated up front (units land anywhere in it, in any order;
+    writes into allocated blocks are faster than filling a sparse file, and a full disk shows now, by name)."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        raise CheckpointError(f"cannot allocate the replica file: {e.strerror}", path=path, size=size) from e
+
+
 class _UnitSink:
     """One unit being received: its bytes go to their place in the (hidden) replica file, hashed on the way."""
 
-    def __init__(self, tmp: str, header: dict[str, Any], fds: dict[str, int]) -> None:
+    def __init__(self, tmp: str, header: dict[str, Any], fds: dict[str, int],
+                 held: dict[int, tuple[str, int, int] | None] | None = None) -> None:
         self.header = header
         self.file = check_file_name(str(header["file"]))
         self.offset, self.length, size = int(header["offset"]), int(header["length"]), int(header["file_size"])
         if self.offset < 0 or self.length < 0 or self.offset + self.length > size:
             raise CheckpointError("unit lies outside its file", file=self.file, offset=self.offset, length=self.length)
+        self.pos, self.h = self.offset, xxhash.xxh3_64()
+        # journaled already (a sender that had not heard the status yet): its bytes are drained, not rewritten
+        self.held = (held or {}).get(int(header["id"]), 0) == (self.file, self.offset, self.length)
+        if self.held:
+            self.fd = -1
+            return
         fd = fds.get(self.file)
         if fd is None:
             fd = fds[self.file] = os.open(os.path.join(tmp, self.file), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
             if os.fstat(fd).st_size != size:
-                os.ftruncate(fd, size)
-        self.fd, self.pos, self.h = fd, self.offset, xxhash.xxh3_64()
+                _preallocate(fd, size, os.path.join(tmp, self.file))
+        self.fd = fd
 
     def write(self, chunk: Any) -> None:
         mv = memoryview(chunk).cast("B")
         if self.pos + len(mv) > self.offset + self.length:
             raise CheckpointError("unit body longer than its header", file=self.file, offset=self.pos)
+        if self.held:
+            self.pos += len(mv)
+            return
         self.h.update(mv)
         done = 0
         while done < len(mv):
@@ -192,9 +211,12 @@ class _UnitSink:
         if self.pos != self.offset + self.length:
             raise CheckpointError("unit body cut short", file=self.file, offset=self.pos,
                                   expected=self.offset + self.length)
-        if self.h.intdigest() != int(self.header["xxh3"], 16):
+        if not self.held and self.h.intdigest() != int(self.header["xxh3"], 16):
             raise CheckpointError("unit checksum mismatch", file=self.file, offset=self.offset, unit=self.header["id"])
         return int(self.header["id"])
+
+    def journal_line(self) -> str:
+        return f"{int(self.header['id'])}\t{self.file}\t{self.offset}\t{self.length}\n"
 
 
 class ReplicaBuilder:
@@ -209,11 +231,22 @@ class ReplicaBuilder:
 
     def done_units(self) -> set[int]:
         """Units already journaled (their bytes verified and fsynced): a resumed transfer skips them."""
+        return set(self.done_extents())
+
+    def done_extents(self) -> dict[int, tuple[str, int, int] | None]:
+        """Journaled units: id -> ``(file, offset, length)`` (None for a line of the id alone). A sender whose plan
+        numbers units differently (files declared in another order) skips only the units whose extent matches."""
         try:
             with open(os.path.join(self.tmp, JOURNAL)) as f:
-                return {int(x) for x in f.read().split()}
+                lines = f.read().splitlines()
         except FileNotFoundError:
-            return set()
+            return {}
+        out: dict[int, tuple[str, int, int] | None] = {}
+        for line in lines:
+            parts = line.split("\t")
+            if parts[0]:
+                out[int(parts[0])] = (parts[1], int(parts[2]), int(parts[3])) if len(parts) == 4 else None
+        return out
 
     def write_unit(self, header: dict[str, Any], chunks: Iterable[Any]) -> None:
         """Write a unit's body (``chunks`` in order) at its offset; journal it only if its xxh3 matches."""
@@ -227,22 +260,27 @@ class ReplicaBuilder:
     def write_units(self, parts: Iterable[tuple[dict[str, Any] | None, Any]]) -> tuple[list[int], int]:
         """Units back to back: ``(header, first chunk)`` opens a unit, ``(None, chunk)`` continues it. Each unit is
         verified against its xxh3 as it ends; then the files touched get one ``fdatasync`` each and the units one
-        journal append (durability batched per window, never a unit journaled before its bytes are on disk).
+        journal append (durability batched per window, never a unit journaled before its bytes are on disk). A unit
+        journaled already for the same extent is drained and acknowledged, not written again.
         Returns the unit ids journaled and the syncs made."""
         fds: dict[str, int] = {}
         done: list[int] = []
         cur: _UnitSink | None = None
+        lines: list[str] = []
+        held = self.done_extents()  # a unit journaled already (same id, same extent) is drained, not rewritten
         try:
             for header, chunk in parts:
                 if header is not None:
                     if cur is not None:
                         done.append(cur.finish())
-                    cur = _UnitSink(self.tmp, header, fds)
+                        lines += [] if cur.held else [cur.journal_line()]
+                    cur = _UnitSink(self.tmp, header, fds, held=held)
                 elif cur is None:
                     raise CheckpointError("unit body before its header", name=self.name)
                 cur.write(chunk)
             if cur is not None:
                 done.append(cur.finish())
+                lines += [] if cur.held else [cur.journal_line()]
             for fd in fds.values():
                 os.fdatasync(fd)
         finally:
@@ -251,7 +289,7 @@ class ReplicaBuilder:
         if done:
             jfd = os.open(os.path.join(self.tmp, JOURNAL), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
             try:
-                os.write(jfd, "".join(f"{i}\n" for i in done).encode())
+                os.write(jfd, "".join(lines).encode())
                 os.fdatasync(jfd)
             finally:
                 os.close(jfd)
