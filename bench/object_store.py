@@ -214,16 +214,22 @@ def obstore_requests(case: Case, ids: np.ndarray) -> tuple[int, int]:
     return int(tr.io_count), int(tr.t_length.sum())
 
 
+def s3_store(case: Case, env: dict):
+    """An obstore client of the case's bucket on the local S3 endpoint (path-style, plain HTTP)."""
+    from obstore.store import S3Store
+
+    return S3Store(case.bucket, config={"endpoint": env["AWS_ENDPOINT_URL"], "access_key_id": env["AWS_ACCESS_KEY_ID"],
+                                        "secret_access_key": env["AWS_SECRET_ACCESS_KEY"], "region": "us-east-1",
+                                        "virtual_hosted_style_request": False},
+                   client_options={"allow_http": True})
+
+
 def run_obstore(case: Case, rtt: float, env: dict) -> dict:
     import obstore
-    from obstore.store import S3Store
 
     meter = Meter()
     meter.start()
-    store = S3Store(case.bucket, config={"endpoint": env["AWS_ENDPOINT_URL"], "access_key_id": env["AWS_ACCESS_KEY_ID"],
-                                         "secret_access_key": env["AWS_SECRET_ACCESS_KEY"], "region": "us-east-1",
-                                         "virtual_hosted_style_request": False},
-                    client_options={"allow_http": True})
+    store = s3_store(case, env)
 
     def step(ids: np.ndarray) -> int:
         got = 0
@@ -273,14 +279,10 @@ class ShardCache:
 
 def run_mosaic(case: Case, rtt: float, env: dict, cache_root: Path) -> dict:
     import obstore
-    from obstore.store import S3Store
 
     meter = Meter()
     meter.start()
-    store = S3Store(case.bucket, config={"endpoint": env["AWS_ENDPOINT_URL"], "access_key_id": env["AWS_ACCESS_KEY_ID"],
-                                         "secret_access_key": env["AWS_SECRET_ACCESS_KEY"], "region": "us-east-1",
-                                         "virtual_hosted_style_request": False},
-                    client_options={"allow_http": True})
+    store = s3_store(case, env)
     cache_dir = Path(tempfile.mkdtemp(prefix="mosaic-", dir=cache_root))
     cache = ShardCache(case, None)
     done: dict[int, object] = {}

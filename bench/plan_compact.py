@@ -43,6 +43,8 @@ import time
 
 import numpy as np
 
+from common import evict_file
+
 MIX_SEQ, MIX_BATCH, MIX_STEPS = 2048, 512, 400
 GROUP_GAP = 64  # near_group: documents this far apart, which the compact kind's default tiles put in one block
 SCALE_SEQ, SCALE_BATCH, DOC_MAX = 8192, 512, 4095
@@ -287,17 +289,6 @@ def index_pages(plan, pieces) -> int:
     return len(pages)
 
 
-def drop_from_page_cache(paths: list[str]) -> None:
-    """Write back, then drop each file's pages from the page cache (nothing may map them)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def _timed_steps(plan, steps) -> dict:
     wall, faults_min, faults_maj = [], [], []
     for step in steps:
@@ -320,7 +311,8 @@ def steps_worker(n_seqs: int, workdir: str, which: str) -> dict:
     sizes_path = os.path.join(workdir, f"sizes-{n_seqs}.npy")
     plan_dir = os.path.join(workdir, f"plan-{n_seqs}")
     if which == "cold":
-        drop_from_page_cache([sizes_path] + [os.path.join(plan_dir, f) for f in os.listdir(plan_dir)])
+        for path in [sizes_path] + [os.path.join(plan_dir, f) for f in os.listdir(plan_dir)]:
+            evict_file(path)  # written back, then dropped from the page cache (nothing maps them here)
     plan = load_plan(plan_dir, verify=False)
     plan.attach([MemmapSource(sizes_path, n_docs)])
     steps = np.random.default_rng(7).integers(0, plan.num_steps, RANDOM_STEPS)

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from foresight.node.client import _asked_once
+from foresight.node.client_replies import asked_once as _asked_once
 
 
 def expected(pos: list[int], asked: set[int]) -> list[bool]:

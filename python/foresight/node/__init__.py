@@ -13,19 +13,10 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any
+from foresight._lazy import lazy_attributes
 
 _EXPORTS = {"NodeServer": "server", "NodeSource": "client"}
 
-
-def __getattr__(name: str) -> Any:
-    import importlib
-
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'foresight.node' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"foresight.node.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_attributes(__name__, _EXPORTS, globals())
 
 __all__ = sorted(_EXPORTS)

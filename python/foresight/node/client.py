@@ -27,47 +27,32 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import logging
 import threading
-import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
 import pyarrow.flight as flight
 
 from foresight.errors import NodeError
-from foresight.cluster.auth import call_options, connect
 from foresight.cluster.membership import DEFAULT_PREFIX, Cluster
 from foresight.loader.batch import Batch
 from foresight.loader.options import resolve_rank
 from foresight.media import output_hash
+from foresight.node.client_links import NodeLink, NodeLinks
+from foresight.node.client_replies import asked_once, assign_nodes, subset_rows, verify_raw
 from foresight.node.jobs import spec_digest
-from foresight.node.plans import upload_plan
 from foresight.node.protocol import (GUARD_REPLIES, KIND_DEFERRED, KIND_RAW, corrupt_positions, decode_blocks,
-                                     deferred_positions, encode_ticket, raw_samples)
+                                     deferred_positions, raw_samples)
 from foresight.source import (LocalPartReader, PartBytes, decode_part, lookup_samples, modality_codes,
                               pin_by_default, spec_codes, stack_samples)
 
 log = logging.getLogger("foresight.node.client")
 
 
-@dataclass
-class _Node:
-    node_id: str
-    location: str
-    record: dict
-    client: Any = None
-    registered: dict | None = None  # the node's register_job answer (served shards, instance)
-    down_until: float = 0.0
-    failures: int = 0
-    served: list = field(default_factory=list)  # per dataset: set of shards or None (all)
-
-
-class NodeSource:
+class NodeSource(NodeLinks):
     """See the module docstring. Keyword-only options.
 
     Args:
@@ -134,7 +119,7 @@ class NodeSource:
         self._job_reg = None
         if etcd is not None:
             self.cluster = Cluster(etcd, prefix=prefix or DEFAULT_PREFIX)
-        self._nodes: dict[str, _Node] = {}
+        self._nodes: dict[str, NodeLink] = {}
         self._local_io: LocalPartReader | None = None  # reads here (one region reused step after step), on need
         self._refreshed = 0.0
         self._degraded = False  # some part was decoded here last step: look for nodes on every step until not
@@ -175,119 +160,6 @@ class NodeSource:
                 self._job_reg.close()
                 self._job_reg = self.cluster.register_job(self.job, self.rank, self._job_record)
 
-    # -- node discovery and registration -------------------------------------------------------------------
-    def _job_record(self) -> dict:
-        return {"plan_digest": self.plan.digest, "step": self._step, "nodes": sorted(self._nodes)}
-
-    def _refresh(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._refreshed < self.refresh_s:
-            return
-        self._refreshed = now
-        if self.cluster is not None:
-            try:
-                records = self.cluster.nodes()
-            except NodeError as e:  # etcd away: keep the nodes we know
-                log.warning("cannot list nodes", extra={"error": str(e)})
-                return
-        else:
-            records = {}
-            for loc in self._static:
-                known = next((n for n in self._nodes.values() if n.location == loc), None)
-                if known is not None and (known.registered is not None or known.down_until > now):
-                    records[known.node_id] = known.record
-                    continue
-                try:
-                    rec = self._health(loc)
-                    records[rec["node"]] = rec
-                except Exception as e:
-                    if known is not None:
-                        records[known.node_id] = known.record
-                        self._mark_down(known, e)
-        for node_id, rec in records.items():
-            if not isinstance(rec, dict) or not isinstance(rec.get("location"), str):
-                continue  # not a record this client can use
-            n = self._nodes.get(node_id)
-            if n is not None and (n.location != rec["location"] or n.record.get("instance") != rec.get("instance")):
-                if n.client is not None:  # moved or restarted: it forgot the job
-                    n.client.close()
-                n = None
-            if n is None:
-                self._nodes[node_id] = _Node(node_id, rec["location"], rec)
-        if self.cluster is not None:
-            for node_id in [i for i in self._nodes if i not in records]:  # its lease expired: gone
-                gone = self._nodes.pop(node_id)
-                if gone.client is not None:
-                    gone.client.close()
-
-    def _health(self, location: str) -> dict:
-        client = connect(location, tls_root=self.tls_root, cert=self.cert)
-        try:
-            out = list(client.do_action(flight.Action("health", b"{}"), call_options(None, None, timeout=self.timeout)))
-        finally:
-            client.close()
-        return json.loads(out[0].body.to_pybytes())
-
-    def _register(self, n: _Node) -> None:
-        names = {}
-        for ds_name, info in n.record.get("datasets", {}).items():
-            names.setdefault(info.get("fingerprint"), ds_name)
-        plan_name = n.record.get("plans", {}).get(self.plan.digest)
-        missing = [fp for fp in self._fingerprints if fp not in names]
-        if missing:
-            raise NodeError("node does not hold this job's datasets", node=n.node_id, datasets_missing=len(missing))
-        if n.client is None:
-            n.client = connect(n.location, tls_root=self.tls_root, cert=self.cert)
-        if plan_name is None:  # upload it once; the node keeps it by digest
-            if not getattr(self.plan, "path", None):
-                raise NodeError("node lacks the plan and the plan has no directory to upload", node=n.node_id)
-            upload_plan(n.client, self.plan.path, self.plan.digest, self._options(self.register_timeout))
-            self.stats["plans_uploaded"] += 1
-            plan_name = self._health(n.location)["plans"][self.plan.digest]
-        req = {"job": self.node_job, "datasets": [names[fp] for fp in self._fingerprints], "plan": plan_name,
-               "plan_digest": self.plan.digest, "rank": self.rank, "world_size": self.world_size,
-               "specs": self._spec_dicts, "seed": self.stage.seed, "step": self._step, "lead": self.lead,
-               "queue_bytes": self.queue_bytes, "spec_digest": self._spec_digest}
-        if self.guard_reply != "raw":  # sent only when asked, so the default talks to any node of this protocol
-            req["guard_reply"] = self.guard_reply
-        out = list(n.client.do_action(flight.Action("register_job", json.dumps(req).encode()),
-                                      self._options(self.register_timeout)))
-        n.registered = json.loads(out[0].body.to_pybytes())
-        n.served = [None if s is None else set(s) for s in n.registered["served_shards"]]
-
-    def _options(self, timeout: float | None = None) -> flight.FlightCallOptions:
-        return call_options(self.node_job, self.token, timeout=timeout or self.timeout)
-
-    def _mark_down(self, n: _Node, error: BaseException) -> None:
-        n.failures += 1
-        n.down_until = time.monotonic() + min(30.0, self.retry_s * 2 ** (n.failures - 1))
-        n.registered = None
-        if n.client is not None:
-            try:
-                n.client.close()
-            except Exception:
-                pass
-            n.client = None
-        log.warning("node unavailable; decoding its part locally",
-                    extra={"node": n.node_id, "failures": n.failures, "error": str(error)[:300]})
-
-    def _usable(self) -> list[_Node]:
-        now = time.monotonic()
-        out = []
-        for n in sorted(self._nodes.values(), key=lambda n: n.node_id):
-            if n.down_until > now:
-                continue
-            if n.registered is None:
-                try:
-                    self._register(n)
-                except flight.FlightUnauthenticatedError:
-                    raise  # a wrong token is the caller's error, not a node failure
-                except Exception as e:
-                    self._mark_down(n, e)
-                    continue
-            out.append(n)
-        return out
-
     # -- one step ------------------------------------------------------------------------------------------
     def decodes(self, dataset: np.ndarray, sample_ids: np.ndarray) -> np.ndarray:
         """True where this source delivers the sample decoded (its modality has a spec): a loader that hands its
@@ -309,7 +181,7 @@ class NodeSource:
         with self._lock:
             self._refresh(force=self._degraded or any(x.registered is None for x in self._nodes.values()))
             nodes = self._usable()
-            owner = self._assign(wanted, dataset, shard, nodes)
+            owner = assign_nodes(wanted, dataset, shard, nodes)
             futures = {}
             for i, node in enumerate(nodes):
                 positions = wanted[owner == i]
@@ -339,7 +211,7 @@ class NodeSource:
                     continue
                 # only the positions this node was asked for, each once: a confused node cannot add or repeat one
                 if len(bad):  # the node's copy of these samples is damaged: this part failed for them
-                    bad = bad[_asked_once(bad, positions)]
+                    bad = bad[asked_once(bad, positions)]
                     corrupt[bad] = True
                     self.stats["parts_failed"] += 1
                     self.stats["samples_corrupt"] += len(bad)
@@ -347,14 +219,14 @@ class NodeSource:
                                 extra={"node": node_id, "step": step, "dataset": dataset[bad[:32]].tolist(),
                                        "samples": samples[bad[:32]].tolist()})
                 if kind == KIND_DEFERRED:  # its guard is on: this host reads and decodes them, as asked
-                    keep = _asked_once(pos, positions)
+                    keep = asked_once(pos, positions)
                     deferred[pos[keep]] = True
                     self.stats["samples_deferred"] += int(keep.sum())
                 elif kind == KIND_RAW:
-                    keep = _asked_once(pos, positions)
+                    keep = asked_once(pos, positions)
                     keep[keep] = ~covered[pos[keep]]
                     try:
-                        self._verify_raw(fields, pos[keep], data, offs[keep], lens[keep])
+                        verify_raw(self.datasets, fields, pos[keep], data, offs[keep], lens[keep])
                     except (ValueError, NodeError) as e:  # corrupt or wrong bytes: decode that part from our read
                         self.stats["parts_failed"] += 1
                         self._mark_down(node, e)
@@ -364,7 +236,7 @@ class NodeSource:
                     self.stats["samples_raw"] += int(keep.sum())
                 else:
                     for name, pos, tensors in got:
-                        keep = _asked_once(pos, positions)
+                        keep = asked_once(pos, positions)
                         keep[keep] = (codes[pos[keep]] == self._codes.get(name, -2)) & ~covered[pos[keep]]
                         covered[pos[keep]] = True
                         self.stats["samples_remote"] += int(keep.sum())
@@ -373,11 +245,11 @@ class NodeSource:
                             spot = np.zeros(len(pos), dtype=bool)
                             spot[kept[self._spot_picks(len(kept))]] = True
                             if spot.any():
-                                for p, t in zip(pos[spot], _subset(tensors, spot)):
+                                for p, t in zip(pos[spot], subset_rows(tensors, spot)):
                                     held[int(p)] = (node_id, t)
                                 keep &= ~spot
                         if not keep.all():  # the node sent something it was not asked for, or a spot check
-                            tensors = _subset(tensors, keep)
+                            tensors = subset_rows(tensors, keep)
                         blocks.append((name, pos[keep], tensors))
                 node.failures = 0
                 self.stats[{KIND_RAW: "parts_raw", KIND_DEFERRED: "parts_deferred"}.get(kind, "parts_remote")] += 1
@@ -417,38 +289,6 @@ class NodeSource:
                                        "dataset": int(np.asarray(fields["dataset"])[p]),
                                        "sample": int(np.asarray(fields["sample_ids"])[p])})
         return host
-
-    def _assign(self, wanted: np.ndarray, dataset: np.ndarray, shard: np.ndarray, nodes: list[_Node]) -> np.ndarray:
-        """For each wanted position, the index of the node that serves it (-1: none; decoded here).
-
-        Among several nodes serving a shard, the shard's number picks one, so a dataset placed nowhere in
-        particular is still spread over the nodes that hold it."""
-        owner = np.full(len(wanted), -1, dtype=np.int64)
-        if not nodes or not len(wanted):
-            return owner
-        keys = np.stack([dataset[wanted].astype(np.int64), shard[wanted]], axis=1)
-        uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
-        for u, (d, s) in enumerate(uniq):  # a loop over the step's distinct shards, not its samples
-            holders = [i for i, node in enumerate(nodes)
-                       if node.served[int(d)] is None or int(s) in node.served[int(d)]]
-            if holders:
-                owner[inverse.reshape(-1) == u] = holders[int(s) % len(holders)]
-        return owner
-
-    def _fetch(self, node: _Node, step: int) -> tuple[str, Any]:
-        ticket = flight.Ticket(encode_ticket(self.node_job, rank=self.rank, step=step))
-        try:
-            reader = node.client.do_get(ticket, self._options())
-            table = reader.read_all()
-        except flight.FlightServerError as e:
-            if "unknown job" not in str(e):
-                raise
-            self.stats["reregistered"] += 1  # the node restarted and forgot us: register again, once
-            self._register(node)
-            table = node.client.do_get(ticket, self._options()).read_all()
-        kind = (table.schema.metadata or {}).get(b"kind", b"").decode()
-        self.stats["bytes_received"] += table.nbytes
-        return kind, table
 
     def _decode_here(self, fields: dict, positions: np.ndarray, first_item: int, stats) -> list:
         dataset = np.asarray(fields["dataset"])[positions]
@@ -508,17 +348,6 @@ class NodeSource:
                   "dataset": np.array(pieces.dataset, dtype=np.int32)}
         return self(fields, first_item=start)
 
-    def _verify_raw(self, fields: dict, positions: np.ndarray, data: np.ndarray, offsets: np.ndarray,
-                    lengths: np.ndarray) -> None:
-        """A node's raw bytes must be the packed ones: lengths and xxh3 checked against the shard maps."""
-        dataset = np.asarray(fields["dataset"])[positions]
-        samples = np.asarray(fields["sample_ids"])[positions]
-        for d in np.unique(dataset):
-            mask = dataset == d
-            if not np.array_equal(lengths[mask], self.datasets[int(d)].sample_bytes()[samples[mask]]):
-                raise NodeError("raw bytes from a node have the wrong lengths", step=fields["step"])
-            self.datasets[int(d)].verify_packed(samples[mask], data, offsets[mask])
-
     def _decode_raw(self, fields: dict, raw_parts: list, first_item: int, stats) -> list:
         """Decode raw sample bytes from the nodes with the stage; one node's part is used in place."""
         if len(raw_parts) == 1:
@@ -563,20 +392,6 @@ class NodeSource:
         return out
 
     # -- lifetime ------------------------------------------------------------------------------------------
-    def _unregister_nodes(self) -> None:
-        """Unregister this job from every node it registered with (best effort: a node that does not answer
-        drops the job when it has been idle for its ``--job-idle-s``)."""
-        for n in list(self._nodes.values()):
-            if n.client is not None and n.registered is not None:
-                try:
-                    list(n.client.do_action(flight.Action("unregister_job",
-                                                          json.dumps({"job": self.node_job}).encode()),
-                                            call_options(self.node_job, self.token, timeout=5)))
-                except Exception as e:
-                    log.info("unregister failed; the node drops the job when idle",
-                             extra={"node": n.node_id, "error": str(e)[:200]})
-            n.registered = None
-
     def close(self) -> None:
         """Unregister from the nodes (best effort) and etcd."""
         self._unregister_nodes()
@@ -596,27 +411,6 @@ class NodeSource:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _asked_once(pos: np.ndarray, asked: np.ndarray) -> np.ndarray:
-    """True at the first occurrence of each value of ``pos`` that is in ``asked``: a confused node cannot add or
-    repeat a position."""
-    keep = np.zeros(len(pos), dtype=bool)
-    keep[np.unique(pos, return_index=True)[1]] = True
-    return keep & np.isin(pos, asked)
-
-
-def _subset(tensors, mask: np.ndarray):
-    """The rows of a stacked tensor, or the items of a list of tensors, where ``mask`` is True."""
-    if isinstance(tensors, list):
-        return [t for t, k in zip(tensors, mask) if k]
-    return tensors[torch_index(mask)]
-
-
-def torch_index(mask: np.ndarray):
-    import torch  # lazy: torch is an optional extra (foresight[torch]); only decode outputs need it
-
-    return torch.from_numpy(np.flatnonzero(mask))
 
 
 __all__ = ["NodeSource"]

@@ -41,7 +41,7 @@ import ctypes
 import math
 import mmap
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -166,18 +166,8 @@ def block_totals(sizes: np.ndarray, num_blocks: int, index: int) -> tuple[np.nda
     """Tokens per block of format 2's layout (block b = documents b, b + nb, ...) and the total, reading
     ``sizes`` in chunks of whole rows of nb documents (a memmapped index is streamed, never held): the kernel adds
     each chunk's rows a cache-sized tile of ``totals`` at a time, while the kernel reads ahead the next chunk."""
-    n = sizes.shape[0]
-    totals = np.zeros(num_blocks, dtype=np.int64)
-    code = _SIZE_CODES[sizes.dtype.newbyteorder("<")]
-    step = max(1, _ROWS_BYTES // (num_blocks * sizes.itemsize)) * num_blocks
-    base = sizes.ctypes.data
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        advise(sizes, hi, min(n, hi + step), mmap.MADV_WILLNEED)  # read from disk while this chunk is added
-        bad = _kernels.add_rows(base + lo * sizes.itemsize, code, hi - lo, totals)
-        if bad >= 0:
-            raise PlanError("token_counts() has a negative entry", source=index, sample=lo + int(bad))
-    return totals, int(totals.sum())
+    return _chunked_totals(sizes, num_blocks, num_blocks, index,
+                           lambda address, code, lo, count, totals: _kernels.add_rows(address, code, count, totals))
 
 
 def tiled_block_totals(sizes: np.ndarray, layout: tuple[int, int, int], index: int) -> tuple[np.ndarray, int]:
@@ -187,14 +177,25 @@ def tiled_block_totals(sizes: np.ndarray, layout: tuple[int, int, int], index: i
     if group == nb and tile >= sizes.shape[0]:  # format 2: one tile strided over the corpus
         return block_totals(sizes, nb, index)
     n = sizes.shape[0]
-    totals = np.zeros(nb, dtype=np.int64)
+    return _chunked_totals(sizes, nb, tile, index, lambda address, code, lo, count, totals: _kernels.add_tiles(
+        address, code, lo, count, n, group, tile, totals))
+
+
+def _chunked_totals(sizes: np.ndarray, num_blocks: int, unit: int, index: int,
+                    add: Callable[[int, int, int, int, np.ndarray], int]) -> tuple[np.ndarray, int]:
+    """Tokens per block and the total, in one sequential pass over ``sizes`` in chunks of whole ``unit`` s (rows or
+    tiles, about ``_ROWS_BYTES`` each; the next chunk read ahead while this one is added). ``add(address, code,
+    lo, count, totals)`` is the kernel adding ``sizes[lo:lo + count]`` into ``totals``; it returns the index in the
+    chunk of a negative entry, or -1."""
+    n = sizes.shape[0]
+    totals = np.zeros(num_blocks, dtype=np.int64)
     code = _SIZE_CODES[sizes.dtype.newbyteorder("<")]
-    step = max(1, _ROWS_BYTES // (tile * sizes.itemsize)) * tile
+    step = max(1, _ROWS_BYTES // (unit * sizes.itemsize)) * unit
     base = sizes.ctypes.data
     for lo in range(0, n, step):
         hi = min(n, lo + step)
-        advise(sizes, hi, min(n, hi + step), mmap.MADV_WILLNEED)
-        bad = _kernels.add_tiles(base + lo * sizes.itemsize, code, lo, hi - lo, n, group, tile, totals)
+        advise(sizes, hi, min(n, hi + step), mmap.MADV_WILLNEED)  # read from disk while this chunk is added
+        bad = add(base + lo * sizes.itemsize, code, lo, hi - lo, totals)
         if bad >= 0:
             raise PlanError("token_counts() has a negative entry", source=index, sample=lo + int(bad))
     return totals, int(totals.sum())

@@ -24,7 +24,7 @@ from foresight.plan.compact import (
     COMPACT_ARRAYS, COMPACT_FORMAT_VERSIONS, SHUFFLE, CompactPlan, blend_counts, blend_pattern, blend_period,
     _kernels, advise, block_layout, derive_block_prefix, items_per_source,
 )
-from foresight.plan.files import _DIGEST_RE, PLAN_JSON, _Bad, _field, _load_array, _require, compute_digest
+from foresight.plan.files import PLAN_JSON, _Bad, _check_envelope, _field, _load_array, _require, compute_digest
 from foresight.plan.permute import MASK64
 from foresight.plan.plan import FORMAT_NAME
 
@@ -37,17 +37,9 @@ def check_compact_header(doc: Any, json_path: str) -> tuple[dict[str, Any], str]
     """plan.json of a compact plan, checked field by field; FormatError naming the file otherwise."""
     version = doc.get("format_version") if isinstance(doc, dict) else None
     try:
-        _require(isinstance(doc, dict), "plan.json must hold an object")
-        _require(_field(doc, "format", (str,), "plan") == FORMAT_NAME, "not a foresight plan (format)")
-        _require(_field(doc, "format_version", (int,), "plan") in COMPACT_FORMAT_VERSIONS,
-                 f"not a compact plan this version reads (format_version {COMPACT_FORMAT_VERSIONS})")
-        digest = _field(doc, "digest", (str,), "plan")
-        _require(bool(_DIGEST_RE.fullmatch(digest)), "digest is not 'sha256:' + 64 hex digits")
-        inputs = _field(doc, "inputs", (dict,), "plan")
-        summary = _field(doc, "summary", (dict,), "plan")
-        arrays = _field(doc, "arrays", (dict,), "plan")
-        extra = set(doc) - {"format", "format_version", "digest", "inputs", "summary", "arrays"}
-        _require(not extra, f"unexpected keys {sorted(extra)}")
+        _, digest, inputs, summary, arrays = _check_envelope(
+            doc, FORMAT_NAME, COMPACT_FORMAT_VERSIONS,
+            lambda _: f"not a compact plan this version reads (format_version {COMPACT_FORMAT_VERSIONS})")
         seed = _field(inputs, "seed", (int,), "inputs")
         b = _field(inputs, "global_batch_size", (int,), "inputs")
         seq_len = _field(inputs, "seq_len", (int,), "inputs")

@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Callable, Collection
 
 import numpy as np
 
@@ -133,6 +133,34 @@ def _field(obj: Any, key: str, kinds: tuple, where: str, *, optional: bool = Fal
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise _Bad(message)
+
+
+PLAN_KEYS = ("format", "format_version", "digest", "inputs", "summary", "arrays")
+
+
+def _check_envelope(doc: Any, format_name: str, versions: Collection[int],
+                    unsupported: Callable[[int], str]) -> tuple[int, str, dict, dict, dict]:
+    """The plan.json envelope both plan kinds share: an object of exactly :data:`PLAN_KEYS`, of ``format_name``, a
+    ``format_version`` in ``versions`` (else ``unsupported(version)`` is the message), a sha256 digest, and the
+    inputs, summary and arrays objects. Returns (version, digest, inputs, summary, arrays); raises ``_Bad`` (the
+    caller names the file).
+
+    Example::
+
+        version, digest, inputs, summary, arrays = _check_envelope(doc, FORMAT_NAME, (1,), lambda v: f"v{v}?")
+    """
+    _require(isinstance(doc, dict), "plan.json must hold an object")
+    _require(_field(doc, "format", (str,), "plan") == format_name, "not a foresight plan (format)")
+    version = _field(doc, "format_version", (int,), "plan")
+    _require(version in versions, unsupported(version))
+    digest = _field(doc, "digest", (str,), "plan")
+    _require(bool(_DIGEST_RE.fullmatch(digest)), "digest is not 'sha256:' + 64 hex digits")
+    inputs = _field(doc, "inputs", (dict,), "plan")
+    summary = _field(doc, "summary", (dict,), "plan")
+    arrays = _field(doc, "arrays", (dict,), "plan")
+    extra = set(doc) - set(PLAN_KEYS)
+    _require(not extra, f"unexpected keys {sorted(extra)}")
+    return version, digest, inputs, summary, arrays
 
 
 def _load_array(path: str, name: str, spec: dict[str, Any]) -> np.ndarray:

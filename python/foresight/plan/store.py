@@ -28,7 +28,7 @@ from foresight.errors import FormatError, PlanError
 from foresight.plan.compact import COMPACT_FORMAT_VERSIONS
 from foresight.plan.compact_store import load_compact
 from foresight.plan.files import (
-    _DIGEST_RE, CHUNK, MAX_JSON_BYTES, PLAN_JSON, _Bad, _field, _load_array, _recover, _require, compute_digest,
+    CHUNK, MAX_JSON_BYTES, PLAN_JSON, _Bad, _check_envelope, _field, _load_array, _recover, _require, compute_digest,
 )
 from foresight.plan.plan import ARRAY_DTYPES, FORMAT_NAME, FORMAT_VERSION, Plan
 
@@ -83,19 +83,10 @@ def _read_json(json_path: str) -> Any:
 
 def _check_header(doc: Any, json_path: str) -> tuple[dict[str, Any], str]:
     try:
-        _require(isinstance(doc, dict), "plan.json must hold an object")
-        _require(_field(doc, "format", (str,), "plan") == FORMAT_NAME, "not a foresight plan (format)")
-        version = _field(doc, "format_version", (int,), "plan")
-        _require(version == FORMAT_VERSION,
-                 f"unsupported plan format_version {version} (this reads {FORMAT_VERSION} and compact "
-                 f"{', '.join(map(str, COMPACT_FORMAT_VERSIONS))})")
-        digest = _field(doc, "digest", (str,), "plan")
-        _require(bool(_DIGEST_RE.fullmatch(digest)), "digest is not 'sha256:' + 64 hex digits")
-        inputs = _field(doc, "inputs", (dict,), "plan")
-        summary = _field(doc, "summary", (dict,), "plan")
-        arrays = _field(doc, "arrays", (dict,), "plan")
-        extra = set(doc) - {"format", "format_version", "digest", "inputs", "summary", "arrays"}
-        _require(not extra, f"unexpected keys {sorted(extra)}")
+        _, digest, inputs, summary, arrays = _check_envelope(
+            doc, FORMAT_NAME, (FORMAT_VERSION,),
+            lambda version: f"unsupported plan format_version {version} (this reads {FORMAT_VERSION} and compact "
+                            f"{', '.join(map(str, COMPACT_FORMAT_VERSIONS))})")
 
         seed = _field(inputs, "seed", (int,), "inputs")
         b = _field(inputs, "global_batch_size", (int,), "inputs")

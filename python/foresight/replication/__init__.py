@@ -23,8 +23,7 @@ Example::
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from foresight._lazy import lazy_attributes
 
 _EXPORTS = {
     "Replication": "policy",
@@ -45,13 +44,6 @@ _EXPORTS = {
     "ReplicationService": "service",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'foresight.replication' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"foresight.replication.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
+__getattr__ = lazy_attributes(__name__, _EXPORTS, globals())
 
 __all__ = sorted(_EXPORTS)

@@ -33,7 +33,7 @@ from foresight.cluster.auth import call_options, connect
 from foresight.cluster.membership import DEFAULT_PREFIX, Cluster
 from foresight.errors import NodeError
 from foresight.replication.hints import FileHint, derive_dcp_hints
-from foresight.replication.replica_manager import ckpt_key
+from foresight.replication.replica_requests import ckpt_key
 
 DEFAULT_TIMEOUT = 60.0
 log = logging.getLogger("foresight.replicate")

@@ -10,6 +10,10 @@ under a temp name, checks its xxh3 against the base copy's, renames it into plac
 hint's lease. Ranks read through :class:`~foresight.replication.hint_client.ReplicaReader`, which picks the least
 loaded live copy and verifies every file it reads.
 
+This module holds the actions (publish, hints, progress, release) and the node's round; its other parts:
+:mod:`.replica_requests` (request checks), :mod:`.replica_etcd` (keys, leases, token binding),
+:mod:`.replica_copies` (serving, pulling and reclaiming this node's copies).
+
 etcd keys (``{p}`` = the cluster prefix, ``{ckpt}`` = the checkpoint name URL-quoted; values JSON):
 
 ``{p}/hints/{job}/token``                        ``{salt, sha256}``: the first call of a job binds its token
@@ -32,100 +36,28 @@ Example::
 from __future__ import annotations
 
 import concurrent.futures as cf
-import hashlib
-import hmac
 import json
 import logging
 import os
 import secrets
 import threading
 import time
-import uuid
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 import pyarrow.flight as flight
 
 from foresight.checksum import file_xxh3
 from foresight.cluster.auth import connect
-from foresight.cluster.requests import check_fields, check_ident, fail
+from foresight.cluster.requests import check_fields
 from foresight.cluster.throttle import ServiceLimit
-from foresight.errors import NodeError, ProtocolError
-from foresight.replication.hints import MAX_TTL_S, FileHint, HintError, validate_hints
+from foresight.errors import NodeError
+from foresight.replication.hints import HintError, validate_hints
+from foresight.replication.replica_copies import LocalCopy, ReplicaCopies
+from foresight.replication.replica_etcd import ReplicaEtcd
 from foresight.replication.replica_plan import DEFAULT_BASE_REPLICAS, DEFAULT_SAFE_READERS, plan_replicas
-from foresight.replication.service import SCHEMA, binary_batch
-from foresight.replication.units import check_file_name, check_name
+from foresight.replication.replica_requests import check_file, ckpt_key, decode_ckpt_request, decode_hints
 
 log = logging.getLogger("foresight.replication.replica_manager")
-CHUNK = 1 << 20  # bytes per record batch: fine enough for the byte bucket to interleave readers
-REPLICA_DIR = ".replicas"  # hinted copies live under <root>/.replicas/<checkpoint>/<file>
-MAX_FILES = 1 << 16
-
-
-def ckpt_key(name: str) -> str:
-    return quote(name, safe="")
-
-
-def check_checkpoint(job: str, name: Any) -> str:
-    """A checkpoint name ``<job>/...`` of safe parts: a job hints and reads only its own checkpoints."""
-    if not isinstance(name, str):
-        fail("checkpoint must be a string", got=repr(name)[:40])
-    try:
-        check_name(name)
-    except Exception as e:
-        raise ProtocolError(str(e)) from None
-    if name.split("/")[0] != job:
-        fail("a job may hint, publish and read only its own checkpoints (named '<job>/...')", job=job,
-             checkpoint=name)
-    return name
-
-
-def check_file(name: Any) -> str:
-    if not isinstance(name, str):
-        fail("file must be a string", got=repr(name)[:40])
-    try:
-        return check_file_name(name)
-    except Exception as e:
-        raise ProtocolError(str(e)) from None
-
-
-# -- request decoders (checked before any handler runs) ------------------------------------------------------
-def _decode_ckpt_request(o: dict) -> dict:
-    check_fields(o, ("job", "checkpoint"), (), "request")
-    job = check_ident(o["job"], "job")
-    return {"job": job, "checkpoint": check_checkpoint(job, o["checkpoint"])}
-
-
-def _decode_hints(o: dict) -> dict:
-    check_fields(o, ("job", "checkpoint", "ttl_s", "files"), ("allow_partial",), "set_replication_hints")
-    job = check_ident(o["job"], "job")
-    ttl = o["ttl_s"]
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL_S:
-        raise HintError(f"hint TTL {ttl!r} s is not in (0, {MAX_TTL_S}]")
-    files = o["files"]
-    if not isinstance(files, list) or not 1 <= len(files) <= MAX_FILES:
-        raise HintError(f"files must be a list of 1 to {MAX_FILES} hints")
-    hints = []
-    for f in files:
-        if not isinstance(f, dict) or set(f) != {"path", "size", "readers", "hot_bytes"}:
-            raise HintError("each hint must be {path, size, readers, hot_bytes}", got=repr(f)[:80])
-        for k in ("size", "readers", "hot_bytes"):
-            if isinstance(f[k], bool) or not isinstance(f[k], int):
-                raise HintError(f"hint field {k} must be an integer", path=str(f["path"])[:80])
-        hints.append(FileHint(check_file(f["path"]), f["size"], f["readers"], f["hot_bytes"]))
-    return {"job": job, "checkpoint": check_checkpoint(job, o["checkpoint"]), "ttl_s": float(ttl), "files": hints,
-            "allow_partial": bool(o.get("allow_partial", False))}
-
-
-@dataclass
-class _Local:
-    """A copy this node serves: its path, open reads, and whether it is to be deleted when they end."""
-
-    path: str
-    hinted: bool
-    refs: int = 0
-    doomed: bool = False
 
 
 def _placement_steps(done: list[dict]) -> dict | None:
@@ -139,7 +71,7 @@ def _placement_steps(done: list[dict]) -> dict | None:
             "register": max(t["done_at"] - t["pulled_at"] for t in done)}
 
 
-class ReplicaManager:
+class ReplicaManager(ReplicaEtcd, ReplicaCopies):
     """See the module docstring. Options:
 
     Args:
@@ -171,7 +103,7 @@ class ReplicaManager:
         if self.placement_cost_s < 0:
             raise ValueError(f"placement_cost_s {placement_cost_s} < 0")
         self._lock = threading.Lock()
-        self._copies: dict[tuple[str, str], _Local] = {}
+        self._copies: dict[tuple[str, str], LocalCopy] = {}
         self._base_records: dict[str, str] = {}  # key -> value, re-put under a new lease if ours expired
         self._bindings: dict[str, dict] = {}
         self._busy: set[str] = set()  # task keys being copied here
@@ -185,10 +117,10 @@ class ReplicaManager:
         self._adopted = False
         self._last = {"lease": -1e9, "load": -1e9, "reclaim": -1e9}  # when each periodic duty last ran
         self._round()  # at once when etcd answers; otherwise the loop keeps trying
-        for name, dec, handler in (("replicas.publish", _decode_ckpt_request, self._publish),
-                                   ("set_replication_hints", _decode_hints, self._set_hints),
-                                   ("replicas.progress", _decode_ckpt_request, self._progress),
-                                   ("replicas.release", _decode_ckpt_request, self._release)):
+        for name, dec, handler in (("replicas.publish", decode_ckpt_request, self._publish),
+                                   ("set_replication_hints", decode_hints, self._set_hints),
+                                   ("replicas.progress", decode_ckpt_request, self._progress),
+                                   ("replicas.release", decode_ckpt_request, self._release)):
             server.register_action(name, dec, handler, job_scoped=False)  # own auth: jobs here register no plan
         server.register_action("replicas.wake", lambda o: check_fields(o, (), (), "replicas.wake") or {},
                                lambda context, req: self.wake(), job_scoped=False)  # only polls sooner: no auth
@@ -197,81 +129,6 @@ class ReplicaManager:
         server.register_get("ckpt.get", self._get)
         self._thread = threading.Thread(target=self._loop, name="foresight-replica-manager", daemon=True)
         self._thread.start()
-
-    # -- etcd helpers ----------------------------------------------------------------------------------------
-    def _k(self, *parts: str) -> str:
-        return self.cluster.key(*parts)
-
-    def _new_lease(self):
-        return self.cluster._call(lambda c: c.lease(ttl=self.lease_ttl))
-
-    def _lease_of(self, lease_id: int):
-        from etcd3gw.lease import Lease
-
-        return Lease(int(lease_id), self.cluster._etcd)
-
-    def _put(self, key: str, value: dict, lease: Any = None) -> None:
-        body = json.dumps(value, default=str)
-        self.cluster._call(lambda c: c.put(key, body, lease=lease))
-
-    def _put_many(self, items: dict[str, str], lease: Any) -> None:
-        """Many puts under one lease, 100 per etcd transaction (etcd's default limit is 128 operations)."""
-        from etcd3gw.utils import _encode
-
-        ops = [{"request_put": {"key": _encode(k), "value": _encode(v), "lease": lease.id}} for k, v in items.items()]
-        for i in range(0, len(ops), 100):
-            txn = {"compare": [], "success": ops[i:i + 100], "failure": []}
-            self.cluster._call(lambda c: c.transaction(txn))
-
-    def _get1(self, key: str) -> dict | None:
-        vals = self.cluster._call(lambda c: c.get(key))
-        return json.loads(vals[0]) if vals else None
-
-    def _live_nodes(self) -> dict[str, dict]:
-        return self.cluster.nodes()
-
-    def copies(self, name: str, live: dict[str, dict] | None = None, *,
-               file: str | None = None) -> dict[str, dict[str, dict]]:
-        """``{file: {node: record}}`` of a checkpoint's copies (of one ``file`` if given) on live nodes."""
-        live = self._live_nodes() if live is None else live
-        base = self._k("replicas", ckpt_key(name)) + "/"
-        out: dict[str, dict[str, dict]] = {}
-        for key, rec in self.cluster._get_prefix(base + (f"{file}/" if file else "")):
-            file, _, node = key[len(base):].partition("/")
-            if node in live:
-                out.setdefault(file, {})[node] = rec
-        return out
-
-    def _loads(self, live: dict[str, dict]) -> dict[str, float]:
-        base = self._k("replicas", ".load") + "/"
-        adv = {k[len(base):]: v for k, v in self.cluster._get_prefix(base)}
-        return {n: float(adv.get(n, {}).get("inflight", 0)) for n in live}
-
-    def _tasks(self, node: str | None = None) -> list[tuple[str, dict]]:
-        base = self._k("replicas", ".tasks") + "/" + (f"{node}/" if node else "")
-        return self.cluster._get_prefix(base)
-
-    # -- authentication ------------------------------------------------------------------------------------
-    def _authorize(self, context: Any, job: str) -> None:
-        """The call carries ``job``'s header and the token the job's first call bound (in etcd, hashed)."""
-        mw = context.get_middleware("auth") if context is not None else None
-        token = None if mw is None else mw.token
-        if mw is None or mw.job != job or not token or len(token) < 8:
-            raise flight.FlightUnauthenticatedError("foresight: replica calls need the job header and a token of "
-                                                    "at least 8 characters")
-        binding = self._bindings.get(job)
-        if binding is None:
-            key = self._k("hints", job, "token")
-            salt = secrets.token_hex(8)
-            mine = {"salt": salt, "sha256": hashlib.sha256((salt + token).encode()).hexdigest()}
-            self.cluster._call(lambda c: c.create(key, json.dumps(mine)))  # first caller binds; others read it
-            binding = self._get1(key)
-            if binding is None:
-                raise NodeError("job token binding vanished from etcd", job=job)
-            self._bindings[job] = binding
-        digest = hashlib.sha256((binding["salt"] + token).encode()).hexdigest()
-        if not hmac.compare_digest(digest, binding["sha256"]):
-            raise flight.FlightUnauthenticatedError(f"foresight: bad token for job {job!r}")
 
     # -- actions -------------------------------------------------------------------------------------------
     def _publish(self, context: Any, req: dict) -> dict:
@@ -291,7 +148,7 @@ class ReplicaManager:
                    "xxh3": file_xxh3(p), "base": True}
             records[self._k("replicas", ckpt_key(name), f, self.node_id)] = json.dumps(rec)
             with self._lock:
-                self._copies[(name, f)] = _Local(p, hinted=False)
+                self._copies[(name, f)] = LocalCopy(p, hinted=False)
             files[f] = rec["size"]
         with self._lock:
             self._base_records.update(records)
@@ -423,59 +280,6 @@ class ReplicaManager:
         self._lease_of(hint["lease"]).revoke()
         return {"checkpoint": name, "released": True}
 
-    # -- reads ---------------------------------------------------------------------------------------------
-    def _get(self, context: Any, t: dict) -> Any:
-        check_fields(t, ("kind", "job", "checkpoint", "file"), ("grant", "node"), "ckpt.get ticket")
-        job = check_ident(t["job"], "job")
-        name, f = check_checkpoint(job, t["checkpoint"]), check_file(t["file"])
-        if "grant" in t:  # a node pulling a copy for a task: the task's grant is its credential
-            task = self._get1(self._k("replicas", ".tasks", check_ident(t.get("node"), "node"), ckpt_key(name), f))
-            if task is None or not hmac.compare_digest(str(task.get("grant")), str(t["grant"])):
-                raise flight.FlightUnauthenticatedError("foresight: no live copy task with this grant")
-        else:
-            self._authorize(context, job)
-        with self._lock:
-            local = self._copies.get((name, f))
-            if local is None or local.doomed:
-                raise NodeError("this node serves no copy of the file", checkpoint=name, file=f, node=self.node_id)
-            local.refs += 1
-            self.inflight += 1
-        copy = "grant" in t  # a copy's source read goes ahead of the readers' queue (see cluster/throttle.py)
-        try:
-            self.limit.request(priority=copy)
-            fd = os.open(local.path, os.O_RDONLY | os.O_CLOEXEC)
-        except BaseException:
-            self._unref(name, f, local, 0)
-            raise
-        size = os.fstat(fd).st_size
-
-        def batches():
-            sent = 0
-            try:
-                while sent < size:
-                    k = min(CHUNK, size - sent)
-                    self.limit.consume(k, priority=copy)
-                    data = os.pread(fd, k, sent)
-                    if not data:
-                        raise NodeError("file shrank while being read", path=local.path, offset=sent)
-                    sent += len(data)
-                    yield binary_batch(memoryview(data))
-            finally:
-                os.close(fd)
-                self._unref(name, f, local, sent)
-
-        return flight.GeneratorStream(SCHEMA, batches())
-
-    def _unref(self, name: str, f: str, local: _Local, sent: int) -> None:
-        with self._lock:
-            local.refs -= 1
-            self.inflight -= 1
-            self.stats["reads"] += 1
-            self.stats["bytes"] += sent
-            delete = local.doomed and local.refs == 0
-        if delete:
-            self._unlink(local.path)
-
     # -- copies (target side) ------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
@@ -520,119 +324,6 @@ class ReplicaManager:
                 records = dict(self._base_records)
             self._put_many(records, self._lease)
 
-    def _take_tasks(self) -> None:
-        for key, task in self._tasks(self.node_id):
-            if task.get("state") == "pending" and key not in self._busy:
-                self._busy.add(key)
-                self._pool.submit(self._copy, key, task)
-
-    def _copy(self, key: str, task: dict) -> None:
-        lease = self._lease_of(task["lease"])
-        name, f = task["checkpoint"], task["file"]
-        try:
-            picked_at = time.time()
-            self._put(key, dict(task, state="copying", picked_at=picked_at), lease=lease)
-            errors = []
-            live = self._live_nodes()
-            holders = [r for n, r in self.copies(name, live, file=f).get(f, {}).items() if n != self.node_id]
-            loads = self._loads(live)
-            holders.sort(key=lambda r: (loads.get(r["node"], 0), r["node"]))
-            for src in holders:
-                try:
-                    path = self._pull(task, src)
-                    pulled_at = time.time()
-                except Exception as e:  # another holder may serve it: the error is kept for progress
-                    errors.append(f"{src['node']}: {e}"[:300])
-                    continue
-                rec = {"node": self.node_id, "location": self.server.location, "size": task["size"],
-                       "xxh3": task["xxh3"], "base": False}
-                with self._lock:
-                    self._copies[(name, f)] = _Local(path, hinted=True)
-                try:
-                    self._put(self._k("replicas", ckpt_key(name), f, self.node_id), rec, lease=lease)
-                    self._put(key, dict(task, state="done", picked_at=picked_at, pulled_at=pulled_at,
-                                        done_at=time.time(), source=src["node"]), lease=lease)
-                except NodeError:  # the hint expired while copying: the copy is reclaimed next round
-                    pass
-                self.stats["copies_made"] += 1
-                return
-            self.stats["copies_failed"] += 1
-            self._put(key, dict(task, state="failed", error="; ".join(errors) or "no live holder"), lease=lease)
-        except Exception as e:
-            log.warning("copy task failed", extra={"task": key, "error": str(e)[:300]})
-        finally:
-            self._busy.discard(key)
-
-    def _pull(self, task: dict, src: dict) -> str:
-        name, f = task["checkpoint"], task["file"]
-        final_dir = os.path.join(self.root, REPLICA_DIR, *name.split("/"))
-        os.makedirs(final_dir, exist_ok=True)
-        final = os.path.join(final_dir, f)
-        tmp = os.path.join(final_dir, f".tmp-{f}-{uuid.uuid4().hex[:8]}")
-        ticket = json.dumps({"kind": "ckpt.get", "job": task["job"], "checkpoint": name, "file": f,
-                             "grant": task["grant"], "node": self.node_id}).encode()
-        client = connect(src["location"])
-        try:
-            reader = client.do_get(flight.Ticket(ticket), flight.FlightCallOptions(timeout=300))
-            with open(tmp, "wb") as out:
-                for chunk in reader:
-                    col = chunk.data.column(0)
-                    for i in range(len(col)):
-                        out.write(col[i].as_buffer())
-                out.flush()
-                os.fsync(out.fileno())
-            got = file_xxh3(tmp)
-            if os.path.getsize(tmp) != task["size"] or got != task["xxh3"]:
-                raise NodeError("copy does not match the base copy's size/xxh3", file=f, source=src["node"],
-                                expected=task["xxh3"], got=got)
-            os.rename(tmp, final)
-        except BaseException:
-            self._unlink(tmp)
-            raise
-        finally:
-            client.close()
-        return final
-
-    # -- reclaim -------------------------------------------------------------------------------------------
-    def reclaim(self) -> list[tuple[str, str]]:
-        """Stop serving and delete hinted copies whose key expired (deferred while read). Returns them."""
-        with self._lock:
-            hinted = [(k, c) for k, c in self._copies.items() if c.hinted and not c.doomed]
-        gone = []
-        for (name, f), local in hinted:
-            if self._get1(self._k("replicas", ckpt_key(name), f, self.node_id)) is not None:
-                continue
-            with self._lock:
-                if self._copies.get((name, f)) is local:
-                    del self._copies[(name, f)]
-                local.doomed = True
-                delete = local.refs == 0
-            if delete:
-                self._unlink(local.path)
-            gone.append((name, f))
-            self.stats["reclaimed"] += 1
-            log.info("replica reclaimed", extra={"checkpoint": name, "file": f, "deferred": not delete})
-        return gone
-
-    def _adopt_existing(self) -> None:
-        """After a restart: keep serving hinted copies whose key still names this node; delete the rest."""
-        top = os.path.join(self.root, REPLICA_DIR)
-        for dirpath, _, filenames in os.walk(top):
-            name = os.path.relpath(dirpath, top).replace(os.sep, "/")
-            for f in filenames:
-                path = os.path.join(dirpath, f)
-                if not f.startswith(".tmp-") and self._get1(self._k("replicas", ckpt_key(name), f, self.node_id)):
-                    self._copies[(name, f)] = _Local(path, hinted=True)
-                else:
-                    self._unlink(path)
-
-    @staticmethod
-    def _unlink(path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-
     def describe(self) -> dict:
         with self._lock:
             serving = sum(1 for c in self._copies.values() if c.hinted)
@@ -651,4 +342,4 @@ class ReplicaManager:
             pass
 
 
-__all__ = ["ReplicaManager", "ckpt_key", "check_checkpoint"]
+__all__ = ["ReplicaManager"]

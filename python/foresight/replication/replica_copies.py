@@ -1,0 +1,220 @@
+"""The copies one node holds for the replica manager: serving them (``DoGet ckpt.get``, reference counted so a
+copy is deleted only after its reads), making the copies this node is asked for (take a task, pull the file from
+the least loaded holder, check its xxh3, rename it into place, register it under the hint's lease), reclaiming
+hinted copies whose hint expired, and adopting the copies found on disk after a restart.
+
+:class:`ReplicaCopies` is a base class of :class:`~foresight.replication.replica_manager.ReplicaManager`; the
+state lives on the manager (``_copies``, ``_lock``, ``_busy``, ``_pool``, ``limit``, ``stats``, ``inflight``).
+
+Example::
+
+    manager._take_tasks()        # submit this node's pending copy tasks to the copy threads
+    gone = manager.reclaim()     # [(checkpoint, file)] whose hint expired: no longer served, deleted after reads
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.flight as flight
+
+from foresight.checksum import file_xxh3
+from foresight.cluster.auth import connect
+from foresight.cluster.requests import check_fields, check_ident
+from foresight.errors import NodeError
+from foresight.replication.replica_requests import check_checkpoint, check_file, ckpt_key
+from foresight.replication.service import SCHEMA, binary_batch
+
+log = logging.getLogger("foresight.replication.replica_manager")  # the manager's one logger
+
+CHUNK = 1 << 20  # bytes per record batch: fine enough for the byte bucket to interleave readers
+REPLICA_DIR = ".replicas"  # hinted copies live under <root>/.replicas/<checkpoint>/<file>
+
+
+@dataclass
+class LocalCopy:
+    """A copy this node serves: its path, open reads, and whether it is to be deleted when they end."""
+
+    path: str
+    hinted: bool
+    refs: int = 0
+    doomed: bool = False
+
+
+class ReplicaCopies:
+    """See the module docstring."""
+
+    # -- reads ---------------------------------------------------------------------------------------------
+    def _get(self, context: Any, t: dict) -> Any:
+        check_fields(t, ("kind", "job", "checkpoint", "file"), ("grant", "node"), "ckpt.get ticket")
+        job = check_ident(t["job"], "job")
+        name, f = check_checkpoint(job, t["checkpoint"]), check_file(t["file"])
+        if "grant" in t:  # a node pulling a copy for a task: the task's grant is its credential
+            task = self._get1(self._k("replicas", ".tasks", check_ident(t.get("node"), "node"), ckpt_key(name), f))
+            if task is None or not hmac.compare_digest(str(task.get("grant")), str(t["grant"])):
+                raise flight.FlightUnauthenticatedError("foresight: no live copy task with this grant")
+        else:
+            self._authorize(context, job)
+        with self._lock:
+            local = self._copies.get((name, f))
+            if local is None or local.doomed:
+                raise NodeError("this node serves no copy of the file", checkpoint=name, file=f, node=self.node_id)
+            local.refs += 1
+            self.inflight += 1
+        copy = "grant" in t  # a copy's source read goes ahead of the readers' queue (see cluster/throttle.py)
+        try:
+            self.limit.request(priority=copy)
+            fd = os.open(local.path, os.O_RDONLY | os.O_CLOEXEC)
+        except BaseException:
+            self._unref(name, f, local, 0)
+            raise
+        size = os.fstat(fd).st_size
+
+        def batches():
+            sent = 0
+            try:
+                while sent < size:
+                    k = min(CHUNK, size - sent)
+                    self.limit.consume(k, priority=copy)
+                    data = os.pread(fd, k, sent)
+                    if not data:
+                        raise NodeError("file shrank while being read", path=local.path, offset=sent)
+                    sent += len(data)
+                    yield binary_batch(memoryview(data))
+            finally:
+                os.close(fd)
+                self._unref(name, f, local, sent)
+
+        return flight.GeneratorStream(SCHEMA, batches())
+
+    def _unref(self, name: str, f: str, local: LocalCopy, sent: int) -> None:
+        with self._lock:
+            local.refs -= 1
+            self.inflight -= 1
+            self.stats["reads"] += 1
+            self.stats["bytes"] += sent
+            delete = local.doomed and local.refs == 0
+        if delete:
+            self._unlink(local.path)
+
+    def _take_tasks(self) -> None:
+        for key, task in self._tasks(self.node_id):
+            if task.get("state") == "pending" and key not in self._busy:
+                self._busy.add(key)
+                self._pool.submit(self._copy, key, task)
+
+    def _copy(self, key: str, task: dict) -> None:
+        lease = self._lease_of(task["lease"])
+        name, f = task["checkpoint"], task["file"]
+        try:
+            picked_at = time.time()
+            self._put(key, dict(task, state="copying", picked_at=picked_at), lease=lease)
+            errors = []
+            live = self._live_nodes()
+            holders = [r for n, r in self.copies(name, live, file=f).get(f, {}).items() if n != self.node_id]
+            loads = self._loads(live)
+            holders.sort(key=lambda r: (loads.get(r["node"], 0), r["node"]))
+            for src in holders:
+                try:
+                    path = self._pull(task, src)
+                    pulled_at = time.time()
+                except Exception as e:  # another holder may serve it: the error is kept for progress
+                    errors.append(f"{src['node']}: {e}"[:300])
+                    continue
+                rec = {"node": self.node_id, "location": self.server.location, "size": task["size"],
+                       "xxh3": task["xxh3"], "base": False}
+                with self._lock:
+                    self._copies[(name, f)] = LocalCopy(path, hinted=True)
+                try:
+                    self._put(self._k("replicas", ckpt_key(name), f, self.node_id), rec, lease=lease)
+                    self._put(key, dict(task, state="done", picked_at=picked_at, pulled_at=pulled_at,
+                                        done_at=time.time(), source=src["node"]), lease=lease)
+                except NodeError:  # the hint expired while copying: the copy is reclaimed next round
+                    pass
+                self.stats["copies_made"] += 1
+                return
+            self.stats["copies_failed"] += 1
+            self._put(key, dict(task, state="failed", error="; ".join(errors) or "no live holder"), lease=lease)
+        except Exception as e:
+            log.warning("copy task failed", extra={"task": key, "error": str(e)[:300]})
+        finally:
+            self._busy.discard(key)
+
+    def _pull(self, task: dict, src: dict) -> str:
+        name, f = task["checkpoint"], task["file"]
+        final_dir = os.path.join(self.root, REPLICA_DIR, *name.split("/"))
+        os.makedirs(final_dir, exist_ok=True)
+        final = os.path.join(final_dir, f)
+        tmp = os.path.join(final_dir, f".tmp-{f}-{uuid.uuid4().hex[:8]}")
+        ticket = json.dumps({"kind": "ckpt.get", "job": task["job"], "checkpoint": name, "file": f,
+                             "grant": task["grant"], "node": self.node_id}).encode()
+        client = connect(src["location"])
+        try:
+            reader = client.do_get(flight.Ticket(ticket), flight.FlightCallOptions(timeout=300))
+            with open(tmp, "wb") as out:
+                for chunk in reader:
+                    col = chunk.data.column(0)
+                    for i in range(len(col)):
+                        out.write(col[i].as_buffer())
+                out.flush()
+                os.fsync(out.fileno())
+            got = file_xxh3(tmp)
+            if os.path.getsize(tmp) != task["size"] or got != task["xxh3"]:
+                raise NodeError("copy does not match the base copy's size/xxh3", file=f, source=src["node"],
+                                expected=task["xxh3"], got=got)
+            os.rename(tmp, final)
+        except BaseException:
+            self._unlink(tmp)
+            raise
+        finally:
+            client.close()
+        return final
+
+    # -- reclaim -------------------------------------------------------------------------------------------
+    def reclaim(self) -> list[tuple[str, str]]:
+        """Stop serving and delete hinted copies whose key expired (deferred while read). Returns them."""
+        with self._lock:
+            hinted = [(k, c) for k, c in self._copies.items() if c.hinted and not c.doomed]
+        gone = []
+        for (name, f), local in hinted:
+            if self._get1(self._k("replicas", ckpt_key(name), f, self.node_id)) is not None:
+                continue
+            with self._lock:
+                if self._copies.get((name, f)) is local:
+                    del self._copies[(name, f)]
+                local.doomed = True
+                delete = local.refs == 0
+            if delete:
+                self._unlink(local.path)
+            gone.append((name, f))
+            self.stats["reclaimed"] += 1
+            log.info("replica reclaimed", extra={"checkpoint": name, "file": f, "deferred": not delete})
+        return gone
+
+    def _adopt_existing(self) -> None:
+        """After a restart: keep serving hinted copies whose key still names this node; delete the rest."""
+        top = os.path.join(self.root, REPLICA_DIR)
+        for dirpath, _, filenames in os.walk(top):
+            name = os.path.relpath(dirpath, top).replace(os.sep, "/")
+            for f in filenames:
+                path = os.path.join(dirpath, f)
+                if not f.startswith(".tmp-") and self._get1(self._k("replicas", ckpt_key(name), f, self.node_id)):
+                    self._copies[(name, f)] = LocalCopy(path, hinted=True)
+                else:
+                    self._unlink(path)
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+__all__ = ["CHUNK", "LocalCopy", "REPLICA_DIR", "ReplicaCopies"]
