@@ -123,7 +123,7 @@ def timed_merge(source: Any, out: str, **kw: Any) -> tuple[float, dict[str, list
 def flight_rtt(url: str, n: int = 5) -> float:
     from pyarrow import flight
 
-    from foresight.replication.service import call
+    from foresight.replication.flight_calls import call
 
     c = flight.connect(url)
     call(url, "replication.ping", client=c)  # connection set-up apart

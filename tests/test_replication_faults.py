@@ -12,7 +12,7 @@ from pyarrow import flight
 
 from foresight.checkpoint import store
 from foresight.replication.policy import Replication, ReplicatingStorageWriter
-from foresight.replication.service import call
+from foresight.replication.flight_calls import call
 from foresight.testing.processes import free_port
 from foresight.errors import CheckpointError
 

@@ -240,7 +240,7 @@ class _WaitsForUnits(Replication):
     units_out_before_commit = None
 
     def data_written(self, step, directory, **kw):
-        from foresight.replication.service import call
+        from foresight.replication.flight_calls import call
 
         if self.wants(step):
             try:
@@ -298,7 +298,7 @@ def _dcp_stream_rank(rank: int, init_file: str, path: str, node: str, out: str) 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from foresight.replication.service import call
+    from foresight.replication.flight_calls import call
     from foresight.replication.units import data_files
     from foresight.distributed import run_then_end
 
@@ -380,7 +380,7 @@ def test_a_sender_streams_the_next_window_while_the_previous_one_is_acknowledged
     """One sending thread (the fixture's sites have one stream) keeps two windows unacknowledged: the next one
     goes on the wire while the site syncs and acknowledges the previous one (the link never idles for a round
     trip and a sync per window); still every unit is journaled before the replica is published."""
-    from foresight.replication.service import WINDOW_UNITS
+    from foresight.replication.send_windows import WINDOW_UNITS
 
     tr, ev = sites["train"], sites["eval"]
     before_rx, before_tx = ev.call("replicate.log")["received"], tr.call("replicate.log")["sending"]

@@ -149,7 +149,7 @@ def test_the_receiving_node_refuses_a_malicious_replica_over_flight(tmp_path):
     """The real receiving path: a site process gets ``DoPut replica.commit`` whose ``.metadata`` runs code."""
     from pyarrow import flight
 
-    from foresight.replication.service import SCHEMA, binary_batch
+    from foresight.replication.flight_calls import SCHEMA, binary_batch
 
     from replication_helpers import Site
 

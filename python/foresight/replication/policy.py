@@ -46,7 +46,7 @@ from foresight.checkpoint import store
 from foresight.checkpoint.dcp import ForesightStorageWriter
 from foresight.errors import CheckpointError
 from foresight.replication.scheduler import priority_of
-from foresight.replication.service import call
+from foresight.replication.flight_calls import call
 from foresight.replication.units import UNIT_BYTES, check_name
 
 log = logging.getLogger("foresight.replicate")

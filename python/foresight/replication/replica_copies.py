@@ -29,7 +29,7 @@ from foresight.cluster.auth import connect
 from foresight.cluster.requests import check_fields, check_ident
 from foresight.errors import NodeError
 from foresight.replication.replica_requests import check_checkpoint, check_file, ckpt_key
-from foresight.replication.service import SCHEMA, binary_batch
+from foresight.replication.flight_calls import SCHEMA, binary_batch
 
 log = logging.getLogger("foresight.replication.replica_manager")  # the manager's one logger
 

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from foresight.replication.service import call
+from foresight.replication.flight_calls import call
 from foresight.testing.processes import stop_process
 
 
