@@ -31,6 +31,7 @@ from foresight.replication.transfer_sender import Transfer
 from foresight.replication.units import Unit, read_unit
 
 log = logging.getLogger("foresight.replicate")
+
 RETRY_S = 60.0  # how long a sender waits for a site that is down or restarting before the transfer fails
 BACKOFF = (0.25, 4.0)  # first and longest pause between attempts (doubling)
 WINDOW_BYTES = 64 << 20  # a sender's window: units sent back to back under one acknowledgement (one sync per file)
@@ -50,7 +51,6 @@ class _Window:
     client: Any = None
     stream: tuple[Any, Any] | None = None
     error: Exception | None = None
-
 
 
 class WindowSender:

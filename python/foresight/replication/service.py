@@ -21,8 +21,14 @@ The same handlers run on every site's node; which role they play depends on the 
   data file in one stream, so a remote reader pays a round trip per file; the data files and sizes),
   ``replication.ping``.
 
-They are mounted into the storage-node daemon's handler registry (:meth:`ReplicationService.mount` on a
-:class:`foresight.node.server.NodeServer`; ``foresight node serve --site eval-b --route train-a=URL`` does it).
+This module is the facade (constructor, handler table, :meth:`ReplicationService.mount`); the handlers live in
+mixins, one job each: :mod:`~foresight.replication.transfer_sender` (transfers, publish),
+:mod:`~foresight.replication.send_windows` (windows in flight, acknowledgements, retries),
+:mod:`~foresight.replication.transfer_receiver` (units, journal, commit),
+:mod:`~foresight.replication.checkpoint_reads` (``ckpt.*``) and :mod:`~foresight.replication.flight_calls`
+(the wire schema, :func:`call`). They are mounted into the storage-node daemon's handler registry
+(:meth:`ReplicationService.mount` on a :class:`foresight.node.server.NodeServer`;
+``foresight node serve --site eval-b --route train-a=URL`` does it).
 
 Example::
 
