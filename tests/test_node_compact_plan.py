@@ -11,8 +11,7 @@ import pytest
 from node_helpers import TOKEN, NodeProc, flight_action
 
 from foresight.format import DatasetWriter, open_dataset
-from foresight.cluster.auth import call_options
-from foresight.node.client import connect
+from foresight.cluster.auth import call_options, connect
 from foresight.node.plans import UPLOAD_DIR, upload_plan
 from foresight.plan import ArraySource, build_plan, load_plan
 
