@@ -118,12 +118,20 @@ def decode(payload: dict) -> Section:
     return s
 
 
+def _same_work_ratios(row: dict) -> list:
+    """vs numpy / vs megatron-core, only where both build the same arrays: the compact kind computes steps on
+    demand and materializes none, so a ratio of its build to theirs compares different work."""
+    if "compact" in row["impl"]:
+        return [None, None]
+    return [row.get("vs_numpy"), row.get("vs_megatron")]
+
+
 def plan_build(payload: dict) -> Section:
     s = Section("Plan build: time and memory")
     s.tables.append((f"median of {payload['repeats']}; vs_* = the other builder's time / ours",
                      ["kind", "samples", "builder", "build s", "vs numpy (same shuffle)", "vs megatron-core",
                       "memory GiB", "same as numpy", "what it computes"],
-                     [[r["kind"], r["samples"], r["impl"], r.get("build_s"), r.get("vs_numpy"), r.get("vs_megatron"),
+                     [[r["kind"], r["samples"], r["impl"], r.get("build_s"), *_same_work_ratios(r),
                        r.get("mem_gib"), r.get("same_as_numpy"), r.get("does") or r.get("note")]
                       for r in payload["rows"]]))
     mixing = payload.get("mixing") or []
