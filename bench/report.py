@@ -211,6 +211,36 @@ def remote_merge(payload: dict) -> Section:
     return s
 
 
+def replication_overlap(payload: dict) -> Section:
+    s = Section("Replication overlap: send while saving, and filling the link")
+    s.notes.append(f"WAN bed: one shared pipe, RTT {payload['rtt_ms']:g} ms, {payload['mbit']:g} Mbit/s; "
+                   f"{payload['unit_mib']:g} MiB units")
+    links = payload.get("link", [])
+    for lk in links:
+        n = lk["streams"]
+        s.notes.append(f"{lk['background']} background flow(s): replication {lk['vs_plain_1']:.2f}x one plain stream's "
+                       f"throughput (target >= 0.9x), {lk[f'vs_plain_{n}']:.2f}x {n} parallel plain streams' "
+                       f"(target >= 0.9x on a shared link)")
+    for r in payload.get("rows", []):
+        met = r["MiB_left_at_commit"] <= r["target_MiB_left"]
+        s.notes.append(f"save at {r['write_MB_s']:g} MB/s: {r['MiB_left_at_commit']:.1f} MiB left at the commit, "
+                       f"target <= {r['target_MiB_left']:.1f} MiB (10% of the save at the link rate): "
+                       f"{'met' if met else 'not met'}")
+    s.tables.append(("fill the link: a committed checkpoint, replication against plain TCP streams (medians)",
+                     ["background flows", "MiB", "1 plain stream MB/s", "N plain streams MB/s", "N", "foresight MB/s",
+                      "vs 1 stream", "vs N streams"],
+                     [[lk["background"], lk["MiB"], lk["plain_1_MB_s"], lk[f"plain_{lk['streams']}_MB_s"],
+                       lk["streams"], lk["foresight_MB_s"], lk["vs_plain_1"], lk[f"vs_plain_{lk['streams']}"]]
+                      for lk in links]))
+    s.tables.append(("send while saving: a replicated Checkpointer save at a simulated disk write speed",
+                     ["write MB/s", "MiB", "save s", "transfer s at link rate", "MiB left at commit",
+                      "target MiB (10% of save)", "commit -> replica ready s", "save start -> ready s"],
+                     [[r["write_MB_s"], r["MiB"], r["save_s"], r["transfer_s_at_link_rate"], r["MiB_left_at_commit"],
+                       r["target_MiB_left"], r["commit_to_ready_s"], r["save_start_to_ready_s"]]
+                      for r in payload.get("rows", [])]))
+    return s
+
+
 def pushdown(payload: dict) -> Section:
     s = Section("Pushdown: decode on the storage node vs on the training host")
     cal = payload.get("calibration") or {}
@@ -278,7 +308,7 @@ def pushdown(payload: dict) -> Section:
 SUMMARIZERS: dict[str, Callable[[dict], Section]] = {
     "read_path": read_path, "checkpoint": checkpoint, "decode": decode, "plan_build": plan_build,
     "gpu_handoff": gpu_handoff, "remote_merge": remote_merge,
-    "pushdown": pushdown,
+    "pushdown": pushdown, "replication_overlap": replication_overlap,
 }
 
 

@@ -66,6 +66,8 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                                "--unit-sweep", ""], "full": []},
     "restart_storm": {"smoke": ["--smoke"], "quick": ["--quick"], "full": []},
     "object_store": {"smoke": ["--smoke"], "quick": ["--preset", "quick"], "full": []},
+    # quick: half the checkpoint (128 MiB), 3 runs per link method; full: the defaults (256 MiB)
+    "replication_overlap": {"smoke": ["--smoke"], "quick": ["--mib", "128", "--repeats", "3"], "full": []},
 }
 
 
