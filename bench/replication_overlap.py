@@ -36,6 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import machine, print_table, write_results  # noqa: E402
 
+from foresight.testing.wan import TcpReceiver  # noqa: E402  (stdlib only: the bench's --help stays fast)
+
 
 def simulate_disk(ck: Any, bytes_per_s: float) -> None:
     """Each completed write of ``ck``'s file I/O takes at least ``bytes / bytes_per_s`` more (a slower disk)."""
@@ -88,19 +90,8 @@ class SyncingSink:
     def __init__(self, directory: str) -> None:
         self.dir = directory
         os.makedirs(directory, exist_ok=True)
-        self.srv = socket.create_server(("127.0.0.1", 0))
-        self.port = self.srv.getsockname()[1]
-        self._n = 0
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.srv.accept()
-            except OSError:
-                return
-            self._n += 1
-            threading.Thread(target=self._receive, args=(conn, self._n), daemon=True).start()
+        self._rx = TcpReceiver(self._receive)
+        self.port = self._rx.port
 
     def _receive(self, conn: socket.socket, n: int) -> None:
         buf = bytearray(1 << 20)
@@ -115,7 +106,7 @@ class SyncingSink:
             os.close(fd)
 
     def close(self) -> None:
-        self.srv.close()
+        self._rx.close()
 
 
 def plain_copy(path: str, port: int, streams: int) -> float:

@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 
-from foresight.testing.wan import Pipe, WanLink
+from foresight.testing.wan import Pipe, TcpReceiver, WanLink
 
 MBIT = 40.0  # 5 MB/s: far below what the proxy moves on a loaded machine, so the cap is what binds
 EACH = 2 << 20
@@ -16,26 +16,20 @@ class Sink:
     """A TCP server that counts the bytes it receives."""
 
     def __init__(self) -> None:
-        self.srv = socket.create_server(("127.0.0.1", 0))
-        self.port = self.srv.getsockname()[1]
         self.received = 0
         self._cv = threading.Condition()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._rx = TcpReceiver(self._drain)
+        self.port = self._rx.port
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.srv.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
-
-    def _drain(self, conn: socket.socket) -> None:
+    def _drain(self, conn: socket.socket, _: int) -> None:
         with conn:
             while data := conn.recv(1 << 20):
                 with self._cv:
                     self.received += len(data)
                     self._cv.notify_all()
+
+    def close(self) -> None:
+        self._rx.close()
 
     def wait_for(self, n: int, timeout: float = 120.0) -> None:
         with self._cv:
@@ -65,7 +59,7 @@ def test_parallel_connections_share_the_link_cap():
     with WanLink(("127.0.0.1", sink.port), rtt_ms=10, mbit=MBIT) as link:
         one = aggregate_rate(link, sink, 1)
         four = aggregate_rate(link, sink, 4)
-    sink.srv.close()
+    sink.close()
     # one pipe: 4 streams together move what 1 does (a cap per connection would give ~4x)
     assert four / one < 1.5, (one, four)
 
@@ -77,7 +71,7 @@ def test_background_flows_take_their_share():
         alone = aggregate_rate(idle, sink, 1)
         contended = aggregate_rate(shared, sink, 1)
         contended4 = aggregate_rate(shared, sink, 4)
-    sink.srv.close()
+    sink.close()
     assert 0.3 < contended / alone < 0.7, (alone, contended)  # one background flow: half the link
     assert contended4 > 1.3 * contended, (contended, contended4)  # 4 streams against 1 flow get 4/5
 

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 CHUNK = 256 << 10
 BURST = 64 << 10  # bytes the bucket holds when idle: a short burst leaves at once, then the rate rules
@@ -186,20 +187,48 @@ class WanLink:
         self.close()
 
 
+class TcpReceiver:
+    """A loopback TCP server at the far end of a link: each accepted connection goes to ``handle(conn, n)`` (``n``
+    counts from 1) on a thread of its own, until :meth:`close`.
+
+    Example::
+
+        rx = TcpReceiver(lambda conn, n: conn.close())
+        WanLink(("127.0.0.1", rx.port), rtt_ms=100)
+    """
+
+    def __init__(self, handle: Callable[[socket.socket, int], None]) -> None:
+        self._handle = handle
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self.port = self._srv.getsockname()[1]
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        n = 0
+        while True:
+            try:
+                conn, _ = self._srv.accept()
+            except OSError:  # closed: stop accepting
+                return
+            n += 1
+            threading.Thread(target=self._handle, args=(conn, n), daemon=True).start()
+
+    def close(self) -> None:
+        self._srv.close()
+        self._thread.join(5)
+
+
 def measure_rtt(*, rtt_ms: float, mbit: float = 0.0, pings: int = 5) -> dict[str, float]:
     """Median and min round trip (ms) of 1-byte ping-pongs through a fresh link to a local echo server."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    port = srv.getsockname()[1]
 
-    def echo() -> None:
-        conn, _ = srv.accept()
+    def echo(conn: socket.socket, _: int) -> None:
         with conn:
             while data := conn.recv(64):
                 conn.sendall(data)
 
-    t = threading.Thread(target=echo, daemon=True)
-    t.start()
-    with WanLink(("127.0.0.1", port), rtt_ms=rtt_ms, mbit=mbit) as link:
+    rx = TcpReceiver(echo)
+    with WanLink(("127.0.0.1", rx.port), rtt_ms=rtt_ms, mbit=mbit) as link:
         with socket.create_connection(("127.0.0.1", link.port)) as c:
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             samples = []
@@ -209,8 +238,7 @@ def measure_rtt(*, rtt_ms: float, mbit: float = 0.0, pings: int = 5) -> dict[str
                 if c.recv(1) != b"x":
                     raise RuntimeError("echo through the WAN proxy returned wrong bytes")
                 samples.append((time.perf_counter() - t0) * 1e3)
-    srv.close()
-    t.join(5)
+    rx.close()
     return {"median_ms": statistics.median(samples), "min_ms": min(samples), "configured_ms": rtt_ms}
 
 
