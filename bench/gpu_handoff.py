@@ -125,7 +125,7 @@ def measure(ds, plan, runs: int, cuda_steps: int) -> dict:
     from foresight.loader import Loader
 
     out: dict = {}
-    with Loader(ds, plan, device="cpu", prefetch=2, end_step=min(plan.num_steps, 2)) as loader:
+    with Loader(plan, datasets=ds, device="cpu", prefetch=2, end_step=min(plan.num_steps, 2)) as loader:
         steps = iter(loader)  # kept alive: the batch is valid until the next one is asked for
         batch = next(steps)
         tokens = batch["tokens"]
@@ -156,7 +156,7 @@ def measure(ds, plan, runs: int, cuda_steps: int) -> dict:
         first_step = batch.step
     if torch.cuda.is_available():
         steps = min(plan.num_steps, cuda_steps)
-        with Loader(ds, plan, device="cuda", prefetch=2, end_step=steps) as loader:
+        with Loader(plan, datasets=ds, device="cuda", prefetch=2, end_step=steps) as loader:
             t0 = time.perf_counter()
             n = 0
             for b in loader:

@@ -341,7 +341,7 @@ def run_foresight(case: Case, rtt: float, env: dict, cache_root: Path, *, fill: 
         base = ds.fetcher.stats.as_dict()
         samples, ttfb = 0, None
         with ds, PlanPrefetcher(ds, case.plan, lookahead=LOOKAHEAD, fill_block=FILL_BLOCK if fill else 0) as pf, \
-                Loader(ds, case.plan, prefetch=PREFETCH, on_step=pf.on_step) as loader:
+                Loader(case.plan, datasets=ds, prefetch=PREFETCH, on_step=pf.on_step) as loader:
             for batch in loader:
                 if ttfb is None:
                     ttfb = time.perf_counter() - meter._t0
@@ -399,7 +399,7 @@ def hit_rates(case: Case, env: dict, cache_root: Path) -> dict:
     try:
         with open_dataset(case.url, cache_dir=cache_dir) as ds:
             with PlanPrefetcher(ds, plan, lookahead=HIT_LOOKAHEAD, budget_bytes=budget) as pf, \
-                    Loader(ds, plan, prefetch=PREFETCH, on_step=pf.on_step) as loader:
+                    Loader(plan, datasets=ds, prefetch=PREFETCH, on_step=pf.on_step) as loader:
                 for _ in loader:
                     pass
             fetched = ds.cache.stats.misses + ds.cache.stats.gap_samples

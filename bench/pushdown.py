@@ -17,7 +17,7 @@ Side by side in each scenario:
 * ``torch``     a torch DataLoader (1 worker, on the training core) decoding with PyAV (seek to the keyframe before the
                 window, decode from there, as PyAV's docs show) and Pillow
 * ``host``      foresight's host-side decode: Loader + MediaDecodeStage (frame-selective) on the training core
-* ``pushdown``  foresight pushdown: ``Loader(ds, plan, decode=stage, source=NodeSource(...))``; the node reads and
+* ``pushdown``  foresight pushdown: ``Loader(plan, datasets=ds, decode=stage, source=NodeSource(...))``; the node reads and
                 decodes ahead on its core, the host receives the tensors (it reads nothing itself)
 * ``guard``     pushdown with the node's CPU guard engaged (threshold 0), ``guard_reply="raw"``: the node sends the raw
                 sample bytes, decoded on the training core
@@ -215,7 +215,7 @@ def trainer(args: argparse.Namespace) -> None:
 
             source = NodeSource(stage, plan, nodes=[args.node], token=TOKEN, job=f"bench-{args.mode}",
                                 lead=args.lead, timeout=120, guard_reply=NODE_MODES[args.mode] or "raw")
-        loader = Loader(ds, plan, decode=stage, source=source, prefetch=2)
+        loader = Loader(plan, datasets=ds, decode=stage, source=source, prefetch=2)
         it = iter(loader)
         t_first = _timed_steps(it, plan.num_steps, args.compute_s, stalls)
         loader.close()

@@ -186,7 +186,7 @@ def run_foresight(case: Case, cold: bool, *, shuffle: str = "global", backend: s
     from foresight.loader import DEFAULT_MAX_GAP, Loader
 
     loader = Loader(
-        case.ds, case.plans[shuffle], backend=backend, direct=cold, queue_depth=QUEUE_DEPTH, prefetch=PREFETCH,
+        case.plans[shuffle], datasets=case.ds, backend=backend, direct=cold, queue_depth=QUEUE_DEPTH, prefetch=PREFETCH,
         max_gap=DEFAULT_MAX_GAP if max_gap is None else max_gap,
         max_transfer=max_transfer,
         end_step=case.steps,
@@ -256,7 +256,7 @@ def run_tokens(ds, plan, cold: bool) -> dict:
     from foresight.loader import Loader
 
     meter = Meter()
-    with Loader([ds], plan, direct=cold, queue_depth=QUEUE_DEPTH, prefetch=PREFETCH) as loader:
+    with Loader(plan, datasets=[ds], direct=cold, queue_depth=QUEUE_DEPTH, prefetch=PREFETCH) as loader:
         it = iter(loader)
         next(it)
         meter.start()

@@ -84,7 +84,7 @@ data, plan = open_dataset(prefix), load_plan(plan_dir)
 model = TinyLM(args.vocab, 32 if args.smoke else 256, 1 if args.smoke else 4, args.seq_len).to(device)
 ddp = torch.nn.parallel.DistributedDataParallel(model)
 opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-loader = Loader(data, plan, device=device)  # rank and world size from torch.distributed
+loader = Loader(plan, datasets=data, device=device)  # rank and world size from torch.distributed
 
 committed = sorted(d for d in os.listdir(ckpt_root) if os.path.exists(f"{ckpt_root}/{d}/.metadata")) \
     if os.path.isdir(ckpt_root) else []

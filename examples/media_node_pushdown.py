@@ -71,7 +71,7 @@ def train(data, plan, node: str | None) -> tuple[list[str], list[float], dict]:
     stage = MediaDecodeStage([data], SPECS, seed=7, threads=2)
     source = NodeSource(stage, plan, nodes=[node], token=TOKEN, job="media-run") if node else None
     hashes, losses = [], []
-    with Loader(data, plan, decode=stage, source=source, meta_fields=("caption",)) as loader:
+    with Loader(plan, datasets=data, decode=stage, source=source, meta_fields=("caption",)) as loader:
         for batch in loader:
             # (N, 3, 32, 32) images and (N, T, 3, 32, 32) clips averaged over time, as one batch of rows
             image = batch.get("image", torch.zeros(0, 3, 32, 32))  # a step may hold only one modality

@@ -9,7 +9,7 @@ Example::
 
     ds = foresight.open_dataset("data/")
     plan = foresight.build_plan([(ds, 1.0)], seed=1, global_batch_size=64, seq_len=2048, num_steps=1000)
-    with foresight.Loader(ds, plan, device="cuda") as loader:
+    with foresight.Loader(plan, datasets=ds, device="cuda") as loader:
         for batch in loader:
             ...
 

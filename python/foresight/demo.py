@@ -187,7 +187,7 @@ def _train(out: str, ds, plan, steps: int, seed: int):
     lm = _ToyLM(seed)
     ckpt = Checkpointer([os.path.join(out, "ckpt-local"), os.path.join(out, "ckpt-durable")], keep=[2, 3])
     losses, info = [], {}
-    with Loader(ds, plan, prefetch=2) as loader:
+    with Loader(plan, datasets=ds, prefetch=2) as loader:
         for batch in loader:
             losses.append(lm.step(batch))
             if batch.step == steps // 2 - 1:  # checkpoint after this step: model + optimizer + loader position
@@ -216,7 +216,7 @@ def _resume(out: str, ds, plan, steps: int, seed: int) -> list[float]:
     lm.model.load_state_dict(restored.state_dict["model"])
     lm.opt.load_state_dict(restored.state_dict["optim"])
     losses = []
-    with Loader(ds, plan, prefetch=2) as loader:
+    with Loader(plan, datasets=ds, prefetch=2) as loader:
         loader.load_state_dict(restored.extra_state["loader"])
         print(f"restored step {restored.step} from {restored.path} (tier {restored.tier}); "
               f"loader resumes at step {loader.state_dict()['next_step']}")
@@ -243,7 +243,7 @@ def _decode_pass(ds, plan, source) -> tuple[list[str], dict, dict]:
     from foresight.media import output_hash  # lazy: demo --help stays fast
 
     hashes, shapes = [], {}
-    with Loader(ds, plan, decode=source) as loader:
+    with Loader(plan, datasets=ds, decode=source) as loader:
         for batch in loader:
             for name in ("image", "video", "audio"):
                 if name in batch:

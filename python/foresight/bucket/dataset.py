@@ -14,7 +14,7 @@ Example::
 
     ds = open_bucket_dataset("s3://data/wiki", cache_dir="/nvme/foresight-cache")
     plan = build_plan([(ds, 1.0)], seed=1, global_batch_size=64, seq_len=2048, num_steps=100)
-    with Loader(ds, plan) as loader:   # each step's samples fetched on first use, read from the cache
+    with Loader(plan, datasets=ds) as loader:   # each step's samples fetched on first use, read from the cache
         ...
 """
 from __future__ import annotations

@@ -25,7 +25,7 @@ Example::
 
     ds = open_dataset("s3://data/wiki", cache_dir="/nvme/cache")
     with PlanPrefetcher(ds, plan, lookahead=8, budget_bytes=50 << 30) as pf, \\
-         Loader(ds, plan, prefetch=2, on_step=pf.on_step) as loader:
+         Loader(plan, datasets=ds, prefetch=2, on_step=pf.on_step) as loader:
         for batch in loader:
             ...
     pf.stats   # {"prefetched_steps", "fetched_samples", "evicted_samples", "evicted_bytes", "over_budget", ...}

@@ -4,7 +4,7 @@
 Example::
 
     from foresight.loader import Loader
-    with Loader(dataset, plan, prefetch=2) as loader:
+    with Loader(plan, datasets=dataset, prefetch=2) as loader:
         for batch in loader:
             ...
 """

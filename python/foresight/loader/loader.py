@@ -4,14 +4,13 @@ Example::
 
     from foresight import Loader, open_dataset, load_plan
 
-    ds = open_dataset("data/")
-    plan = load_plan("plan/")
-    with Loader(ds, plan, prefetch=2, device="cuda") as loader:
+    with Loader("plan/", prefetch=2, device="cuda") as loader:   # the datasets the plan recorded (sources.json)
         for batch in loader:
             loss = model(batch["input_ids"], labels=batch["labels"])
         ckpt = loader.state_dict()          # {"next_step": ..., "plan_digest": ...}
 
-    with Loader("plan/") as loader: ...     # the datasets the plan recorded (plan/sources.json)
+    ds = open_dataset("s3://data/wiki", cache_dir="/nvme/cache")
+    with Loader(load_plan("plan/"), datasets=ds) as loader: ...     # datasets passed only to override
 
 Per step the loader asks the plan for this rank's items, turns their pieces into file extents, coalesces them
 into large aligned transfers, reads the transfers with one batch call of the native engine into a pinned arena
@@ -24,6 +23,7 @@ import logging
 import queue
 import threading
 import time
+import warnings
 from collections import deque
 from typing import Any, Callable, Iterator, Sequence
 
@@ -45,6 +45,16 @@ from foresight.source import round_up
 log = logging.getLogger("foresight.loader")
 
 
+def old_form_arguments(first: Any, rest: tuple, datasets: Any) -> tuple[Any, Any]:
+    """``Loader(datasets, plan)``, the form before one convention: (datasets, plan), with a DeprecationWarning."""
+    if len(rest) != 1 or datasets is not None:
+        raise TypeError("Loader takes one positional argument, the plan: Loader(plan, datasets=...) "
+                        f"(got {1 + len(rest)} positional{' and datasets=' if datasets is not None else ''})")
+    warnings.warn("Loader(datasets, plan) is the old form: use Loader(plan) (the plan finds its datasets) or "
+                  "Loader(plan, datasets=...) to override them", DeprecationWarning, stacklevel=3)
+    return first, rest[0]
+
+
 class Loader(StepPipeline, Closing):
     """Yields this rank's batches in plan order; see the module docstring.
 
@@ -58,13 +68,16 @@ class Loader(StepPipeline, Closing):
     they finish (``device="cuda"`` does this safely). A consumer that holds every slot (``auto_release=False``)
     gets an error from ``next()`` instead of waiting forever.
 
+    One calling convention: ``Loader(plan, **options)``. The older ``Loader(datasets, plan)`` still works and
+    warns (DeprecationWarning).
+
     Args:
-        datasets: one dataset or the list the plan was built over (same order); or, with ``plan`` left out, the
-            plan itself (``Loader("plan/")``): its datasets are then opened where the plan recorded them
-            (:func:`foresight.plan.open_plan_datasets`; a moved dataset is looked for under ``search``, or
-            refused with a :class:`~foresight.errors.PlanError` saying where it was expected), and closed with
-            the loader.
         plan: a :class:`foresight.plan.Plan` or a plan directory.
+        datasets: only to override where the plan recorded its datasets: one dataset or the list the plan was
+            built over (same order), e.g. a dataset opened from a bucket. Left out, they are opened where the plan
+            recorded them (:func:`foresight.plan.open_plan_datasets`; a moved dataset is looked for under
+            ``search``, or refused with a :class:`~foresight.errors.PlanError` saying where it was expected), and
+            closed with the loader.
         search: directories to look in for datasets the plan recorded but that moved (with ``FORESIGHT_DATA_PATH``).
         rank, world_size: default to ``torch.distributed`` when initialised, else 0 and 1.
         prefetch: steps kept in flight ahead of the consumer.
@@ -118,9 +131,9 @@ class Loader(StepPipeline, Closing):
 
     def __init__(
         self,
-        datasets: Any,
-        plan: Any = None,
-        *,
+        plan: Any,
+        *old_form: Any,
+        datasets: Any = None,
         search: Sequence[str] = (),
         rank: int | None = None,
         world_size: int | None = None,
@@ -145,8 +158,8 @@ class Loader(StepPipeline, Closing):
         ensure_default_logging()
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
-        if plan is None:  # Loader("plan/"): the plan alone, its datasets from where it recorded them
-            datasets, plan = None, datasets
+        if old_form:
+            datasets, plan = old_form_arguments(plan, old_form, datasets)
         plan = as_plan(plan)
         self._owned_datasets: list = []
         if datasets is None:

@@ -5,7 +5,7 @@ Example::
 
     reads = ReadOptions(backend="pread", max_gap=-1)            # how steps are read
     steps = StepRange(start_step=10, end_step=100)              # which steps are yielded
-    Loader(ds, plan, **reads.as_kwargs(), **steps.as_kwargs())  # the same as passing them one by one
+    Loader(plan, datasets=ds, **reads.as_kwargs(), **steps.as_kwargs())  # the same as passing them one by one
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def as_plan(plan: Any):
         return load_plan(plan)
     if isinstance(plan, Plan) or (hasattr(plan, "rank_items") and hasattr(plan, "digest")):
         return plan
-    raise TypeError(f"Loader needs a plan: Loader(datasets, plan) or Loader(plan) with a Plan or a plan "
+    raise TypeError(f"Loader needs a plan: Loader(plan) or Loader(plan, datasets=...) with a Plan or a plan "
                     f"directory, got {type(plan).__name__}")
 
 

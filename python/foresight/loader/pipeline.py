@@ -11,7 +11,7 @@ thread; the consumer's half (iteration, device handoff, resume) is in ``loader.p
 
 Example::
 
-    loader = Loader(ds, plan)      # StepPipeline._run runs on the "foresight-loader" thread once iterated
+    loader = Loader(plan, datasets=ds)      # StepPipeline._run runs on the "foresight-loader" thread once iterated
 """
 from __future__ import annotations
 

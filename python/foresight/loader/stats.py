@@ -3,11 +3,11 @@ docs/config.md, "Loader statistics").
 
 Example::
 
-    loader = Loader(dataset, plan)
+    loader = Loader(plan, datasets=dataset)
     for batch in loader: ...
     print(loader.stats)             # a table
     loader.stats.as_dict()["io_wait_s"]
-    Loader(dataset, plan, on_step=lambda s: metrics.log(s["step"], stall=s["stall_s"]))   # per step
+    Loader(plan, datasets=dataset, on_step=lambda s: metrics.log(s["step"], stall=s["stall_s"]))   # per step
 """
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ class ForesightIterableDataset(IterableDataset):
         _, workers = self._worker()
         first = self._first_step()
         self._next = first
-        with Loader(self.datasets, self.plan, rank=self.rank, world_size=self.world_size, start_step=first,
+        with Loader(self.plan, datasets=self.datasets, rank=self.rank, world_size=self.world_size, start_step=first,
                     end_step=self.end_step, step_stride=workers, **self.loader_options) as loader:
             for batch in loader:
                 # Before the yield: StatefulDataLoader asks for the state once this item is fetched.

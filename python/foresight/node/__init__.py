@@ -8,7 +8,7 @@ Example::
 
     stage = MediaDecodeStage([ds], specs, seed=1)
     source = NodeSource(stage, plan, nodes=["grpc://127.0.0.1:7000"], token="t0ken-123")
-    with Loader(ds, plan, decode=stage, source=source) as ld:
+    with Loader(plan, datasets=ds, decode=stage, source=source) as ld:
         for batch in ld: ...
 """
 from __future__ import annotations

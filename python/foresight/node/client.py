@@ -19,7 +19,7 @@ Example::
 
     stage = MediaDecodeStage([ds], specs, seed=1)
     source = NodeSource(stage, plan, etcd="http://127.0.0.1:2379", token="s3cret-token", job="run-7")
-    with Loader(ds, plan, decode=stage, source=source) as loader:
+    with Loader(plan, datasets=ds, decode=stage, source=source) as loader:
         for batch in loader:
             batch["video"], batch["video_index"]       # as with the stage alone, bit for bit
     source.close()
@@ -142,7 +142,7 @@ class NodeSource(NodeLinks):
         Example::
 
             source = NodeSource(stage, plan, nodes=[loc], token=TOKEN)       # no rank here
-            Loader(ds, plan, source=source, rank=1, world_size=2)          # the source serves rank 1 of 2
+            Loader(plan, datasets=ds, source=source, rank=1, world_size=2)          # the source serves rank 1 of 2
         """
         given_rank, given_world = self._given_rank
         if (given_rank is not None and int(given_rank) != rank) or (

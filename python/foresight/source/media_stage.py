@@ -14,7 +14,7 @@ Example::
     stage = MediaDecodeStage([ds], {"video": TransformSpec(modality="video", size=(224, 224)),
                                     "image": TransformSpec(modality="image", size=(224, 224), crop="random_resized")},
                              seed=1)
-    with Loader(ds, plan, decode=stage) as loader:
+    with Loader(plan, datasets=ds, decode=stage) as loader:
         for batch in loader:
             batch["video"], batch["video_index"]     # (n, T, 3, 224, 224) uint8, positions in the step
 """
