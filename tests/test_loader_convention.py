@@ -1,5 +1,5 @@
 """One calling convention for the Loader: Loader(plan) or Loader(plan, datasets=...) to override; the older
-Loader(datasets, plan) still works and warns."""
+Loader(datasets, plan) still works and warns. The same for the DataLoader adapter."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from foresight.format import DatasetWriter, open_dataset
-from foresight.loader import Loader
+from foresight.loader import ForesightIterableDataset, Loader
 from foresight.plan import build_plan
 
 
@@ -46,3 +46,14 @@ def test_ambiguous_calls_are_refused_naming_the_one_form(saved):
             Loader(ds, saved / "plan", saved / "plan")
         with pytest.raises(TypeError, match=r"Loader needs a plan: Loader\(plan\)"):
             Loader(ds)
+
+
+def test_the_dataloader_adapter_takes_the_same_one_form(saved):
+    alone = [batch["tokens"] for batch in ForesightIterableDataset(str(saved / "plan"), rank=0, world_size=1)]
+    with open_dataset(str(saved / "corpus")) as ds:
+        override = [b["tokens"] for b in ForesightIterableDataset(saved / "plan", datasets=ds, rank=0, world_size=1)]
+        with pytest.warns(DeprecationWarning, match=r"ForesightIterableDataset\(datasets, plan\) is the old form"):
+            old = ForesightIterableDataset(ds, saved / "plan", rank=0, world_size=1)
+        old_form = [batch["tokens"] for batch in old]
+    assert len(alone) == 5
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(alone, override, old_form))

@@ -137,7 +137,7 @@ def test_no_torch_warning_about_read_only_arrays(tmp_path):
         for ds, kw in ((tok, dict(seq_len=16)), (byt, {{}})):
             path = build_plan([(ds, 1.0)], seed=1, global_batch_size=4, num_steps=3, **kw).save(
                 {str(tmp_path)!r} + "/plan-" + str(id(ds)))
-            with Loader(ds, load_plan(path)) as loader:
+            with Loader(load_plan(path), datasets=ds) as loader:
                 for batch in loader:
                     pass
         """

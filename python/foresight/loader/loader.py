@@ -23,7 +23,6 @@ import logging
 import queue
 import threading
 import time
-import warnings
 from collections import deque
 from typing import Any, Callable, Iterator, Sequence
 
@@ -35,7 +34,8 @@ from foresight.loader.batch import Batch
 from foresight.loader.device import ConsumerLease, cuda_event, slot_freed_by_event, to_device
 from foresight.loader.logs import ensure_default_logging
 from foresight.loader.options import (STATE_VERSION, ReadOptions, StepRange, as_plan, check_device, check_meta_fields,
-                                      check_micro_batches, check_state, check_verifiable, is_int, resolve_rank)
+                                      check_micro_batches, check_state, check_verifiable, is_int, old_form_arguments,
+                                      resolve_rank)
 from foresight.loader.pipeline import END, Failure, StepPipeline
 from foresight.loader.slots import LoaderIO, auto_max_transfer, size_text, slot_layout, token_dtypes
 from foresight.loader.stats import LoaderStats
@@ -43,16 +43,6 @@ from foresight.plan import open_plan_datasets
 from foresight.source import round_up
 
 log = logging.getLogger("foresight.loader")
-
-
-def old_form_arguments(first: Any, rest: tuple, datasets: Any) -> tuple[Any, Any]:
-    """``Loader(datasets, plan)``, the form before one convention: (datasets, plan), with a DeprecationWarning."""
-    if len(rest) != 1 or datasets is not None:
-        raise TypeError("Loader takes one positional argument, the plan: Loader(plan, datasets=...) "
-                        f"(got {1 + len(rest)} positional{' and datasets=' if datasets is not None else ''})")
-    warnings.warn("Loader(datasets, plan) is the old form: use Loader(plan) (the plan finds its datasets) or "
-                  "Loader(plan, datasets=...) to override them", DeprecationWarning, stacklevel=3)
-    return first, rest[0]
 
 
 class Loader(StepPipeline, Closing):
@@ -159,7 +149,7 @@ class Loader(StepPipeline, Closing):
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if old_form:
-            datasets, plan = old_form_arguments(plan, old_form, datasets)
+            datasets, plan = old_form_arguments("Loader", plan, old_form, datasets)
         plan = as_plan(plan)
         self._owned_datasets: list = []
         if datasets is None:

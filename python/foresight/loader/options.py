@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import numbers
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -94,6 +95,19 @@ def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     except ImportError:
         pass
     return (0 if rank is None else int(rank)), (1 if world_size is None else int(world_size))
+
+
+def old_form_arguments(name: str, first: Any, rest: tuple, datasets: Any) -> tuple[Any, Any]:
+    """``name(datasets, plan)``, the form before one calling convention: (datasets, plan), with a warning.
+
+    The one convention is ``name(plan, datasets=...)``: a plan finds its datasets, so they are passed only to override.
+    """
+    if len(rest) != 1 or datasets is not None:
+        raise TypeError(f"{name} takes one positional argument, the plan: {name}(plan, datasets=...) "
+                        f"(got {1 + len(rest)} positional{' and datasets=' if datasets is not None else ''})")
+    warnings.warn(f"{name}(datasets, plan) is the old form: use {name}(plan) (the plan finds its datasets) or "
+                  f"{name}(plan, datasets=...) to override them", DeprecationWarning, stacklevel=3)
+    return first, rest[0]
 
 
 def as_plan(plan: Any):

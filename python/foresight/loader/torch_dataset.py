@@ -31,16 +31,16 @@ from typing import Any, Iterator
 from torch.utils.data import IterableDataset, get_worker_info
 
 from foresight.loader.loader import Loader
-from foresight.loader.options import STATE_VERSION, as_plan, check_state, resolve_rank
+from foresight.loader.options import STATE_VERSION, as_plan, check_state, old_form_arguments, resolve_rank
 
 
 class ForesightIterableDataset(IterableDataset):
     """An ``IterableDataset`` over this rank's steps of a plan; each item is one step's batch as a dict.
 
     Args:
-        datasets: as :class:`~foresight.loader.Loader`: the datasets, or, with ``plan`` left out, the plan
-            (a :class:`~foresight.plan.Plan` or directory) whose recorded datasets each worker opens.
-        plan: a Plan or a plan directory.
+        plan: a Plan or a plan directory; each worker opens the datasets it recorded.
+        datasets: as :class:`~foresight.loader.Loader`: only to override where the plan recorded them. (The older
+            ``ForesightIterableDataset(datasets, plan)`` still works and warns.)
         rank, world_size: default to ``torch.distributed`` when initialised (resolved here, in the parent).
         start_step, end_step: the global steps to yield, ``range(start_step, end_step)``.
         loader_options: passed to each worker's :class:`~foresight.loader.Loader` (``prefetch``, ``decode``,
@@ -49,11 +49,12 @@ class ForesightIterableDataset(IterableDataset):
     ``len(ds)`` is the number of steps (batches) it yields in one pass from ``start_step``.
     """
 
-    def __init__(self, datasets: Any, plan: Any = None, *, rank: int | None = None, world_size: int | None = None,
-                 start_step: int = 0, end_step: int | None = None, **loader_options: Any) -> None:
+    def __init__(self, plan: Any, *old_form: Any, datasets: Any = None, rank: int | None = None,
+                 world_size: int | None = None, start_step: int = 0, end_step: int | None = None,
+                 **loader_options: Any) -> None:
         super().__init__()
-        if plan is None:
-            datasets, plan = None, datasets
+        if old_form:
+            datasets, plan = old_form_arguments("ForesightIterableDataset", plan, old_form, datasets)
         self.datasets, self.plan = datasets, plan
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self.start_step, self.end_step = int(start_step), end_step
