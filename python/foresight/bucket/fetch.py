@@ -60,13 +60,24 @@ class ObjectRef:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Retries of transient failures: up to ``attempts`` tries per request within ``budget_s`` seconds, waiting
-    ``base_s * 2**k`` (at most ``max_backoff_s``, times a random factor in [0.5, 1]) between them."""
+    """The one budget of a bucket's requests: each request may take ``request_timeout_s`` (connecting at most
+    ``connect_timeout_s``); a transient failure (refused or reset connection, timeout, 5xx such as S3's ``503
+    SlowDown``) is retried up to ``attempts`` tries in all within ``budget_s`` seconds, waiting ``base_s * 2**k``
+    before retry ``k + 1`` (at most ``max_backoff_s``, times a random factor in [0.5, 1]: jitter, so clients
+    that failed together do not retry together). The client's own retries are off (:func:`open_store`): this
+    layer alone counts attempts and names the object when it gives up.
+
+    Example::
+
+        open_dataset("s3://data/wiki", cache_dir=..., retry=RetryPolicy(attempts=20, budget_s=300))
+    """
 
     attempts: int = 8
     budget_s: float = 60.0
     base_s: float = 0.05
     max_backoff_s: float = 2.0
+    request_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
 
     def backoff(self, attempt: int) -> float:
         return min(self.max_backoff_s, self.base_s * (2 ** attempt)) * random.uniform(0.5, 1.0)
