@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -136,6 +137,21 @@ def _first_line(exc: BaseException) -> str:
     return redact(text[:300] + ("..." if len(text) > 300 else ""))
 
 
+_STATUS = re.compile(r"status code: (\d{3})")
+_S3_ERROR = re.compile(r"<Code>([^<]{1,64})</Code>\s*(?:<Message>([^<]{0,200})</Message>)?")
+
+
+def _what_failed(exc: BaseException) -> str:
+    """The server's answer when it gave one (``HTTP 503 SlowDown: Please reduce your request rate.``, from S3's
+    XML error body), else the exception's first 300 characters; credentials redacted either way."""
+    text = str(exc)
+    status, error = _STATUS.search(text), _S3_ERROR.search(text)
+    if status and error:
+        message = f": {' '.join(error.group(2).split())}" if error.group(2) else ""
+        return redact(f"HTTP {status.group(1)} {error.group(1)}{message}")
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
 _WHAT = {
     "not_found": "object not found",
     "no_bucket": "bucket not found",
@@ -187,7 +203,7 @@ class RangedFetcher:
                 if attempt >= self.retry.attempts or time.monotonic() - start + wait > self.retry.budget_s:
                     raise BucketError(
                         f"still failing after {attempt} attempts in {time.monotonic() - start:.1f} s: "
-                        f"{type(e).__name__}: {_first_line(e)}", "unavailable", object=str(what)) from None
+                        f"{_what_failed(e)}", "unavailable", object=str(what)) from None
                 self.stats.add(retries=1)
                 log.warning("bucket: %s failed (%s), retry %d in %.2f s", what, type(e).__name__, attempt, wait)
                 time.sleep(wait)
