@@ -218,7 +218,7 @@ def test_full_cache_disk_fails_clearly_and_frees_what_it_wrote(s3_env, full_disk
 
 
 @pytest.fixture
-def proxy(s3_env, monkeypatch):
+def proxy(s3_env):
     """A fault proxy in front of the server, made the endpoint of every client opened after it (uploads first)."""
     with FaultProxy(("127.0.0.1", s3_env.ports["s3.port"])) as p:
         yield p

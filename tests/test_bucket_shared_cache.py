@@ -164,3 +164,4 @@ def test_the_prefetcher_pins_its_window_and_lets_go_as_the_consumer_moves(s3_env
             pf.on_step(4)
             assert pf.pinned.tolist() == np.unique(pf.acc.ids[pf.acc.ptr[5]:pf.acc.ptr[8]]).tolist()
         assert pf.pinned.size == 0
+        pf.on_step(6)  # a loader's last hook after the prefetcher closed: nothing to pin, no error

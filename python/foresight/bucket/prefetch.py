@@ -116,7 +116,8 @@ class PlanPrefetcher(Closing):
         pos = int(np.searchsorted(self.acc.steps, step, side="right")) - 1
         with self._cv:
             if pos > self._consumed:
-                self._pins.hold(self._window(pos))  # before the loader looks up the steps that enter the window
+                if not self._stop:  # (closed: its pins are gone, and nothing is evicted for it any more)
+                    self._pins.hold(self._window(pos))  # before the loader looks up the steps entering the window
                 self._consumed = pos
                 self._cv.notify_all()
         if self.error is not None:
