@@ -1,6 +1,7 @@
-"""Faults of the bucket tier against a real SeaweedFS: the server killed mid-epoch and restarted, objects replaced
-or corrupt in the bucket, missing objects, buckets and wrong keys, a corrupt cache file, and a process killed
-between writing a sample into the cache and marking it."""
+"""Faults of the bucket tier against a real SeaweedFS: the server killed mid-epoch and restarted, slow-downs, 5xx
+and delays injected by a proxy in front of it, objects replaced or corrupt in the bucket, missing objects, buckets
+and wrong keys, a corrupt cache file, and a process killed between writing a sample into the cache and marking
+it."""
 from __future__ import annotations
 
 import gc
@@ -22,6 +23,7 @@ from foresight import open_dataset
 from foresight.format import DatasetWriter
 from foresight.loader import Loader
 from foresight.plan import build_plan
+from foresight.testing.http_faults import Fault, FaultProxy
 from full_disk import full_disk  # noqa: F401  (fixture)
 from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
 
@@ -213,3 +215,96 @@ def test_full_cache_disk_fails_clearly_and_frees_what_it_wrote(s3_env, full_disk
         assert all(ds.read(i) == big.read(i) for i in range(10))
     del ds, e  # the maps and the index are mapped from the small disk until collected (it is unmounted next)
     gc.collect()
+
+
+@pytest.fixture
+def proxy(s3_env):
+    """A fault proxy in front of the server, made the endpoint of every client opened after it (uploads first)."""
+    with FaultProxy(("127.0.0.1", s3_env.ports["s3.port"])) as p:
+        yield p
+
+
+def _through(proxy, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+
+
+def test_slowdowns_and_5xx_are_retried_to_identical_batches(s3_env, proxy, monkeypatch, tmp_path, local, caplog):
+    upload_dataset(local.path, "s3://faults/slowdown")
+    plan = build_plan([(local, 1.0)], seed=4, global_batch_size=8, num_steps=16)
+    with Loader(local, plan) as loader:
+        want = {b.step: _samples(b) for b in loader}
+    data = r"^/faults/slowdown/.*\.bin"
+    proxy.faults = [Fault(503, path=data, fraction=0.3, seed=1), Fault(500, path=data, fraction=0.2, seed=2)]
+    _through(proxy, monkeypatch)
+    ds = open_dataset("s3://faults/slowdown", cache_dir=tmp_path / "cache", max_gap=0,
+                      retry=RetryPolicy(attempts=30, budget_s=120, base_s=0.001, max_backoff_s=0.01))
+    try:
+        with caplog.at_level(logging.WARNING, logger="foresight.bucket"), Loader(ds, plan, prefetch=2) as loader:
+            got = {b.step: _samples(b) for b in loader}
+        assert got == want
+        failed = proxy.seen(path=data, injected=True)
+        served = proxy.seen(path=data, injected=False)
+        assert {r.status for r in failed} == {503, 500} and all(r.status == 206 for r in served)
+        # every failure was one retry, and every retry followed a failure: nothing else was fetched twice
+        assert ds.fetcher.stats.retries == len(failed)
+        assert len({(r.path, r.range) for r in served}) == len(served)
+        assert {(r.path, r.range) for r in failed} <= {(r.path, r.range) for r in served}
+        assert sum(r.nbytes for r in served) == ds.cache.stats.fetched_bytes
+        assert sum("retry" in r.getMessage() for r in caplog.records) == len(failed)
+        assert not any(s3_env.secret_key in r.getMessage() for r in caplog.records)
+    finally:
+        ds.close()
+
+
+def test_retries_back_off_by_the_policy(s3_env, proxy, monkeypatch, tmp_path, local, caplog):
+    upload_dataset(local.path, "s3://faults/backoff")
+    _through(proxy, monkeypatch)
+    policy = RetryPolicy(attempts=8, budget_s=60, base_s=0.004, max_backoff_s=0.02)
+    with open_dataset("s3://faults/backoff", cache_dir=tmp_path / "cache", retry=policy) as ds:
+        shard = os.path.basename(ds.shard_paths[0])
+        proxy.faults = [Fault(503, path=f"/{shard}$", times=5)]
+        with caplog.at_level(logging.WARNING, logger="foresight.bucket"):
+            ds.lookup(np.array([0]))
+        assert ds.read(0) == local.read(0)
+    attempts = proxy.seen(path=f"/{shard}$")
+    assert [r.status for r in attempts] == [503] * 5 + [206]  # 5 slow-downs, then the same range served
+    assert len({r.range for r in attempts}) == 1
+    waits = [r.args[3] for r in caplog.records if "retry" in r.getMessage()]
+    assert [r.args[2] for r in caplog.records if "retry" in r.getMessage()] == [1, 2, 3, 4, 5]
+    for k, wait in enumerate(waits):  # exponential, capped, jittered into [0.5, 1] of the step
+        step = min(policy.max_backoff_s, policy.base_s * 2 ** k)
+        assert 0.5 * step <= wait <= step
+    assert waits[2] > policy.base_s  # it grew past the first step (the third wait is at least 2x base)
+
+
+def test_slowdown_past_the_retry_budget_names_the_object(s3_env, proxy, monkeypatch, tmp_path, local, caplog):
+    url = BucketURL.parse("s3://faults/slow-forever")
+    upload_dataset(local.path, url)
+    _through(proxy, monkeypatch)
+    policy = RetryPolicy(attempts=4, budget_s=60, base_s=0.001, max_backoff_s=0.01)
+    with open_dataset(str(url), cache_dir=tmp_path / "cache", retry=policy) as ds:
+        shard = os.path.basename(ds.shard_paths[0])
+        proxy.faults = [Fault(503, path=f"/{shard}$")]
+        with caplog.at_level(logging.WARNING, logger="foresight.bucket"), pytest.raises(BucketError) as e:
+            ds.lookup(np.array([0]))
+        assert not ds.cache.present.any()
+    text = str(e.value)
+    assert e.value.reason == "unavailable" and f"{url}/{shard}" in text and "after 4 attempts" in text
+    assert "HTTP 503 SlowDown: Please reduce your request rate." in text  # the server's answer, not the client's dump
+    assert "\n" not in text and s3_env.secret_key not in text
+    assert not any(s3_env.secret_key in r.getMessage() for r in caplog.records)
+    assert proxy.count(path=f"/{shard}$", injected=True) == 4 and proxy.count(path=f"/{shard}$", injected=False) == 0
+
+
+def test_a_request_slower_than_its_timeout_is_retried(s3_env, proxy, monkeypatch, tmp_path, local):
+    upload_dataset(local.path, "s3://faults/delayed")
+    _through(proxy, monkeypatch)
+    policy = RetryPolicy(attempts=4, budget_s=60, base_s=0.001, max_backoff_s=0.01, request_timeout_s=0.5)
+    with open_dataset("s3://faults/delayed", cache_dir=tmp_path / "cache", retry=policy) as ds:
+        shard = os.path.basename(ds.shard_paths[0])
+        proxy.faults = [Fault(0, path=f"/{shard}$", times=1, delay_s=3.0)]  # forwarded, 6 timeouts late
+        ds.lookup(np.array([0, 1]))
+        assert ds.read(0) == local.read(0) and ds.read(1) == local.read(1)
+        assert ds.fetcher.stats.retries == 1
+    # the retry was served, and the late one forwarded after its delay (to a client that had given up on it)
+    assert proxy.wait_for(2, path=f"/{shard}$") == 2

@@ -16,7 +16,9 @@ Safety under concurrent processes (ranks of one host, restarts):
   :func:`~foresight.checksum.xxh3_many`, one native call), flushed with ``fdatasync``, and only then marked; a
   process killed before that leaves its samples unmarked, its locks vanish with it, and the next reader refetches;
 - eviction clears a sample's mark first, then punches the whole 4 KiB blocks inside its extent out of the file
-  (``fallocate(PUNCH_HOLE)``: blocks shared with a neighbour stay, so a neighbour's bytes never change).
+  (``fallocate(PUNCH_HOLE)``: blocks shared with a neighbour stay, so a neighbour's bytes never change);
+- eviction never punches a sample that a reader of any process pins (:mod:`foresight.bucket.pins`: a shared lock
+  on the sample's byte of ``.foresight-cache/pins``, dropped by the kernel when its holder dies).
 
 Within one process a lock serialises fetches (the GETs of one fetch already run concurrently); a lookup whose
 samples are all present takes no lock.
@@ -47,6 +49,7 @@ from foresight.errors import BucketError
 from foresight.format.types import Extents
 
 from .fetch import ObjectRef, RangedFetcher
+from .pins import SamplePins, claim_unpinned, id_runs, open_pin_file
 from foresight.io import IOEngine
 
 log = logging.getLogger("foresight.bucket")
@@ -78,7 +81,8 @@ def punch_hole(fd: int, offset: int, length: int) -> int:
 @dataclass
 class CacheStats:
     """What the cache did since it was opened: samples found present (hits) or fetched (misses), samples fetched
-    whole inside a coalesced gap and kept (``gap_samples``), corrupt entries found, evictions."""
+    whole inside a coalesced gap and kept (``gap_samples``), corrupt entries found, evictions, and samples an
+    eviction left because a reader (of any process) pinned them (``pinned_skips``)."""
 
     hits: int = 0
     misses: int = 0
@@ -87,19 +91,10 @@ class CacheStats:
     corrupt: int = 0
     evicted: int = 0
     evicted_bytes: int = 0
+    pinned_skips: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
-
-
-def _runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted unique ``ids`` as runs of consecutive values: (starts, lengths)."""
-    if not ids.size:
-        return ids, ids
-    cut = np.flatnonzero(np.diff(ids) != 1) + 1
-    starts = ids[np.r_[0, cut]]
-    ends = ids[np.r_[cut - 1, ids.size - 1]] + 1
-    return starts, ends - starts
 
 
 class SampleCache:
@@ -135,11 +130,20 @@ class SampleCache:
         self.present = np.memmap(index_path, dtype=np.uint8, mode="r+", shape=(self.num_samples,)) \
             if self.num_samples else np.zeros(0, np.uint8)
         self._fds = [os.open(p, os.O_RDWR) for p in shard_paths]
+        self._pin_fd = open_pin_file(os.path.join(local_dir, INDEX_DIR))  # this evictor's own open of the pin file
+
+    def pins(self) -> SamplePins:
+        """A new reader's pins on this cache's samples (:mod:`foresight.bucket.pins`): what it holds, no process's
+        :meth:`evict` punches."""
+        return SamplePins(os.path.join(self.local_dir, INDEX_DIR))
 
     def close(self) -> None:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+        if self._pin_fd >= 0:
+            os.close(self._pin_fd)
+            self._pin_fd = -1
         if self._index_fd >= 0:
             os.close(self._index_fd)
             self._index_fd = -1
@@ -149,7 +153,7 @@ class SampleCache:
     def _lock_runs(self, ids: np.ndarray) -> list[tuple[int, int]]:
         held = []
         try:
-            for start, n in zip(*_runs(ids)):
+            for start, n in zip(*id_runs(ids)):
                 fcntl.lockf(self._index_fd, fcntl.LOCK_EX, int(n), int(start), os.SEEK_SET)
                 held.append((int(start), int(n)))
         except BaseException:
@@ -250,7 +254,7 @@ class SampleCache:
     def _lock_free_runs(self, ids: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """Lock what of ``ids`` no other process holds (never waits); returns the ids locked and the locks."""
         held, got = [], np.zeros(ids.size, dtype=bool)
-        starts, counts = _runs(ids)
+        starts, counts = id_runs(ids)
         offsets = np.searchsorted(ids, starts)
         for start, n, at in zip(starts.tolist(), counts.tolist(), offsets.tolist()):
             try:
@@ -311,8 +315,10 @@ class SampleCache:
     def evict(self, ids: np.ndarray, *, keep: Callable[[], np.ndarray] | None = None) -> int:
         """Unmark ``ids`` and punch their blocks out of the sparse files; returns the sample bytes evicted.
 
-        ``keep()`` names the samples a reader may be reading now; it is asked once this call holds the cache (a
-        fetch it waited for may have taken long, and readers moved on meanwhile), and those are never punched."""
+        ``keep()`` names the samples a reader of this process may be reading now; it is asked once this call holds
+        the cache (a fetch it waited for may have taken long, and readers moved on meanwhile), and those are never
+        punched. Nor are the samples any reader of any process pins (:meth:`pins`): they are skipped, never waited
+        for, and counted in ``stats.pinned_skips``."""
         ids = np.unique(np.asarray(ids, dtype=np.int64))
         with self._exclusive():
             ids = ids[self.present[ids] != 0]
@@ -320,18 +326,26 @@ class SampleCache:
                 ids = ids[~np.isin(ids, keep())]
             if not ids.size:
                 return 0
-            held = self._lock_runs(ids)
-            try:
-                self.present[ids] = 0
-                ext = self.lookup(ids)
-                for s, off, n in zip(ext.shard.tolist(), ext.offset.tolist(), ext.length.tolist()):
-                    punch_hole(self._fds[s], off, n)  # one syscall per sample: there is no batched fallocate
-                nbytes = int(ext.length.sum())
-                self.stats.evicted += int(ids.size)
-                self.stats.evicted_bytes += nbytes
-                return nbytes
-            finally:
-                self._unlock(held)
+            with claim_unpinned(self._pin_fd, ids) as free:
+                self.stats.pinned_skips += int(ids.size - free.size)
+                return self._evict_claimed(free)
+
+    def _evict_claimed(self, ids: np.ndarray) -> int:
+        """:meth:`evict`'s work on ``ids`` that no reader pins (held so by the caller)."""
+        if not ids.size:
+            return 0
+        held = self._lock_runs(ids)
+        try:
+            self.present[ids] = 0
+            ext = self.lookup(ids)
+            for s, off, n in zip(ext.shard.tolist(), ext.offset.tolist(), ext.length.tolist()):
+                punch_hole(self._fds[s], off, n)  # one syscall per sample: there is no batched fallocate
+            nbytes = int(ext.length.sum())
+            self.stats.evicted += int(ids.size)
+            self.stats.evicted_bytes += nbytes
+            return nbytes
+        finally:
+            self._unlock(held)
 
     def scrub(self, ids: np.ndarray | None = None) -> np.ndarray:
         """Re-hash the present samples of ``ids`` (all present ones by default) from the local files and unmark

@@ -87,15 +87,17 @@ def resolve_options(options: dict[str, Any] | None = None) -> dict[str, Any]:
     return merged
 
 
-def open_store(url: BucketURL, options: dict[str, Any] | None = None, *, timeout_s: float = 30.0):
-    """An obstore ``S3Store`` for ``url.bucket`` (path-style requests; the client's own retries off: the fetcher
-    retries with its own budget, so that one layer counts attempts and names the object when it gives up)."""
+def open_store(url: BucketURL, options: dict[str, Any] | None = None, *, timeout_s: float = 30.0,
+               connect_timeout_s: float = 5.0):
+    """An obstore ``S3Store`` for ``url.bucket`` (path-style requests; ``timeout_s`` per request; the client's own
+    retries off: the fetcher retries with its own budget, :class:`~foresight.bucket.fetch.RetryPolicy`, so that one
+    layer counts attempts and names the object when it gives up)."""
     from obstore.store import S3Store
 
     opts = resolve_options(options)
     client_options = dict(opts.pop("client_options", {}))
-    client_options.setdefault("timeout", f"{timeout_s}s")
-    client_options.setdefault("connect_timeout", "5s")
+    client_options.setdefault("timeout", f"{round(timeout_s * 1000)}ms")
+    client_options.setdefault("connect_timeout", f"{round(connect_timeout_s * 1000)}ms")
     opts.setdefault("virtual_hosted_style_request", False)
     return S3Store(url.bucket, config=opts, client_options=client_options,
                    retry_config={"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=1)})

@@ -127,10 +127,11 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, o
 
     ``options`` are obstore S3 config keys (``endpoint``, ``access_key_id``, ...) over the standard places
     (:mod:`foresight.bucket.config`); ``concurrency`` the GETs in flight; ``max_gap``/``max_transfer`` the
-    coalescer's caps for object storage (1 MiB / 16 MiB by default); ``retry`` the budget of transient failures.
+    coalescer's caps for object storage (1 MiB / 16 MiB by default); ``retry`` the requests' timeouts and the
+    budget of retries of transient failures (:class:`RetryPolicy`).
     """
     url = url if isinstance(url, BucketURL) else BucketURL.parse(url)
-    store = open_store(url, options)
+    store = open_store(url, options, timeout_s=retry.request_timeout_s, connect_timeout_s=retry.connect_timeout_s)
     caps = {k: v for k, v in (("max_gap", max_gap), ("max_transfer", max_transfer)) if v is not None}
     fetcher = RangedFetcher(store, url, concurrency=concurrency, retry=retry, **caps)
     try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -60,13 +61,24 @@ class ObjectRef:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Retries of transient failures: up to ``attempts`` tries per request within ``budget_s`` seconds, waiting
-    ``base_s * 2**k`` (at most ``max_backoff_s``, times a random factor in [0.5, 1]) between them."""
+    """The one budget of a bucket's requests: each request may take ``request_timeout_s`` (connecting at most
+    ``connect_timeout_s``); a transient failure (refused or reset connection, timeout, 5xx such as S3's ``503
+    SlowDown``) is retried up to ``attempts`` tries in all within ``budget_s`` seconds, waiting ``base_s * 2**k``
+    before retry ``k + 1`` (at most ``max_backoff_s``, times a random factor in [0.5, 1]: jitter, so clients
+    that failed together do not retry together). The client's own retries are off (:func:`open_store`): this
+    layer alone counts attempts and names the object when it gives up.
+
+    Example::
+
+        open_dataset("s3://data/wiki", cache_dir=..., retry=RetryPolicy(attempts=20, budget_s=300))
+    """
 
     attempts: int = 8
     budget_s: float = 60.0
     base_s: float = 0.05
     max_backoff_s: float = 2.0
+    request_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
 
     def backoff(self, attempt: int) -> float:
         return min(self.max_backoff_s, self.base_s * (2 ** attempt)) * random.uniform(0.5, 1.0)
@@ -125,6 +137,21 @@ def _first_line(exc: BaseException) -> str:
     return redact(text[:300] + ("..." if len(text) > 300 else ""))
 
 
+_STATUS = re.compile(r"status code: (\d{3})")
+_S3_ERROR = re.compile(r"<Code>([^<]{1,64})</Code>\s*(?:<Message>([^<]{0,200})</Message>)?")
+
+
+def _what_failed(exc: BaseException) -> str:
+    """The server's answer when it gave one (``HTTP 503 SlowDown: Please reduce your request rate.``, from S3's
+    XML error body), else the exception's first 300 characters; credentials redacted either way."""
+    text = str(exc)
+    status, error = _STATUS.search(text), _S3_ERROR.search(text)
+    if status and error:
+        message = f": {' '.join(error.group(2).split())}" if error.group(2) else ""
+        return redact(f"HTTP {status.group(1)} {error.group(1)}{message}")
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
 _WHAT = {
     "not_found": "object not found",
     "no_bucket": "bucket not found",
@@ -176,7 +203,7 @@ class RangedFetcher:
                 if attempt >= self.retry.attempts or time.monotonic() - start + wait > self.retry.budget_s:
                     raise BucketError(
                         f"still failing after {attempt} attempts in {time.monotonic() - start:.1f} s: "
-                        f"{type(e).__name__}: {_first_line(e)}", "unavailable", object=str(what)) from None
+                        f"{_what_failed(e)}", "unavailable", object=str(what)) from None
                 self.stats.add(retries=1)
                 log.warning("bucket: %s failed (%s), retry %d in %.2f s", what, type(e).__name__, attempt, wait)
                 time.sleep(wait)

@@ -6,7 +6,10 @@ steps). Under a byte
 budget it first evicts the cached samples whose next use in the plan is furthest (never used again first;
 :func:`~foresight.bucket.policy.eviction_order`, the same ranking the replays use), never one used by a step from
 the consumer's position up to ``lookahead`` steps past it: the loader's in-flight steps are among those, so a read
-never meets a punched hole. ``lookahead`` must therefore be at least the loader's ``prefetch + 2``.
+never meets a punched hole. ``lookahead`` must therefore be at least the loader's ``prefetch + 2``. Those samples
+are pinned for every process sharing the cache (:mod:`foresight.bucket.pins`), so another rank's prefetcher skips
+them too; the pins move with the consumer (:meth:`PlanPrefetcher.on_step`: the next window pinned before the last
+one is let go) and vanish with the process.
 
 Block fill (no budget): a random plan's steps are sparse in the objects (64 samples of 16 KiB out of thousands
 are ~1 sample per ranged GET however many steps are grouped). Knowing the whole plan, a fetch also takes every
@@ -93,6 +96,8 @@ class PlanPrefetcher(Closing):
         self._consumed = -1  # position (index into acc.steps) of the last step handed to the consumer
         self._cv = threading.Condition()
         self._stop = False
+        self._pins = self.cache.pins()  # the window, pinned for every process sharing the cache
+        self._pins.hold(self._window(-1))
         self.error: BaseException | None = None
         self.stats = {"prefetched_steps": 0, "fetched_samples": 0, "filled_samples": 0, "evicted_samples": 0,
                       "evicted_bytes": 0, "over_budget": 0, "max_cached_bytes": 0}
@@ -100,12 +105,19 @@ class PlanPrefetcher(Closing):
         self._thread.start()
 
     # -- the consumer side ---------------------------------------------------------------------------------------
+    @property
+    def pinned(self) -> np.ndarray:
+        """The samples this prefetcher pins now (its window; no process sharing the cache evicts them)."""
+        return self._pins.ids
+
     def on_step(self, info: dict | int) -> None:
         """The loader's ``on_step`` hook (or call it with a step number): steps up to this one are read."""
         step = int(info["step"] if isinstance(info, dict) else info)
         pos = int(np.searchsorted(self.acc.steps, step, side="right")) - 1
         with self._cv:
             if pos > self._consumed:
+                if not self._stop:  # (closed: its pins are gone, and nothing is evicted for it any more)
+                    self._pins.hold(self._window(pos))  # before the loader looks up the steps entering the window
                 self._consumed = pos
                 self._cv.notify_all()
         if self.error is not None:
@@ -119,6 +131,7 @@ class PlanPrefetcher(Closing):
             self._stop = True
             self._cv.notify_all()
         thread.join()
+        self._pins.close()
         self.cache.max_gap = self._demand_gap
 
     # -- the prefetch thread --------------------------------------------------------------------------------------
@@ -213,16 +226,21 @@ class PlanPrefetcher(Closing):
         order = eviction_order(candidates, k, self.next_use, horizon=self.horizon, last_use=self._last_use)
         freed = np.cumsum(self._sizes[order])
         over = used + need - self.budget_bytes
-        n_out = min(int(np.searchsorted(freed, over)) + 1, order.size)
-        if n_out:
-            # The window is taken again once the cache is ours, with the consumer held still (on_step waits on
-            # _cv): a fetch the eviction waited for may have let the loader move on to samples chosen above.
-            before = self.cache.stats.evicted
-            with self._cv:
-                self.stats["evicted_bytes"] += self.cache.evict(
-                    order[:n_out], keep=lambda: np.union1d(self._window(self._consumed), ids))
-            self.stats["evicted_samples"] += self.cache.stats.evicted - before
-        if not n_out or freed[n_out - 1] < over:
+        evicted, done = 0, 0
+        before = self.cache.stats.evicted
+        # The window is taken again once the cache is ours, with the consumer held still (on_step waits on _cv): a
+        # fetch the eviction waited for may have let the loader move on to samples chosen above. Samples another
+        # process pins are skipped: the next candidates in the order make up for them.
+        with self._cv:
+            while evicted < over and done < order.size:
+                target = (freed[done - 1] if done else 0) + over - evicted
+                end = min(int(np.searchsorted(freed, target)) + 1, order.size)
+                evicted += self.cache.evict(order[done:end],
+                                            keep=lambda: np.union1d(self._window(self._consumed), ids))
+                done = end
+        self.stats["evicted_bytes"] += evicted
+        self.stats["evicted_samples"] += self.cache.stats.evicted - before
+        if evicted < over:
             if not self.stats["over_budget"]:
                 log.warning("bucket cache over its budget (%d bytes): the steps from the consumer to %d ahead need "
                             "more; further ones are counted in stats['over_budget']", self.budget_bytes,

@@ -8,6 +8,7 @@ it ships inside the package so that benches and examples run from an installed f
 * :mod:`.sites` (:class:`SiteProcess`): a replication site's storage node as a process.
 * :mod:`.wan` (:class:`WanLink`): the WAN bed's delaying, rate-limited link (docs/wan_bed.md).
 * :mod:`.seaweed` (:class:`SeaweedServer`): a loopback S3 server (SeaweedFS ``weed mini``).
+* :mod:`.http_faults` (:class:`FaultProxy`): an HTTP proxy in front of it answering chosen requests 503/500 or late.
 * :mod:`.media_synth`: synthetic videos, images and audio with known content.
 * :mod:`.media_reference`: the decode truth (PyAV only, no code of ``foresight.media.video``).
 * :mod:`.plan_reference`: the numpy oracle for plan construction.
