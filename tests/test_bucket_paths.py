@@ -13,6 +13,7 @@ import pytest
 from foresight import open_dataset
 from foresight.bucket import BucketDataset
 from foresight.bucket.dataset import BucketMegatronDataset
+from foresight.bucket.prefetch import PlanPrefetcher
 from foresight.bucket.upload import upload_dataset, upload_dir
 from foresight.errors import BucketError
 from foresight.format import DatasetWriter, write_megatron_dataset
@@ -80,6 +81,12 @@ def test_megatron_pair_is_read_in_place_from_a_bucket(s3_env, tmp_path):
         for i in (0, 7, ds.num_samples - 1):
             assert ds.read(i) == local.read(i)
         fetched = int(ds.cache.present.sum())
+    # the plan-driven prefetcher over a pair in a bucket, on a fresh cache: the same batches, nothing fetched twice
+    with open_dataset("s3://paths/mg/wiki", cache_dir=tmp_path / "cache-pf") as ds:
+        with PlanPrefetcher(ds, plan, lookahead=4) as pf:
+            got = _batches(Loader(ds, plan, prefetch=2, on_step=pf.on_step))
+        assert all(np.array_equal(got[s], want[s]) for s in want)
+        assert ds.cache.stats.fetched_bytes <= os.path.getsize(prefix + ".bin")
     # reopened: the cached .idx is kept (one HEAD of it, no byte fetched), the samples already fetched too
     with open_dataset("s3://paths/mg/wiki", cache_dir=cache) as again:
         assert again.fetcher.stats.bytes == 0 and int(again.cache.present.sum()) == fetched
@@ -129,7 +136,15 @@ def test_plan_over_bucket_datasets_to_a_bucket_and_back(s3_env, tmp_path, monkey
     inode = os.stat(plan_json).st_ino
     assert load_plan("s3://paths/plans/p1").path == plan.path and os.stat(plan_json).st_ino == inode
 
-    # an existing plan is not replaced without --overwrite; with it, it is (and the copies follow)
+    # the writer's own copy is recorded as the bucket's: opening it there fetches nothing
+    written = os.path.join(str(tmp_path / "cache-a"), "paths", "plans", "p1", "plan.json")
+    written_inode = os.stat(written).st_ino
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(tmp_path / "cache-a"))
+    assert load_plan("s3://paths/plans/p1").path == os.path.dirname(written)
+    assert os.stat(written).st_ino == written_inode
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(tmp_path / "cache-b"))
+
+    # an existing plan is not replaced without --overwrite ; with it, it is
     res = run_cli("plan", "s3://paths/tok", *PLAN_ARGS, "--out", "s3://paths/plans/p1",
                   FORESIGHT_BUCKET_CACHE=str(tmp_path / "cache-a"))
     assert "already holds a plan" in _one_line(res) and "s3://paths/plans/p1" in res.stderr

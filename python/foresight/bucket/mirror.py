@@ -34,7 +34,16 @@ from .fetch import ObjectRef, RangedFetcher
 from .upload import refuse_existing, upload_dir
 from .url import BucketURL
 
-__all__ = ["mirror_prefix", "publish_prefix", "holds"]
+__all__ = ["mirror_prefix", "publish_prefix", "holds", "refuse_existing_at"]
+
+
+def refuse_existing_at(url: str | BucketURL, marker: str, what: str, *,
+                       options: dict[str, Any] | None = None) -> None:
+    """:class:`BucketError` (reason ``exists``) when ``marker`` is already under ``url``: what a command that would
+    replace a dataset or plan without ``--overwrite`` checks before its work."""
+    url = url if isinstance(url, BucketURL) else BucketURL.parse(url)
+    with RangedFetcher(open_store(url, options), url) as fetcher:
+        refuse_existing(fetcher, marker, what)
 
 
 def holds(url: str | BucketURL, marker: str, *, options: dict[str, Any] | None = None) -> bool:
@@ -130,8 +139,7 @@ def publish_prefix(url: str | BucketURL, cache_dir: str | os.PathLike, write: Ca
     local = local_dir_of(url, cache_dir)
     with _locked(local):
         if not overwrite:  # refused before the local write, which may replace a mirror of the plan already there
-            with RangedFetcher(open_store(url, options), url) as fetcher:
-                refuse_existing(fetcher, marker, what)
+            refuse_existing_at(url, marker, what, options=options)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(_side(local, "json"))  # the local copy is about to differ from what the bucket holds
         write(local)

@@ -23,10 +23,9 @@ import tempfile
 from foresight.format import cli as format_cli
 from foresight.format.manifest import MANIFEST_NAME
 
-from .config import open_store
-from .fetch import RangedFetcher
+from .mirror import refuse_existing_at
 from .opener import CACHE_ENV
-from .upload import refuse_existing, upload_dataset
+from .upload import upload_dataset
 from .url import BucketURL, is_bucket_url
 
 __all__ = ["add_arguments", "run"]
@@ -39,8 +38,7 @@ def run(args: argparse.Namespace) -> int:
         return format_cli.run(args)
     url = BucketURL.parse(args.out)
     if not args.overwrite:  # before packing, which can take hours
-        with RangedFetcher(open_store(url), url) as fetcher:
-            refuse_existing(fetcher, MANIFEST_NAME, "dataset")
+        refuse_existing_at(url, MANIFEST_NAME, "dataset")
     staging = tempfile.mkdtemp(prefix="foresight-pack-", dir=os.environ.get(CACHE_ENV) or None)
     try:
         args.out = os.path.join(staging, "dataset")

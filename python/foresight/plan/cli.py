@@ -6,7 +6,7 @@ Example::
         --seq-len 2048 --steps 1000 --out plan/
     foresight plan media/ --seed 1 --global-batch-size 32 --epochs 2 --shuffle block \\
         --block-size 256 --out plan/
-    FORESIGHT_BUCKET_CACHE=/nvme/cache foresight plan s3://data/wiki --seed 1 --global-batch-size 64 \
+    FORESIGHT_BUCKET_CACHE=/nvme/cache foresight plan s3://data/wiki --seed 1 --global-batch-size 64 \\
         --seq-len 2048 --steps 1000 --out s3://data/plans/p1
 """
 from __future__ import annotations
@@ -52,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from foresight.bucket.opener import open_dataset, resolve_cache_dir  # lazy: pyarrow, numpy (--help stays fast)
-    from foresight.bucket.url import BucketURL, is_bucket_url  # lazy: plan --help stays fast
+    from foresight.bucket.mirror import refuse_existing_at  # lazy: plan --help stays fast
+    from foresight.bucket.url import is_bucket_url  # lazy: plan --help stays fast
+    from foresight.plan.files import PLAN_JSON  # lazy: plan --help stays fast
     from foresight.format.writer import check_parent_dir  # lazy: plan --help stays fast
     from foresight.plan.builder import build_plan  # lazy: plan --help stays fast
 
@@ -61,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
     if len(weights) != len(args.datasets):
         raise PlanError(f"{len(args.datasets)} datasets but {len(weights)} weights")
     if is_bucket_url(args.out):  # before the build, which can take minutes
-        BucketURL.parse(args.out)
         resolve_cache_dir(args.out)
+        if not args.overwrite:
+            refuse_existing_at(args.out, PLAN_JSON, "plan")
     else:
         check_parent_dir(args.out)
     datasets = [open_dataset(p) for p in args.datasets]
