@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from foresight.bucket import BucketDataset
 from foresight.bucket.dataset import BucketMegatronDataset
 from foresight.bucket.prefetch import PlanPrefetcher
 from foresight.bucket.upload import upload_dataset, upload_dir
-from foresight.errors import BucketError
+from foresight.errors import BucketError, FormatError
 from foresight.format import DatasetWriter, write_megatron_dataset
 from foresight.loader import Loader
 from foresight.plan import build_plan, load_plan
@@ -87,6 +88,10 @@ def test_megatron_pair_is_read_in_place_from_a_bucket(s3_env, tmp_path):
             got = _batches(Loader(ds, plan, prefetch=2, on_step=pf.on_step))
         assert all(np.array_equal(got[s], want[s]) for s in want)
         assert ds.cache.stats.fetched_bytes <= os.path.getsize(prefix + ".bin")
+    with open_dataset("s3://paths/mg/wiki", cache_dir=cache) as ds:  # a DataLoader worker's copy: same cache
+        clone = pickle.loads(pickle.dumps(ds))
+        assert isinstance(clone, BucketMegatronDataset) and int(clone.cache.present.sum()) == fetched
+        clone.close()
     # reopened: the cached .idx is kept (one HEAD of it, no byte fetched), the samples already fetched too
     with open_dataset("s3://paths/mg/wiki", cache_dir=cache) as again:
         assert again.fetcher.stats.bytes == 0 and int(again.cache.present.sum()) == fetched
@@ -106,6 +111,17 @@ def test_megatron_bad_input_fails_in_one_line(s3_env, tmp_path):
         open_dataset("s3://paths/half/other", cache_dir=tmp_path / "cache")
     text = str(e.value)
     assert "dataset not found" in text and "s3://paths/half/other" in text and "\n" not in text
+    other = _megatron_pair(tmp_path / "other", docs=40, seed=9)  # an .idx beside another pair's .bin
+    upload_dir(folder, "s3://paths/mixed", marker="wiki.idx", names=["wiki.idx"])
+    upload_dir(os.path.dirname(other), "s3://paths/mixed", marker="wiki.bin", names=["wiki.bin"])
+    with pytest.raises(FormatError) as e:
+        open_dataset("s3://paths/mixed/wiki", cache_dir=tmp_path / "cache")
+    assert "s3://paths/mixed/wiki.idx/.bin does not check" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(FileNotFoundError) as e:  # a local file missing: refused before any object is written
+        upload_dir(folder, "s3://paths/partial", marker="wiki.idx", names=["wiki.bin", "gone.bin", "wiki.idx"])
+    assert e.value.filename == os.path.join(folder, "gone.bin")
+    with pytest.raises(BucketError, match="dataset not found"):
+        open_dataset("s3://paths/partial/wiki", cache_dir=tmp_path / "cache")
     with pytest.raises(ValueError, match="fingerprint='index'"):
         _upload_pair(prefix, "s3://paths/content/wiki")
         open_dataset("s3://paths/content/wiki", cache_dir=tmp_path / "cache", fingerprint="content")

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from foresight.errors import BucketError
+from foresight.errors import BucketError, FormatError
 from foresight.format.manifest import MANIFEST_NAME, parse_manifest
 from foresight.format.megatron import MegatronDataset
 from foresight.format.reader import ShardedDataset
@@ -157,7 +157,10 @@ def _lay_out_megatron(local: str, fetcher: RangedFetcher, idx_ref: ObjectRef) ->
     fetcher.download(idx_ref, os.path.join(local, name + ".idx"))
     with open(os.path.join(local, name + ".bin"), "wb") as f:
         f.truncate(bin_ref.size)  # sparse
-    pair = MegatronDataset(os.path.join(local, name))  # the .idx checked against the .bin's size, as a local pair
+    try:  # the .idx checked against the .bin's size, as a local pair is
+        pair = MegatronDataset(os.path.join(local, name))
+    except FormatError as e:  # named by its objects; no state written, so the next open lays out anew
+        raise FormatError(f"Megatron pair {fetcher.url.child(name)}.idx/.bin does not check: {e}") from None
     with open(os.path.join(local, INDEX_DIR, "present"), "wb") as f:
         f.truncate(pair.num_samples)
     pair.close()

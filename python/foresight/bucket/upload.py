@@ -13,6 +13,7 @@ Example::
 """
 from __future__ import annotations
 
+import errno
 import os
 from typing import Any
 
@@ -49,6 +50,10 @@ def upload_dir(local_dir: str | os.PathLike, url: str | BucketURL, *, marker: st
                        if not n.startswith(".") and os.path.isfile(os.path.join(local_dir, n)))
     if marker not in names:
         raise ValueError(f"{local_dir}: no {marker} to upload last (not a {what} directory)")
+    missing = [n for n in names if not os.path.isfile(os.path.join(local_dir, n))]
+    if missing:  # before any request: a local file missing is not an object missing in the bucket
+        raise FileNotFoundError(errno.ENOENT, f"{len(missing)} file(s) of the {what} to upload are missing",
+                                os.path.join(local_dir, missing[0]))
     with RangedFetcher(open_store(url, options), url) as fetcher:
         if not overwrite:
             refuse_existing(fetcher, marker, what)
