@@ -128,7 +128,7 @@ def test_object_whose_bytes_do_not_match_the_map_is_refused(s3_env, tmp_path, lo
 def test_missing_dataset_bucket_and_wrong_keys_at_open(s3_env, tmp_path, local, monkeypatch):
     upload_dataset(local.path, "s3://faults/keys")
     quick = RetryPolicy(attempts=2, budget_s=5)
-    cases = [("s3://faults/nothing-here", "object not found", "s3://faults/nothing-here/manifest.json"),
+    cases = [("s3://faults/nothing-here", "dataset not found", "s3://faults/nothing-here"),
              ("s3://no-bucket-of-ours/x", "bucket not found", "no-bucket-of-ours")]
     for url, what, named in cases:
         with pytest.raises(BucketError) as e:

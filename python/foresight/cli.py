@@ -31,7 +31,7 @@ EXTRA_OF = {"torch": "torch", "av": "media", "PIL": "media", "safetensors": "che
             "etcd3gw": "node", "prometheus_client": "node"}
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "pack": ("foresight.format.cli",
+    "pack": ("foresight.bucket.pack_cli",
              "pack JSONL/Parquet, a media folder, WebDataset tars or a Megatron dataset into shards"),
     "plan": ("foresight.plan.cli", "build a deterministic per-step sample plan"),
     "inspect": ("foresight.plan.inspect_cli", "print a dataset's manifest, a plan's summary, or step k"),

@@ -101,17 +101,20 @@ class SampleCache:
     """Which samples of a dataset are in its local sparse files, and fetching/evicting them (see the module doc).
 
     ``lookup(ids) -> Extents`` and ``checksums`` (uint64 per sample) come from the dataset's maps; ``refs[s]``
-    is the object behind ``shard_paths[s]``.
+    is the object behind ``shard_paths[s]``. A dataset without per-sample checksums (a Megatron pair) passes
+    ``checksums=None`` and its ``num_samples``: its fetched bytes are then held to the objects' ETags alone (every
+    GET carries ``If-Match``), and :meth:`scrub` has nothing to compare with.
     """
 
     def __init__(self, local_dir: str, fetcher: RangedFetcher, refs: Sequence[ObjectRef], shard_paths: Sequence[str],
-                 lookup: Callable[[np.ndarray], Extents], checksums: np.ndarray) -> None:
+                 lookup: Callable[[np.ndarray], Extents], checksums: np.ndarray | None, *,
+                 num_samples: int | None = None) -> None:
         self.local_dir = local_dir
         self.fetcher = fetcher
         self.refs = list(refs)
         self.lookup = lookup
-        self.checksums = np.asarray(checksums, dtype=np.uint64)
-        self.num_samples = len(self.checksums)
+        self.checksums = None if checksums is None else np.asarray(checksums, dtype=np.uint64)
+        self.num_samples = len(self.checksums) if self.checksums is not None else int(num_samples)
         self.stats = CacheStats()
         self.max_gap: int | None = None  # the coalescer's gap for fetches that name none (None: the fetcher's)
         # One fetch, eviction or scrub at a time in this process (the record locks order processes, not threads);
@@ -276,15 +279,8 @@ class SampleCache:
         check = np.concatenate((ids, gap))
         where = np.concatenate((tr.x_dest, tr.t_dest[gap_k] + gap_ext.offset - tr.t_offset[gap_k]))
         lengths = np.concatenate((ext.length, gap_ext.length))
-        sums = xxh3_many(got.region, where, lengths)
-        bad = np.flatnonzero(sums != self.checksums[check])
-        if bad.size:
-            i = int(bad[0])
-            shard = int(ext.shard[i] if i < ids.size else gap_ext.shard[i - ids.size])
-            offset = int(ext.offset[i] if i < ids.size else gap_ext.offset[i - ids.size])
-            raise BucketError(f"sample {int(check[i])} fetched with xxh3 {int(sums[i]):016x}, the map says "
-                              f"{int(self.checksums[check[i]]):016x} ({bad.size} samples differ)", "checksum",
-                              object=str(self.refs[shard].url), offset=offset)
+        if self.checksums is not None:
+            self._check(got.region, where, lengths, check, ids, ext, gap_ext)
         extra, extra_held = self._lock_free_runs(gap)
         try:
             try:
@@ -311,6 +307,19 @@ class SampleCache:
             self.stats.misses += int(ids.size)
             self.stats.gap_samples += int(extra.size)
             self.stats.fetched_bytes += int(tr.read_bytes)
+
+    def _check(self, region: np.ndarray, where: np.ndarray, lengths: np.ndarray, check: np.ndarray,
+               ids: np.ndarray, ext: Extents, gap_ext: Extents) -> None:
+        """Every fetched sample's xxh3 against the map's (one native call); raises naming the first that differs."""
+        sums = xxh3_many(region, where, lengths)
+        bad = np.flatnonzero(sums != self.checksums[check])
+        if bad.size:
+            i = int(bad[0])
+            shard = int(ext.shard[i] if i < ids.size else gap_ext.shard[i - ids.size])
+            offset = int(ext.offset[i] if i < ids.size else gap_ext.offset[i - ids.size])
+            raise BucketError(f"sample {int(check[i])} fetched with xxh3 {int(sums[i]):016x}, the map says "
+                              f"{int(self.checksums[check[i]]):016x} ({bad.size} samples differ)", "checksum",
+                              object=str(self.refs[shard].url), offset=offset)
 
     def evict(self, ids: np.ndarray, *, keep: Callable[[], np.ndarray] | None = None) -> int:
         """Unmark ``ids`` and punch their blocks out of the sparse files; returns the sample bytes evicted.
@@ -351,6 +360,9 @@ class SampleCache:
         """Re-hash the present samples of ``ids`` (all present ones by default) from the local files and unmark
         those whose bytes no longer match the map (a disk or a hand corrupted them): the next :meth:`ensure`
         refetches them. Returns the ids found corrupt (each logged once, counted in ``stats.corrupt``)."""
+        if self.checksums is None:
+            raise ValueError(f"{self.local_dir}: this dataset has no per-sample checksums (a Megatron pair): "
+                             "nothing to scrub against; delete the cache directory to refetch it")
         ids = np.flatnonzero(self.present) if ids is None else np.unique(np.asarray(ids, dtype=np.int64))
         with self._exclusive():
             ids = ids[self.present[ids] != 0]

@@ -7,6 +7,11 @@ directory, so the loader's one read path (coalesced io_uring reads of the shard 
 :meth:`BucketDataset.lookup` first makes the samples it is asked for present in the cache (one coalesced fetch of
 the missing ones), so a reader never sees a byte that was not fetched and checked.
 
+A prefix that holds no ``manifest.json`` but names a Megatron-LM pair (``s3://bucket/path/name`` for
+``name.idx``/``name.bin``) opens as a :class:`BucketMegatronDataset`: the ``.idx`` fetched whole into the cache
+directory (and validated against the ``.bin``'s size as for a local pair), the ``.bin`` laid out sparse and read by
+the same ranged, coalesced, cached fetches (held to its ETag: Megatron has no per-sample checksums).
+
 The cache directory is kept across restarts: the recorded manifest ETag is compared with the bucket's on open;
 when it changed (the dataset was re-packed and uploaded again) the cached copy is dropped and laid out anew.
 
@@ -21,14 +26,17 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from foresight.errors import BucketError
+from foresight.errors import BucketError, FormatError
 from foresight.format.manifest import MANIFEST_NAME, parse_manifest
+from foresight.format.megatron import MegatronDataset
 from foresight.format.reader import ShardedDataset
 from foresight.format.types import Extents
 from foresight.io.durable import fsync_dir
@@ -38,7 +46,10 @@ from .config import open_store
 from .fetch import ObjectRef, RangedFetcher, RetryPolicy
 from .url import BucketURL
 
-__all__ = ["open_bucket_dataset", "BucketDataset", "local_dir_of", "is_cache_dir", "reopen_cache_dir"]
+log = logging.getLogger("foresight.bucket")
+
+__all__ = ["open_bucket_dataset", "BucketDataset", "BucketMegatronDataset", "local_dir_of", "is_cache_dir",
+           "cache_layout_of", "reopen_cache_dir"]
 
 STATE_NAME = "state.json"  # written last: its presence marks a complete layout
 
@@ -54,7 +65,19 @@ def is_cache_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, INDEX_DIR, STATE_NAME))
 
 
-def reopen_cache_dir(path: str, **kwargs: Any) -> "BucketDataset":
+def cache_layout_of(path: str) -> str | None:
+    """The bucket dataset cache directory that ``path`` names, or None: the directory itself, or a Megatron prefix
+    (``.idx``/``.bin``) inside one (what a plan records for a bucket Megatron dataset)."""
+    if os.path.isdir(path) and is_cache_dir(path):
+        return path
+    prefix = path[:-4] if path.endswith((".idx", ".bin")) else path
+    parent = os.path.dirname(os.path.abspath(prefix))
+    if is_cache_dir(parent) and os.path.isfile(prefix + ".idx"):
+        return parent
+    return None
+
+
+def reopen_cache_dir(path: str, **kwargs: Any) -> "BucketDataset | BucketMegatronDataset":
     """Open the bucket dataset whose cache directory is ``path`` (what ``open_dataset(path)`` does for one: a plan's
     recorded location, a search hit), through its bucket URL and the same cache."""
     state_path = os.path.join(path, INDEX_DIR, STATE_NAME)
@@ -88,10 +111,7 @@ def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef) -> dic
     """Fetch the manifest and maps whole, head the shards, create the sparse files and the index; returns the
     state (written last)."""
     index_dir = os.path.join(local, INDEX_DIR)
-    for name in os.listdir(local):  # an older copy (or a layout cut short): nothing of it is kept
-        if name != INDEX_DIR:
-            path = os.path.join(local, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+    _clear(local)
     raw = fetcher.get_whole(manifest_ref)
     manifest = parse_manifest(raw, path=str(manifest_ref.url))
 
@@ -120,17 +140,71 @@ def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef) -> dic
     return state
 
 
-def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, options: dict[str, Any] | None = None,
-                        concurrency: int = 16, max_gap: int | None = None, max_transfer: int | None = None,
-                        retry: RetryPolicy = RetryPolicy()) -> "BucketDataset":
+def _clear(local: str) -> None:
+    """Remove an older copy (or a layout cut short): nothing of it is kept but the index directory."""
+    for name in os.listdir(local):
+        if name != INDEX_DIR:
+            path = os.path.join(local, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+
+
+def _lay_out_megatron(local: str, fetcher: RangedFetcher, idx_ref: ObjectRef) -> dict[str, Any]:
+    """Fetch the ``.idx`` whole, head the ``.bin``, lay it out sparse, check the pair and create the index;
+    returns the state (written last)."""
+    _clear(local)
+    name = idx_ref.key.rsplit("/", 1)[-1][:-len(".idx")]
+    bin_ref = fetcher.head(name + ".bin")
+    fetcher.download(idx_ref, os.path.join(local, name + ".idx"))
+    with open(os.path.join(local, name + ".bin"), "wb") as f:
+        f.truncate(bin_ref.size)  # sparse
+    try:  # the .idx checked against the .bin's size, as a local pair is
+        pair = MegatronDataset(os.path.join(local, name))
+    except FormatError as e:  # named by its objects; no state written, so the next open lays out anew
+        raise FormatError(f"Megatron pair {fetcher.url.child(name)}.idx/.bin does not check: {e}") from None
+    with open(os.path.join(local, INDEX_DIR, "present"), "wb") as f:
+        f.truncate(pair.num_samples)
+    pair.close()
+    fsync_dir(local)
+    state = {"url": str(fetcher.url.child(name)), "kind": "megatron", "idx": _ref_json(idx_ref),
+             "shards": [_ref_json(bin_ref)]}
+    _write_atomic(os.path.join(local, INDEX_DIR, STATE_NAME), json.dumps(state).encode())
+    return state
+
+
+def _read_state(local: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(local, INDEX_DIR, STATE_NAME), "rb") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _head_or_none(fetcher: RangedFetcher, name: str) -> ObjectRef | None:
+    """The object's ref, or None when it is missing (a missing bucket still raises, naming the bucket)."""
+    try:
+        return fetcher.head(name)
+    except BucketError as e:
+        if e.reason != "not_found" or "bucket" in e.context:
+            raise
+        return None
+
+
+def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, fingerprint: str = "index",
+                        options: dict[str, Any] | None = None, concurrency: int = 16, max_gap: int | None = None,
+                        max_transfer: int | None = None,
+                        retry: RetryPolicy = RetryPolicy()) -> "BucketDataset | BucketMegatronDataset":
     """Open the foresight dataset at ``url`` (``s3://bucket/prefix``) through a cache under ``cache_dir``.
 
-    ``options`` are obstore S3 config keys (``endpoint``, ``access_key_id``, ...) over the standard places
-    (:mod:`foresight.bucket.config`); ``concurrency`` the GETs in flight; ``max_gap``/``max_transfer`` the
-    coalescer's caps for object storage (1 MiB / 16 MiB by default); ``retry`` the requests' timeouts and the
-    budget of retries of transient failures (:class:`RetryPolicy`).
+    The prefix holds a foresight dataset (``manifest.json``) or names a Megatron-LM pair (``url + ".idx"``,
+    ``url + ".bin"``). ``options`` are obstore S3 config keys (``endpoint``, ``access_key_id``, ...) over the
+    standard places (:mod:`foresight.bucket.config`); ``concurrency`` the GETs in flight; ``max_gap``/
+    ``max_transfer`` the coalescer's caps for object storage (1 MiB / 16 MiB by default); ``retry`` the requests'
+    timeouts and the budget of retries of transient failures (:class:`RetryPolicy`). ``fingerprint="content"``
+    (hash every byte of a Megatron ``.bin``) is refused for a Megatron pair here: it would fetch the whole object.
     """
     url = url if isinstance(url, BucketURL) else BucketURL.parse(url)
+    if fingerprint not in ("index", "content"):
+        raise ValueError(f"fingerprint must be 'index' or 'content', got {fingerprint!r}")
     store = open_store(url, options, timeout_s=retry.request_timeout_s, connect_timeout_s=retry.connect_timeout_s)
     caps = {k: v for k, v in (("max_gap", max_gap), ("max_transfer", max_transfer)) if v is not None}
     fetcher = RangedFetcher(store, url, concurrency=concurrency, retry=retry, **caps)
@@ -139,23 +213,31 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, o
         os.makedirs(os.path.join(local, INDEX_DIR), exist_ok=True)
         with open(os.path.join(local, INDEX_DIR, "lock"), "a+b") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one process lays out; the others wait, then reuse it
-            manifest_ref = fetcher.head(MANIFEST_NAME)
-            state_path = os.path.join(local, INDEX_DIR, STATE_NAME)
-            try:
-                with open(state_path, "rb") as f:
-                    state = json.loads(f.read())
-            except (OSError, ValueError):
-                state = None
-            if state is None or state.get("manifest") != _ref_json(manifest_ref):
-                if state is not None:
-                    import logging
-
-                    logging.getLogger("foresight.bucket").warning(
-                        "bucket: %s changed since it was cached (manifest ETag): cache dropped", url)
-                    os.unlink(state_path)
-                state = _lay_out(local, fetcher, manifest_ref)
+            state = _read_state(local)
+            manifest_ref = _head_or_none(fetcher, MANIFEST_NAME)
+            if manifest_ref is not None:
+                if state is None or state.get("manifest") != _ref_json(manifest_ref):
+                    _drop(local, url, state)
+                    state = _lay_out(local, fetcher, manifest_ref)
+            else:
+                fetcher = _megatron_fetcher(url, fetcher, concurrency, retry, caps)
+                name = url.prefix.rsplit("/", 1)[-1]
+                idx_ref = _head_or_none(fetcher, name + ".idx") if url.prefix else None
+                if idx_ref is None:
+                    raise BucketError(f"dataset not found: no manifest.json under it (a foresight dataset) and no "
+                                      f"{name or '<name>'}.idx beside it (a Megatron pair)", "not_found",
+                                      object=str(url))
+                if fingerprint == "content":
+                    raise ValueError(f"{url}: fingerprint='content' hashes every byte of the .bin, which would "
+                                     "fetch it whole; a bucket Megatron pair takes fingerprint='index'")
+                if state is None or state.get("idx") != _ref_json(idx_ref):
+                    _drop(local, url, state)
+                    state = _lay_out_megatron(local, fetcher, idx_ref)
         refs = [ObjectRef(BucketURL(url.bucket, r["key"]), int(r["size"]), r["etag"]) for r in state["shards"]]
-        ds = BucketDataset(local, url, fetcher, refs)
+        if state.get("kind") == "megatron":
+            ds = BucketMegatronDataset(local, url, fetcher, refs)
+        else:
+            ds = BucketDataset(local, url, fetcher, refs)
         ds._reopen = (str(url), os.fspath(cache_dir), {"options": options, "concurrency": concurrency,
                                                        "max_gap": max_gap, "max_transfer": max_transfer,
                                                        "retry": retry})
@@ -165,17 +247,31 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, o
         raise
 
 
-class BucketDataset(ShardedDataset):
-    """A :class:`ShardedDataset` over a bucket dataset's cache directory whose :meth:`lookup` fetches what is
-    missing first. ``url`` is the bucket location, ``cache`` the :class:`SampleCache`."""
+def _drop(local: str, url: BucketURL, state: dict[str, Any] | None) -> None:
+    """Forget a cached copy whose marker (manifest or ``.idx``) changed in the bucket: laid out anew."""
+    if state is not None:
+        log.warning("bucket: %s changed since it was cached (manifest or .idx ETag): cache dropped", url)
+        os.unlink(os.path.join(local, INDEX_DIR, STATE_NAME))
 
-    kind = "foresight"
 
-    def __init__(self, local_dir: str, url: BucketURL, fetcher: RangedFetcher, refs: list[ObjectRef]) -> None:
-        super().__init__(local_dir)
-        self.url = url
-        self.fetcher = fetcher
-        self.cache = SampleCache(local_dir, fetcher, refs, self.shard_paths, super().lookup, self.checksums())
+def _megatron_fetcher(url: BucketURL, fetcher: RangedFetcher, concurrency: int, retry: RetryPolicy,
+                      caps: dict[str, int]) -> RangedFetcher:
+    """A fetcher over the pair's folder (``name.idx`` and ``name.bin`` are its children), on the same store."""
+    parent = BucketURL(url.bucket, url.prefix.rsplit("/", 1)[0] if "/" in url.prefix else "")
+    fetcher.close()
+    return RangedFetcher(fetcher.store, parent, concurrency=concurrency, retry=retry, **caps)
+
+
+class _FetchesOnLookup:
+    """What both bucket dataset kinds add to their local reader: :meth:`lookup` makes the samples present first
+    (one coalesced fetch of the missing ones), ``close`` closes the cache and fetcher, and pickling reopens through
+    the bucket (a DataLoader worker shares this host's cache; a plain reader over the sparse files would read
+    bytes nobody fetched)."""
+
+    url: BucketURL
+    fetcher: RangedFetcher
+    cache: SampleCache
+    _reopen: tuple
 
     def lookup(self, ids: np.ndarray) -> Extents:
         ext = super().lookup(ids)
@@ -191,14 +287,39 @@ class BucketDataset(ShardedDataset):
         super().close()
 
     def __reduce__(self) -> tuple:
-        # Another process (a DataLoader worker) reopens through the bucket and shares this host's cache: a plain
-        # ShardedDataset over the sparse files would read bytes nobody fetched.
         url, cache_dir, kwargs = self._reopen
         return (_reopen, (url, cache_dir, kwargs))
 
     def __repr__(self) -> str:
-        return f"BucketDataset(url={str(self.url)!r}, cache={self.path!r}, samples={self.num_samples})"
+        return f"{type(self).__name__}(url={str(self.url)!r}, cache={self.path!r}, samples={self.num_samples})"
 
 
-def _reopen(url: str, cache_dir: str, kwargs: dict[str, Any]) -> BucketDataset:
+class BucketDataset(_FetchesOnLookup, ShardedDataset):
+    """A :class:`ShardedDataset` over a bucket dataset's cache directory whose :meth:`lookup` fetches what is
+    missing first. ``url`` is the bucket location, ``cache`` the :class:`SampleCache`."""
+
+    kind = "foresight"
+
+    def __init__(self, local_dir: str, url: BucketURL, fetcher: RangedFetcher, refs: list[ObjectRef]) -> None:
+        super().__init__(local_dir)
+        self.url = url
+        self.fetcher = fetcher
+        # the local reader's lookup (the cache's own calls must not fetch again)
+        self.cache = SampleCache(local_dir, fetcher, refs, self.shard_paths, partial(ShardedDataset.lookup, self),
+                                 self.checksums())
+
+
+class BucketMegatronDataset(_FetchesOnLookup, MegatronDataset):
+    """A Megatron-LM pair in a bucket: a :class:`MegatronDataset` over the cached ``.idx`` and the sparse ``.bin``
+    whose :meth:`lookup` fetches what is missing first (ranged, coalesced GETs held to the ``.bin``'s ETag)."""
+
+    def __init__(self, local_dir: str, url: BucketURL, fetcher: RangedFetcher, refs: list[ObjectRef]) -> None:
+        super().__init__(os.path.join(local_dir, url.prefix.rsplit("/", 1)[-1]))
+        self.url = url
+        self.fetcher = fetcher
+        self.cache = SampleCache(local_dir, fetcher, refs, self.shard_paths, partial(MegatronDataset.lookup, self), None,
+                                 num_samples=self.num_samples)
+
+
+def _reopen(url: str, cache_dir: str, kwargs: dict[str, Any]) -> "BucketDataset | BucketMegatronDataset":
     return open_bucket_dataset(url, cache_dir, **kwargs)

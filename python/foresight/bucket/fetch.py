@@ -11,6 +11,10 @@ anything else (connection refused or reset, timeouts, 5xx) is retried with expon
 ``attempts`` or ``budget_s`` run out, then raises naming the object, the attempts and the last error (credentials
 redacted). Each retry is logged once at WARNING and counted in :attr:`RangedFetcher.stats`.
 
+Whole objects go through the same retried calls: :meth:`RangedFetcher.download` (a plan's arrays, a Megatron
+``.idx``: ranged GETs of at most ``max_transfer`` bytes each, pinned to the ETag), :meth:`~RangedFetcher.put_file`,
+:meth:`~RangedFetcher.delete` and :meth:`~RangedFetcher.list_objects` (the objects directly under the prefix).
+
 Example::
 
     fetcher = RangedFetcher(store, url)
@@ -21,12 +25,14 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import random
 import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -227,6 +233,16 @@ class RangedFetcher:
         self.stats.add(requests=1)
         return ObjectRef(url, int(meta["size"]), meta.get("e_tag"))
 
+    def exists(self, name: str) -> bool:
+        """Whether object ``name`` exists under the URL's prefix (False too when the bucket itself is missing)."""
+        try:
+            self.head(name)
+        except BucketError as e:
+            if e.reason != "not_found":
+                raise
+            return False
+        return True
+
     def get_whole(self, ref: ObjectRef) -> bytes:
         """The whole object (manifests, maps), checked against its recorded size and ETag."""
         if ref.size == 0:
@@ -252,6 +268,44 @@ class RangedFetcher:
                               object=str(ref.url))
         self.stats.add(requests=1, bytes=len(data))
         return data
+
+    def download(self, ref: ObjectRef, path: str) -> None:
+        """Write the whole object ``ref`` to the local file ``path`` (ranged GETs of ``max_transfer`` bytes each,
+        in order, so memory stays bounded; flushed with ``fsync``)."""
+        with open(path, "wb") as f:
+            for start in range(0, ref.size, self.max_transfer):
+                f.write(self._get_range(ref, start, min(ref.size, start + self.max_transfer)))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def put_file(self, name: str, path: str) -> ObjectRef:
+        """Upload the local file ``path`` as object ``name`` under the URL's prefix (multipart above obstore's chunk
+        size; atomic: no reader sees a partial object). Returns the new object's size and ETag."""
+        import obstore
+
+        url = self.url.child(name)
+        result = self._call(url, obstore.put, url.prefix, Path(path))
+        size = os.path.getsize(path)
+        self.stats.add(requests=1, bytes=size)
+        return ObjectRef(url, size, result.get("e_tag"))
+
+    def delete(self, name: str) -> None:
+        """Delete object ``name`` under the URL's prefix (a missing one is no error, as in S3)."""
+        import obstore
+
+        url = self.url.child(name)
+        self._call(url, obstore.delete, url.prefix)
+        self.stats.add(requests=1)
+
+    def list_objects(self) -> list[ObjectRef]:
+        """The objects directly under the URL's prefix (not those of deeper "folders"), sorted by key."""
+        import obstore
+
+        prefix = self.url.prefix + "/" if self.url.prefix else None
+        listing = self._call(self.url, obstore.list_with_delimiter, prefix)
+        self.stats.add(requests=1)
+        return sorted((ObjectRef(BucketURL(self.url.bucket, o["path"]), int(o["size"]), o.get("e_tag"))
+                       for o in listing["objects"]), key=lambda r: r.key)
 
     def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         """``[fn(x) for x in items]`` run on the fetcher's threads (each call its own requests, concurrently);

@@ -15,6 +15,7 @@ Example::
     foresight pack media photos/ out/ --captions captions.csv
     foresight pack webdataset 'shards-{000000..000009}.tar' media/
     foresight pack megatron data/wiki_text_document out/ --align 4096
+    foresight pack data.jsonl s3://data/wiki --tokenizer tokenizer.json    # foresight.bucket.pack_cli: uploaded
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "INPUT for jsonl/parquet/auto: files, globs (quoted) and folders, packed as one dataset; "
                              "media: one folder; webdataset: tar shards, globs and brace patterns "
                              "('shards-{000000..000009}.tar'); megatron: one prefix (path without .idx/.bin)")
-    parser.add_argument("out", help="dataset directory to create")
+    parser.add_argument("out", help="dataset directory to create, or s3://bucket/prefix (packed in a staging "
+                                    "directory, then uploaded, manifest.json last)")
     parser.add_argument("--column", default=None, help="jsonl/parquet: text or token-id column (default: auto)")
     parser.add_argument("--split", default=None,
                         help="jsonl/parquet: take this split's files from folders and globs (train-00000-of-..., "
@@ -88,7 +90,9 @@ def split_kind(inputs: list[str]) -> tuple[str, list[str]]:
     return "auto", list(inputs)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, *, shown_as: str | None = None) -> int:
+    """Pack as ``args`` say into ``args.out``; ``shown_as`` is where the report says it went (a bucket URL, when
+    :mod:`foresight.bucket.pack_cli` packs into a staging directory before uploading)."""
     args.kind, args.inputs = split_kind(args.inputs)
     # Errors (bad input, a full disk, an existing OUT) are reported by foresight.cli as one line naming the path.
     common = dict(shard_bytes=args.shard_bytes, overwrite=args.overwrite, progress=not args.no_progress)
@@ -113,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     sources = ds.manifest.extra.get("sources", [])
     origin = f" from {len(sources)} files" if len(sources) > 1 else ""
     print(f"packed {ds.num_samples} samples{origin} ({total} payload bytes) into {len(ds.shard_paths)} shard(s) "
-          f"at {out}; "
+          f"at {shown_as or out}; "
           f"modalities={','.join(ds.modalities) or '-'} token_dtype={ds.token_dtype} align={ds.align} "
           f"fingerprint={ds.fingerprint}")
     return 0

@@ -6,6 +6,8 @@ Example::
         --seq-len 2048 --steps 1000 --out plan/
     foresight plan media/ --seed 1 --global-batch-size 32 --epochs 2 --shuffle block \\
         --block-size 256 --out plan/
+    FORESIGHT_BUCKET_CACHE=/nvme/cache foresight plan s3://data/wiki --seed 1 --global-batch-size 64 \\
+        --seq-len 2048 --steps 1000 --out s3://data/plans/p1
 """
 from __future__ import annotations
 
@@ -21,8 +23,11 @@ DEFAULT_SEED = 0  # documented in docs/config.md; stored in plan.json's inputs l
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("datasets", nargs="+", help="dataset directories (or Megatron .idx/.bin prefixes)")
-    parser.add_argument("--out", required=True, help="plan directory to write (atomically)")
+    parser.add_argument("datasets", nargs="+",
+                        help="dataset directories (or Megatron .idx/.bin prefixes), local or s3://bucket/prefix "
+                             "(read through the cache directory FORESIGHT_BUCKET_CACHE)")
+    parser.add_argument("--out", required=True,
+                        help="plan directory to write (atomically), or s3://bucket/prefix (uploaded, plan.json last)")
     parser.add_argument("--weights", nargs="+", type=float, default=None,
                         help="mixture weights, one per dataset (default: equal)")
     parser.add_argument("--seed", type=int, default=None,
@@ -46,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from foresight.bucket.opener import open_dataset  # lazy: pyarrow, numpy (plan --help stays fast)
+    from foresight.bucket.opener import open_dataset, resolve_cache_dir  # lazy: pyarrow, numpy (--help stays fast)
+    from foresight.bucket.mirror import refuse_existing_at  # lazy: plan --help stays fast
+    from foresight.bucket.url import is_bucket_url  # lazy: plan --help stays fast
+    from foresight.plan.files import PLAN_JSON  # lazy: plan --help stays fast
     from foresight.format.writer import check_parent_dir  # lazy: plan --help stays fast
     from foresight.plan.builder import build_plan  # lazy: plan --help stays fast
 
@@ -54,7 +62,12 @@ def run(args: argparse.Namespace) -> int:
     weights = args.weights or [1.0] * len(args.datasets)
     if len(weights) != len(args.datasets):
         raise PlanError(f"{len(args.datasets)} datasets but {len(weights)} weights")
-    check_parent_dir(args.out)  # before the build, which can take minutes
+    if is_bucket_url(args.out):  # before the build, which can take minutes
+        resolve_cache_dir(args.out)
+        if not args.overwrite:
+            refuse_existing_at(args.out, PLAN_JSON, "plan")
+    else:
+        check_parent_dir(args.out)
     datasets = [open_dataset(p) for p in args.datasets]
     if args.seq_len is not None:
         _check_token_data(datasets)

@@ -1,10 +1,16 @@
 """A plan directory's files, for both plan kinds: the digest, the atomic save, and the checks of plan.json's
 fields and of the ``.npy`` arrays (:mod:`.store` reads the expanded kind, :mod:`.compact_store` the compact one).
 
+A plan directory may be ``s3://bucket/prefix``: :func:`local_plan_dir` (what every plan opener calls first) gives
+its copy in the bucket cache (``FORESIGHT_BUCKET_CACHE``), fetched once and reused while the bucket's
+``plan.json`` is unchanged; :func:`save_plan` writes it there and uploads it, ``plan.json`` last
+(:mod:`foresight.bucket.mirror`).
+
 Example::
 
     digest = compute_digest(plan.header(), plan.arrays, plan.array_dtypes)     # "sha256:<hex>"
     save_plan(plan, "plan/", overwrite=True)                                  # temp dir, fsync, rename
+    save_plan(plan, "s3://data/plans/p1")                                     # the same, then uploaded
 """
 from __future__ import annotations
 
@@ -20,6 +26,9 @@ from typing import Any, Callable, Collection
 
 import numpy as np
 
+from foresight.bucket.mirror import mirror_prefix, publish_prefix
+from foresight.bucket.opener import resolve_cache_dir
+from foresight.bucket.url import is_bucket_url
 from foresight.errors import FormatError, PlanError
 from foresight.io.durable import aside_path, fsync_dir, recover_overwrite
 from foresight.plan.locations import write_sources
@@ -44,10 +53,26 @@ def compute_digest(header: dict[str, Any], arrays: dict[str, np.ndarray], dtypes
     return "sha256:" + h.hexdigest()
 
 
+def local_plan_dir(path: str | os.PathLike) -> str:
+    """The local directory of the plan at ``path``: ``path`` itself, or for ``s3://bucket/prefix`` its copy in the
+    bucket cache (fetched whole unless the cached copy's ``plan.json`` ETag is the bucket's; a prefix without
+    ``plan.json`` is a :class:`~foresight.errors.BucketError` naming it)."""
+    path = os.fspath(path)
+    if is_bucket_url(path):
+        return mirror_prefix(path, resolve_cache_dir(path), marker=PLAN_JSON, what="plan")
+    return path
+
+
 def save_plan(plan: Any, path: str, *, overwrite: bool = False) -> str:
     """Write ``plan`` to the directory ``path``: files go to a temp dir beside it, are fsynced,
     then the dir is renamed into place, so a crash never leaves a half-written plan at ``path`` (an overwrite that
-    crashed between its two renames leaves the old plan aside: the next save or load renames it back)."""
+    crashed between its two renames leaves the old plan aside: the next save or load renames it back).
+
+    ``s3://bucket/prefix``: written so into its place in the bucket cache, then uploaded with ``plan.json`` last
+    (an existing plan there is refused unless ``overwrite``); ``plan.path`` is the local copy, returned."""
+    if is_bucket_url(path):
+        return publish_prefix(path, resolve_cache_dir(path), lambda local: save_plan(plan, local, overwrite=True),
+                              marker=PLAN_JSON, what="plan", overwrite=overwrite)
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     _recover(path)

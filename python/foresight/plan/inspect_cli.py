@@ -9,6 +9,8 @@ Example::
     foresight inspect plan/ --step 3            # the global batch of step 3, one item per line
     foresight inspect plan/ --step 3 --rank 1 --world-size 4
     foresight inspect data/                     # the dataset's manifest
+    foresight inspect s3://data/plans/p1        # the same for a plan or dataset in a bucket (through the cache
+                                                # directory FORESIGHT_BUCKET_CACHE)
 """
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ import argparse
 import json
 import os
 
+from foresight.bucket.url import is_bucket_url
 from foresight.errors import FormatError, PlanError
+from foresight.plan.files import PLAN_JSON
 
 PIECE_FIELDS = ("dataset", "sample", "offset", "length")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="a plan directory, a dataset directory, or a Megatron .idx/.bin prefix")
+    parser.add_argument("path", help="a plan directory, a dataset directory, or a Megatron .idx/.bin prefix; local "
+                                     "or s3://bucket/prefix")
     parser.add_argument("--step", type=int, default=None, help="print this step of a plan")
     parser.add_argument("--rank", type=int, default=None, help="with --step: only this rank's items")
     parser.add_argument("--world-size", type=int, default=None, help="with --rank: the number of ranks")
@@ -31,9 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Errors are reported by foresight.cli as one line naming the path.
-    if not os.path.exists(args.path) and not os.path.exists(args.path + ".idx"):
+    if is_bucket_url(args.path):
+        from foresight.bucket.mirror import holds  # lazy: obstore, numpy (inspect --help stays fast)
+
+        is_plan = holds(args.path, PLAN_JSON)
+    elif not os.path.exists(args.path) and not os.path.exists(args.path + ".idx"):
         raise FormatError(f"no such directory: {args.path}")
-    if os.path.isfile(os.path.join(args.path, "plan.json")):
+    else:
+        is_plan = os.path.isfile(os.path.join(args.path, PLAN_JSON))
+    if is_plan:
         out = _plan(args)
     else:
         if args.step is not None or args.rank is not None:
@@ -77,7 +88,7 @@ def _dataset(path: str) -> str:
     from foresight.format.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest  # lazy: --help stays fast
 
     manifest = os.path.join(path, MANIFEST_NAME)
-    if os.path.isfile(manifest):
+    if not is_bucket_url(path) and os.path.isfile(manifest):
         with open(manifest, "rb") as f:
             raw = f.read(MAX_MANIFEST_BYTES + 1)
         # Only a valid foresight manifest is printed (any other JSON there is refused, naming the file).
@@ -85,7 +96,10 @@ def _dataset(path: str) -> str:
     from foresight.bucket.opener import open_dataset  # lazy: pyarrow (inspect --help stays fast)
 
     ds = open_dataset(path)
+    if is_bucket_url(path) and ds.kind == "foresight":  # as a local one: its manifest (fetched into the cache)
+        return json.dumps(ds.manifest.to_json(), indent=1)
     info = {
+        **({"url": path} if is_bucket_url(path) else {}),
         "path": ds.path,
         "kind": ds.kind,
         "num_samples": ds.num_samples,

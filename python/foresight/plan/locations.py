@@ -3,7 +3,8 @@
 ``plan.json`` names its datasets by fingerprint only (its digest must not depend on where data sits), so the
 locations go to a second file, ``sources.json``, outside the digest: for each source its absolute path and its path
 relative to the plan directory (so a plan moved together with its data still finds it), its kind, fingerprint mode
-and fingerprint. :func:`open_plan_datasets` opens them again and checks each fingerprint; a dataset that moved is looked
+and fingerprint, and for a bucket dataset its ``s3://`` URL (tried last: a plan fetched from a bucket onto a host
+that has not cached its datasets yet opens them through their bucket). :func:`open_plan_datasets` opens them again and checks each fingerprint; a dataset that moved is looked
 up under the ``search`` directories (and ``FORESIGHT_DATA_PATH``, ``:``-separated) by fingerprint, or refused with an
 error that says where it was expected and how to point at it.
 
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from foresight.bucket.opener import open_dataset
-from foresight.errors import FormatError, PlanError
+from foresight.errors import BucketError, FormatError, PlanError
 
 SOURCES_JSON = "sources.json"
 SEARCH_ENV = "FORESIGHT_DATA_PATH"
@@ -33,7 +34,9 @@ def describe_sources(datasets: Sequence[Any]) -> list[dict[str, Any]]:
     out = []
     for ds in datasets:
         path = getattr(ds, "path", None)
+        url = getattr(ds, "url", None)  # a bucket dataset: found again through its bucket on a host without its cache
         out.append({"path": os.path.abspath(path) if path else None, "kind": getattr(ds, "kind", None),
+                    **({"url": str(url)} if url is not None else {}),
                     "fingerprint_mode": getattr(ds, "fingerprint_kind", "index"),
                     "fingerprint": str(ds.fingerprint), "num_samples": int(ds.num_samples)})
     return out
@@ -113,11 +116,12 @@ def open_plan_datasets(plan, *, search: Sequence[str] = ()) -> list:
         path = loc.get("path")
         tried = [os.path.normpath(os.path.join(plan.path, loc["relative"]))] if loc.get("relative") else []
         tried += [path] if path and path not in tried else []
+        tried += [loc["url"]] if isinstance(loc.get("url"), str) else []  # its bucket, through FORESIGHT_BUCKET_CACHE
         found, why = None, "no path was recorded"
         for where in tried:
             try:
                 ds = _open(where, loc.get("fingerprint_mode", "index"))
-            except FormatError as e:
+            except (BucketError, ValueError) as e:  # a FormatError; or a bucket URL and no cache directory
                 why = f"it is not there ({e})"
                 continue
             if str(ds.fingerprint) == fingerprint and int(ds.num_samples) == want["num_samples"]:

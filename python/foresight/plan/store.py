@@ -15,6 +15,7 @@ Example::
 
     plan.save("plan/")
     plan = load_plan("plan/")             # verify=True also rehashes every byte
+    plan = load_plan("s3://data/plans/p1")  # fetched once into FORESIGHT_BUCKET_CACHE, then as a local one
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from foresight.plan.compact import COMPACT_FORMAT_VERSIONS
 from foresight.plan.compact_store import load_compact
 from foresight.plan.files import (
     CHUNK, MAX_JSON_BYTES, PLAN_JSON, _Bad, _check_envelope, _field, _load_array, _recover, _require, compute_digest,
+    local_plan_dir,
 )
 from foresight.plan.plan import ARRAY_DTYPES, FORMAT_NAME, FORMAT_VERSION, Plan
 
@@ -38,8 +40,9 @@ KINDS = ("tokens", "samples")
 
 def load_plan(path: str, *, verify: bool = True) -> Plan:
     """Open a plan directory; arrays are read-only mmaps. ``verify=True`` also checks the digest
-    (reads every byte once); the structural checks always run."""
-    path = os.path.abspath(path)
+    (reads every byte once); the structural checks always run. ``s3://bucket/prefix`` opens the plan's copy in
+    the bucket cache (:func:`~foresight.plan.files.local_plan_dir`)."""
+    path = os.path.abspath(local_plan_dir(path))
     json_path = os.path.join(path, PLAN_JSON)
     _recover(path)
     if not os.path.isdir(path):

@@ -1,0 +1,148 @@
+"""A small directory of objects under a bucket prefix (a plan) kept whole in the local cache: fetched once, reused
+while its marker object is unchanged, and published from there.
+
+``mirror_prefix(url, cache_dir, marker="plan.json")`` fetches every object directly under ``url`` into
+``cache_dir/bucket/prefix`` (the place :func:`~foresight.bucket.dataset.local_dir_of` gives a bucket dataset) and
+returns that directory. Beside it, ``.NAME.foresight-mirror.json`` records the marker's ETag: the next call heads the
+marker alone and reuses the copy when the ETag is the same (one request), else fetches the whole prefix again into
+a temporary directory renamed into place. ``.NAME.foresight-mirror.lock`` makes the processes of a host fetch it
+once between them. :func:`publish_prefix` is the other way: the caller writes the directory where the mirror
+would be, it is uploaded with the marker last, and the mirror's record is written so no process fetches it back.
+
+Example::
+
+    local = mirror_prefix("s3://data/plans/p1", "/nvme/cache", marker="plan.json", what="plan")
+    publish_prefix("s3://data/plans/p2", "/nvme/cache", lambda d: save_plan(plan, d, overwrite=True),
+                   marker="plan.json", what="plan", overwrite=False)
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Callable, Iterator
+
+from foresight.errors import BucketError
+from foresight.io.durable import fsync_dir
+
+from .config import open_store
+from .dataset import local_dir_of
+from .fetch import ObjectRef, RangedFetcher
+from .upload import refuse_existing, upload_dir
+from .url import BucketURL
+
+__all__ = ["mirror_prefix", "publish_prefix", "holds", "refuse_existing_at"]
+
+
+def refuse_existing_at(url: str | BucketURL, marker: str, what: str, *,
+                       options: dict[str, Any] | None = None) -> None:
+    """:class:`BucketError` (reason ``exists``) when ``marker`` is already under ``url``: what a command that would
+    replace a dataset or plan without ``--overwrite`` checks before its work."""
+    url = url if isinstance(url, BucketURL) else BucketURL.parse(url)
+    with RangedFetcher(open_store(url, options), url) as fetcher:
+        refuse_existing(fetcher, marker, what)
+
+
+def holds(url: str | BucketURL, marker: str, *, options: dict[str, Any] | None = None) -> bool:
+    """Whether ``marker`` (``plan.json``) is directly under ``url``: one HEAD. False when the bucket is missing
+    too; the caller's next step names that."""
+    url = url if isinstance(url, BucketURL) else BucketURL.parse(url)
+    with RangedFetcher(open_store(url, options), url) as fetcher:
+        return fetcher.exists(marker)
+
+
+def _side(local: str, suffix: str) -> str:
+    parent, base = os.path.split(local)
+    return os.path.join(parent, f".{base}.foresight-mirror.{suffix}")
+
+
+@contextlib.contextmanager
+def _locked(local: str) -> Iterator[None]:
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    with open(_side(local, "lock"), "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one process of the host fetches; the others wait, then reuse
+        yield
+
+
+def _recorded(local: str) -> dict[str, Any] | None:
+    try:
+        with open(_side(local, "json"), "rb") as f:
+            return json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _record(local: str, marker: ObjectRef) -> None:
+    path = _side(local, "json")
+    with open(f"{path}.tmp-{os.getpid()}", "w") as f:
+        json.dump({"url": str(marker.url), "size": marker.size, "etag": marker.etag}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f"{path}.tmp-{os.getpid()}", path)
+
+
+def _replace_dir(tmp: str, local: str) -> None:
+    if os.path.lexists(local):
+        aside = tempfile.mkdtemp(prefix=f".{os.path.basename(local)}.old-", dir=os.path.dirname(local))
+        os.rename(local, os.path.join(aside, "x"))
+        os.rename(tmp, local)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, local)
+    fsync_dir(os.path.dirname(local))
+
+
+def mirror_prefix(url: str | BucketURL, cache_dir: str | os.PathLike, *, marker: str, what: str,
+                  options: dict[str, Any] | None = None) -> str:
+    """The local copy of every object directly under ``url`` (fetched unless the recorded copy's ``marker`` ETag is
+    still the bucket's). Raises :class:`BucketError` (``not_found``) naming ``url`` when it holds no ``marker``:
+    "no plan.json: not a plan"."""
+    url = url if isinstance(url, BucketURL) else BucketURL.parse(url)
+    local = local_dir_of(url, cache_dir)
+    with _locked(local), RangedFetcher(open_store(url, options), url) as fetcher:
+        try:
+            head = fetcher.head(marker)
+        except BucketError as e:
+            if e.reason != "not_found" or "bucket" in e.context:
+                raise
+            raise BucketError(f"no {marker} under it: not a {what} (or not uploaded completely)", "not_found",
+                              object=str(url)) from None
+        seen = _recorded(local)
+        if seen is not None and seen.get("etag") == head.etag and seen.get("size") == head.size \
+                and os.path.isfile(os.path.join(local, marker)):
+            return local
+        refs = fetcher.list_objects()
+        names = [r.key.rsplit("/", 1)[-1] for r in refs]
+        marker_ref = next((r for r, n in zip(refs, names) if n == marker), head)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(local)}.tmp-", dir=os.path.dirname(local))
+        try:
+            fetcher.map(lambda rn: fetcher.download(rn[0], os.path.join(tmp, rn[1])), list(zip(refs, names)))
+            fsync_dir(tmp)
+            os.chmod(tmp, 0o755)
+            _replace_dir(tmp, local)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _record(local, marker_ref)
+        return local
+
+
+def publish_prefix(url: str | BucketURL, cache_dir: str | os.PathLike, write: Callable[[str], Any], *, marker: str,
+                   what: str, overwrite: bool = False, options: dict[str, Any] | None = None) -> str:
+    """``write(local_dir)`` fills the mirror's place of ``url`` under ``cache_dir``; its files are then uploaded,
+    ``marker`` last (see :func:`~foresight.bucket.upload.upload_dir`: an existing one is refused unless
+    ``overwrite``). Returns the local directory, recorded as the mirror of what was uploaded."""
+    url = url if isinstance(url, BucketURL) else BucketURL.parse(url)
+    local = local_dir_of(url, cache_dir)
+    with _locked(local):
+        if not overwrite:  # refused before the local write, which may replace a mirror of the plan already there
+            refuse_existing_at(url, marker, what, options=options)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_side(local, "json"))  # the local copy is about to differ from what the bucket holds
+        write(local)
+        refs = upload_dir(local, url, marker=marker, overwrite=overwrite, what=what, options=options)
+        _record(local, refs[-1])
+    return local

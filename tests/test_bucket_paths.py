@@ -1,0 +1,247 @@
+"""``s3://bucket/prefix`` wherever a path is accepted, against a real SeaweedFS: ``foresight plan`` over bucket
+datasets with the plan written to a bucket and read back by ``Loader("s3://...")``, ``foresight pack ... s3://``,
+a Megatron ``.idx``/``.bin`` pair read in place from a bucket, ``foresight inspect s3://...``; and the one-line
+errors of a missing prefix, a prefix that holds no dataset or plan, an upload over an existing one."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from foresight import open_dataset
+from foresight.bucket import BucketDataset
+from foresight.bucket.dataset import BucketMegatronDataset
+from foresight.bucket.prefetch import PlanPrefetcher
+from foresight.bucket.upload import upload_dataset, upload_dir
+from foresight.errors import BucketError, FormatError
+from foresight.format import DatasetWriter, write_megatron_dataset
+from foresight.loader import Loader
+from foresight.plan import build_plan, load_plan
+from cli_helpers import run_cli
+from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
+
+PLAN_ARGS = ["--seed", "5", "--global-batch-size", "8", "--seq-len", "24", "--steps", "10"]
+
+
+def _token_dataset(path, *, docs=200, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 120, size=docs)
+    tokens = rng.integers(0, 60000, size=int(lengths.sum())).astype(np.uint16)
+    with DatasetWriter(str(path), align=0, token_dtype="uint16", shard_bytes=20_000) as w:
+        w.add_many(tokens, lengths, modality="tokens")
+    return open_dataset(str(path))
+
+
+def _megatron_pair(folder, *, docs=150, seed=1):
+    """``folder/wiki.idx``/``.bin`` of uint16 tokens; returns the prefix."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(folder, exist_ok=True)
+    prefix = os.path.join(str(folder), "wiki")
+    write_megatron_dataset(prefix, [rng.integers(0, 60000, size=int(rng.integers(1, 100))) for _ in range(docs)],
+                           np.uint16)
+    return prefix
+
+
+def _upload_pair(prefix, url):
+    """The ``.bin`` first, the ``.idx`` last (the pair's marker), under ``url``'s folder."""
+    folder, name = os.path.split(prefix)
+    upload_dir(folder, url.rsplit("/", 1)[0], marker=name + ".idx", names=[name + ".bin", name + ".idx"])
+
+
+def _batches(loader):
+    with loader:
+        return {b.step: b["tokens"].numpy().copy() for b in loader}
+
+
+def _one_line(res):
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1, res.stderr
+    return lines[0]
+
+
+def test_megatron_pair_is_read_in_place_from_a_bucket(s3_env, tmp_path):
+    prefix = _megatron_pair(tmp_path / "mg")
+    local = open_dataset(prefix)
+    _upload_pair(prefix, "s3://paths/mg/wiki")
+    cache = tmp_path / "cache"
+    with open_dataset("s3://paths/mg/wiki", cache_dir=cache) as ds:
+        assert isinstance(ds, BucketMegatronDataset) and ds.kind == "megatron"
+        assert ds.fingerprint == local.fingerprint and ds.num_samples == local.num_samples
+        assert not ds.cache.present.any()  # the .idx is here, no byte of the .bin yet
+        assert os.path.getsize(ds.idx_path) == os.path.getsize(prefix + ".idx")
+        plan = build_plan([(local, 1.0)], seed=2, global_batch_size=8, seq_len=24, num_steps=12)
+        want = _batches(Loader(local, plan, prefetch=2))
+        got = _batches(Loader(ds, plan, prefetch=2))
+        assert sorted(got) == list(range(12)) and all(np.array_equal(got[s], want[s]) for s in want)
+        fetched = int(ds.cache.present.sum())
+        assert fetched and ds.cache.stats.fetched_bytes <= os.path.getsize(prefix + ".bin")
+        assert ds.fetcher.stats.requests < fetched  # ranged, coalesced GETs: fewer than the samples they brought
+        for i in (0, 7, ds.num_samples - 1):
+            assert ds.read(i) == local.read(i)
+        fetched = int(ds.cache.present.sum())
+    # the plan-driven prefetcher over a pair in a bucket, on a fresh cache: the same batches, nothing fetched twice
+    with open_dataset("s3://paths/mg/wiki", cache_dir=tmp_path / "cache-pf") as ds:
+        with PlanPrefetcher(ds, plan, lookahead=4) as pf:
+            got = _batches(Loader(ds, plan, prefetch=2, on_step=pf.on_step))
+        assert all(np.array_equal(got[s], want[s]) for s in want)
+        assert ds.cache.stats.fetched_bytes <= os.path.getsize(prefix + ".bin")
+    with open_dataset("s3://paths/mg/wiki", cache_dir=cache) as ds:  # a DataLoader worker's copy: same cache
+        clone = pickle.loads(pickle.dumps(ds))
+        assert isinstance(clone, BucketMegatronDataset) and int(clone.cache.present.sum()) == fetched
+        clone.close()
+    # reopened: the cached .idx is kept (one HEAD of it, no byte fetched), the samples already fetched too
+    with open_dataset("s3://paths/mg/wiki", cache_dir=cache) as again:
+        assert again.fetcher.stats.bytes == 0 and int(again.cache.present.sum()) == fetched
+        # a plan's recorded location (the cached prefix) reopens through the bucket, never the sparse .bin alone
+        with open_dataset(again.path) as by_path:
+            assert isinstance(by_path, BucketMegatronDataset) and by_path.url == again.url
+
+
+def test_megatron_bad_input_fails_in_one_line(s3_env, tmp_path):
+    prefix = _megatron_pair(tmp_path / "mg")
+    folder = str(tmp_path / "mg")
+    upload_dir(folder, "s3://paths/half", marker="wiki.idx", names=["wiki.idx"])  # no .bin
+    with pytest.raises(BucketError) as e:
+        open_dataset("s3://paths/half/wiki", cache_dir=tmp_path / "cache")
+    assert e.value.reason == "not_found" and "s3://paths/half/wiki.bin" in str(e.value)
+    with pytest.raises(BucketError) as e:
+        open_dataset("s3://paths/half/other", cache_dir=tmp_path / "cache")
+    text = str(e.value)
+    assert "dataset not found" in text and "s3://paths/half/other" in text and "\n" not in text
+    other = _megatron_pair(tmp_path / "other", docs=40, seed=9)  # an .idx beside another pair's .bin
+    upload_dir(folder, "s3://paths/mixed", marker="wiki.idx", names=["wiki.idx"])
+    upload_dir(os.path.dirname(other), "s3://paths/mixed", marker="wiki.bin", names=["wiki.bin"])
+    with pytest.raises(FormatError) as e:
+        open_dataset("s3://paths/mixed/wiki", cache_dir=tmp_path / "cache")
+    assert "s3://paths/mixed/wiki.idx/.bin does not check" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(FileNotFoundError) as e:  # a local file missing: refused before any object is written
+        upload_dir(folder, "s3://paths/partial", marker="wiki.idx", names=["wiki.bin", "gone.bin", "wiki.idx"])
+    assert e.value.filename == os.path.join(folder, "gone.bin")
+    with pytest.raises(BucketError, match="dataset not found"):
+        open_dataset("s3://paths/partial/wiki", cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match="fingerprint='index'"):
+        _upload_pair(prefix, "s3://paths/content/wiki")
+        open_dataset("s3://paths/content/wiki", cache_dir=tmp_path / "cache", fingerprint="content")
+
+
+def test_plan_over_bucket_datasets_to_a_bucket_and_back(s3_env, tmp_path, monkeypatch):
+    """``foresight plan`` over a foresight dataset and a Megatron pair in a bucket, written to a bucket; a fresh
+    host (another cache directory) runs ``Loader("s3://.../plan")``: the same batches as the local plan's."""
+    local = _token_dataset(tmp_path / "tok")
+    prefix = _megatron_pair(tmp_path / "mg")
+    upload_dataset(local.path, "s3://paths/tok")
+    _upload_pair(prefix, "s3://paths/mgp/wiki")
+    res = run_cli("plan", "s3://paths/tok", "s3://paths/mgp/wiki", *PLAN_ARGS, "--out", "s3://paths/plans/p1",
+                  FORESIGHT_BUCKET_CACHE=str(tmp_path / "cache-a"))
+    assert res.returncode == 0, res.stderr
+    local_plan = build_plan([(local, 1.0), (open_dataset(prefix), 1.0)], seed=5, global_batch_size=8, seq_len=24,
+                            num_steps=10)
+    assert json.loads(res.stdout)["digest"] == local_plan.digest
+    want = _batches(Loader([local, open_dataset(prefix)], local_plan, prefetch=2))
+
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(tmp_path / "cache-b"))  # a host that has cached nothing
+    got = _batches(Loader("s3://paths/plans/p1", prefetch=2))
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[s], want[s]) for s in want)
+    # the plan was fetched once into the cache and is kept: a second open heads plan.json and reuses the copy
+    plan = load_plan("s3://paths/plans/p1")
+    plan_json = os.path.join(plan.path, "plan.json")
+    assert plan.path.startswith(str(tmp_path / "cache-b")) and plan.digest == local_plan.digest
+    inode = os.stat(plan_json).st_ino
+    assert load_plan("s3://paths/plans/p1").path == plan.path and os.stat(plan_json).st_ino == inode
+
+    # the writer's own copy is recorded as the bucket's: opening it there fetches nothing
+    written = os.path.join(str(tmp_path / "cache-a"), "paths", "plans", "p1", "plan.json")
+    written_inode = os.stat(written).st_ino
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(tmp_path / "cache-a"))
+    assert load_plan("s3://paths/plans/p1").path == os.path.dirname(written)
+    assert os.stat(written).st_ino == written_inode
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(tmp_path / "cache-b"))
+
+    # an existing plan is not replaced without --overwrite ; with it, it is
+    res = run_cli("plan", "s3://paths/tok", *PLAN_ARGS, "--out", "s3://paths/plans/p1",
+                  FORESIGHT_BUCKET_CACHE=str(tmp_path / "cache-a"))
+    assert "already holds a plan" in _one_line(res) and "s3://paths/plans/p1" in res.stderr
+    res = run_cli("plan", "s3://paths/tok", *PLAN_ARGS, "--out", "s3://paths/plans/p1", "--overwrite",
+                  FORESIGHT_BUCKET_CACHE=str(tmp_path / "cache-a"))
+    assert res.returncode == 0, res.stderr
+    replaced = load_plan("s3://paths/plans/p1")
+    assert replaced.digest == json.loads(res.stdout)["digest"] != local_plan.digest
+    assert os.stat(plan_json).st_ino != inode  # fetched again: plan.json's ETag changed
+
+
+def test_plan_bad_bucket_paths_fail_in_one_line(s3_env, tmp_path, monkeypatch):
+    cache = str(tmp_path / "cache")
+    res = run_cli("plan", "s3://paths/no-such-dataset", *PLAN_ARGS, "--out", str(tmp_path / "p"),
+                  FORESIGHT_BUCKET_CACHE=cache)
+    assert "dataset not found" in _one_line(res) and "s3://paths/no-such-dataset" in res.stderr
+    local = _token_dataset(tmp_path / "tok")
+    res = run_cli("plan", local.path, *PLAN_ARGS, "--out", "s3://paths/plans/nocache", FORESIGHT_BUCKET_CACHE="")
+    assert "FORESIGHT_BUCKET_CACHE" in _one_line(res)
+    upload_dataset(local.path, "s3://paths/not-a-plan")
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", cache)
+    for url in ("s3://paths/not-a-plan", "s3://paths/nothing/here"):
+        with pytest.raises(BucketError) as e:
+            Loader(url)
+        assert "no plan.json under it: not a plan" in str(e.value) and url in str(e.value)
+    with pytest.raises(BucketError, match="bucket not found"):
+        load_plan("s3://no-bucket-of-ours/p")
+
+
+def test_pack_to_a_bucket_uploads_the_manifest_last(s3_env, tmp_path):
+    src = tmp_path / "text.jsonl"
+    rng = np.random.default_rng(3)
+    src.write_text("".join(json.dumps({"text": "w" * int(n)}) + "\n" for n in rng.integers(1, 3000, size=300)))
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    res = run_cli("pack", "jsonl", str(src), "s3://paths/packed", "--column", "text", "--shard-bytes", "100K",
+                  "--no-progress", FORESIGHT_BUCKET_CACHE=str(staging))
+    assert res.returncode == 0, res.stderr
+    assert "at s3://paths/packed" in res.stdout and "manifest.json last" in res.stdout
+    assert os.listdir(staging) == []  # the staging directory is gone
+    res = run_cli("pack", "jsonl", str(src), str(tmp_path / "local"), "--column", "text", "--shard-bytes", "100K",
+                  "--no-progress")
+    assert res.returncode == 0, res.stderr
+    local = open_dataset(str(tmp_path / "local"))
+    with open_dataset("s3://paths/packed", cache_dir=tmp_path / "cache") as ds:
+        assert isinstance(ds, BucketDataset) and ds.fingerprint == local.fingerprint and len(ds.shard_paths) > 1
+        assert all(ds.read(i) == local.read(i) for i in range(0, ds.num_samples, 37))
+    # an existing dataset is refused before packing; --overwrite replaces it
+    res = run_cli("pack", "jsonl", str(src), "s3://paths/packed", "--column", "text", "--no-progress")
+    assert "already holds a dataset" in _one_line(res) and "--overwrite" in res.stderr
+    res = run_cli("pack", "jsonl", str(src), "s3://paths/packed", "--column", "text", "--no-progress",
+                  "--overwrite")
+    assert res.returncode == 0, res.stderr
+    with open_dataset("s3://paths/packed", cache_dir=tmp_path / "cache") as ds:  # re-laid out: the manifest changed
+        assert len(ds.shard_paths) == 1 and all(ds.read(i) == local.read(i) for i in range(0, ds.num_samples, 37))
+
+
+def test_inspect_a_bucket_dataset_plan_and_megatron_pair(s3_env, tmp_path):
+    local = _token_dataset(tmp_path / "tok")
+    prefix = _megatron_pair(tmp_path / "mg")
+    upload_dataset(local.path, "s3://paths/insp")
+    _upload_pair(prefix, "s3://paths/insp-mg/wiki")
+    cache = str(tmp_path / "cache")
+    res = run_cli("inspect", "s3://paths/insp", FORESIGHT_BUCKET_CACHE=cache)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout) == json.loads(run_cli("inspect", local.path).stdout)  # its manifest, as local
+    res = run_cli("inspect", "s3://paths/insp-mg/wiki", FORESIGHT_BUCKET_CACHE=cache)
+    info = json.loads(res.stdout)
+    assert info["kind"] == "megatron" and info["url"] == "s3://paths/insp-mg/wiki"
+    assert info["fingerprint"] == open_dataset(prefix).fingerprint
+    res = run_cli("plan", "s3://paths/insp", *PLAN_ARGS, "--out", "s3://paths/insp-plan", FORESIGHT_BUCKET_CACHE=cache)
+    assert res.returncode == 0, res.stderr
+    digest = json.loads(res.stdout)["digest"]
+    res = run_cli("inspect", "s3://paths/insp-plan", FORESIGHT_BUCKET_CACHE=str(tmp_path / "cache-2"))
+    assert res.returncode == 0 and json.loads(res.stdout)["digest"] == digest, res.stderr
+    res = run_cli("inspect", "s3://paths/insp-plan", "--step", "3", FORESIGHT_BUCKET_CACHE=cache)
+    assert res.returncode == 0 and json.loads(res.stdout)["step"] == 3, res.stderr
+    # bad input: nothing there, no bucket, no cache directory
+    res = run_cli("inspect", "s3://paths/nothing", FORESIGHT_BUCKET_CACHE=cache)
+    assert "dataset not found" in _one_line(res) and "s3://paths/nothing" in res.stderr
+    res = run_cli("inspect", "s3://no-bucket-of-ours/x", FORESIGHT_BUCKET_CACHE=cache)
+    assert "bucket not found" in _one_line(res)
+    res = run_cli("inspect", "s3://paths/insp", FORESIGHT_BUCKET_CACHE="")
+    assert "FORESIGHT_BUCKET_CACHE" in _one_line(res)
