@@ -1,0 +1,118 @@
+"""Checkpoints to and from a bucket against a real SeaweedFS: the Checkpointer's bucket tier (drain with multipart
+uploads and COMMIT last, retention, restore with ranged GETs), the DCP writer and reader on s3://, and the faults:
+the server killed mid-upload, torn object sets, missing bucket and wrong keys."""
+from __future__ import annotations
+
+import logging
+import threading
+
+import obstore
+import pytest
+import torch
+
+import foresight.checkpoint as fc
+from foresight.bucket import BucketURL, RetryPolicy
+from foresight.bucket.config import open_store
+from foresight.checkpoint import store
+from foresight.checkpoint.bucket_tier import BucketTier, commit_name
+from foresight.errors import BucketError, CheckpointError
+from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
+
+QUICK = {"retry": RetryPolicy(attempts=2, budget_s=5, base_s=0.01, max_backoff_s=0.05)}
+PATIENT = {"retry": RetryPolicy(attempts=200, budget_s=120, base_s=0.05, max_backoff_s=0.5)}
+# parts of 5 MiB (S3's smallest): the 12 MiB tensor of state() makes a multipart upload of 3 parts
+SMALL_PARTS = {"part_bytes": 5 << 20}
+
+
+def state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(3 << 20, generator=g), "b": torch.randn(10, generator=g).to(torch.bfloat16),
+            "i": torch.tensor(seed), "nested": {"h": torch.arange(seed, seed + 100, dtype=torch.int16)}}
+
+
+def assert_state_equal(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        if isinstance(v, dict):
+            assert_state_equal(got[k], v)
+        else:
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
+def make_bucket(name: str) -> str:
+    """Create bucket ``name`` (SeaweedFS makes a bucket on its first object) and return its URL."""
+    url = BucketURL(name)
+    obstore.put(open_store(url), ".keep", b"")
+    return f"s3://{name}"
+
+
+def objects_under(url: str) -> dict[str, int]:
+    u = BucketURL.parse(url)
+    cut = len(u.prefix) + 1 if u.prefix else 0
+    return {m["path"][cut:]: m["size"] for batch in obstore.list(open_store(u), u.prefix or None) for m in batch}
+
+
+def test_drain_to_a_bucket_and_restore_from_it(s3_env, tmp_path):
+    root = make_bucket("ckpt-roundtrip") + "/run1"
+    fast = str(tmp_path / "fast")
+    with fc.Checkpointer([fast, root], keep=[1, 2], bucket_options=SMALL_PARTS) as ck:
+        for s in (1, 2, 3):
+            h = ck.save(state(s), s * 10, extra_state={"epoch": s, "order": (s, "x")})
+            h.wait()
+        ck.wait()
+        assert store.committed_steps(fast) == [30]
+        assert ck.steps() == [20, 30]  # the bucket keeps 2: step 10 was superseded and deleted
+        old = ck.load(20)  # only the bucket still holds it
+        assert old.tier == 1 and old.path.startswith(root) and old.extra_state == {"epoch": 2, "order": (2, "x")}
+        assert_state_equal(old.state_dict, state(2))
+    names = objects_under(root)
+    seqs = sorted(n.split("/")[0] for n in names)
+    assert {n.split("/")[0] for n in names} == {commit_name(20, 1), commit_name(30, 2)}, seqs
+    assert {n.split("/")[1] for n in names} == {"COMMIT", "index.json", "data-00000.bin"}
+    # the local tier gone (a new node): restore from the bucket alone, in place into existing tensors
+    into = {k: (torch.zeros_like(v) if not isinstance(v, dict) else {"h": torch.zeros_like(v["h"])})
+            for k, v in state(0).items()}
+    got = fc.load("latest", tiers=[str(tmp_path / "new-node"), root], into=into)
+    assert got.step == 30 and got.tier == 1 and got.state_dict is into
+    assert_state_equal(into, state(3))
+
+
+def test_bucket_tier_uploads_in_parts_and_commits_last(s3_env, tmp_path):
+    root = make_bucket("ckpt-parts") + "/p"
+    fast = str(tmp_path / "fast")
+    with fc.Checkpointer(fast) as ck:
+        ck.save(state(4), 4).wait()
+    src = store.step_dir(fast, 4)
+    order: list[str] = []
+    with BucketTier(root, **SMALL_PARTS) as tier:
+        put = tier.objects.put
+
+        def recording_put(name, data):
+            ref = put(name, data)
+            order.append(name.split("/")[1])
+            return ref
+
+        tier.objects.put = recording_put
+        tier.upload(src, 4)
+        assert order[-1] == "COMMIT" and sorted(order[:-1]) == ["data-00000.bin", "index.json"]
+        [c] = tier.commits()
+        assert c.step == 4 and c.error is None
+        # the data object was a multipart upload: its ETag says so ("<md5>-<parts>")
+        data = tier.objects.head(f"{commit_name(4, c.seq)}/data-00000.bin")
+        assert data.etag is not None and data.etag.strip('"').endswith("-3"), data.etag
+        tensors, index = tier.read_checkpoint(c)
+        assert tier.objects.fetcher.stats.requests >= 3  # the data object in several ranged GETs
+        assert torch.equal(tensors[index["tensors"]["name"].index("w")], state(4)["w"])
+
+
+def test_rollback_resave_keeps_the_superseded_commit_until_retention(s3_env, tmp_path):
+    root = make_bucket("ckpt-rollback") + "/r"
+    with fc.Checkpointer([tmp_path / "fast", root], keep=[1, 2]) as ck:
+        ck.save(state(1), 10).wait()
+        ck.save(state(2), 20).wait()
+        ck.save(state(3), 10).wait()  # rollback: step 10 again, the newest commit now
+        ck.wait()
+        got = fc.load("latest", tiers=[str(tmp_path / "elsewhere"), root])
+        assert got.step == 10 and torch.equal(got.state_dict["w"], state(3)["w"])
+        assert fc.load(20, tiers=[str(tmp_path / "elsewhere"), root]).step == 20  # keep=2: 20 stays
+    assert {n.split("/")[0] for n in objects_under(root)} == {commit_name(20, 1), commit_name(10, 2)}
