@@ -116,3 +116,137 @@ def test_rollback_resave_keeps_the_superseded_commit_until_retention(s3_env, tmp
         assert got.step == 10 and torch.equal(got.state_dict["w"], state(3)["w"])
         assert fc.load(20, tiers=[str(tmp_path / "elsewhere"), root]).step == 20  # keep=2: 20 stays
     assert {n.split("/")[0] for n in objects_under(root)} == {commit_name(20, 1), commit_name(10, 2)}
+
+
+def test_server_killed_mid_upload_leaves_the_previous_commit_and_a_restart_resumes(s3_env, tmp_path):
+    root = make_bucket("ckpt-killed") + "/k"
+    fast = str(tmp_path / "fast")
+    ck = fc.Checkpointer([fast, root], bucket_options={**QUICK, **SMALL_PARTS})
+    ck.save(state(1), 10).wait()
+    tier = ck._buckets[root]
+    put = tier.objects.put
+
+    def put_then_kill(name, data):
+        ref = put(name, data)
+        if name.endswith("data-00000.bin") and name.startswith("step-00000020"):
+            s3_env.stop()  # SIGKILL after the data object's multipart upload, before the COMMIT marker
+        return ref
+
+    tier.objects.put = put_then_kill
+    h = ck.save(state(2), 20)
+    with pytest.raises(CheckpointError) as e:
+        h.wait()
+    text = str(e.value)
+    assert "drain failed" in text and "\n" not in text and s3_env.secret_key not in text
+    assert store.committed_steps(fast) == [10, 20]  # the local commit stands
+    ck.close()
+    s3_env.start()
+    names = objects_under(root)
+    torn = commit_name(20, 1)
+    assert f"{torn}/data-00000.bin" in names and f"{torn}/COMMIT" not in names  # data in, no marker
+    got = fc.load("latest", tiers=[str(tmp_path / "other-node"), root])
+    assert got.step == 10 and torch.equal(got.state_dict["w"], state(1)["w"])  # the previous commit
+    # a new Checkpointer on the same tiers finds step 20 undrained and uploads it again, COMMIT last
+    with fc.Checkpointer([fast, root], bucket_options=SMALL_PARTS) as ck2:
+        [resumed] = ck2.resumed
+        resumed.wait()
+        assert resumed.step == 20
+    got = fc.load("latest", tiers=[str(tmp_path / "other-node"), root])
+    assert got.step == 20 and got.tier == 1
+    assert_state_equal(got.state_dict, state(2))
+
+
+def test_server_killed_during_the_drain_is_retried_until_it_is_back(s3_env, tmp_path, caplog):
+    root = make_bucket("ckpt-retry") + "/k"
+    with fc.Checkpointer([tmp_path / "fast", root], bucket_options={**PATIENT, **SMALL_PARTS}) as ck:
+        tier = ck._buckets[root]
+        put = tier.objects.put
+        killed = threading.Event()
+
+        def kill_then_put(name, data):
+            if name.endswith("data-00000.bin") and not killed.is_set():
+                killed.set()
+                s3_env.stop()  # the upload starts against a dead server
+            return put(name, data)
+
+        def restart_once_a_request_failed():
+            for _ in range(600):
+                if tier.objects.fetcher.stats.retries:
+                    break
+                threading.Event().wait(0.1)
+            s3_env.start()
+
+        tier.objects.put = kill_then_put
+        with caplog.at_level(logging.WARNING, logger="foresight.bucket"):
+            h = ck.save(state(5), 50)
+            h.wait(durable=False)
+            restarter = threading.Thread(target=restart_once_a_request_failed)
+            restarter.start()
+            h.wait()  # retried with backoff until the server was back
+            restarter.join()
+        assert killed.is_set() and tier.objects.fetcher.stats.retries >= 1
+        assert any("retry" in r.getMessage() for r in caplog.records)
+    got = fc.load("latest", tiers=[str(tmp_path / "other-node"), root])
+    assert got.step == 50
+    assert_state_equal(got.state_dict, state(5))
+
+
+def test_a_torn_object_set_is_never_restored_as_committed(s3_env, tmp_path):
+    root = make_bucket("ckpt-torn") + "/t"
+    with fc.Checkpointer([tmp_path / "fast", root]) as ck:
+        ck.save(state(1), 10).wait()
+        ck.save(state(2), 20).wait()
+    elsewhere = [str(tmp_path / "other-node"), root]
+    url = BucketURL.parse(root)
+    s3 = open_store(url)
+    newest = commit_name(20, 1)
+    # an upload cut short by a crash, newer than every commit: data and index, no COMMIT
+    with BucketTier(root) as tier:
+        src = store.step_dir(str(tmp_path / "fast"), 20)
+        for name in ("data-00000.bin", "index.json"):
+            with open(f"{src}/{name}", "rb") as f:
+                obstore.put(s3, url.key(f"{commit_name(30, 9)}/{name}"), f.read())
+        assert [c.step for c in tier.commits()] == [10, 20]
+    assert fc.load("latest", tiers=elsewhere).step == 20
+    # the newest commit's data object replaced behind its COMMIT (same size, other bytes): a torn set
+    data_key = url.key(f"{newest}/data-00000.bin")
+    raw = bytearray(obstore.get(s3, data_key).bytes())
+    raw[100] ^= 0xFF
+    obstore.put(s3, data_key, bytes(raw))
+    with pytest.warns(RuntimeWarning, match="torn object set"):
+        got = fc.load("latest", tiers=elsewhere)
+    assert got.step == 10 and torch.equal(got.state_dict["w"], state(1)["w"])
+    with pytest.raises(CheckpointError, match="torn object set") as e:
+        fc.load(20, tiers=elsewhere)
+    assert newest in str(e.value)
+    # and one deleted: missing, named
+    obstore.delete(s3, data_key)
+    with pytest.raises(CheckpointError, match="data-00000.bin is missing"):
+        fc.load(20, tiers=elsewhere)
+    # retention never counts the torn set as the newest commit, nor deletes the last good one
+    with BucketTier(root) as tier:
+        assert tier.retain(1) == []
+        assert [c.step for c in tier.commits() if c.error is None] == [10]
+
+
+def test_missing_bucket_and_wrong_keys_fail_in_one_line_without_secrets(s3_env, tmp_path, monkeypatch):
+    root = make_bucket("ckpt-keys") + "/x"
+    fast = tmp_path / "fast"
+    with pytest.raises(BucketError) as e:
+        fc.Checkpointer([fast, "s3://no-bucket-of-ours/ckpt"], bucket_options=QUICK)
+    text = str(e.value)
+    assert "bucket not found" in text and "no-bucket-of-ours" in text and "\n" not in text
+    assert s3_env.secret_key not in text
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-right-secret-42")
+    for attempt in (lambda: fc.Checkpointer([fast, root], bucket_options=QUICK),
+                    lambda: fc.load("latest", tiers=[fast, root], bucket_options=QUICK)):
+        with pytest.raises(BucketError) as e:
+            attempt()
+        text = str(e.value)
+        assert e.value.reason == "denied" and "access denied" in text and "\n" not in text
+        assert "not-the-right-secret-42" not in text and s3_env.secret_key not in text
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_env.secret_key)
+    with fc.Checkpointer([fast, root]) as ck:  # the failed constructors released the local root's lock
+        ck.save(state(1), 1).wait()
+    with pytest.raises(ValueError, match="must be a local directory"):
+        fc.Checkpointer([root, fast])
