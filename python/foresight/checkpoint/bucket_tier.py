@@ -58,7 +58,9 @@ class BucketTier:
     def __init__(self, root: str, **bucket_options: Any) -> None:
         self.root = root
         self.objects = BucketPrefix(root, **bucket_options)
-        self._markers: dict[str, dict[str, Any]] = {}  # commit name -> its verified marker, as last listed
+        # commit name -> its verified marker, as last listed; replaced whole, never mutated (the drain thread lists
+        # while a load on another thread reads)
+        self._markers: dict[str, dict[str, Any]] = {}
 
     def close(self) -> None:
         self.objects.close()
@@ -86,7 +88,7 @@ class BucketTier:
         names = sorted(n for n, objs in sets.items() if store.COMMIT in objs)
         markers = self.objects.fetcher.map(lambda n: self._read_marker(n, sets[n]), names)
         good, bad = [], []
-        self._markers = {}
+        listed: dict[str, dict[str, Any]] = {}
         for name, got in zip(names, markers):
             m = _COMMIT_RE.match(name)
             step = int(m.group(1))
@@ -94,8 +96,9 @@ class BucketTier:
             if isinstance(got, CheckpointError):
                 bad.append(store.Commit(step, None, path, got))
             else:
-                self._markers[name] = got
+                listed[name] = got
                 good.append(store.Commit(step, got.get("seq"), path))
+        self._markers = listed
         return sorted(good, key=lambda c: c.order) + sorted(bad, key=lambda c: c.step)
 
     def _read_marker(self, name: str, objs: dict[str, ObjectRef]) -> dict[str, Any] | CheckpointError:
@@ -144,7 +147,7 @@ class BucketTier:
 
         objects = dict(self.objects.fetcher.map(put, files))
         self.objects.put(f"{name}/{store.COMMIT}", store.sealed_marker(marker, objects=objects))
-        self._markers[name] = dict(marker, objects=objects)
+        self._markers = {**self._markers, name: dict(marker, objects=objects)}
         return str(self.objects.url.child(name))
 
     def retain(self, keep: int | None) -> list[int]:
@@ -159,7 +162,7 @@ class BucketTier:
             # COMMIT first: a crash mid-delete leaves an uncommitted set, which the next retention removes
             self.objects.delete([f"{name}/{store.COMMIT}"])
             self.objects.delete([f"{name}/{n}" for n in sets.get(name, {}) if n != store.COMMIT])
-            self._markers.pop(name, None)
+            self._markers = {k: v for k, v in self._markers.items() if k != name}
         for name, objs in sets.items():
             m = _COMMIT_RE.match(name)
             if store.COMMIT not in objs and m.group(2) is not None and int(m.group(2)) < newest_seq:
