@@ -129,65 +129,95 @@ def test_rollback_resave_keeps_the_superseded_commit_until_retention(s3_env, tmp
     assert {n.split("/")[0] for n in objects_under(root)} == {commit_name(20, 1), commit_name(10, 2)}
 
 
+class KillingReader:
+    """A data file whose reader kills the server once, when more than ``after`` bytes of it were read: the
+    multipart upload that reads it loses its server between parts."""
+
+    def __init__(self, path: str, after: int, kill) -> None:
+        self.f = open(path, "rb")
+        self.after, self.kill, self.read_bytes = after, kill, 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.read_bytes += len(data)
+        if self.read_bytes > self.after and self.kill is not None:
+            kill, self.kill = self.kill, None
+            kill()
+        return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def kill_mid_data_upload(tier: BucketTier, kill, step: int):
+    """Patch ``tier`` so that the upload of ``step``'s data object kills the server after its first part; returns
+    the readers made (to close)."""
+    put = tier.objects.put
+    readers: list[KillingReader] = []
+
+    def put_killing(name, data):
+        if name.startswith(store.step_name(step)) and name.endswith("data-00000.bin") and not readers:
+            readers.append(KillingReader(data, SMALL_PARTS["part_bytes"] + 1, kill))
+            return put(name, readers[-1])
+        return put(name, data)
+
+    tier.objects.put = put_killing
+    return readers
+
+
 def test_server_killed_mid_upload_leaves_the_previous_commit_and_a_restart_resumes(s3_env, tmp_path):
     root = make_bucket("ckpt-killed") + "/k"
     fast = str(tmp_path / "fast")
     ck = fc.Checkpointer([fast, root], bucket_options={**QUICK, **SMALL_PARTS})
     ck.save(state(1), 10).wait()
     tier = ck._buckets[root]
-    put = tier.objects.put
-
-    def put_then_kill(name, data):
-        ref = put(name, data)
-        if name.endswith("data-00000.bin") and name.startswith("step-00000020"):
-            s3_env.stop()  # SIGKILL after the data object's multipart upload, before the COMMIT marker
-        return ref
-
-    tier.objects.put = put_then_kill
+    readers = kill_mid_data_upload(tier, s3_env.stop, 20)  # SIGKILL between the data object's parts
     h = ck.save(state(2), 20)
     with pytest.raises(CheckpointError) as e:
         h.wait()
     text = str(e.value)
     assert "drain failed" in text and "\n" not in text and s3_env.secret_key not in text
     assert store.committed_steps(fast) == [10, 20]  # the local commit stands
+    assert readers and readers[0].kill is None  # the kill came mid-upload
+    readers[0].close()
     ck.close()
     s3_env.start()
     names = objects_under(root)
-    torn = commit_name(20, 1)
-    assert f"{torn}/data-00000.bin" in names and f"{torn}/COMMIT" not in names  # data in, no marker
-    got = fc.load("latest", tiers=[str(tmp_path / "other-node"), root])
+    assert f"{commit_name(20, 1)}/COMMIT" not in names  # no marker: step 20 is not a commit in the bucket
+    # a freshly restarted SeaweedFS answers 500 for a few seconds (its volumes register late): retried patiently
+    got = fc.load("latest", tiers=[str(tmp_path / "other-node"), root], bucket_options=PATIENT)
     assert got.step == 10 and torch.equal(got.state_dict["w"], state(1)["w"])  # the previous commit
     # a new Checkpointer on the same tiers finds step 20 undrained and uploads it again, COMMIT last
-    with fc.Checkpointer([fast, root], bucket_options=SMALL_PARTS) as ck2:
+    with fc.Checkpointer([fast, root], bucket_options={**PATIENT, **SMALL_PARTS}) as ck2:
         [resumed] = ck2.resumed
         resumed.wait()
         assert resumed.step == 20
-    got = fc.load("latest", tiers=[str(tmp_path / "other-node"), root])
+    got = fc.load("latest", tiers=[str(tmp_path / "other-node"), root], bucket_options=PATIENT)
     assert got.step == 20 and got.tier == 1
     assert_state_equal(got.state_dict, state(2))
 
 
-def test_server_killed_during_the_drain_is_retried_until_it_is_back(s3_env, tmp_path, caplog):
+def test_server_killed_mid_upload_is_retried_until_it_is_back(s3_env, tmp_path, caplog):
     root = make_bucket("ckpt-retry") + "/k"
     with fc.Checkpointer([tmp_path / "fast", root], bucket_options={**PATIENT, **SMALL_PARTS}) as ck:
         tier = ck._buckets[root]
-        put = tier.objects.put
         killed = threading.Event()
-
-        def kill_then_put(name, data):
-            if name.endswith("data-00000.bin") and not killed.is_set():
-                killed.set()
-                s3_env.stop()  # the upload starts against a dead server
-            return put(name, data)
+        readers = kill_mid_data_upload(tier, lambda: (s3_env.stop(), killed.set()), 50)
 
         def restart_once_a_request_failed():
+            assert killed.wait(120)  # stop() has returned: start() never races it
             for _ in range(600):
                 if tier.objects.fetcher.stats.retries:
                     break
                 threading.Event().wait(0.1)
             s3_env.start()
 
-        tier.objects.put = kill_then_put
         with caplog.at_level(logging.WARNING, logger="foresight.bucket"):
             h = ck.save(state(5), 50)
             h.wait(durable=False)
@@ -195,9 +225,11 @@ def test_server_killed_during_the_drain_is_retried_until_it_is_back(s3_env, tmp_
             restarter.start()
             h.wait()  # retried with backoff until the server was back
             restarter.join()
-        assert killed.is_set() and tier.objects.fetcher.stats.retries >= 1
+        assert readers[0].kill is None and tier.objects.fetcher.stats.retries >= 1
+        assert readers[0].read_bytes > 12 << 20  # read more than once: the object was sent again from its start
+        readers[0].close()
         assert any("retry" in r.getMessage() for r in caplog.records)
-    got = fc.load("latest", tiers=[str(tmp_path / "other-node"), root])
+    got = fc.load("latest", tiers=[str(tmp_path / "other-node"), root], bucket_options=PATIENT)
     assert got.step == 50
     assert_state_equal(got.state_dict, state(5))
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -56,19 +56,27 @@ class BucketPrefix:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def put(self, name: str, data: str | os.PathLike | bytes | memoryview) -> ObjectRef:
-        """Upload a local file (by path) or a buffer as object ``name`` (multipart above ``part_bytes``, parts sent
-        concurrently; the whole object is sent again on a retried failure), then check it with a HEAD."""
+    def put(self, name: str, data: str | os.PathLike | bytes | memoryview | BinaryIO) -> ObjectRef:
+        """Upload a local file (by path), a buffer or a seekable binary file object as object ``name`` (multipart
+        above ``part_bytes``, parts sent concurrently; the whole object is sent again on a retried failure), then
+        check it with a HEAD."""
         import obstore
 
         url = self.url.child(name)
         if isinstance(data, (str, os.PathLike)):
             size, source = os.path.getsize(data), Path(data)
+        elif hasattr(data, "read"):
+            size, source = data.seek(0, os.SEEK_END), data
         else:
             source = memoryview(data).cast("B")
             size = source.nbytes
-        result = self.fetcher.call(url, obstore.put, url.prefix, source, chunk_size=self.part_bytes,
-                                   max_concurrency=self.part_concurrency)
+
+        def put(store: Any, key: str) -> Any:
+            if hasattr(source, "seek"):
+                source.seek(0)  # a retry sends the object again from its start
+            return obstore.put(store, key, source, chunk_size=self.part_bytes, max_concurrency=self.part_concurrency)
+
+        result = self.fetcher.call(url, put, url.prefix)
         ref = self.fetcher.head(name)
         sent_etag = result.get("e_tag") if isinstance(result, dict) else None
         if ref.size != size or (sent_etag and ref.etag != sent_etag):
