@@ -111,8 +111,14 @@ def test_bucket_tier_uploads_in_parts_and_commits_last(s3_env, tmp_path):
         # the data object was a multipart upload: its ETag says so ("<md5>-<parts>")
         data = tier.objects.head(f"{commit_name(4, c.seq)}/data-00000.bin")
         assert data.etag is not None and data.etag.strip('"').endswith("-3"), data.etag
+        sizes = {n: r.size for n, r in tier.objects.list(commit_name(4, c.seq)).items()}
+        stats = tier.objects.fetcher.stats
+        before = (stats.requests, stats.bytes)
         tensors, index = tier.read_checkpoint(c)
-        assert tier.objects.fetcher.stats.requests >= 3  # the data object in several ranged GETs
+        # the index, then the data object's bytes in GETs of up to 16 MiB (one here): nothing fetched twice
+        assert stats.requests - before[0] == 2
+        assert stats.bytes - before[1] == sizes[f"{commit_name(4, c.seq)}/index.json"] + sizes[
+            f"{commit_name(4, c.seq)}/data-00000.bin"]
         assert torch.equal(tensors[index["tensors"]["name"].index("w")], state(4)["w"])
 
 
@@ -422,3 +428,10 @@ def test_dcp_two_gloo_ranks_save_to_and_reshard_from_a_bucket(s3_env, tmp_path):
     target = {"w": torch.zeros(64, 48)}  # 2 -> 1: one process loads the whole tensor
     dcp.load(target, storage_reader=ForesightStorageReader(path), no_dist=True)
     assert torch.equal(target["w"], full_weight())
+
+
+def test_a_replicated_dcp_checkpoint_is_refused_in_a_bucket():
+    from foresight.replication.policy import ReplicatingStorageWriter
+
+    with pytest.raises(ValueError, match="give the bucket as drain_to"):
+        ReplicatingStorageWriter("s3://ckpt/run/step-1", replicate=None, step=1)
