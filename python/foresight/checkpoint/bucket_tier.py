@@ -81,10 +81,10 @@ class BucketTier:
                 sets.setdefault(head, {})[rest] = ref
         return sets
 
-    def commits(self) -> list[store.Commit]:
+    def commits(self, sets: dict[str, dict[str, ObjectRef]] | None = None) -> list[store.Commit]:
         """The commits in the bucket, oldest first; those whose marker is unreadable or whose objects are missing
-        or differ from what the marker records come last, with ``error`` set."""
-        sets = self._sets()
+        or differ from what the marker records come last, with ``error`` set. ``sets``: a listing just made."""
+        sets = self._sets() if sets is None else sets
         names = sorted(n for n, objs in sets.items() if store.COMMIT in objs)
         markers = self.objects.fetcher.map(lambda n: self._read_marker(n, sets[n]), names)
         good, bad = [], []
@@ -154,7 +154,7 @@ class BucketTier:
         """Delete the oldest commits beyond the newest ``keep`` (never the newest, never one whose marker is
         unreadable) and the uncommitted sets older than the newest commit. Returns the steps deleted."""
         sets = self._sets()
-        ordered = [c for c in self.commits() if c.error is None]
+        ordered = [c for c in self.commits(sets) if c.error is None]
         doomed = ordered[:-max(1, keep)] if keep is not None else []
         newest_seq = ordered[-1].seq if ordered and ordered[-1].seq is not None else -1
         for c in doomed:
