@@ -86,6 +86,12 @@ def test_drain_to_a_bucket_and_restore_from_it(s3_env, tmp_path):
     got = fc.load("latest", tiers=[str(tmp_path / "new-node"), root], into=into)
     assert got.step == 30 and got.tier == 1 and got.state_dict is into
     assert_state_equal(into, state(3))
+    # the new node saves on: commit order continues from the bucket's, so its save is the latest
+    with fc.Checkpointer([tmp_path / "new-node", root], keep=[1, 2]) as ck:
+        assert ck.resumed == []
+        ck.save(state(4), 5).wait()
+    assert {n.split("/")[0] for n in objects_under(root)} == {commit_name(30, 2), commit_name(5, 3)}
+    assert fc.latest_step(tiers=[str(tmp_path / "third-node"), root]) == 5
 
 
 def test_bucket_tier_uploads_in_parts_and_commits_last(s3_env, tmp_path):
