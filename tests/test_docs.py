@@ -113,6 +113,7 @@ DOCUMENTED_SIGNATURES = [
     ("foresight.bucket:open_bucket_dataset", "Buckets"),
     ("foresight.bucket.prefetch:PlanPrefetcher", "Buckets"),
     ("foresight.bucket:RetryPolicy", "Buckets"),
+    ("foresight.bucket.objects:BucketPrefix", "Buckets"),
     ("foresight.plan:build_plan", "build_plan"),
     ("foresight.plan:load_plan", "build_plan"),
     ("foresight.plan.files:save_plan", "build_plan"),

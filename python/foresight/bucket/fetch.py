@@ -191,8 +191,9 @@ class RangedFetcher:
         self.close()
 
     # -- one request, retried ------------------------------------------------------------------------------------
-    def _call(self, what: BucketURL, fn, *args, **kwargs):
-        """``fn(store, *args)`` with retries of transient failures; BucketError naming ``what`` otherwise."""
+    def call(self, what: BucketURL, fn, *args, **kwargs):
+        """``fn(store, *args, **kwargs)`` (one obstore request: a GET, HEAD, PUT, LIST, DELETE) with retries of
+        transient failures; BucketError naming ``what`` otherwise."""
         start = time.monotonic()
         attempt = 0
         while True:
@@ -229,7 +230,7 @@ class RangedFetcher:
         import obstore
 
         url = self.url.child(name)
-        meta = self._call(url, obstore.head, url.prefix)
+        meta = self.call(url, obstore.head, url.prefix)
         self.stats.add(requests=1)
         return ObjectRef(url, int(meta["size"]), meta.get("e_tag"))
 
@@ -262,7 +263,7 @@ class RangedFetcher:
         if end > ref.size:
             raise BucketError(f"range [{start}, {end}) past the object's end ({ref.size} bytes)", "changed",
                               object=str(ref.url))
-        data = self._call(ref.url, get, ref.key)
+        data = self.call(ref.url, get, ref.key)
         if len(data) != end - start:
             raise BucketError(f"short ranged GET: {len(data)} of {end - start} bytes at offset {start}", "changed",
                               object=str(ref.url))

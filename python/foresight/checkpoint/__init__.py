@@ -4,7 +4,9 @@
 writer packs thousands of tensors into one aligned data file, checksums each tensor (xxh3), commits the
 step directory atomically on the fastest tier and drains it to slower tiers, keeping ``keep`` per tier.
 ``load`` restores from the fastest tier holding a complete copy, in place into existing tensors.
-``ForesightStorageWriter``/``ForesightStorageReader`` plug the same writer into torch.distributed.checkpoint;
+A slower tier may be a bucket (``s3://bucket/prefix``: multipart uploads, COMMIT last; see :mod:`.bucket_tier`).
+``ForesightStorageWriter``/``ForesightStorageReader`` plug the same writer into torch.distributed.checkpoint
+(local paths or ``s3://``);
 ``export_safetensors`` converts a checkpoint for other tools.
 
 Example::

@@ -43,6 +43,7 @@ from typing import Any
 from foresight.checkpoint import store
 from foresight.checkpoint.aligned_io import FileIO
 from foresight.checkpoint.background_writer import BackgroundWriter, WriteJob
+from foresight.checkpoint.bucket_tier import close_tiers, is_bucket_url, open_tiers, tier_commits
 from foresight.checkpoint.layout import plan_layout
 from foresight.checkpoint.loading import LoadedCheckpoint, latest_step, load, tiers_of
 from foresight.checkpoint.save_handle import SaveHandle
@@ -73,6 +74,10 @@ class Checkpointer:
         direct: use O_DIRECT for data files where the file system supports it.
         replicate: a :class:`foresight.replication.Replication`: its ``data_written``, ``committed``
             and ``aborted`` hooks run on the writer thread (a failing hook warns; the save itself stands).
+        bucket_options: for the ``s3://bucket/prefix`` tiers (any but the first, which the writer writes): keyword
+            arguments of :class:`foresight.bucket.objects.BucketPrefix` (``options``, ``retry``, ``part_bytes``,
+            ...). A bucket tier is drained to like a directory (see :mod:`.bucket_tier`); a bucket that cannot be
+            listed (missing, wrong keys) fails the constructor with one line naming it.
 
     Attributes set at start-up: ``quarantined`` (paths moved aside), ``resumed`` (handles of the drains
     resumed for a predecessor; their failures are reported like any save's).
@@ -81,10 +86,15 @@ class Checkpointer:
     def __init__(self, tiers: str | os.PathLike | Sequence[str | os.PathLike], *,
                  keep: int | None | Sequence[int | None] = None, staging_bytes: int | None = None,
                  slots: int = 1, on_busy: str = "block", verify: bool = True, direct: bool = True,
-                 io_threads: int = 4, chunk_bytes: int = 8 << 20, replicate: Any = None) -> None:
+                 io_threads: int = 4, chunk_bytes: int = 8 << 20, replicate: Any = None,
+                 bucket_options: dict[str, Any] | None = None) -> None:
         roots = [os.fspath(tiers)] if isinstance(tiers, (str, os.PathLike)) else [os.fspath(t) for t in tiers]
         if not roots:
             raise ValueError("tiers must name at least one directory")
+        if is_bucket_url(roots[0]):
+            raise ValueError(f"the first tier is written by the checkpoint writer and must be a local directory, "
+                             f"not {roots[0]}: give a bucket as a slower tier, e.g. ['/nvme/ckpt', '{roots[0]}']")
+        local = [r for r in roots if not is_bucket_url(r)]
         keeps = list(keep) if isinstance(keep, (list, tuple)) else [keep] * len(roots)
         if len(keeps) != len(roots):
             raise ValueError(f"keep has {len(keeps)} entries for {len(roots)} tiers")
@@ -103,11 +113,15 @@ class Checkpointer:
         self._staging_bytes = staging_bytes
         self._pool: StagingPool | None = None
         self._fios: list[FileIO] = []
-        self._locks = lock_roots(roots)  # before touching anything in the roots
+        self._locks = lock_roots(local)  # before touching anything in the roots
+        self._buckets = {}
         try:
-            self.quarantined = recover_roots(roots)
-            next_seq = store.max_seq(roots) + 1  # commit order continues across restarts and tiers
-            to_resume = undrained(roots)
+            self._buckets = open_tiers(roots, bucket_options)
+            self.quarantined = recover_roots(local)
+            per_tier = {r: tier_commits(r, self._buckets) for r in roots}
+            # commit order continues across restarts and tiers
+            next_seq = max((c.seq for cs in per_tier.values() for c in cs if c.seq is not None), default=-1) + 1
+            to_resume = undrained(roots, per_tier.__getitem__)
             if staging_bytes is not None:
                 self._pool = StagingPool(staging_bytes, slots=slots, on_busy=on_busy)
             # one I/O context per thread of use: engine rings are not shared across threads
@@ -118,13 +132,15 @@ class Checkpointer:
                 fio.close()
             if self._pool is not None:
                 self._pool.close()
+            close_tiers(self._buckets)
             release(self._locks)
             raise
         self._fio, self._load_fio = self._fios[:2]
         self._lock = threading.Lock()
         self._unreported: list[SaveHandle] = []
         self._closed = False
-        self._drain = TierDrain(roots, keeps, self._fios[2] if len(roots) > 1 else None, self._forget_if_ok)
+        self._drain = TierDrain(roots, keeps, self._fios[2] if len(roots) > 1 else None, self._forget_if_ok,
+                                buckets=self._buckets)
         self._writer = BackgroundWriter(roots[0], keeps[0], self._fio, direct=direct, replicate=replicate,
                                         drain=self._drain, on_done=self._forget_if_ok, next_seq=next_seq)
         # finish queued saves at interpreter exit (daemon threads would otherwise die mid-write) and report
@@ -223,14 +239,15 @@ class Checkpointer:
                 slot = None  # all slots busy writing: fall back to a fresh buffer
         try:
             return load(step, tiers=self.tiers, into=into, verify=self.verify if verify is None else verify,
-                        fio=self._load_fio, direct=self.direct, _buffer=slot.buffer if slot else None)
+                        fio=self._load_fio, direct=self.direct, _buffer=slot.buffer if slot else None,
+                        _buckets=self._buckets)
         finally:
             if slot is not None:
                 self._pool.release(slot)
 
     def steps(self) -> list[int]:
         """Committed steps on any tier, ascending."""
-        return sorted(set().union(*(store.committed_steps(r) for r in self.tiers)))
+        return sorted({c.step for r in self.tiers for c in tier_commits(r, self._buckets) if c.error is None})
 
     def wait(self) -> None:
         """Wait for every queued save and drain; raise any unreported failure."""
@@ -259,6 +276,7 @@ class Checkpointer:
                 self._pool.close()
             for fio in self._fios:
                 fio.close()
+            close_tiers(self._buckets)
             release(self._locks)  # last: nothing of ours touches the roots any more
 
     def _close_at_exit(self) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from foresight.checkpoint import store
 from foresight.checkpoint.aligned_io import FileIO
+from foresight.checkpoint.bucket_tier import READ_ERRORS, BucketTier, close_tiers, open_tiers, tier_commits
 from foresight.checkpoint.layout import dtype_from_name
 from foresight.checkpoint.reader import read_checkpoint
 from foresight.checkpoint.state_tree import decode_extra_state, match_targets, restore_into, unflatten
@@ -49,7 +50,8 @@ def tiers_of(root: Any, tiers: Any) -> list[str]:
 
 def load(step: int | str = "latest", *, root: str | os.PathLike | None = None,
          tiers: Sequence[str | os.PathLike] | None = None, into: Any = None, verify: bool = True,
-         fio: FileIO | None = None, direct: bool = True, _buffer: Any = None) -> LoadedCheckpoint:
+         fio: FileIO | None = None, direct: bool = True, bucket_options: dict[str, Any] | None = None,
+         _buffer: Any = None, _buckets: dict[str, BucketTier] | None = None) -> LoadedCheckpoint:
     """Restore a committed checkpoint, preferring the fastest tier that holds a complete copy.
 
     ``step`` is an int (its newest commit first) or ``"latest"``: the most recent commit (commit order,
@@ -57,7 +59,10 @@ def load(step: int | str = "latest", *, root: str | os.PathLike | None = None,
     of existing tensors), tensors whose shape and dtype match are filled in place and the rest replaced;
     ``state_dict`` of the result is ``into`` itself then. Without it, the tensors are fresh CPU tensors (views of one read buffer).
     A corrupt copy on one tier falls back to the next tier holding the step; if none is readable the
-    first :class:`CheckpointError` (naming file and tensor) is raised.
+    first :class:`CheckpointError` (naming file and tensor) is raised. A tier may be a bucket (``s3://bucket/prefix``,
+    see :mod:`.bucket_tier`; ``bucket_options`` such as ``retry`` go to its client): read with coalesced ranged GETs,
+    each tensor checked as from disk; a bucket copy that fails (:class:`~foresight.errors.BucketError`) also falls
+    back to the next tier.
 
     Example::
 
@@ -65,7 +70,17 @@ def load(step: int | str = "latest", *, root: str | os.PathLike | None = None,
         loader.load_state_dict(ck.extra_state)
     """
     roots = tiers_of(root, tiers)
-    per_tier = [store.commits(r) for r in roots]
+    buckets = _buckets if _buckets is not None else open_tiers(roots, bucket_options)
+    try:
+        return _load(step, roots, buckets, into, verify, fio, direct, _buffer)
+    finally:
+        if _buckets is None:
+            close_tiers(buckets)
+
+
+def _load(step: int | str, roots: list[str], buckets: dict[str, BucketTier], into: Any, verify: bool,
+          fio: FileIO | None, direct: bool, _buffer: Any) -> LoadedCheckpoint:
+    per_tier = [tier_commits(r, buckets) for r in roots]
     if step == "latest":
         newest = _newest_commit(per_tier)
         if newest is None:
@@ -83,7 +98,7 @@ def load(step: int | str = "latest", *, root: str | os.PathLike | None = None,
                             key=lambda tc: (tc[1].error is not None, tuple(-x for x in tc[1].order), tc[0]))
     else:
         raise ValueError(f"step must be an int or 'latest', got {step!r}")
-    errors: list[CheckpointError] = []
+    errors: list[Exception] = []
     for tier, commit in candidates:
         path = commit.path
         if commit.error is not None:
@@ -98,9 +113,13 @@ def load(step: int | str = "latest", *, root: str | os.PathLike | None = None,
                                              [dtype_from_name(d) for d in meta["dtype"]]))
                 return targets
 
-            tensors, index = read_checkpoint(path, verify=verify, fio=fio, direct=direct, buffer=_buffer,
-                                             targets=pick_targets if into is not None else None)
-        except CheckpointError as e:
+            if roots[tier] in buckets:
+                tensors, index = buckets[roots[tier]].read_checkpoint(
+                    commit, verify=verify, targets=pick_targets if into is not None else None)
+            else:
+                tensors, index = read_checkpoint(path, verify=verify, fio=fio, direct=direct, buffer=_buffer,
+                                                 targets=pick_targets if into is not None else None)
+        except READ_ERRORS as e:
             errors.append(e)
             continue
         if into is not None:
@@ -114,11 +133,15 @@ def load(step: int | str = "latest", *, root: str | os.PathLike | None = None,
     raise CheckpointError("checkpoint step not found on any tier", step=step, tiers=roots)
 
 
-def latest_step(*, root: str | os.PathLike | None = None,
-                tiers: Sequence[str | os.PathLike] | None = None) -> int | None:
+def latest_step(*, root: str | os.PathLike | None = None, tiers: Sequence[str | os.PathLike] | None = None,
+                bucket_options: dict[str, Any] | None = None) -> int | None:
     """The step of the most recent commit on any tier (what ``load("latest")`` restores), or ``None``."""
     roots = tiers_of(root, tiers)
-    newest = _newest_commit([store.commits(r) for r in roots])
+    buckets = open_tiers(roots, bucket_options)
+    try:
+        newest = _newest_commit([tier_commits(r, buckets) for r in roots])
+    finally:
+        close_tiers(buckets)
     return None if newest is None else newest.step
 
 

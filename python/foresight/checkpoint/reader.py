@@ -61,14 +61,7 @@ def read_checkpoint(path: str, *, verify: bool = True, fio: FileIO | None = None
     index = store.read_index(path)
     cols = index["tensors"]
     files = index["files"]
-    try:
-        offsets = np.asarray(cols["offset"], dtype=np.int64)
-        nbytes = np.asarray(cols["nbytes"], dtype=np.int64)
-        file_ids = np.asarray(cols["file"], dtype=np.int64)
-        expected = np.array([int(h, 16) for h in cols["xxh3"]], dtype=np.uint64)
-        dtypes = [dtype_from_name(dt) for dt in cols["dtype"]]
-    except (KeyError, ValueError, TypeError) as e:
-        raise CheckpointError(f"index is malformed: {e}", path=os.path.join(path, store.INDEX)) from e
+    offsets, nbytes, file_ids, expected, dtypes = index_columns(index, os.path.join(path, store.INDEX))
     wanted = targets(index) if targets is not None else None
     buffers: list[torch.Tensor] = []
     for f in files:
@@ -77,12 +70,7 @@ def read_checkpoint(path: str, *, verify: bool = True, fio: FileIO | None = None
             buffers.append(buffer)
         else:
             buffers.append(torch.frombuffer(_alloc(align_up(nb)), dtype=torch.uint8))
-    tensors = []
-    for fi, o, n, dt, shape in zip(file_ids.tolist(), offsets.tolist(), nbytes.tolist(), dtypes, cols["shape"]):
-        try:
-            tensors.append(buffers[fi][o:o + n].view(dt).view(shape))
-        except (RuntimeError, IndexError) as e:
-            raise CheckpointError(f"index entry is inconsistent: {e}", path=path, offset=o, dtype=str(dt)) from e
+    tensors = tensor_views(buffers, index, file_ids, offsets, nbytes, dtypes, path)
     for fi, f in enumerate(files):
         fpath = os.path.join(path, f["name"])
         size_needed = int(f["bytes"])
@@ -124,14 +112,42 @@ def read_checkpoint(path: str, *, verify: bool = True, fio: FileIO | None = None
                     raise failures[k]
                 ids = sel[bounds[k]:bounds[k + 1]]
                 if len(ids):
-                    _consume(ids, mv, offsets, nbytes, expected, tensors, wanted, verify, fpath, cols["name"])
+                    verify_and_copy(ids, mv, offsets, nbytes, expected, tensors, wanted, verify, fpath, cols["name"])
         finally:
             driver.join()  # never free memory with reads still in flight into it
             os.close(fd)
     return tensors, index
 
 
-def _consume(ids: np.ndarray, mv: memoryview, offsets: np.ndarray, nbytes: np.ndarray, expected: np.ndarray,
+def index_columns(index: dict[str, Any], index_path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                                   list[torch.dtype]]:
+    """The index's per-tensor columns: offsets, byte counts, file numbers, xxh3 sums (arrays) and dtypes."""
+    cols = index["tensors"]
+    try:
+        offsets = np.asarray(cols["offset"], dtype=np.int64)
+        nbytes = np.asarray(cols["nbytes"], dtype=np.int64)
+        file_ids = np.asarray(cols["file"], dtype=np.int64)
+        expected = np.array([int(h, 16) for h in cols["xxh3"]], dtype=np.uint64)
+        dtypes = [dtype_from_name(dt) for dt in cols["dtype"]]
+    except (KeyError, ValueError, TypeError) as e:
+        raise CheckpointError(f"index is malformed: {e}", path=index_path) from e
+    return offsets, nbytes, file_ids, expected, dtypes
+
+
+def tensor_views(buffers: list[torch.Tensor], index: dict[str, Any], file_ids: np.ndarray, offsets: np.ndarray,
+                 nbytes: np.ndarray, dtypes: list[torch.dtype], path: str) -> list[torch.Tensor]:
+    """Every tensor of the index as a view of its data file's buffer (``buffers[file]`` holds the file's bytes)."""
+    tensors = []
+    for fi, o, n, dt, shape in zip(file_ids.tolist(), offsets.tolist(), nbytes.tolist(), dtypes,
+                                   index["tensors"]["shape"]):
+        try:
+            tensors.append(buffers[fi][o:o + n].view(dt).view(shape))
+        except (RuntimeError, IndexError) as e:
+            raise CheckpointError(f"index entry is inconsistent: {e}", path=path, offset=o, dtype=str(dt)) from e
+    return tensors
+
+
+def verify_and_copy(ids: np.ndarray, mv: memoryview, offsets: np.ndarray, nbytes: np.ndarray, expected: np.ndarray,
              tensors: list[torch.Tensor], targets: dict[int, torch.Tensor] | None, verify: bool, fpath: str,
              names: list[str]) -> None:
     """Verify the tensors ``ids`` (all read by now) and copy those with a target into it."""

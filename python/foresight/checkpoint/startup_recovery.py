@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from foresight.checkpoint import store
@@ -65,17 +66,19 @@ def recover_roots(roots: list[str]) -> list[str]:
     return moved
 
 
-def undrained(roots: list[str]) -> list[tuple[store.Commit, set[int]]]:
-    """Local commits (oldest first) with the slower tiers that still lack them.
+def undrained(roots: list[str], commits_of: Callable[[str], list[store.Commit]] = store.commits,
+              ) -> list[tuple[store.Commit, set[int]]]:
+    """Local commits (oldest first) with the slower tiers that still lack them (``commits_of(root)`` lists a
+    tier's commits: a bucket tier's come from its listing).
 
     Drains run in commit order, so a slower tier holds every local commit up to its own newest one,
     except those its retention deleted on purpose; a local commit newer than that never arrived.
     """
     if len(roots) < 2:
         return []
-    newest = [max((c.order for c in store.commits(r) if c.error is None), default=None) for r in roots[1:]]
+    newest = [max((c.order for c in commits_of(r) if c.error is None), default=None) for r in roots[1:]]
     out = []
-    for c in store.commits(roots[0]):
+    for c in commits_of(roots[0]):
         behind = {tier for tier, n in enumerate(newest, start=1) if n is None or c.order > n}
         if c.error is None and behind:
             out.append((c, behind))

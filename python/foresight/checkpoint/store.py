@@ -118,6 +118,11 @@ def read_marker(path: str) -> dict[str, Any]:
         raise CheckpointError("checkpoint is not committed (no COMMIT marker)", path=path) from e
     except OSError as e:
         raise CheckpointError(f"cannot read COMMIT marker: {e.strerror}", path=marker_path) from e
+    return parse_marker(raw, marker_path)
+
+
+def parse_marker(raw: bytes, marker_path: str) -> dict[str, Any]:
+    """A COMMIT marker's bytes, checked (JSON, its own xxh3, its sequence); errors name ``marker_path``."""
     try:
         marker = json.loads(raw)
         if not isinstance(marker, dict):
@@ -132,6 +137,14 @@ def read_marker(path: str) -> dict[str, Any]:
     if seq is not None and (not isinstance(seq, int) or isinstance(seq, bool) or seq < 0):
         raise CheckpointError("COMMIT marker is corrupt (bad commit sequence)", path=marker_path, seq=seq)
     return marker
+
+
+def sealed_marker(marker: dict[str, Any], **fields: Any) -> bytes:
+    """``marker`` with ``fields`` added and its own xxh3 recomputed, as the bytes of a COMMIT marker."""
+    out = {k: v for k, v in marker.items() if k != "marker_xxh3"}
+    out.update(fields)
+    out["marker_xxh3"] = _marker_digest(out)
+    return json.dumps(out).encode()
 
 
 def publish(tmp: str, root: str, step: int) -> str:
@@ -302,14 +315,18 @@ def read_index(path: str) -> dict[str, Any]:
     """Read and verify ``path/index.json`` against ``path/COMMIT``; raise CheckpointError naming the file
     at fault (COMMIT when the marker is damaged, the index when it does not match an intact marker)."""
     marker = read_marker(path)
-    marker_path = os.path.join(path, COMMIT)
     index_path = os.path.join(path, INDEX)
-    expected = marker["index_xxh3"]
     try:
         with open(index_path, "rb") as f:
             body = f.read()
     except OSError as e:
         raise CheckpointError(f"cannot read index: {e.strerror}", path=index_path) from e
+    return check_index(body, marker, index_path, os.path.join(path, COMMIT))
+
+
+def check_index(body: bytes, marker: dict[str, Any], index_path: str, marker_path: str) -> dict[str, Any]:
+    """The index ``body`` parsed, once it matches the verified ``marker``'s xxh3 and size."""
+    expected = marker["index_xxh3"]
     got = f"{xxhash.xxh3_64_intdigest(body):016x}"
     if got != expected or len(body) != marker.get("index_bytes", len(body)):
         if "marker_xxh3" in marker:  # the marker proved itself intact: the index is at fault

@@ -2,7 +2,8 @@
 
 A :class:`TierDrain` runs one thread (only when there is more than one tier) that takes the committed
 handles (:class:`~foresight.checkpoint.save_handle.SaveHandle`) in commit order, copies the step directory to every
-slower tier with the same atomic commit (:func:`copy_checkpoint`), and marks the handle durable. Steps still
+slower tier with the same atomic commit (:func:`copy_checkpoint`; to a bucket tier :meth:`.BucketTier.upload`:
+multipart uploads, COMMIT last), and marks the handle durable. Steps still
 to be copied are protected from the fastest tier's retention (:meth:`TierDrain.protected`).
 
 Example::
@@ -22,6 +23,7 @@ from typing import Any
 
 from foresight.checkpoint import store
 from foresight.checkpoint.aligned_io import FileIO, copy_file
+from foresight.checkpoint.bucket_tier import BucketTier
 from foresight.checkpoint.save_handle import SaveHandle
 from foresight.checkpoint.startup_recovery import holds_commit
 from foresight.errors import CheckpointError
@@ -31,12 +33,14 @@ from foresight.io.durable import fsync_dir
 class TierDrain:
     """The drain thread of a Checkpointer (none for a single tier) and the steps it still has to copy.
 
-    ``on_done(handle)`` runs once a handle is durable (the Checkpointer forgets it unless it failed).
+    ``on_done(handle)`` runs once a handle is durable (the Checkpointer forgets it unless it failed). ``buckets``
+    maps the ``s3://`` tiers to their :class:`~foresight.checkpoint.bucket_tier.BucketTier`.
     """
 
     def __init__(self, tiers: list[str], keep: list[int | None], fio: FileIO | None,
-                 on_done: Callable[[SaveHandle], None]) -> None:
+                 on_done: Callable[[SaveHandle], None], *, buckets: dict[str, BucketTier] | None = None) -> None:
         self.tiers, self.keep = tiers, keep
+        self._buckets = buckets or {}
         self._fio = fio
         self._on_done = on_done
         self._lock = threading.Lock()
@@ -92,6 +96,12 @@ class TierDrain:
                     for tier, (root, keep) in enumerate(zip(self.tiers[1:], self.keep[1:]), start=1):
                         if h._drain_tiers is not None and tier not in h._drain_tiers:
                             continue
+                        bucket = self._buckets.get(root)
+                        if bucket is not None:
+                            if not bucket.holds_commit(h.step, marker):
+                                bucket.upload(h.path, h.step)
+                            retain_bucket(bucket, keep)
+                            continue
                         if not holds_commit(root, h.step, marker):  # a resumed drain may find it there
                             copy_checkpoint(h.path, root, h.step, fio=self._fio)
                         retain(root, keep, ())
@@ -113,6 +123,14 @@ def retain(root: str, keep: int | None, protect: Any) -> None:
         store.apply_retention(root, keep, protect=protect)
     except OSError as e:
         warnings.warn(f"foresight.checkpoint: retention in {root} failed: {e}", RuntimeWarning, stacklevel=1)
+
+
+def retain_bucket(bucket: BucketTier, keep: int | None) -> None:
+    """Retention on a bucket tier; a failure to delete is a warning, never a failed save (the commit is in)."""
+    try:
+        bucket.retain(keep)
+    except OSError as e:  # BucketError included: one line, no credentials
+        warnings.warn(f"foresight.checkpoint: retention in {bucket.root} failed: {e}", RuntimeWarning, stacklevel=1)
 
 
 def copy_checkpoint(src: str, root: str, step: int, *, fio: FileIO | None = None) -> str:

@@ -317,6 +317,9 @@ def _dcp_writer_class() -> type:
 
         def __init__(self, path: str | os.PathLike, *, replicate: Replication, step: int, **kwargs: Any) -> None:
             super().__init__(path, **kwargs)
+            if self.in_bucket:  # the replication node reads the checkpoint's local files
+                raise ValueError(f"a replicated DCP checkpoint is written to a local directory, not {self.path}: "
+                                 "give the bucket as drain_to=")
             self.replicate, self.step = replicate, step
 
         def _write_file(self, fio: Any, fd: int, view: memoryview, path: str) -> None:

@@ -1,0 +1,120 @@
+"""The objects under one bucket prefix, written whole and read whole or by extents: what checkpoints keep in a bucket.
+
+:class:`BucketPrefix` puts local files and in-memory buffers as multipart uploads (parts of ``part_bytes`` sent
+``part_concurrency`` at a time) and counts an object as written only once a HEAD shows the size sent and the ETag
+the upload returned; it lists, deletes, and reads through the :class:`~.fetch.RangedFetcher` (coalesced ranged GETs
+pinned to the ETag, so a replaced object is refused, never mixed). Every request is retried as the fetcher's are and
+fails with a one-line :class:`~foresight.errors.BucketError` naming the object, never quoting a credential.
+
+Example::
+
+    with BucketPrefix("s3://ckpt/run1") as b:
+        ref = b.put("step-1/data-00000.bin", "/nvme/ckpt/step-00000001/data-00000.bin")  # ObjectRef: size, ETag
+        b.put("step-1/COMMIT", b"{...}")                       # a marker, after every data object is in
+        b.list("step-1")                                       # {"step-1/COMMIT": ObjectRef, ...}
+        got = b.fetch(ref, np.array([0, 8192]), np.array([4096, 9000]))   # two extents, coalesced GETs
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from foresight.errors import BucketError
+
+from .config import open_store
+from .fetch import Fetched, ObjectRef, RangedFetcher, RetryPolicy
+from .url import BucketURL
+
+__all__ = ["BucketPrefix", "DEFAULT_PART_BYTES"]
+
+DEFAULT_PART_BYTES = 16 << 20  # S3 takes parts of 5 MiB - 5 GiB; 16 MiB is a few round trips' worth of transfer
+
+
+class BucketPrefix:
+    """Objects under ``url`` (``s3://bucket/prefix``); names passed in are relative to the prefix."""
+
+    def __init__(self, url: str | BucketURL, *, options: dict[str, Any] | None = None,
+                 retry: RetryPolicy = RetryPolicy(), concurrency: int = 16, part_bytes: int = DEFAULT_PART_BYTES,
+                 part_concurrency: int = 8) -> None:
+        if part_bytes < 5 << 20:
+            raise ValueError(f"part_bytes must be at least 5 MiB (S3's smallest part), got {part_bytes}")
+        self.url = url if isinstance(url, BucketURL) else BucketURL.parse(url)
+        self.part_bytes = int(part_bytes)
+        self.part_concurrency = int(part_concurrency)
+        self.store = open_store(self.url, options)
+        self.fetcher = RangedFetcher(self.store, self.url, concurrency=concurrency, retry=retry)
+
+    def close(self) -> None:
+        self.fetcher.close()
+
+    def __enter__(self) -> "BucketPrefix":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def put(self, name: str, data: str | os.PathLike | bytes | memoryview | BinaryIO) -> ObjectRef:
+        """Upload a local file (by path), a buffer or a seekable binary file object as object ``name`` (multipart
+        above ``part_bytes``, parts sent concurrently; the whole object is sent again on a retried failure), then
+        check it with a HEAD."""
+        import obstore
+
+        url = self.url.child(name)
+        if isinstance(data, (str, os.PathLike)):
+            size, source = os.path.getsize(data), Path(data)
+        elif hasattr(data, "read"):
+            size, source = data.seek(0, os.SEEK_END), data
+        else:
+            source = memoryview(data).cast("B")
+            size = source.nbytes
+
+        def put(store: Any, key: str) -> Any:
+            if hasattr(source, "seek"):
+                source.seek(0)  # a retry sends the object again from its start
+            return obstore.put(store, key, source, chunk_size=self.part_bytes, max_concurrency=self.part_concurrency)
+
+        result = self.fetcher.call(url, put, url.prefix)
+        ref = self.fetcher.head(name)
+        sent_etag = result.get("e_tag") if isinstance(result, dict) else None
+        if ref.size != size or (sent_etag and ref.etag != sent_etag):
+            raise BucketError(f"object not stored as sent: {ref.size} of {size} bytes, ETag {ref.etag} after an "
+                              f"upload that returned {sent_etag}", "changed", object=str(url))
+        return ref
+
+    def head(self, name: str) -> ObjectRef:
+        """Size and ETag of object ``name``."""
+        return self.fetcher.head(name)
+
+    def get(self, ref: ObjectRef) -> bytes:
+        """The whole object, pinned to ``ref``'s size and ETag."""
+        return self.fetcher.get_whole(ref)
+
+    def fetch(self, ref: ObjectRef, starts: np.ndarray, ends: np.ndarray) -> Fetched:
+        """The extents ``[starts[i], ends[i])`` of one object in coalesced, concurrent ranged GETs pinned to its
+        ETag; extent ``i`` lands at ``result.transfers.x_dest[i]`` of ``result.region``."""
+        starts = np.asarray(starts, dtype=np.int64)
+        return self.fetcher.fetch([ref], np.zeros(len(starts), np.int32), starts,
+                                  np.asarray(ends, dtype=np.int64) - starts)
+
+    def list(self, under: str = "") -> dict[str, ObjectRef]:
+        """Every object under ``under`` (recursively; "" for the whole prefix), by name relative to the prefix."""
+        import obstore
+
+        prefix = self.url.key(under) if under else self.url.prefix
+        metas = self.fetcher.call(self.url.child(under) if under else self.url,
+                                  lambda store, p: [m for batch in obstore.list(store, p) for m in batch],
+                                  prefix or None)
+        self.fetcher.stats.add(requests=1)
+        cut = len(self.url.prefix) + 1 if self.url.prefix else 0
+        return {m["path"][cut:]: ObjectRef(self.url.child(m["path"][cut:]), int(m["size"]), m.get("e_tag"))
+                for m in metas}
+
+    def delete(self, names: list[str]) -> None:
+        """Delete objects ``names`` (a missing one is no error)."""
+        import obstore
+
+        if names:
+            self.fetcher.call(self.url.child(names[0]), obstore.delete, [self.url.key(n) for n in names])
