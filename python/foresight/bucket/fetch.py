@@ -285,7 +285,7 @@ class RangedFetcher:
         import obstore
 
         url = self.url.child(name)
-        result = self._call(url, obstore.put, url.prefix, Path(path))
+        result = self.call(url, obstore.put, url.prefix, Path(path))
         size = os.path.getsize(path)
         self.stats.add(requests=1, bytes=size)
         return ObjectRef(url, size, result.get("e_tag"))
@@ -295,7 +295,7 @@ class RangedFetcher:
         import obstore
 
         url = self.url.child(name)
-        self._call(url, obstore.delete, url.prefix)
+        self.call(url, obstore.delete, url.prefix)
         self.stats.add(requests=1)
 
     def list_objects(self) -> list[ObjectRef]:
@@ -303,7 +303,7 @@ class RangedFetcher:
         import obstore
 
         prefix = self.url.prefix + "/" if self.url.prefix else None
-        listing = self._call(self.url, obstore.list_with_delimiter, prefix)
+        listing = self.call(self.url, obstore.list_with_delimiter, prefix)
         self.stats.add(requests=1)
         return sorted((ObjectRef(BucketURL(self.url.bucket, o["path"]), int(o["size"]), o.get("e_tag"))
                        for o in listing["objects"]), key=lambda r: r.key)
