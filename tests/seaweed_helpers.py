@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 import pytest
 
+from foresight.format import DatasetWriter, open_dataset
 from foresight.testing.seaweed import ACCESS_KEY, SeaweedServer, weed_binary  # noqa: F401  (re-exported)
 
 
@@ -45,3 +48,13 @@ def s3_env(seaweed, monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
     return seaweed
+
+
+def token_dataset(path, *, docs: int, max_len: int, shard_bytes: int, seed: int = 0):
+    """A small packed token dataset (several shards, unaligned) to upload: opened locally, for comparison."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, max_len, size=docs)
+    tokens = rng.integers(0, 60000, size=int(lengths.sum())).astype(np.uint16)
+    with DatasetWriter(str(path), align=0, token_dtype="uint16", shard_bytes=shard_bytes) as w:
+        w.add_many(tokens, lengths, modality="tokens")
+    return open_dataset(str(path))

@@ -17,7 +17,7 @@ from foresight import open_dataset
 from foresight.format import DatasetWriter
 from foresight.loader import Loader
 from foresight.plan import build_plan
-from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
+from seaweed_helpers import s3_env, seaweed, token_dataset  # noqa: F401  (fixtures)
 
 
 def _bytes_dataset(path, *, n=120, seed=1, shard_bytes=200_000):
@@ -28,13 +28,8 @@ def _bytes_dataset(path, *, n=120, seed=1, shard_bytes=200_000):
     return open_dataset(str(path))
 
 
-def _token_dataset(path, *, docs=300, seed=0):
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, 200, size=docs)
-    tokens = rng.integers(0, 60000, size=int(lengths.sum())).astype(np.uint16)
-    with DatasetWriter(str(path), align=0, token_dtype="uint16", shard_bytes=40_000) as w:
-        w.add_many(tokens, lengths, modality="tokens")
-    return open_dataset(str(path))
+def _token_dataset(path, *, seed=0):
+    return token_dataset(path, docs=300, max_len=200, shard_bytes=40_000, seed=seed)
 
 
 def _batches(ds, plan, key):

@@ -21,18 +21,13 @@ from foresight.format import DatasetWriter, write_megatron_dataset
 from foresight.loader import Loader
 from foresight.plan import build_plan, load_plan
 from cli_helpers import run_cli
-from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
+from seaweed_helpers import s3_env, seaweed, token_dataset  # noqa: F401  (fixtures)
 
 PLAN_ARGS = ["--seed", "5", "--global-batch-size", "8", "--seq-len", "24", "--steps", "10"]
 
 
-def _token_dataset(path, *, docs=200, seed=0):
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, 120, size=docs)
-    tokens = rng.integers(0, 60000, size=int(lengths.sum())).astype(np.uint16)
-    with DatasetWriter(str(path), align=0, token_dtype="uint16", shard_bytes=20_000) as w:
-        w.add_many(tokens, lengths, modality="tokens")
-    return open_dataset(str(path))
+def _token_dataset(path, *, seed=0):
+    return token_dataset(path, docs=200, max_len=120, shard_bytes=20_000, seed=seed)
 
 
 def _megatron_pair(folder, *, docs=150, seed=1):
