@@ -200,6 +200,21 @@ class RangedFetcher:
         self.stats.add(requests=1)
         return ObjectRef(url, int(meta["size"]), meta.get("e_tag"))
 
+    def list(self) -> list[ObjectRef]:
+        """Every object under the URL's prefix (one paged listing, retried as one request; a missing bucket or
+        denied access is a :class:`BucketError` naming the bucket or the URL)."""
+        import obstore
+
+        prefix = self.url.prefix
+
+        def listing(store):
+            return [meta for page in obstore.list(store, f"{prefix}/" if prefix else None, chunk_size=1000)
+                    for meta in page]
+
+        metas = self._call(self.url, listing)
+        self.stats.add(requests=1 + len(metas) // 1000)
+        return [ObjectRef(BucketURL(self.url.bucket, m["path"]), int(m["size"]), m.get("e_tag")) for m in metas]
+
     def get_whole(self, ref: ObjectRef) -> bytes:
         """The whole object (manifests, maps), checked against its recorded size and ETag."""
         if ref.size == 0:

@@ -102,14 +102,18 @@ class PlanPrefetcher(Closing):
     # -- the consumer side ---------------------------------------------------------------------------------------
     def on_step(self, info: dict | int) -> None:
         """The loader's ``on_step`` hook (or call it with a step number): steps up to this one are read."""
-        step = int(info["step"] if isinstance(info, dict) else info)
+        self.advance(int(info["step"] if isinstance(info, dict) else info))
+        if self.error is not None:
+            raise self.error
+
+    def advance(self, step: int) -> None:
+        """Steps up to ``step`` are read: the position alone (a stopped prefetcher's error stays in :attr:`error`,
+        for a consumer that goes on fetching on demand, such as a storage node)."""
         pos = int(np.searchsorted(self.acc.steps, step, side="right")) - 1
         with self._cv:
             if pos > self._consumed:
                 self._consumed = pos
                 self._cv.notify_all()
-        if self.error is not None:
-            raise self.error
 
     def close(self) -> None:
         thread = self.__dict__.get("_thread")

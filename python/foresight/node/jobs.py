@@ -7,7 +7,8 @@ serves; each travels with its ``position`` in the step so the client can assembl
 
 Example::
 
-    job = NodeJob.open(root, request, token="t", served_shards=lambda fp: None, decode_threads=2)
+    job = NodeJob.open(request, token="t", node="n1", served_shards=lambda fp: None, decode_threads=2,
+                       open_cache=lambda kind, name: opened[kind, name])   # the node opens, under its root
     part = job.prepare(step=3, engine=engine, raw=False)     # StepPart: Arrow schema + record batches
 """
 from __future__ import annotations
@@ -98,15 +99,16 @@ class NodeJob:
     bounds: dict = field(default_factory=dict)  # the most a sample, a step part and decoding take (limits.py)
     refused: str | None = None  # why the node stopped serving the job (its dataset changed under the root)
     guard_reply: str = "raw"  # under the CPU guard: "raw" sample bytes, or "defer" (the client reads them itself)
+    prefetch: Any = None  # a bucket root's JobPrefetch (node.bucket_root): fetches the plan's next steps ahead
     last_seen: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def open(cls, root: str, req: dict, *, token: str, node: str, served_shards: Callable[[str], Any],
+    def open(cls, req: dict, *, token: str, node: str, served_shards: Callable[[str], Any],
              decode_threads: int | None, open_cache: Callable[[str, str], Any],
              limits: WorkLimits | None = None) -> "NodeJob":
-        datasets = [open_cache("dataset", resolve_under(root, name, "dataset")) for name in req["datasets"]]
-        plan = open_cache("plan", resolve_under(root, req["plan"], "plan"))
+        datasets = [open_cache("dataset", name) for name in req["datasets"]]
+        plan = open_cache("plan", req["plan"])
         if plan.digest != req["plan_digest"]:
             raise ProtocolError("plan on the node has another digest", plan=req["plan"], node_digest=plan.digest,
                                 requested=req["plan_digest"])
@@ -228,6 +230,8 @@ class NodeJob:
         return bad
 
     def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
         self.stage.close()
         self.files.close()
 
