@@ -8,9 +8,12 @@ import subprocess
 import sys
 
 import numpy as np
+import obstore
 import pyarrow.flight as flight
 import pytest
 
+from foresight.bucket import BucketURL
+from foresight.bucket.config import open_store
 from foresight.bucket.upload import upload_dataset
 from foresight.cluster.auth import connect
 from foresight.format import DatasetWriter, open_dataset
@@ -24,8 +27,8 @@ from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory):
-    """The media dataset (3 shards) and a plan of 2 epochs, packed here, and a token dataset beside it."""
-    r = make_root(str(tmp_path_factory.mktemp("local")), samples=24, steps=12, batch=4, shard_bytes=100_000)
+    """The media dataset (several shards) and a plan of 2 epochs, packed here, and a token dataset beside it."""
+    r = make_root(str(tmp_path_factory.mktemp("local")), samples=24, steps=12, batch=4)
     r["reference"] = host_reference(r["dataset"], r["plan"])
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 200, size=300)
@@ -51,17 +54,27 @@ def _health(node: NodeProc) -> dict:
         client.close()
 
 
+def _put_plan(plan_dir: str, url: str) -> None:
+    """A plan directory into the bucket, plan.json last (as a dataset's manifest)."""
+    url = BucketURL.parse(url)
+    store = open_store(url)
+    for name in sorted(os.listdir(plan_dir), key=lambda n: n == "plan.json"):
+        obstore.put(store, url.key(name), os.path.join(plan_dir, name))
+
+
 def test_node_over_a_bucket_serves_the_local_loaders_tensors_in_few_requests(s3_env, local, tmp_path):
     upload_dataset(os.path.join(local["root"], "media"), "s3://nodes/root/media")
     upload_dataset(os.path.join(local["root"], "tokens"), "s3://nodes/root/text/tokens")
+    _put_plan(os.path.join(local["root"], "plans", "p1"), "s3://nodes/root/plans/p1")
     node = NodeProc("s3://nodes/root", str(tmp_path / "node"), "--cache-dir", str(tmp_path / "cache"),
                     "--cpu-threshold", "101", name="bucket")
     try:
         # both datasets found in the bucket, under the fingerprints of the local copies (clients match on them)
-        datasets = _health(node)["datasets"]
-        assert datasets["media"]["fingerprint"] == str(local["dataset"].fingerprint)
-        assert datasets["text/tokens"]["fingerprint"] == str(local["tokens"].fingerprint)
+        health = _health(node)
+        assert health["datasets"]["media"]["fingerprint"] == str(local["dataset"].fingerprint)
+        assert health["datasets"]["text/tokens"]["fingerprint"] == str(local["tokens"].fingerprint)
         plan = local["plan"]
+        assert health["plans"] == {plan.digest: "plans/p1"}  # the bucket's plan, copied to the cache directory
         stage = MediaDecodeStage([local["dataset"]], SPECS, seed=9, threads=2)
         source = NodeSource(stage, plan, nodes=[node.location], token=TOKEN, job="bucket")
         try:
@@ -73,7 +86,7 @@ def test_node_over_a_bucket_serves_the_local_loaders_tensors_in_few_requests(s3_
             source.close()
             stage.close()
         assert got == local["reference"]  # decoded next to the cache: the host's tensors, step by step
-        assert source.stats["plans_uploaded"] == 1  # kept in the cache directory, by digest
+        assert source.stats["plans_uploaded"] == 0  # the node had it from the bucket
         assert source.stats["samples_local"] == 0 and source.stats["samples_remote"] == plan.num_steps * 4
         assert status["root"] == "s3://nodes/root"
         media = status["bucket"]["s3://nodes/root/media"]
@@ -86,9 +99,9 @@ def test_node_over_a_bucket_serves_the_local_loaders_tensors_in_few_requests(s3_
         assert status["jobs"]["bucket.0"]["prefetch"]["stopped"] == 0
     finally:
         node.terminate()
-    # the cache directory is the bucket root's local side: each dataset's cache, the uploaded plan
+    # the cache directory is the bucket root's local side: each dataset's cache, the plans
     mirror = tmp_path / "cache" / "nodes" / "root"
-    assert (mirror / "media" / "manifest.json").is_file() and (mirror / ".uploads" / "plans").is_dir()
+    assert (mirror / "media" / "manifest.json").is_file() and (mirror / "plans" / "p1" / "plan.json").is_file()
 
 
 def test_restarted_node_serves_from_its_cache_without_fetching_again(s3_env, local, tmp_path):
@@ -108,8 +121,10 @@ def test_restarted_node_serves_from_its_cache_without_fetching_again(s3_env, loc
             media = _status(node)["bucket"]["s3://nodes/again/media"]
         finally:
             node.terminate()
-        if run == 1:  # the cache kept across the restart: every sample a hit, only metadata requests
-            assert media["misses"] == 0 and media["fetched_bytes"] == 0 and source.stats["plans_uploaded"] == 0
+        # the plan uploaded once; the cache and the plan kept across the restart: every sample a hit
+        assert source.stats["plans_uploaded"] == 1 - run
+        if run == 1:
+            assert media["misses"] == 0 and media["fetched_bytes"] == 0
 
 
 def _serve_fails(tmp_path, root: str, env: dict, *extra: str) -> str:
@@ -184,5 +199,30 @@ def test_node_under_a_cache_budget_evicts_by_the_plan_and_serves_the_same_tensor
         assert prefetch["evicted_samples"] > 0 and prefetch["stopped"] == 0
         media = _status(node)["bucket"]["s3://nodes/budget/media"]
         assert media["cached_bytes"] < int(ds.sample_bytes().sum())  # the demand path may pass the target a little
+    finally:
+        node.terminate()
+
+
+def test_bucket_down_at_a_rescan_keeps_the_last_listing_and_the_node_serves_on(s3_env, local, tmp_path):
+    upload_dataset(os.path.join(local["root"], "media"), "s3://nodes/down/media")
+    node = NodeProc("s3://nodes/down", str(tmp_path / "node"), "--cache-dir", str(tmp_path / "cache"),
+                    "--cpu-threshold", "101", "--rescan-s", "1", name="down")
+    try:
+        try:
+            s3_env.stop()  # SIGKILL: the periodic rescan's listing fails past its retry budget
+            wait_for(lambda: _status(node)["failed_scans"] >= 1, timeout=180, what="a failed rescan")
+            assert "media" in _health(node)["datasets"]  # the last listing stays
+        finally:
+            if s3_env.proc is None:
+                s3_env.start()
+        assert "not rescanned" in node.log() and s3_env.secret_key not in node.log()
+        stage = MediaDecodeStage([local["dataset"]], SPECS, seed=9, threads=2)
+        source = NodeSource(stage, local["plan"], nodes=[node.location], token=TOKEN, job="down")
+        try:
+            assert run_source(local["dataset"], local["plan"], source) == local["reference"]
+        finally:
+            source.close()
+            stage.close()
+        assert source.stats["samples_local"] == 0
     finally:
         node.terminate()

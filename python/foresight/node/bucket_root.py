@@ -3,7 +3,8 @@
 :class:`BucketRootIndex` is :class:`~foresight.node.root_index.RootIndex` over a bucket: one listing of the prefix
 finds every ``<name>/manifest.json`` (names as under a local root, at most ``depth + 1`` parts, none hidden), each
 manifest is fetched once per ETag and fingerprinted as a local one is (so a client holding the local copy finds
-its dataset by the same fingerprint). Datasets open through :func:`foresight.open_dataset` with the cache
+its dataset by the same fingerprint). A plan directory in the bucket (``<name>/plan.json`` and its arrays) is
+copied into the local root once per version of its objects and listed by digest like an uploaded one. Datasets open through :func:`foresight.open_dataset` with the cache
 directory, as ``cache_dir/bucket/prefix/<name>``; the node's local root (plans uploaded by clients, the
 datasets' caches) is ``cache_dir/bucket/prefix``. A missing bucket or wrong keys fail the first listing: the node
 does not start, with one line naming the bucket (and never a secret).
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 from typing import Any
 
 from foresight._closing import Closing
@@ -35,8 +38,10 @@ from foresight.bucket.config import open_store
 from foresight.bucket.dataset import local_dir_of
 from foresight.bucket.opener import open_dataset
 from foresight.bucket.prefetch import PlanPrefetcher
-from foresight.errors import ProtocolError
-from foresight.node.root_index import MANIFEST, RootIndex, manifest_info, scan_root
+from foresight.errors import BucketError, ProtocolError
+from foresight.node.plans import is_plan_file
+from foresight.node.root_index import MANIFEST, Changes, RootIndex, manifest_info, scan_root
+from foresight.plan.files import PLAN_JSON
 
 log = logging.getLogger("foresight.node")
 
@@ -52,6 +57,8 @@ class BucketRootIndex(RootIndex):
         self.cache_dir = os.path.abspath(os.fspath(cache_dir))
         self.options, self.retry = options, retry
         self._manifests: dict[str, tuple[str | None, dict | None]] = {}  # dataset name -> (ETag, info)
+        self._plans: dict[str, list] = {}  # plan directory -> its objects (name, ETag, size) as copied
+        self.failed_scans = 0
         self._fetcher = RangedFetcher(open_store(self.url, options), self.url, concurrency=8, retry=retry)
         try:
             local = local_dir_of(self.url, self.cache_dir)
@@ -64,11 +71,16 @@ class BucketRootIndex(RootIndex):
     def _scan(self) -> tuple[dict[str, dict], dict[str, str]]:
         skip = len(self.url.prefix) + 1 if self.url.prefix else 0
         found: dict[str, ObjectRef] = {}
+        plan_files: dict[str, dict[str, ObjectRef]] = {}  # directory -> {file name: object} of plan-like files
         for ref in self._fetcher.list():
             parts = ref.key[skip:].split("/")
-            if (parts[-1] == MANIFEST and 2 <= len(parts) <= self.depth + 2
-                    and not any(p.startswith(".") or not p for p in parts[:-1])):
+            if not 2 <= len(parts) <= self.depth + 2 or any(p.startswith(".") or not p for p in parts[:-1]):
+                continue
+            if parts[-1] == MANIFEST:
                 found["/".join(parts[:-1])] = ref
+            elif is_plan_file(parts[-1]):
+                plan_files.setdefault("/".join(parts[:-1]), {})[parts[-1]] = ref
+        self._mirror_plans({d: files for d, files in plan_files.items() if PLAN_JSON in files and d not in found})
         # a dataset inside another's directory is not one (a local scan stops at the first manifest too)
         names = [n for n in sorted(found) if not any(n.startswith(f"{o}/") for o in found if o != n)]
         new = [n for n in names if self._manifests.get(n, (None,))[0] != found[n].etag or found[n].etag is None]
@@ -79,6 +91,44 @@ class BucketRootIndex(RootIndex):
         datasets = {n: info for n, (_, info) in sorted(manifests.items()) if info is not None}
         _, plans = scan_root(self.root, self.depth, self._cache)  # plans: uploaded by clients, kept locally
         return datasets, plans
+
+    def _mirror_plans(self, plan_dirs: dict[str, dict[str, ObjectRef]]) -> None:
+        """Copy each plan directory of the bucket into the local root (again when one of its objects changed), so
+        the local scan lists it by digest as it lists an uploaded plan. A plan that fails to copy is logged and
+        left unlisted (a half-written upload to the bucket: the next scan tries again)."""
+        for rel, files in sorted(plan_dirs.items()):
+            signature = sorted((name, ref.etag, ref.size) for name, ref in files.items())
+            if self._plans.get(rel) == signature:
+                continue
+            final = os.path.join(self.root, *rel.split("/"))
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=".incoming-", dir=os.path.dirname(final))
+            try:
+                names = sorted(files)
+                for name, data in zip(names, self._fetcher.map(lambda n: self._fetcher.get_whole(files[n]), names)):
+                    with open(os.path.join(tmp, name), "wb") as f:
+                        f.write(data)
+                if os.path.isdir(final):  # replaced in the bucket: the old copy goes (a plan open on it keeps its
+                    old = tempfile.mkdtemp(prefix=".replaced-", dir=os.path.dirname(final))  # open files)
+                    os.rename(final, os.path.join(old, "plan"))
+                    shutil.rmtree(old, ignore_errors=True)
+                os.rename(tmp, final)
+                self._plans[rel] = signature
+            except BucketError as e:
+                log.warning("plan in the bucket not copied; left unlisted", extra={"plan": rel, "error": str(e)})
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def rescan(self) -> Changes:
+        """As :meth:`RootIndex.rescan`; a bucket that cannot be listed now (down past the retry budget) keeps the
+        last listing, with a warning and :attr:`failed_scans` counted (the start-up scan raises instead)."""
+        try:
+            return super().rescan()
+        except BucketError as e:
+            self.failed_scans += 1
+            log.warning("bucket root not rescanned; the last listing stays", extra={"root": str(self.url),
+                                                                                   "error": str(e)[:300]})
+            return Changes()
 
     def stale(self, names: list[str]) -> bool:
         """True when a name is unknown or its manifest's ETag changed since the last scan (one HEAD per name)."""

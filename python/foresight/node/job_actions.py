@@ -90,7 +90,7 @@ class JobActions:
         if self.bucket is not None:  # per bucket dataset opened: requests, bytes, cache hits and misses
             with self._open_lock:
                 opened = dict(self._opened)
-            snap.update(root=str(self.bucket), bucket=bucket_status(opened))
+            snap.update(root=str(self.bucket), bucket=bucket_status(opened), failed_scans=self.index.failed_scans)
         return snap
 
     def _register_job(self, context, req: dict) -> dict:
