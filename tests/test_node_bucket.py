@@ -15,10 +15,11 @@ import pytest
 from foresight.bucket import BucketURL
 from foresight.bucket.config import open_store
 from foresight.bucket.upload import upload_dataset
-from foresight.cluster.auth import connect
+from foresight.cluster.auth import call_options, connect
 from foresight.format import DatasetWriter, open_dataset
 from foresight.loader import MediaDecodeStage
 from foresight.node.client import NodeSource
+from foresight.node.plans import upload_plan
 from foresight.plan import build_plan
 from node_helpers import (SPECS, TOKEN, NodeProc, flight_action, host_reference, job_request, make_root, run_source,
                           wait_for)
@@ -97,6 +98,19 @@ def test_node_over_a_bucket_serves_the_local_loaders_tensors_in_few_requests(s3_
         assert media["requests"] < plan.num_items, media  # every request (listing, maps, data): < 1 per sample
         assert "s3://nodes/root/text/tokens" not in status["bucket"]
         assert status["jobs"]["bucket.0"]["prefetch"]["stopped"] == 0
+        # the token dataset is the client's to read (a Loader over the same bucket): a node decodes media, and a
+        # token plan's job is refused by name
+        tokens = build_plan([(local["tokens"], 1.0)], seed=7, global_batch_size=8, seq_len=32, num_steps=4)
+        tokens.save(str(tmp_path / "token-plan"))
+        client = connect(node.location)
+        try:
+            upload_plan(client, str(tmp_path / "token-plan"), tokens.digest, call_options("tok", TOKEN, timeout=60))
+            req = job_request({"plan": tokens}, job="tok", datasets=["text/tokens"],
+                              plan=_health(node)["plans"][tokens.digest])
+            with pytest.raises(flight.FlightServerError, match="media"):
+                flight_action(client, "register_job", req, job="tok", token=TOKEN)
+        finally:
+            client.close()
     finally:
         node.terminate()
     # the cache directory is the bucket root's local side: each dataset's cache, the plans
@@ -226,3 +240,50 @@ def test_bucket_down_at_a_rescan_keeps_the_last_listing_and_the_node_serves_on(s
         assert source.stats["samples_local"] == 0
     finally:
         node.terminate()
+
+
+def test_node_fetches_only_the_samples_it_decodes(s3_env, tmp_path):
+    """Images in the first shards, videos in the last ones, a job decoding images only: the node (its prefetch and
+    its reads) fetches no sample of a video-only shard; the client reads the videos itself."""
+    from test_loader_media import _clip, _jpeg
+
+    from foresight.media import probe_media
+
+    with DatasetWriter(str(tmp_path / "mixed"), shard_bytes=20000) as w:
+        for i in range(8):
+            w.add(_jpeg(i), modality="image", meta=probe_media(_jpeg(i), "image"))
+        for i in range(8):
+            w.add(_clip(i), modality="video", meta=probe_media(_clip(i), "video"))
+    ds = open_dataset(str(tmp_path / "mixed"))
+    plan = build_plan([(ds, 1.0)], seed=4, global_batch_size=4, num_steps=8)
+    plan.save(str(tmp_path / "plan"))
+    images = {"image": SPECS["image"]}
+    stage = MediaDecodeStage([ds], images, seed=9, threads=2)
+    try:
+        reference = run_source(ds, plan, stage)
+    finally:
+        stage.close()
+    upload_dataset(str(tmp_path / "mixed"), "s3://nodes/mixed/media")
+    node = NodeProc("s3://nodes/mixed", str(tmp_path / "node"), "--cache-dir", str(tmp_path / "cache"),
+                    "--cpu-threshold", "101", name="mixed")
+    try:
+        stage = MediaDecodeStage([ds], images, seed=9, threads=2)
+        source = NodeSource(stage, plan, nodes=[node.location], token=TOKEN, job="mixed")
+        try:
+            assert run_source(ds, plan, source) == reference
+            wait_for(lambda: _status(node)["jobs"]["mixed.0"]["prefetch"]["prefetched_steps"] == plan.num_steps,
+                     what="the prefetcher to reach the plan's end")
+        finally:
+            source.close()
+            stage.close()
+        assert source.stats["samples_remote"] > 0 and source.stats["samples_local"] == 0
+    finally:
+        node.terminate()
+    ext = ds.lookup(np.arange(ds.num_samples))
+    codes = np.asarray(ds.modality_codes())
+    video_only = [s for s in np.unique(ext.shard) if (codes[ext.shard == s] == codes[8]).all()]
+    assert video_only  # the layout this test needs: shards holding videos alone
+    present = np.fromfile(tmp_path / "cache" / "nodes" / "mixed" / "media" / ".foresight-cache" / "present",
+                          dtype=np.uint8)
+    assert present[codes != codes[8]].any()  # the images were fetched
+    assert not present[np.isin(ext.shard, video_only)].any()  # nothing of the video-only shards

@@ -10,7 +10,8 @@ datasets' caches) is ``cache_dir/bucket/prefix``. A missing bucket or wrong keys
 does not start, with one line naming the bucket (and never a secret).
 
 :class:`JobPrefetch` drives one :class:`~foresight.bucket.prefetch.PlanPrefetcher` per bucket dataset of a job
-over the job's rank share from the step it registered at. The node reports each step its client has taken
+over the job's rank share from the step it registered at, limited to the samples the node reads for the job (the
+shards it serves, the modalities the job decodes; :meth:`~foresight.node.jobs.NodeJob.node_samples`). The node reports each step its client has taken
 (:meth:`JobPrefetch.advance`: a step served or reported as progress, which the node never reads again), so the
 bytes of the ``lookahead`` steps after it are fetched (coalesced, block-filled) before the node's queue prepares
 them (``lookahead`` is above the job's lead: every step the queue may be reading is pinned under a budget), and
@@ -171,7 +172,7 @@ class JobPrefetch(Closing):
                 if isinstance(ds, BucketDataset):
                     self.prefetchers.append((d, PlanPrefetcher(
                         ds, job.plan, dataset=d, rank=job.rank, world_size=job.world_size, start_step=start_step,
-                        lookahead=lookahead, budget_bytes=budget_bytes)))
+                        lookahead=lookahead, budget_bytes=budget_bytes, keep=job.node_samples(d))))
         except BaseException:
             self.close()
             raise
