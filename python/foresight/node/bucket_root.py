@@ -4,18 +4,19 @@
 finds every ``<name>/manifest.json`` (names as under a local root, at most ``depth + 1`` parts, none hidden), each
 manifest is fetched once per ETag and fingerprinted as a local one is (so a client holding the local copy finds
 its dataset by the same fingerprint). A plan directory in the bucket (``<name>/plan.json`` and its arrays) is
-copied into the local root once per version of its objects and listed by digest like an uploaded one. Datasets open through :func:`foresight.open_dataset` with the cache
-directory, as ``cache_dir/bucket/prefix/<name>``; the node's local root (plans uploaded by clients, the
-datasets' caches) is ``cache_dir/bucket/prefix``. A missing bucket or wrong keys fail the first listing: the node
-does not start, with one line naming the bucket (and never a secret).
+copied into the local root once per version of its objects and listed by digest like an uploaded one. Datasets
+open through :func:`foresight.open_dataset` with the cache directory, as ``cache_dir/bucket/prefix/<name>``; the
+node's local root (plans, the datasets' caches) is ``cache_dir/bucket/prefix``. A missing bucket or wrong keys
+fail the first listing: the node does not start, with one line naming the bucket (and never a secret).
 
 :class:`JobPrefetch` drives one :class:`~foresight.bucket.prefetch.PlanPrefetcher` per bucket dataset of a job
 over the job's rank share from the step it registered at, limited to the samples the node reads for the job (the
-shards it serves, the modalities the job decodes; :meth:`~foresight.node.jobs.NodeJob.node_samples`). The node reports each step its client has taken
-(:meth:`JobPrefetch.advance`: a step served or reported as progress, which the node never reads again), so the
-bytes of the ``lookahead`` steps after it are fetched (coalesced, block-filled) before the node's queue prepares
-them (``lookahead`` is above the job's lead: every step the queue may be reading is pinned under a budget), and
-under a budget what the plan needs furthest in the future is evicted first.
+shards it serves, the modalities the job decodes; :meth:`~foresight.node.jobs.NodeJob.node_samples`). The node
+reports each step its client has taken (:meth:`JobPrefetch.advance`: a step served or reported as progress, which
+the node never reads again), so the bytes of the ``lookahead`` steps after it are fetched (coalesced,
+block-filled) before the node's queue prepares them (``lookahead`` is above the job's lead: every step the queue
+may be reading is pinned under a budget), and under a budget what the plan needs furthest in the future is
+evicted first.
 
 Example::
 
