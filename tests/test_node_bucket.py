@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import obstore
+import obstore.exceptions
 import pyarrow.flight as flight
 import pytest
 
@@ -61,6 +62,16 @@ def _put_plan(plan_dir: str, url: str) -> None:
     store = open_store(url)
     for name in sorted(os.listdir(plan_dir), key=lambda n: n == "plan.json"):
         obstore.put(store, url.key(name), os.path.join(plan_dir, name))
+
+
+def _serves(url: str) -> bool:
+    """Whether the server answers a GET of ``url`` (a restarted SeaweedFS answers 500 for a few seconds)."""
+    url = BucketURL.parse(url)
+    try:
+        obstore.get(open_store(url), url.prefix).bytes()
+        return True
+    except obstore.exceptions.BaseError:
+        return False
 
 
 def test_node_over_a_bucket_serves_the_local_loaders_tensors_in_few_requests(s3_env, local, tmp_path):
@@ -165,6 +176,8 @@ def test_bad_bucket_root_fails_at_start_with_one_line_naming_the_bucket(s3_env, 
     assert "not-the-right-secret-42" not in out and s3_env.secret_key not in out
     out = _serve_fails(tmp_path, "s3://nodes/keys", {k: v for k, v in env.items() if k != "FORESIGHT_BUCKET_CACHE"})
     assert "--cache-dir" in out and "s3://nodes/keys" in out
+    out = _serve_fails(tmp_path, str(tmp_path), env, "--cache-dir", cache)  # a local root has no cache tier
+    assert "s3:// root only" in out
 
 
 def test_a_bucket_dataset_added_after_start_is_found_when_a_job_names_it(s3_env, local, tmp_path):
@@ -229,6 +242,7 @@ def test_bucket_down_at_a_rescan_keeps_the_last_listing_and_the_node_serves_on(s
         finally:
             if s3_env.proc is None:
                 s3_env.start()
+        wait_for(lambda: _serves("s3://nodes/down/media/manifest.json"), what="the restarted server to serve GETs")
         assert "not rescanned" in node.log() and s3_env.secret_key not in node.log()
         stage = MediaDecodeStage([local["dataset"]], SPECS, seed=9, threads=2)
         source = NodeSource(stage, local["plan"], nodes=[node.location], token=TOKEN, job="down")
@@ -237,7 +251,7 @@ def test_bucket_down_at_a_rescan_keeps_the_last_listing_and_the_node_serves_on(s
         finally:
             source.close()
             stage.close()
-        assert source.stats["samples_local"] == 0
+        assert source.stats["samples_local"] == 0, node.log()[-6000:]
     finally:
         node.terminate()
 

@@ -110,6 +110,8 @@ class NodeServer(JobActions, flight.FlightServerBase):
                 raise NodeError("a bucket root is read through a local cache: give --cache-dir (or set "
                                 "FORESIGHT_BUCKET_CACHE)", root=root)
             self.index: RootIndex = BucketRootIndex(root, cache_dir, options=bucket_options, retry=bucket_retry)
+        elif cache_dir is not None or cache_budget is not None:
+            raise NodeError("--cache-dir and --cache-budget apply to an s3:// root only", root=root)
         elif not os.path.isdir(root):
             raise NodeError("data root is not a directory", root=root)
         else:
