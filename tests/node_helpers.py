@@ -26,7 +26,7 @@ BIG_SPECS = {
 }
 
 
-def make_root(root: str, *, samples: int = 12, steps: int = 6, batch: int = 4) -> dict:
+def make_root(root: str, *, samples: int = 12, steps: int = 6, batch: int = 4, shard_bytes: int = 20000) -> dict:
     """A data root with one media dataset (several shards) and a plan under ``plans/p1``."""
     from test_loader_media import _clip, _jpeg
 
@@ -35,7 +35,7 @@ def make_root(root: str, *, samples: int = 12, steps: int = 6, batch: int = 4) -
     from foresight.plan import build_plan
 
     os.makedirs(root, exist_ok=True)
-    with DatasetWriter(os.path.join(root, "media"), shard_bytes=20000) as w:
+    with DatasetWriter(os.path.join(root, "media"), shard_bytes=shard_bytes) as w:
         for i in range(samples):
             data, kind = (_jpeg(i), "image") if i % 2 else (_clip(i), "video")
             w.add(data, modality=kind, meta=probe_media(data, kind))

@@ -50,6 +50,11 @@ def test_plan_accesses_are_each_steps_distinct_samples(multi_epoch):
         assert acc.of(k).tolist() == sorted(set(np.asarray(plan.pieces(start, stop).sample).tolist()))
     half = plan_accesses(plan, rank=1, world_size=2, start_step=10, step_stride=5)
     assert half.steps.tolist() == list(range(10, 60, 5)) and half.of(0).size <= 4
+    keep = np.arange(ds.num_samples) % 3 == 0  # a storage node's share: only these samples are its accesses
+    mine = plan_accesses(plan, keep=keep)
+    assert mine.steps.tolist() == acc.steps.tolist()
+    for k in range(plan.num_steps):
+        assert mine.of(k).tolist() == [s for s in acc.of(k).tolist() if s % 3 == 0]
 
 
 @pytest.mark.parametrize("fraction", [0.1, 0.3, 0.6])

@@ -13,7 +13,7 @@ redacted). Each retry is logged once at WARNING and counted in :attr:`RangedFetc
 
 Whole objects go through the same retried calls: :meth:`RangedFetcher.download` (a plan's arrays, a Megatron
 ``.idx``: ranged GETs of at most ``max_transfer`` bytes each, pinned to the ETag), :meth:`~RangedFetcher.put_file`,
-:meth:`~RangedFetcher.delete` and :meth:`~RangedFetcher.list_objects` (the objects directly under the prefix).
+:meth:`~RangedFetcher.delete` and :meth:`~RangedFetcher.list` (the objects under the prefix, or directly under it).
 
 Example::
 
@@ -298,15 +298,22 @@ class RangedFetcher:
         self.call(url, obstore.delete, url.prefix)
         self.stats.add(requests=1)
 
-    def list_objects(self) -> list[ObjectRef]:
-        """The objects directly under the URL's prefix (not those of deeper "folders"), sorted by key."""
+    def list(self, under: str = "", *, deep: bool = True) -> list[ObjectRef]:
+        """The objects under the URL's prefix (or ``under`` it), sorted by key: all of them (``deep``: one paged
+        listing, retried as one request) or only those directly under it, not those of deeper "folders". A missing
+        bucket or denied access is a :class:`BucketError` naming the bucket or the URL."""
         import obstore
 
-        prefix = self.url.prefix + "/" if self.url.prefix else None
-        listing = self.call(self.url, obstore.list_with_delimiter, prefix)
-        self.stats.add(requests=1)
-        return sorted((ObjectRef(BucketURL(self.url.bucket, o["path"]), int(o["size"]), o.get("e_tag"))
-                       for o in listing["objects"]), key=lambda r: r.key)
+        url = self.url.child(under) if under else self.url
+        prefix = f"{url.prefix}/" if url.prefix else None
+        if deep:
+            metas = self.call(url, lambda store, p: [m for page in obstore.list(store, p, chunk_size=1000)
+                                                     for m in page], prefix)
+        else:
+            metas = self.call(url, obstore.list_with_delimiter, prefix)["objects"]
+        self.stats.add(requests=1 + len(metas) // 1000)
+        return sorted((ObjectRef(BucketURL(url.bucket, m["path"]), int(m["size"]), m.get("e_tag")) for m in metas),
+                      key=lambda r: r.key)
 
     def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         """``[fn(x) for x in items]`` run on the fetcher's threads (each call its own requests, concurrently);

@@ -114,7 +114,7 @@ def mirror_prefix(url: str | BucketURL, cache_dir: str | os.PathLike, *, marker:
         if seen is not None and seen.get("etag") == head.etag and seen.get("size") == head.size \
                 and os.path.isfile(os.path.join(local, marker)):
             return local
-        refs = fetcher.list_objects()
+        refs = fetcher.list(deep=False)
         names = [r.key.rsplit("/", 1)[-1] for r in refs]
         marker_ref = next((r for r, n in zip(refs, names) if n == marker), head)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(local)}.tmp-", dir=os.path.dirname(local))

@@ -101,16 +101,8 @@ class BucketPrefix:
 
     def list(self, under: str = "") -> dict[str, ObjectRef]:
         """Every object under ``under`` (recursively; "" for the whole prefix), by name relative to the prefix."""
-        import obstore
-
-        prefix = self.url.key(under) if under else self.url.prefix
-        metas = self.fetcher.call(self.url.child(under) if under else self.url,
-                                  lambda store, p: [m for batch in obstore.list(store, p) for m in batch],
-                                  prefix or None)
-        self.fetcher.stats.add(requests=1)
         cut = len(self.url.prefix) + 1 if self.url.prefix else 0
-        return {m["path"][cut:]: ObjectRef(self.url.child(m["path"][cut:]), int(m["size"]), m.get("e_tag"))
-                for m in metas}
+        return {ref.key[cut:]: ref for ref in self.fetcher.list(under)}
 
     def delete(self, names: list[str]) -> None:
         """Delete objects ``names`` (a missing one is no error)."""

@@ -48,9 +48,11 @@ class Accesses:
 
 
 def plan_accesses(plan: Any, dataset: int = 0, *, rank: int = 0, world_size: int = 1, start_step: int = 0,
-                  end_step: int | None = None, step_stride: int = 1) -> Accesses:
+                  end_step: int | None = None, step_stride: int = 1, keep: np.ndarray | None = None) -> Accesses:
     """The distinct samples of dataset ``dataset`` that each of this rank's steps uses, in the loader's order
-    (the same ``start_step``/``end_step``/``step_stride`` as :class:`~foresight.loader.Loader`)."""
+    (the same ``start_step``/``end_step``/``step_stride`` as :class:`~foresight.loader.Loader`). ``keep`` (bool per
+    sample of the dataset): only those samples count (a storage node's: the shards it serves, the modalities it
+    decodes)."""
     end = plan.num_steps if end_step is None else min(int(end_step), plan.num_steps)
     steps = np.arange(int(start_step), end, int(step_stride), dtype=np.int64)
     parts, counts = [], []
@@ -58,6 +60,8 @@ def plan_accesses(plan: Any, dataset: int = 0, *, rank: int = 0, world_size: int
         start, stop = plan.rank_items(step, rank, world_size)
         pieces = plan.pieces(start, stop)
         sample = np.asarray(pieces.sample, dtype=np.int64)[np.asarray(pieces.dataset) == dataset]
+        if keep is not None:
+            sample = sample[keep[sample]]
         ids = np.unique(sample)
         parts.append(ids)
         counts.append(ids.size)

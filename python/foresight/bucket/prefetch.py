@@ -61,13 +61,14 @@ class PlanPrefetcher(Closing):
     ``group_steps`` (``lookahead // 2``) steps are fetched together, once all of them are inside the window: more
     samples per coalesced fetch, so more of them share a GET. ``max_gap`` is the coalescer's gap for these fetches
     (None: 0 under a budget, where gap bytes would mostly be evicted unused; the fetcher's own otherwise).
-    ``fill_block``/``fill_bytes``: the block fill of the module doc (0: off; only without a budget)."""
+    ``fill_block``/``fill_bytes``: the block fill of the module doc (0: off; only without a budget). ``keep`` (bool
+    per sample): only those samples of the plan are fetched and pinned (a storage node's share of them)."""
 
     def __init__(self, ds: BucketDataset, plan: Any, *, dataset: int = 0, rank: int = 0, world_size: int = 1,
                  start_step: int = 0, end_step: int | None = None, step_stride: int = 1, lookahead: int = 8,
                  budget_bytes: int | None = None, horizon: int | None = None,
                  group_steps: int | None = None, max_gap: int | None = None, fill_block: int = FILL_BLOCK,
-                 fill_bytes: int = FILL_BYTES) -> None:
+                 fill_bytes: int = FILL_BYTES, keep: np.ndarray | None = None) -> None:
         if lookahead < 1:
             raise ValueError(f"lookahead must be >= 1, got {lookahead}")
         group_steps = max(1, lookahead // 2) if group_steps is None else int(group_steps)
@@ -82,7 +83,7 @@ class PlanPrefetcher(Closing):
         self.ds = ds
         self.cache = ds.cache
         self.acc = plan_accesses(plan, dataset, rank=rank, world_size=world_size, start_step=start_step,
-                                 end_step=end_step, step_stride=step_stride)
+                                 end_step=end_step, step_stride=step_stride, keep=keep)
         self.next_use = NextUse(self.acc)
         self.lookahead = int(lookahead)
         self.budget_bytes = budget_bytes
@@ -112,7 +113,13 @@ class PlanPrefetcher(Closing):
 
     def on_step(self, info: dict | int) -> None:
         """The loader's ``on_step`` hook (or call it with a step number): steps up to this one are read."""
-        step = int(info["step"] if isinstance(info, dict) else info)
+        self.advance(int(info["step"] if isinstance(info, dict) else info))
+        if self.error is not None:
+            raise self.error
+
+    def advance(self, step: int) -> None:
+        """Steps up to ``step`` are read: the position alone (a stopped prefetcher's error stays in :attr:`error`,
+        for a consumer that goes on fetching on demand, such as a storage node)."""
         pos = int(np.searchsorted(self.acc.steps, step, side="right")) - 1
         with self._cv:
             if pos > self._consumed:
@@ -120,8 +127,6 @@ class PlanPrefetcher(Closing):
                     self._pins.hold(self._window(pos))  # before the loader looks up the steps entering the window
                 self._consumed = pos
                 self._cv.notify_all()
-        if self.error is not None:
-            raise self.error
 
     def close(self) -> None:
         thread = self.__dict__.get("_thread")

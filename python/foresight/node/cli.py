@@ -4,6 +4,7 @@ shards, issue a job's token.
 Example::
 
     foresight node serve --root /data --port 7000 --etcd http://127.0.0.1:2379 --metrics-port 9100
+    foresight node serve --root s3://data/root --cache-dir /nvme/cache --cache-budget 500G   # datasets in a bucket
     foresight node status --etcd http://127.0.0.1:2379          # or --node grpc://127.0.0.1:7000
     foresight node place --etcd http://127.0.0.1:2379 /data/media --nodes n1,n2
     foresight node job-token --etcd http://127.0.0.1:2379 --job run-7      # prints run-7's new token
@@ -21,6 +22,7 @@ from foresight.bucket.opener import open_dataset
 from foresight.cluster.auth import connect
 from foresight.cluster.membership import Cluster
 from foresight.cluster.throttle import ServiceLimit, parse_amounts
+from foresight.format.cli import parse_size
 from foresight.node.limits import WorkLimits
 from foresight.node.logs import setup_json_logging
 from foresight.node.server import NodeServer
@@ -34,7 +36,18 @@ EXIT_MARGIN_S = CANCEL_WAIT_S + 10.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="node_command", metavar="ACTION", required=True)
     s = sub.add_parser("serve", help="serve a data root over Arrow Flight (foreground; SIGTERM stops it cleanly)")
-    s.add_argument("--root", required=True, help="data root: datasets and plans are named relative to it")
+    s.add_argument("--root", required=True,
+                   help="data root: datasets and plans are named relative to it; or s3://bucket/prefix: datasets in "
+                        "a bucket, read through --cache-dir")
+    s.add_argument("--cache-dir", default=None,
+                   help="an s3:// root's local cache (node-local NVMe; default $FORESIGHT_BUCKET_CACHE): the "
+                        "datasets' fetched bytes and the plans clients upload")
+    s.add_argument("--cache-budget", type=parse_size, default=None,
+                   help="bytes each bucket dataset's cache may hold, e.g. 50G (default: no limit); over it, what the "
+                        "jobs' plans need furthest in the future is evicted")
+    s.add_argument("--cache-lookahead", type=int, default=8,
+                   help="steps of each job's plan fetched from the bucket ahead of the step the node reads "
+                        "(default %(default)s)")
     s.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
     s.add_argument("--port", type=int, default=0, help="0 picks a free port (see --ready-file)")
     s.add_argument("--node-id", default=None,
@@ -153,7 +166,8 @@ def _serve(args: argparse.Namespace) -> int:
         rescan_s=args.rescan_s, shutdown_grace_s=args.shutdown_grace_s,
         served_shards=(lambda fp: cluster.served_shards(node_id_box[0], fp)) if cluster else None,
         admission=args.admission, issued_tokens=cluster.job_token_digest if cluster else None,
-        max_jobs_per_caller=args.max_jobs_per_caller)
+        max_jobs_per_caller=args.max_jobs_per_caller, cache_dir=args.cache_dir, cache_budget=args.cache_budget,
+        cache_lookahead=args.cache_lookahead)
     node_id_box.append(server.node_id)
     mount_from_args(server, replication)
     metrics_port = (server.metrics.serve_http(args.metrics_port, args.metrics_host)

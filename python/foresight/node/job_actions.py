@@ -21,7 +21,8 @@ import pyarrow.flight as flight
 
 from foresight.errors import ForesightError, NodeError, ProtocolError
 from foresight.cluster.auth import caller_of, cluster_job
-from foresight.node.jobs import NodeJob, resolve_under, spec_digest
+from foresight.node.bucket_root import bucket_status
+from foresight.node.jobs import NodeJob, spec_digest
 from foresight.node.plans import receive_plan
 from foresight.node.protocol import PROTOCOL_VERSION
 from foresight.node.root_index import Changes
@@ -81,9 +82,15 @@ class JobActions:
         for job_id, q in list(self.scheduler.queues.items()):  # every registered job, with its queue as it is now
             with q.cond:
                 live = {"queue_depth": len(q.ready), "lead": q.lead(), "queue_bytes": q.nbytes, "progress": q.progress}
+            if q.job.prefetch is not None:
+                live["prefetch"] = q.job.prefetch.stats()
             jobs[job_id] = dict(snap["jobs"].get(job_id, {"fallback_rate": 0.0}), **live)
         snap.update(jobs=jobs, node=self.node_id, instance=self.instance, location=self.location,
                     max_jobs=self.max_jobs, streams=self._inflight.count, cpu_measure=self.guard.measure)
+        if self.bucket is not None:  # per bucket dataset opened: requests, bytes, cache hits and misses
+            with self._open_lock:
+                opened = dict(self._opened)
+            snap.update(root=str(self.bucket), bucket=bucket_status(opened), failed_scans=self.index.failed_scans)
         return snap
 
     def _register_job(self, context, req: dict) -> dict:
@@ -124,8 +131,13 @@ class JobActions:
         if self.index.stale(req["datasets"]):  # a dataset added or repacked since the last scan: see it now
             self.rescan("registration")
         req = dict(req, lead=min(req["lead"], self.max_lead), queue_bytes=min(req["queue_bytes"], self.max_queue_bytes))
-        job = NodeJob.open(self.root, req, token=token, node=self.node_id, served_shards=self.served_shards,
+        job = NodeJob.open(req, token=token, node=self.node_id, served_shards=self.served_shards,
                            decode_threads=self.decode_threads, open_cache=self._open_cached, limits=self.limits)
+        try:
+            job.prefetch = self._start_prefetch(job, req["step"])
+        except BaseException:
+            job.close()
+            raise
         with self._jobs_lock:
             if len(self._jobs) >= self.max_jobs:
                 job.close()
@@ -147,6 +159,8 @@ class JobActions:
         with q.cond:
             q.set_progress(req["step"])
             lead = q.lead()
+        if q.job.prefetch is not None:
+            q.job.prefetch.advance(req["step"])
         self._queue_metrics(q)
         return {"job": req["job"], "progress": q.progress, "lead": lead}
 
@@ -175,7 +189,7 @@ class JobActions:
     def _dataset_by_fingerprint(self, fingerprint: str):
         """The dataset under the root with this fingerprint, opened (a compact plan upload derives from it)."""
         name = next((n for n, info in self.datasets.items() if info.get("fingerprint") == fingerprint), None)
-        return None if name is None else self._open_cached("dataset", resolve_under(self.root, name, "dataset"))
+        return None if name is None else self._open_cached("dataset", name)
 
     # -- registry ---------------------------------------------------------------------------------------
     def _drop_job(self, job_id: str) -> None:

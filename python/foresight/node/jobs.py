@@ -7,7 +7,8 @@ serves; each travels with its ``position`` in the step so the client can assembl
 
 Example::
 
-    job = NodeJob.open(root, request, token="t", served_shards=lambda fp: None, decode_threads=2)
+    job = NodeJob.open(request, token="t", node="n1", served_shards=lambda fp: None, decode_threads=2,
+                       open_cache=lambda kind, name: opened[kind, name])   # the node opens, under its root
     part = job.prepare(step=3, engine=engine, raw=False)     # StepPart: Arrow schema + record batches
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import xxhash
 
+from foresight.bucket import BucketDataset
 from foresight.checksum import xxh3_many
 from foresight.errors import ProtocolError
 from foresight.io import open_file
@@ -50,6 +52,20 @@ def resolve_under(root: str, name: str, what: str) -> str:
     if not os.path.isdir(path):
         raise ProtocolError(f"no such {what} under the node's data root", name=name)
     return path
+
+
+class _MapsOnly:
+    """A bucket dataset seen through its maps alone: ``lookup`` gives extents and fetches nothing, so a step's
+    extents cost no request; the node then fetches only the samples it reads (:meth:`NodeJob.prepare`)."""
+
+    def __init__(self, ds: BucketDataset) -> None:
+        self.ds = ds
+
+    def lookup(self, ids: np.ndarray):
+        return self.ds.cache.lookup(ids)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ds, name)
 
 
 @dataclass
@@ -98,15 +114,17 @@ class NodeJob:
     bounds: dict = field(default_factory=dict)  # the most a sample, a step part and decoding take (limits.py)
     refused: str | None = None  # why the node stopped serving the job (its dataset changed under the root)
     guard_reply: str = "raw"  # under the CPU guard: "raw" sample bytes, or "defer" (the client reads them itself)
+    prefetch: Any = None  # a bucket root's JobPrefetch (node.bucket_root): fetches the plan's next steps ahead
+    extent_sources: list = field(default_factory=list)  # what steps' extents are looked up in (bucket: maps only)
     last_seen: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def open(cls, root: str, req: dict, *, token: str, node: str, served_shards: Callable[[str], Any],
+    def open(cls, req: dict, *, token: str, node: str, served_shards: Callable[[str], Any],
              decode_threads: int | None, open_cache: Callable[[str, str], Any],
              limits: WorkLimits | None = None) -> "NodeJob":
-        datasets = [open_cache("dataset", resolve_under(root, name, "dataset")) for name in req["datasets"]]
-        plan = open_cache("plan", resolve_under(root, req["plan"], "plan"))
+        datasets = [open_cache("dataset", name) for name in req["datasets"]]
+        plan = open_cache("plan", req["plan"])
         if plan.digest != req["plan_digest"]:
             raise ProtocolError("plan on the node has another digest", plan=req["plan"], node_digest=plan.digest,
                                 requested=req["plan_digest"])
@@ -142,7 +160,8 @@ class NodeJob:
                    queue_bytes=req["queue_bytes"], served=served, stage=stage, files=files, node=node,
                    dataset_names=list(req["datasets"]),
                    spec_codes=np.asarray(sorted(spec_codes(specs).values()), dtype=np.int16),
-                   local_file=local, bounds=bounds, guard_reply=req.get("guard_reply", "raw"))
+                   local_file=local, bounds=bounds, guard_reply=req.get("guard_reply", "raw"),
+                   extent_sources=[_MapsOnly(ds) if isinstance(ds, BucketDataset) else ds for ds in datasets])
 
     def check_token(self, token: str | None) -> bool:
         return token is not None and hmac.compare_digest(token.encode(), self.token.encode())
@@ -162,7 +181,7 @@ class NodeJob:
         sample that fails is neither decoded nor sent: its position travels in the part's ``corrupt`` metadata so
         the client decodes it itself, and ``corrupt(dataset_name, sample_ids)`` reports it."""
         start, stop = self.plan.rank_items(step, self.rank, self.world_size)
-        ext = step_extents(self.plan, self.datasets, self.files, start, stop)
+        ext = step_extents(self.plan, self.extent_sources, self.files, start, stop)
         codes = modality_codes(self.datasets, ext.dataset, ext.sample)
         sel = np.flatnonzero(self.local_file[ext.file] & np.isin(codes, self.spec_codes))
         kind = KIND_RAW if raw else KIND_DECODED
@@ -174,6 +193,7 @@ class NodeJob:
         if len(sel) == 0:
             schema, batches, copied = encode_tensors(kind, [], step=step, node=self.node)
             return StepPart(step, kind, schema, batches, 0, 0, copied)
+        self._fetch_missing(ext.dataset[sel], ext.sample[sel])
         # a fresh region per step: raw parts hand it to Arrow without a copy, and lead steps are queued at once
         part = read_extents(engine, self.files, ext.file[sel], ext.offset[sel], ext.length[sel])
         region, x_dest, lengths = part.region, part.offsets, part.lengths
@@ -213,6 +233,21 @@ class NodeJob:
         return StepPart(step, kind, schema, batches, nbytes, len(sel), copied,
                         0 if bad_positions is None else len(bad_positions))
 
+    def node_samples(self, d: int) -> np.ndarray:
+        """Bool per sample of dataset ``d``: those this node reads for the job (a shard it serves, a modality the
+        job decodes); a bucket dataset's prefetch fetches these alone."""
+        ds = self.datasets[d]
+        shard = self.extent_sources[d].lookup(np.arange(ds.num_samples, dtype=np.int64)).shard
+        return self.local_file[self.files.base[d] + shard] & np.isin(np.asarray(ds.modality_codes()), self.spec_codes)
+
+    def _fetch_missing(self, dataset: np.ndarray, samples: np.ndarray) -> None:
+        """The samples of bucket datasets this part reads, made present in their caches (one coalesced fetch per
+        dataset, of these samples only: not the step's others, which other nodes or the client read)."""
+        for d in np.unique(dataset):
+            ds = self.datasets[int(d)]
+            if isinstance(ds, BucketDataset):
+                ds.cache.ensure(samples[dataset == d])
+
     def _failed_checksums(self, dataset: np.ndarray, samples: np.ndarray, region: np.ndarray, x_dest: np.ndarray,
                           lengths: np.ndarray) -> np.ndarray:
         """True where the bytes read at ``region[x_dest:][:lengths]`` are not the packed sample's (xxh3 of the
@@ -228,6 +263,8 @@ class NodeJob:
         return bad
 
     def close(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
         self.stage.close()
         self.files.close()
 

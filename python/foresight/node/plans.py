@@ -35,6 +35,12 @@ UPLOAD_DIR = os.path.join(".uploads", "plans")
 _FILE = re.compile(r"^(plan\.json|[a-z_]{1,40}\.npy)$")
 
 
+def is_plan_file(name: str) -> bool:
+    """Whether ``name`` is a file a plan directory holds (``plan.json`` and its ``.npy`` arrays; nothing else is
+    sent or copied)."""
+    return bool(_FILE.match(name))
+
+
 def _schema():
     import pyarrow as pa
 
@@ -143,4 +149,4 @@ def receive_plan(root: str, digest: str, reader, *, max_bytes: int,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["UPLOAD_DIR", "receive_plan", "upload_plan"]
+__all__ = ["UPLOAD_DIR", "is_plan_file", "receive_plan", "upload_plan"]

@@ -76,9 +76,18 @@ def _manifest_info(path: str) -> dict | None:
     try:
         with open(path, "rb") as f:
             raw = f.read(256 << 20)
+    except OSError:
+        return None  # unreadable: not a dataset yet
+    return manifest_info(raw)
+
+
+def manifest_info(raw: bytes) -> dict | None:
+    """``{fingerprint, shards}`` of a manifest's bytes (the fingerprint a dataset opened from them has); None when
+    they do not parse (half-written: a pack in progress)."""
+    try:
         return {"fingerprint": xxhash.xxh3_128_hexdigest(raw), "shards": len(json.loads(raw).get("shards", []))}
-    except (OSError, ValueError, AttributeError):
-        return None  # unreadable or half-written (a pack in progress): not a dataset yet
+    except (ValueError, AttributeError):
+        return None
 
 
 @dataclass
@@ -100,11 +109,15 @@ class RootIndex:
         self.depth = depth
         self._cache: dict = {}
         self._lock = threading.Lock()
-        self.datasets, self.plans = scan_root(self.root, depth, self._cache)
+        self.datasets, self.plans = self._scan()
+
+    def _scan(self) -> tuple[dict[str, dict], dict[str, str]]:
+        """``(datasets, plans)`` as they are now (a subclass reads another kind of root)."""
+        return scan_root(self.root, self.depth, self._cache)
 
     def rescan(self) -> Changes:
         with self._lock:
-            datasets, plans = scan_root(self.root, self.depth, self._cache)
+            datasets, plans = self._scan()
             old, self.datasets, self.plans = self.datasets, datasets, plans
         fp = {n: d["fingerprint"] for n, d in datasets.items()}
         was = {n: d["fingerprint"] for n, d in old.items()}
@@ -122,4 +135,4 @@ class RootIndex:
         return False
 
 
-__all__ = ["Changes", "RootIndex", "scan_root"]
+__all__ = ["Changes", "RootIndex", "manifest_info", "scan_root"]

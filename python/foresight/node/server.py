@@ -35,6 +35,7 @@ import pyarrow.flight as flight
 # the decode stack, imported with the server so that a job's first registration does not pay for it (and time out)
 import foresight.loader  # noqa: F401
 import foresight.media  # noqa: F401
+from foresight.bucket import BucketDataset, RetryPolicy, is_bucket_url
 from foresight.bucket.opener import open_dataset
 from foresight.cluster.auth import Admission, HeaderMiddlewareFactory, read_pem
 from foresight.cluster.metrics import NodeMetrics
@@ -42,7 +43,8 @@ from foresight.errors import ForesightError, NodeError, ProtocolError
 from foresight.io import IOEngine
 from foresight.node.guard import CpuGuard
 from foresight.node.job_actions import JobActions
-from foresight.node.jobs import NodeJob
+from foresight.node.bucket_root import BucketRootIndex, JobPrefetch
+from foresight.node.jobs import NodeJob, resolve_under
 from foresight.node.limits import WorkLimits
 from foresight.node.protocol import ACTION_DECODERS, decode_action, decode_ticket, parse_request
 from foresight.node.queue import Scheduler
@@ -58,7 +60,14 @@ class NodeServer(JobActions, flight.FlightServerBase):
     """See the module docstring. Keyword-only options.
 
     Args:
-        root: the data root; every dataset and plan name resolves inside it (names escaping it are refused).
+        root: the data root; every dataset and plan name resolves inside it (names escaping it are refused). Or
+            ``s3://bucket/prefix``: datasets in a bucket, read through ``cache_dir`` (see
+            :mod:`foresight.node.bucket_root`); plans uploaded by clients are kept in the cache directory.
+        cache_dir: the bucket root's local cache (node-local NVMe; default ``$FORESIGHT_BUCKET_CACHE``).
+        cache_budget: bytes each bucket dataset's cache may hold (None: never evict); over it, each job's
+            prefetcher evicts what its plan needs furthest in the future.
+        cache_lookahead: steps past the last step the node read that a job's prefetcher fetches ahead.
+        bucket_options: obstore S3 config keys over the standard ``AWS_*`` places; bucket_retry: the retry budget.
         location: ``grpc://host:port`` or ``grpc+tls://host:port`` (port 0 picks one; see :attr:`location`).
         tls: (certificate chain PEM path, private key PEM path) for ``grpc+tls``.
         client_ca: CA PEM path; when given, clients must present a certificate it signed (mutual TLS).
@@ -92,9 +101,24 @@ class NodeServer(JobActions, flight.FlightServerBase):
                  max_plan_bytes: int = 256 << 20, limits: WorkLimits | None = None, rescan_s: float = 10.0,
                  shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, admission: str = "open",
                  issued_tokens: Callable[[str], str | None] | None = None, max_jobs_per_caller: int | None = None,
-                 cpu_measure: str = "process") -> None:
-        if not os.path.isdir(root):
+                 cpu_measure: str = "process", cache_dir: str | None = None, cache_budget: int | None = None,
+                 cache_lookahead: int = 8, bucket_options: dict[str, Any] | None = None,
+                 bucket_retry: RetryPolicy = RetryPolicy()) -> None:
+        if is_bucket_url(root):  # checked before the port is bound: a bad bucket or bad keys never serve
+            cache_dir = cache_dir or os.environ.get("FORESIGHT_BUCKET_CACHE")
+            if not cache_dir:
+                raise NodeError("a bucket root is read through a local cache: give --cache-dir (or set "
+                                "FORESIGHT_BUCKET_CACHE)", root=root)
+            self.index: RootIndex = BucketRootIndex(root, cache_dir, options=bucket_options, retry=bucket_retry)
+        elif cache_dir is not None or cache_budget is not None:
+            raise NodeError("--cache-dir and --cache-budget apply to an s3:// root only", root=root)
+        elif not os.path.isdir(root):
             raise NodeError("data root is not a directory", root=root)
+        else:
+            self.index = RootIndex(root)
+        self.bucket = self.index.url if isinstance(self.index, BucketRootIndex) else None
+        self.cache_budget = cache_budget
+        self.cache_lookahead = int(cache_lookahead)
         kwargs: dict[str, Any] = {"middleware": {"auth": HeaderMiddlewareFactory()}}
         if tls is not None:
             kwargs["tls_certificates"] = [flight.CertKeyPair(cert=read_pem(tls[0]), key=read_pem(tls[1]))]
@@ -104,7 +128,7 @@ class NodeServer(JobActions, flight.FlightServerBase):
         super().__init__(location, **kwargs)
         scheme, _, rest = location.partition("://")
         self.location = f"{scheme}://{rest.rsplit(':', 1)[0]}:{self.port}"
-        self.root = os.path.realpath(root)
+        self.root = self.index.root  # a bucket root's local side: its cache directory
         self.node_id = node_id or f"{os.uname().nodename}-{self.port}"
         self.instance = f"{os.getpid()}-{time.time_ns()}"  # changes on restart: clients re-register
         self.max_jobs, self.max_queue_bytes, self.max_lead = int(max_jobs), int(max_queue_bytes), int(max_lead)
@@ -118,7 +142,6 @@ class NodeServer(JobActions, flight.FlightServerBase):
         self.served_shards = served_shards or (lambda fingerprint: None)
         self.metrics = NodeMetrics()
         self.guard = CpuGuard(cpu_threshold, interval=guard_interval, measure=cpu_measure).start()
-        self.index = RootIndex(self.root)
         self.rescan_s = float(rescan_s)
         self._last_scan = time.monotonic()
         self._jobs: dict[str, NodeJob] = {}
@@ -144,7 +167,8 @@ class NodeServer(JobActions, flight.FlightServerBase):
                                    on_change=self._queue_metrics)
         self._janitor = threading.Thread(target=self._janitor_loop, name="foresight-node-janitor", daemon=True)
         self._janitor.start()
-        log.info("node serving", extra={"node": self.node_id, "location": self.location, "root": self.root,
+        log.info("node serving", extra={"node": self.node_id, "location": self.location,
+                                        "root": str(self.bucket or self.root),
                                         "datasets": len(self.datasets), "plans": len(self.plans),
                                         "cpu_threshold": cpu_threshold, "cpu_measure": cpu_measure})
 
@@ -226,6 +250,8 @@ class NodeServer(JobActions, flight.FlightServerBase):
             if q is None:
                 raise NodeError("job was unregistered", job=job.job)
             part = q.take(t["step"], lambda s: self._produce(job, s, self._engine()))
+            if job.prefetch is not None:  # the node reads no step up to this one again: the window moves on
+                job.prefetch.advance(t["step"])
             self.scheduler.wake()
             self._queue_metrics(q)
             stream = flight.GeneratorStream(part.schema, CountedStream(self._inflight, part.batches))
@@ -245,16 +271,28 @@ class NodeServer(JobActions, flight.FlightServerBase):
             return handler(context, descriptor, reader, writer)
 
     # -- internals ----------------------------------------------------------------------------------------
-    def _open_cached(self, kind: str, path: str) -> Any:
+    def _open_cached(self, kind: str, name: str) -> Any:
+        """Dataset or plan ``name`` under the root, opened once (keyed by its local path)."""
+        bucket = self.bucket is not None and kind == "dataset"
+        path = self.index.local_path(name) if bucket else resolve_under(self.root, name, kind)
         with self._open_lock:
             obj = self._opened.get((kind, path))
             if obj is None:
                 try:
-                    obj = open_dataset(path) if kind == "dataset" else load_plan(path)
+                    obj = self.index.open(name) if bucket else open_dataset(path) if kind == "dataset" else \
+                        load_plan(path)
                 except (OSError, ValueError) as e:
                     raise ProtocolError(f"cannot open {kind}: {e}"[:300]) from None
                 self._opened[(kind, path)] = obj
             return obj
+
+    def _start_prefetch(self, job: NodeJob, step: int) -> JobPrefetch | None:
+        """The job's plan-driven prefetch into its bucket datasets' caches (None: no bucket dataset)."""
+        if not any(isinstance(ds, BucketDataset) for ds in job.datasets):
+            return None
+        # the pinned window (the steps after the client's) covers every step the node's queue may be reading
+        return JobPrefetch(job, start_step=step, lookahead=max(self.cache_lookahead, job.lead + 2),
+                           budget_bytes=self.cache_budget)
 
     def _new_engine(self):
         engine = IOEngine(queue_depth=64)
@@ -338,6 +376,8 @@ class NodeServer(JobActions, flight.FlightServerBase):
                 engine.close()
             except Exception:  # engines of finished threads may already be closed
                 pass
+        if isinstance(self.index, BucketRootIndex):
+            self.index.close()
         self._stopped.set()
         log.info("node stopped", extra={"node": self.node_id, "clean": clean})
         return clean
