@@ -81,8 +81,10 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
         self.transfers: dict[str, Transfer] = {}
         self.sent_log: list[tuple[str, int]] = []
         self.retries = 0  # attempts repeated because a site was down or starting
+        self.layout_failures = 0  # replica.layout calls that failed (the site then does not merge on arrival)
         self.received = {"windows": 0, "units": 0, "syncs": 0}  # as a receiving site
         self._receiving: dict[str, int] = {}  # windows being received per checkpoint
+        self._merges: dict[str, Any] = {}  # checkpoints merged here as their units arrive (ArrivalMerge)
         self.sending = {"windows": 0, "in_flight_max": 0}  # as a sender: windows put, most unacknowledged at once
         self._lock = threading.Condition()
         self._clients: dict[tuple[str, int], flight.FlightClient] = {}
@@ -110,8 +112,10 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
             "replicate.abort": self.abort,
             "replicate.urgent": self.urgent, "replicate.wait": self.wait, "replicate.pause": self.pause,
             "replicate.resume": self.resume,
-            "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received, "sending": self.sending},
-            "replica.status": self.replica_status,
+            "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received, "sending": self.sending,
+                                        "layout_failures": self.layout_failures},
+            "replica.status": self.replica_status, "replica.layout": self.replica_layout,
+            "replica.merged": self.replica_merged,
         }
         out: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"replication.ping": lambda b: {"site": self.site}}
         for name, fn in control.items():
@@ -154,6 +158,7 @@ _REQUIRED = {
     "replicate.commit": ("name", "path"),
     "replicate.abort": ("name",), "replicate.urgent": ("name", "priority"), "replicate.wait": ("name",),
     "replicate.pause": (), "replicate.resume": (), "replicate.log": (), "replica.status": ("name",),
+    "replica.layout": ("name",), "replica.merged": ("name",),
 }
 
 

@@ -61,6 +61,8 @@ class Transfer:
     status_asked: bool = False
     put: set[int] = field(default_factory=set)  # units on the wire (their window written whole), maybe unacknowledged
     publishing: bool = False
+    merge: dict[str, Any] | None = None  # the site merges as units arrive (groups, depth, reshard)
+    layout_calls: list[threading.Thread] = field(default_factory=list)  # replica.layout calls under way
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -74,7 +76,10 @@ class TransferSender:
         writer that is still writing) only units inside ``written`` (``{file: bytes written}``) leave now; the
         rest leave as :meth:`written` reports their bytes (send while saving). With ``extend`` (each rank of a
         DCP save declares its own file) the files join the transfer of that name in progress, if any; files it
-        already has are ignored (a rank's late call after the commit found the file on disk)."""
+        already has are ignored (a rank's late call after the commit found the file on disk). With ``merge``
+        (``{"groups": ..., "depth": ..., "reshard": ...}``) the site merges the units as they arrive: ``layout``
+        (chunk rows of the files declared), ``files_expected`` (data files in all) and ``meta`` (the merged files'
+        metadata) go to it in a ``replica.layout`` call (see :mod:`foresight.replication.arrival_merge`)."""
         name, src = check_name(b["name"]), self._under_root(b["src"])
         declared = b.get("files")
         listed = [(check_file_name(str(f)), int(n)) for f, n in declared] if declared is not None else data_files(src)
@@ -86,6 +91,8 @@ class TransferSender:
                     not old.done.is_set() or {f for f, _ in listed} <= {u.file for u in old.units})
             if joins:
                 added = self._declare(old, listed, src, unit_bytes)
+                if added or b.get("layout"):
+                    self._ship_layout(old, b)
                 self._release(old, b.get("written") or {})
                 return {"units": len(added), "bytes": sum(u.length for u in added)}
         units = plan_units(listed, unit_bytes)
@@ -101,6 +108,9 @@ class TransferSender:
                 self._close_fds(t)
                 raise CheckpointError("replication of this checkpoint is already in progress", name=name)
             self.transfers[name] = t
+        if b.get("merge") is not None:
+            t.merge = dict(b["merge"])
+            self._ship_layout(t, {"files_expected": len(listed), **b} if declared is None else b)
         self._release(t, b.get("written") or {})
         if not units:
             self._maybe_publish(t)
@@ -125,6 +135,30 @@ class TransferSender:
             t.held.extend(added)
             t.written_at = None
         return added
+
+    def _ship_layout(self, t: Transfer, b: dict[str, Any]) -> None:
+        """Send the site the chunks of the files ``b`` declares (``layout``: rows of
+        :func:`~foresight.replication.merge.chunk_rows`) and the merge wanted, off the caller's thread (the first
+        windows need not wait for it; the site merges units journaled before it came). The replica is published
+        only after these calls end, so the site knows of the merge before the commit."""
+        if t.merge is None:
+            return
+        body = {"name": t.name, "rows": b.get("layout") or [], "merge": t.merge, "meta": b.get("meta") or {},
+                "files": [f for f, _ in (b.get("files") or [])] if b.get("files") is not None else
+                sorted({u.file for u in t.units}), "files_expected": b.get("files_expected")}
+
+        def ship() -> None:
+            try:
+                self._call(t.site, "replica.layout", body)
+            except Exception as e:  # noqa: BLE001 - the replica goes on; the site merges nothing (logged)
+                self.layout_failures += 1
+                log.warning("shipping the layout for merging failed; the site will not merge this checkpoint",
+                            extra={"checkpoint": t.name, "error": str(e)[:300]})
+
+        th = threading.Thread(target=ship, name="foresight-repl-layout", daemon=True)
+        with self._lock:
+            t.layout_calls.append(th)
+        th.start()
 
     def written(self, b: dict[str, Any]) -> dict[str, Any]:
         """The writer of ``b["name"]`` has written ``b["written"]`` (``{file: bytes}``): those units may leave."""
@@ -231,6 +265,8 @@ class TransferSender:
             if t.meta is None or not (all_acked or (early and len(t.acked | t.put) >= len(t.units))):
                 return
             t.publishing = True
+        for th in list(t.layout_calls):  # the site hears of the merge before the commit
+            th.join(self.retry_s)
         try:
             names = sorted(t.meta)
             cmd = {"op": "replica.commit", "name": t.name, "units": len(t.units), "source_site": self.site,

@@ -1,0 +1,179 @@
+"""Merging at the evaluation site as units arrive (two real site processes, a delaying link between them)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+from pyarrow import flight
+
+from foresight.replication.flight_calls import SCHEMA, binary_batch
+from foresight.replication.merge import chunk_rows, chunks_of, merge_checkpoint
+from foresight.replication.source import LocalSource
+from foresight.replication.units import DCP_METADATA, data_files, plan_units
+from foresight.testing.wan import WanLink
+
+from replication_helpers import Site, assert_same_merged, wait_until
+
+UNIT = 64 << 10
+GROUPS = {"vision.": "vit", "text.": "lm"}
+WORLD = 2
+
+
+def full_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    state = {
+        "vision.big": torch.randn(256, 300, generator=g),  # 150 KiB per rank: split across 3 units each
+        "vision.norm": torch.randn(6, generator=g),
+        "text.embed": torch.randn(64, 1000, generator=g).to(torch.bfloat16),  # split by columns across ranks
+        "text.head": torch.randn(10, 3, generator=g),
+        "text.step": torch.tensor(5, dtype=torch.int64),
+    }
+    for i in range(40):
+        state[f"text.small.{i}"] = torch.full((i % 7 + 1,), float(i), dtype=torch.float16)
+    return state
+
+
+def _worker(rank: int, init_file: str, path: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from foresight.checkpoint import ForesightStorageWriter
+    from foresight.distributed import run_then_end
+
+    def save() -> None:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        state = full_state()
+        state["vision.big"] = distribute_tensor(state["vision.big"], mesh, [Shard(0)])
+        state["text.embed"] = distribute_tensor(state["text.embed"], mesh, [Shard(1)])
+        state["text.head"] = distribute_tensor(state["text.head"], mesh, [Replicate()])
+        dcp.save(state, storage_writer=ForesightStorageWriter(path))
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    run_then_end(save)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """A DCP checkpoint saved by 2 gloo ranks (tensors split by rows, by columns, replicated)."""
+    import torch.multiprocessing as tmp_mp
+
+    tmp = tmp_path_factory.mktemp("sharded")
+    path = str(tmp / "dcp")
+    tmp_mp.spawn(_worker, args=(str(tmp / "init"), path), nprocs=WORLD, join=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sites(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sites")
+    made = []
+    try:
+        ev = Site("eval-b", str(tmp / "eval"), unit_bytes=UNIT)
+        made.append(ev)
+        link = WanLink(("127.0.0.1", ev.port), rtt_ms=20)
+        made.append(link)
+        tr = Site("train-a", str(tmp / "train"), routes={"eval-b": link.url}, unit_bytes=UNIT)
+        made.append(tr)
+        yield tr, ev
+    finally:
+        for m in reversed(made):
+            m.close() if isinstance(m, WanLink) else m.stop()
+
+
+def _saving(tr, sharded: str, job: str) -> str:
+    """The checkpoint being saved at the training site: its data files written, its ``.metadata`` not yet."""
+    src = os.path.join(tr.root, job, "step-00000010")
+    os.makedirs(src)
+    for name, _ in data_files(sharded):
+        shutil.copy(os.path.join(sharded, name), src)
+    return src
+
+
+def _start(tr, sharded: str, src: str, name: str, reshard) -> int:
+    chunks, meta = chunks_of(LocalSource(sharded))
+    tr.call("replicate.start", {"name": name, "src": src, "site": "eval-b", "unit_bytes": UNIT,
+                                "merge": {"groups": GROUPS, "reshard": reshard}, "layout": chunk_rows(chunks),
+                                "meta": meta})
+    return len(plan_units(data_files(src), UNIT))
+
+
+def _merge_state(ev, name: str) -> dict:
+    return ev.call("replica.merged", {"name": name, "wait": False})
+
+
+@pytest.mark.parametrize("reshard", [None, 2])
+def test_the_site_merges_units_as_they_arrive_and_publishes_after_the_commit(sites, sharded, reshard):
+    tr, ev = sites
+    job = f"arrive{reshard or 0}"
+    name = f"{job}/step-00000010"
+    src = _saving(tr, sharded, job)
+    tr.call("replicate.pause")
+    units = _start(tr, sharded, src, name, reshard)
+    assert units >= 8  # tensors of both ranks' files are cut across units
+    wait_until(lambda: _merge_state(ev, name)["planned"], "the site laid the merged files out")
+    tr.call("replicate.resume", {"units": 2})  # two units cross; the rest wait
+    wait_until(lambda: sum(e[0] == "merged" for e in _merge_state(ev, name)["events"]) == 2, "2 units merged")
+    tr.call("replicate.resume")
+    wait_until(lambda: sum(n == name for n, *_ in tr.call("replicate.log")["sent"]) == units, "all units sent")
+    wait_until(lambda: sum(e[0] == "merged" for e in _merge_state(ev, name)["events"]) == units, "all merged")
+    # every unit is merged, but the source has not committed: nothing is published
+    out = os.path.join(ev.root, ".merged", job, "step-00000010")
+    assert not os.path.exists(out) and not os.path.exists(os.path.join(ev.root, job, "step-00000010"))
+    st = _merge_state(ev, name)
+    assert not st["done"] and st["paths"] is None
+    shutil.copy(os.path.join(sharded, DCP_METADATA), src)  # the source commits
+    tr.call("replicate.commit", {"name": name, "path": src})
+    replica = tr.call("replicate.wait", {"name": name, "timeout": 60})["path"]
+    st = ev.call("replica.merged", {"name": name, "timeout": 60})
+    kinds = [e[0] for e in st["events"]]
+    # the merge began before the last unit arrived, and was published only after the source commit
+    assert kinds.index("merged") < len(kinds) - 1 - kinds[::-1].index("journaled")
+    assert kinds.index("committed") < kinds.index("published") == len(kinds) - 1
+    assert st["stats"]["bytes_filled_at_commit"] == 0 and st["stats"]["relayouts"] == 0
+    assert sorted(st["paths"]) == ["lm", "vit"] and all(p.startswith(out + "/") for v in st["paths"].values()
+                                                       for p in v)
+    after = merge_checkpoint(LocalSource(replica), os.path.join(ev.root, f"after-{job}"), groups=GROUPS,
+                             reshard=reshard)
+    assert assert_same_merged(st["paths"], after) > 40
+
+
+def test_a_unit_failing_verification_is_never_merged_and_the_unit_sent_again_is(sites, sharded):
+    tr, ev = sites
+    job, name = "arrivebad", "arrivebad/step-00000010"
+    src = _saving(tr, sharded, job)
+    tr.call("replicate.pause")
+    units = _start(tr, sharded, src, name, 2)
+    wait_until(lambda: _merge_state(ev, name)["planned"], "the site laid the merged files out")
+    # unit 0 arrives corrupt (its header names the true xxh3): refused, its bad bytes reach the replica's file
+    u = plan_units(data_files(src), UNIT)[0]
+    with open(os.path.join(src, u.file), "rb") as f:
+        f.seek(u.offset)
+        body = bytearray(f.read(u.length))
+    header = u.header(xxhash.xxh3_64_intdigest(bytes(body)))
+    body[100:4100] = b"\xee" * 4000
+    c = flight.connect(ev.url)
+    writer, reader = c.do_put(flight.FlightDescriptor.for_path("replica.units", json.dumps({"name": name})), SCHEMA)
+    writer.write_with_metadata(binary_batch(memoryview(body)), json.dumps(header).encode())
+    writer.done_writing()
+    with pytest.raises(flight.FlightServerError, match="unit checksum mismatch"):
+        reader.read()
+        writer.close()
+    c.close()
+    assert [e for e in _merge_state(ev, name)["events"] if e[0] != "committed"] == []  # nothing merged
+    tr.call("replicate.resume")  # the sender's units, unit 0 again among them
+    shutil.copy(os.path.join(sharded, DCP_METADATA), src)
+    tr.call("replicate.commit", {"name": name, "path": src})
+    replica = tr.call("replicate.wait", {"name": name, "timeout": 60})["path"]
+    st = ev.call("replica.merged", {"name": name, "timeout": 60})
+    assert sum(e[0] == "merged" for e in st["events"]) == units
+    after = merge_checkpoint(LocalSource(replica), os.path.join(ev.root, "after-bad"), groups=GROUPS, reshard=2)
+    assert_same_merged(st["paths"], after)
+    for paths in st["paths"].values():
+        for p in paths:
+            assert b"\xee" * 64 not in open(p, "rb").read()
