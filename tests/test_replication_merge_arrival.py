@@ -177,3 +177,51 @@ def test_a_unit_failing_verification_is_never_merged_and_the_unit_sent_again_is(
     for paths in st["paths"].values():
         for p in paths:
             assert b"\xee" * 64 not in open(p, "rb").read()
+
+
+def _replicating_worker(rank: int, init_file: str, path: str, node: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from foresight.distributed import run_then_end
+    from foresight.replication.policy import Replication, ReplicatingStorageWriter
+
+    def save() -> None:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        state = full_state()
+        state["vision.big"] = distribute_tensor(state["vision.big"], mesh, [Shard(0)])
+        state["text.embed"] = distribute_tensor(state["text.embed"], mesh, [Shard(1)])
+        state["text.head"] = distribute_tensor(state["text.head"], mesh, [Replicate()])
+        rep = Replication(every=10, site="eval-b", node=node, job="dcpmerge", unit_bytes=UNIT,
+                          merge={"groups": GROUPS, "reshard": 2})
+        dcp.save(state, storage_writer=ReplicatingStorageWriter(path, replicate=rep, step=10))
+        rep.close()
+        assert rep.stats["hook_failures"] == 0, rep.stats
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    run_then_end(save)
+
+
+def test_a_dcp_save_ships_each_ranks_layout_and_the_site_merges_its_units_on_arrival(sites, tmp_path):
+    """Each rank of a DCP save through ReplicatingStorageWriter ships its file's chunks as it starts writing; the
+    site plans once both ranks' files are described and merges every unit on arrival (nothing left to fill at the
+    commit); the output loads equal to the saved state and to merging the replica afterwards."""
+    import torch.multiprocessing as tmp_mp
+
+    tr, ev = sites
+    name = "dcpmerge/step-00000010"
+    path = os.path.join(tr.root, "dcpmerge", "step-00000010")
+    tmp_mp.spawn(_replicating_worker, args=(str(tmp_path / "init"), path, tr.url), nprocs=WORLD, join=True)
+    replica = tr.call("replicate.wait", {"name": name, "timeout": 60})["path"]
+    st = ev.call("replica.merged", {"name": name, "timeout": 60})
+    assert st["stats"]["relayouts"] == 0 and st["stats"]["bytes_filled_at_commit"] == 0
+    after = merge_checkpoint(LocalSource(replica), str(tmp_path / "after"), groups=GROUPS, reshard=2)
+    assert_same_merged(st["paths"], after)
+    from safetensors.torch import load_file
+
+    full = full_state()
+    parts = [load_file(p) for p in st["paths"]["vit"]]
+    assert torch.equal(torch.cat([p["vision.big"] for p in parts]), full["vision.big"])
+    lm = [load_file(p) for p in st["paths"]["lm"]]
+    assert torch.equal(torch.cat([p["text.embed"] for p in lm]), full["text.embed"])

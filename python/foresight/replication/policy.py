@@ -65,6 +65,7 @@ class Replication:
     token: str = ""
     unit_bytes: int | None = None
     retry_every_s: float = RETRY_EVERY_S
+    merge: dict[str, Any] | None = None  # the site merges as units arrive: {"groups": ..., "depth": ..., "reshard": ...}
     stats: dict[str, int] = field(default_factory=lambda: {"hook_failures": 0, "retried": 0}, repr=False)
     _pending: dict[int, str] = field(default_factory=dict, repr=False)  # step -> what the node still lacks
     _retry_thread: Any = field(default=None, repr=False)
@@ -118,11 +119,12 @@ class Replication:
 
     # -- hooks called by the writer (never raise: a replica is an extra) --------------------------------
     def data_started(self, step: int, directory: str, files: list[tuple[str, int]], *,
-                     leaf: str | None = None, shared: bool = False) -> None:
+                     leaf: str | None = None, shared: bool = False, layout: dict[str, Any] | None = None) -> None:
         """The writer created ``files`` (``[(name, size)]``) in ``directory`` and is writing them: their units
         leave as :meth:`data_progress` reports their bytes written (send while saving). Returns at once: the
         node calls go on a background lane, in order. ``shared``: other writers (the ranks of a DCP save) add
-        their own files to the same checkpoint's transfer."""
+        their own files to the same checkpoint's transfer. ``layout`` (``rows``: the files' tensor chunks,
+        ``files_expected``, ``meta``) lets a site asked to :attr:`merge` merge the units as they arrive."""
         self._sizes[step] = sum(int(n) for _, n in files)
         if not self.wants(step):
             return
@@ -132,7 +134,7 @@ class Replication:
         for old in sorted(self._streamed)[:-8]:
             self._streamed.discard(old)
         self._submit("data_started", step, self._start, step, os.path.abspath(directory),
-                     [[f, int(n)] for f, n in files], shared)
+                     [[f, int(n)] for f, n in files], shared, layout)
 
     def data_progress(self, step: int, written: dict[str, int]) -> None:
         """``written`` (``{file: bytes}``) of ``step``'s files are written: their units may leave. Returns at once;
@@ -223,11 +225,15 @@ class Replication:
             except CheckpointError as e:  # the node never heard of it, or is down: nothing will be published
                 self._failed("aborted", step, None, e)
 
-    def _start(self, step: int, directory: str, files: list[list[Any]] | None = None, shared: bool = False) -> None:
+    def _start(self, step: int, directory: str, files: list[list[Any]] | None = None, shared: bool = False,
+               layout: dict[str, Any] | None = None) -> None:
         body = {"name": self._started[step], "src": directory, "site": self.site, "priority": self._priority(step),
                 "unit_bytes": self.unit_bytes}
         if files is not None:  # still being written: units leave as their bytes are reported
             body.update(files=files, written={}, extend=shared)
+        if self.merge is not None:  # without a layout the site merges at the commit, from the metadata
+            body.update(merge=self.merge, **({"layout": layout["rows"], "files_expected": layout["files_expected"],
+                                              "meta": layout["meta"]} if layout else {}))
         self._call("replicate.start", body)
 
     def _failed(self, hook: str, step: int, need: str | None, e: Exception) -> None:
@@ -309,6 +315,7 @@ class Replication:
 
 @functools.cache
 def _dcp_writer_class() -> type:
+    import torch.distributed
     class ReplicatingStorageWriter(ForesightStorageWriter):
         """:class:`~foresight.checkpoint.dcp.ForesightStorageWriter` that replicates per a :class:`Replication`.
 
@@ -330,7 +337,13 @@ def _dcp_writer_class() -> type:
                 super()._write_file(fio, fd, view, path)
                 return
             name, leaf = os.path.basename(path), os.path.basename(os.path.normpath(self.path))
-            self.replicate.data_started(self.step, self.path, [(name, total)], leaf=leaf, shared=True)
+            layout = None
+            if self.replicate.merge is not None:  # the site merges as units arrive: it needs the chunks first
+                world = (torch.distributed.get_world_size() if self.use_collectives and
+                         torch.distributed.is_available() and torch.distributed.is_initialized() else None)
+                layout = {"rows": self._layout_rows, "files_expected": world, "meta": {"source_format": "dcp"}}
+            self.replicate.data_started(self.step, self.path, [(name, total)], leaf=leaf, shared=True,
+                                        layout=layout)
             fio.write_reporting(fd, view, piece, lambda end: self.replicate.data_progress(self.step, {name: end}),
                                 path=path)
 

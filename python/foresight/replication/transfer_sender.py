@@ -104,10 +104,14 @@ class TransferSender:
         t.unit_bytes = unit_bytes
         with self._lock:
             old = self.transfers.get(name)
-            if old is not None and not old.done.is_set():
-                self._close_fds(t)
-                raise CheckpointError("replication of this checkpoint is already in progress", name=name)
-            self.transfers[name] = t
+            clash = old is not None and not old.done.is_set()
+            if not clash:
+                self.transfers[name] = t
+        if clash:
+            self._close_fds(t)
+            if b.get("extend") and old.src == src:  # another rank's start got in first: join it
+                return self.start(b)
+            raise CheckpointError("replication of this checkpoint is already in progress", name=name)
         if b.get("merge") is not None:
             t.merge = dict(b["merge"])
             self._ship_layout(t, {"files_expected": len(listed), **b} if declared is None else b)
