@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from pyarrow import flight
 
-from foresight.replication.flight_calls import SCHEMA, binary_batch
+from foresight.replication.flight_calls import SCHEMA, binary_batch, put_body
 from foresight.replication.merge import chunk_rows, chunks_of, merge_checkpoint
 from foresight.replication.source import LocalSource
 from foresight.replication.units import DCP_METADATA, data_files, plan_units
@@ -33,7 +33,7 @@ def full_state() -> dict[str, torch.Tensor]:
         "text.head": torch.randn(10, 3, generator=g),
         "text.step": torch.tensor(5, dtype=torch.int64),
     }
-    for i in range(40):
+    for i in range(1000):  # many tiny tensors: the chunk list outgrows an action's 64 KiB (it travels in a DoPut)
         state[f"text.small.{i}"] = torch.full((i % 7 + 1,), float(i), dtype=torch.float16)
     return state
 
@@ -98,8 +98,15 @@ def _saving(tr, sharded: str, job: str) -> str:
 def _start(tr, sharded: str, src: str, name: str, reshard) -> int:
     chunks, meta = chunks_of(LocalSource(sharded))
     tr.call("replicate.start", {"name": name, "src": src, "site": "eval-b", "unit_bytes": UNIT,
-                                "merge": {"groups": GROUPS, "reshard": reshard}, "layout": chunk_rows(chunks),
-                                "meta": meta})
+                                "merge": {"groups": GROUPS, "reshard": reshard}})
+    files = [f for f, _ in data_files(src)]
+    layout = {"rows": chunk_rows(chunks), "files": files, "files_expected": len(files), "meta": meta}
+    c = flight.connect(tr.url)
+    try:  # the chunk list goes in a DoPut body (an action is bounded to 64 KiB)
+        put_body(c, "replicate.layout", {"name": name}, json.dumps(layout).encode())
+    finally:
+        c.close()
+    assert len(json.dumps(layout)) > 64 << 10
     return len(plan_units(data_files(src), UNIT))
 
 
@@ -225,3 +232,42 @@ def test_a_dcp_save_ships_each_ranks_layout_and_the_site_merges_its_units_on_arr
     assert torch.equal(torch.cat([p["vision.big"] for p in parts]), full["vision.big"])
     lm = [load_file(p) for p in st["paths"]["lm"]]
     assert torch.equal(torch.cat([p["text.embed"] for p in lm]), full["text.embed"])
+
+
+def test_a_wrong_layout_is_merged_again_from_the_metadata_and_no_layout_merges_at_the_commit(sites, sharded):
+    tr, ev = sites
+    # a layout whose two rows point at each other's bytes: the commit's metadata disagrees, the output is redone
+    job, name = "arrivewrong", "arrivewrong/step-00000010"
+    src = _saving(tr, sharded, job)
+    chunks, meta = chunks_of(LocalSource(sharded))
+    rows = chunk_rows(chunks)
+    ones = [i for i, r in enumerate(rows) if r[0].startswith("text.small.") and r[5] == [1]]  # 1 element each
+    a, b = next((i, j) for i in ones for j in ones if i < j and rows[i][1] == rows[j][1])  # one file, values differ
+    rows[a][2], rows[b][2] = rows[b][2], rows[a][2]
+    tr.call("replicate.start", {"name": name, "src": src, "site": "eval-b", "unit_bytes": UNIT,
+                                "merge": {"groups": GROUPS}})
+    files = [f for f, _ in data_files(src)]
+    c = flight.connect(tr.url)
+    put_body(c, "replicate.layout", {"name": name}, json.dumps(
+        {"rows": rows, "files": files, "files_expected": len(files), "meta": meta}).encode())
+    c.close()
+    shutil.copy(os.path.join(sharded, DCP_METADATA), src)
+    tr.call("replicate.commit", {"name": name, "path": src})
+    replica = tr.call("replicate.wait", {"name": name, "timeout": 60})["path"]
+    st = ev.call("replica.merged", {"name": name, "timeout": 60})
+    assert st["stats"]["relayouts"] == 1
+    assert_same_merged(st["paths"], merge_checkpoint(LocalSource(replica), os.path.join(ev.root, "after-wrong"),
+                                                     groups=GROUPS))
+    # no layout at all (a writer that ships none): merged at the commit, from the metadata
+    job, name = "arrivenone", "arrivenone/step-00000010"
+    src = _saving(tr, sharded, job)
+    tr.call("replicate.start", {"name": name, "src": src, "site": "eval-b", "unit_bytes": UNIT,
+                                "merge": {"groups": GROUPS}})
+    shutil.copy(os.path.join(sharded, DCP_METADATA), src)
+    tr.call("replicate.commit", {"name": name, "path": src})
+    replica = tr.call("replicate.wait", {"name": name, "timeout": 60})["path"]
+    st = ev.call("replica.merged", {"name": name, "timeout": 60})
+    assert st["stats"]["relayouts"] == 0 and st["stats"]["units_merged"] == 0
+    assert st["stats"]["bytes_filled_at_commit"] == sum(n for _, n in data_files(replica))
+    assert_same_merged(st["paths"], merge_checkpoint(LocalSource(replica), os.path.join(ev.root, "after-none"),
+                                                     groups=GROUPS))

@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import queue
@@ -46,7 +47,7 @@ from foresight.checkpoint import store
 from foresight.checkpoint.dcp import ForesightStorageWriter
 from foresight.errors import CheckpointError
 from foresight.replication.scheduler import priority_of
-from foresight.replication.flight_calls import call
+from foresight.replication.flight_calls import call, put_body
 from foresight.replication.units import UNIT_BYTES, check_name
 
 log = logging.getLogger("foresight.replicate")
@@ -97,7 +98,8 @@ class Replication:
         """How often a writer reports progress (:meth:`data_progress`): one transfer unit."""
         return int(self.unit_bytes or UNIT_BYTES)
 
-    def _call(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, action: str, body: dict[str, Any], *, put: bytes | None = None) -> dict[str, Any]:
+        """One action on the node (``put``: a ``DoPut action`` with this body instead, for a body of any size)."""
         from pyarrow import flight
 
         with self._lock:
@@ -105,6 +107,8 @@ class Replication:
                 self._client = flight.connect(self.node)
             client = self._client
         try:
+            if put is not None:
+                return put_body(client, action, {**body, "token": self.token}, put)
             return call(self.node, action, {**body, "token": self.token}, client=client)
         except flight.FlightError as e:
             if isinstance(e, flight.FlightUnavailableError):  # a fresh channel next time (no reconnect back-off)
@@ -232,9 +236,11 @@ class Replication:
         if files is not None:  # still being written: units leave as their bytes are reported
             body.update(files=files, written={}, extend=shared)
         if self.merge is not None:  # without a layout the site merges at the commit, from the metadata
-            body.update(merge=self.merge, **({"layout": layout["rows"], "files_expected": layout["files_expected"],
-                                              "meta": layout["meta"]} if layout else {}))
+            body["merge"] = self.merge
         self._call("replicate.start", body)
+        if self.merge is not None and layout is not None and files is not None:  # the chunks: any size
+            self._call("replicate.layout", {"name": self._started[step]},
+                       put=json.dumps({**layout, "files": [f for f, _ in files]}).encode())
 
     def _failed(self, hook: str, step: int, need: str | None, e: Exception) -> None:
         """Report a hook the node did not take (log line + ``stats``); keep the step for a later retry."""

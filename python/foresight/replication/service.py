@@ -114,8 +114,7 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
             "replicate.resume": self.resume,
             "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received, "sending": self.sending,
                                         "layout_failures": self.layout_failures},
-            "replica.status": self.replica_status, "replica.layout": self.replica_layout,
-            "replica.merged": self.replica_merged,
+            "replica.status": self.replica_status, "replica.merged": self.replica_merged,
         }
         out: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"replication.ping": lambda b: {"site": self.site}}
         for name, fn in control.items():
@@ -139,6 +138,8 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
         server.register_put("replica.unit", _clear_errors(self._put_unit))
         server.register_put("replica.units", _clear_errors(self._put_units))
         server.register_put("replica.commit", _clear_errors(self._put_commit))
+        server.register_put("replica.layout", _clear_errors(self._put_replica_layout))
+        server.register_put("replicate.layout", _clear_errors(self._put_replicate_layout))
         for kind in ("ckpt.read", "ckpt.file", "ckpt.list"):
             server.register_get(kind, _clear_errors(lambda context, ticket: self.do_get(ticket)))
         if not self.endpoint:
@@ -158,7 +159,7 @@ _REQUIRED = {
     "replicate.commit": ("name", "path"),
     "replicate.abort": ("name",), "replicate.urgent": ("name", "priority"), "replicate.wait": ("name",),
     "replicate.pause": (), "replicate.resume": (), "replicate.log": (), "replica.status": ("name",),
-    "replica.layout": ("name",), "replica.merged": ("name",),
+    "replica.merged": ("name",),
 }
 
 

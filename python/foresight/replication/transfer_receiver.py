@@ -3,7 +3,7 @@
 ``DoPut replica.units`` (a window of units back to back: verified, synced once per file, journaled and acknowledged
 together; the older ``replica.unit`` takes one), ``replica.status`` (units journaled already, so a resumed transfer
 skips them) and ``DoPut replica.commit`` (wait for windows still arriving, check every unit, verify, rename,
-register under the replica TTL). ``replica.layout`` (the chunks of the checkpoint's data files and the merge
+register under the replica TTL). ``DoPut replica.layout`` (the chunks of the checkpoint's data files and the merge
 wanted) starts an :class:`~foresight.replication.arrival_merge.ArrivalMerge` that merges each unit once journaled,
 published after the replica; ``replica.merged`` waits for it. The journal itself is :class:`~foresight.replication.units.ReplicaBuilder`. A
 mixin of :class:`~foresight.replication.service.ReplicationService`.
@@ -24,7 +24,7 @@ import pyarrow as pa
 from foresight.checkpoint import store
 from foresight.errors import CheckpointError, ProtocolError
 from foresight.replication.arrival_merge import ArrivalMerge
-from foresight.replication.flight_calls import _chunks, _command, _unit_parts
+from foresight.replication.flight_calls import _chunks, _command, _unit_parts, json_body
 from foresight.replication.units import DCP_METADATA, JOURNAL, ReplicaBuilder, check_file_name, check_name
 
 MERGED = ".merged"  # merged outputs live in <root>/.merged/<job>/<step> (no checkpoint name starts with a dot)
@@ -93,12 +93,19 @@ class TransferReceiver:
             self.resolver.register(rb.name, path, self.endpoint, ttl=self.replica_ttl)
         writer.write(pa.py_buffer(json.dumps({"path": path}).encode()))
 
+    def _put_replica_layout(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        """``DoPut replica.layout``: a JSON body of any size (a checkpoint's chunk list outgrows an action)."""
+        cmd = _command(descriptor)
+        self.check_token(cmd)
+        answer = self.replica_layout({**json_body(reader, "replica.layout"), "name": cmd["name"]})
+        writer.write(pa.py_buffer(json.dumps(answer).encode()))
+
     def replica_layout(self, b: dict[str, Any]) -> dict[str, Any]:
         """The sender describes data files ``files`` of ``name``: their chunks (``rows``, see
         :func:`~foresight.replication.merge.chunk_rows`), the files to expect in all, the output metadata, and the
         merge wanted (``merge``: ``groups``, ``depth``, ``reshard``). The first call starts the merge."""
         rb = ReplicaBuilder(self.root, check_name(b["name"]))
-        if not isinstance(b.get("rows", []), list) or not isinstance(b.get("merge") or {}, dict):
+        if not isinstance(b.get("rows") or [], list) or not isinstance(b.get("merge") or {}, dict):
             raise ProtocolError("replica.layout wants rows as a list and merge as an object", name=rb.name)
         with self._lock:
             merge = self._merges.get(rb.name)
