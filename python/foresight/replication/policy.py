@@ -66,7 +66,7 @@ class Replication:
     token: str = ""
     unit_bytes: int | None = None
     retry_every_s: float = RETRY_EVERY_S
-    merge: dict[str, Any] | None = None  # the site merges as units arrive: {"groups": ..., "depth": ..., "reshard": ...}
+    merge: dict[str, Any] | None = None  # the site merges units as they arrive: {"groups", "depth", "reshard"}
     stats: dict[str, int] = field(default_factory=lambda: {"hook_failures": 0, "retried": 0}, repr=False)
     _pending: dict[int, str] = field(default_factory=dict, repr=False)  # step -> what the node still lacks
     _retry_thread: Any = field(default=None, repr=False)

@@ -5,8 +5,9 @@ together; the older ``replica.unit`` takes one), ``replica.status`` (units journ
 skips them) and ``DoPut replica.commit`` (wait for windows still arriving, check every unit, verify, rename,
 register under the replica TTL). ``DoPut replica.layout`` (the chunks of the checkpoint's data files and the merge
 wanted) starts an :class:`~foresight.replication.arrival_merge.ArrivalMerge` that merges each unit once journaled,
-published after the replica; ``replica.merged`` waits for it. The journal itself is :class:`~foresight.replication.units.ReplicaBuilder`. A
-mixin of :class:`~foresight.replication.service.ReplicationService`.
+published after the replica; ``replica.merged`` waits for it. The journal itself is
+:class:`~foresight.replication.units.ReplicaBuilder`. A mixin of
+:class:`~foresight.replication.service.ReplicationService`.
 
 Example::
 
