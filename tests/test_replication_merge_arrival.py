@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
+import socket
+import threading
 
 import pytest
 import torch
@@ -271,3 +274,87 @@ def test_a_wrong_layout_is_merged_again_from_the_metadata_and_no_layout_merges_a
     assert st["stats"]["bytes_filled_at_commit"] == sum(n for _, n in data_files(replica))
     assert_same_merged(st["paths"], merge_checkpoint(LocalSource(replica), os.path.join(ev.root, "after-none"),
                                                      groups=GROUPS))
+
+
+class CorruptingLink:
+    """A loopback TCP forwarder that flips one byte of the first occurrence of ``pattern`` in the stream towards
+    ``target`` (a unit damaged on the way; gRPC over plain TCP has no checksum of its own)."""
+
+    def __init__(self, target: tuple[str, int], pattern: bytes) -> None:
+        self.target, self.pattern, self.flipped = target, pattern, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"grpc://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            u = socket.create_connection(self.target)
+            threading.Thread(target=self._pump, args=(c, u, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(u, c, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, towards_target: bool) -> None:
+        keep = len(self.pattern) - 1
+        carry = b""  # the stream's last bytes, held back while the pattern could still straddle two reads
+        try:
+            while True:
+                ready, _, _ = select.select([src], [], [], 0.02)
+                if not ready:
+                    dst.sendall(carry)  # nothing more for now: never hold bytes a peer waits for
+                    carry = b""
+                    continue
+                data = src.recv(1 << 16)
+                if not data:
+                    dst.sendall(carry)
+                    break
+                if not towards_target or self.flipped:
+                    dst.sendall(carry + data)
+                    carry = b""
+                    continue
+                buf = bytearray(carry + data)
+                at = buf.find(self.pattern)
+                if at >= 0:
+                    buf[at + keep // 2] ^= 0xFF
+                    self.flipped += 1
+                dst.sendall(buf[:len(buf) - keep])
+                carry = bytes(buf[len(buf) - keep:])
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_unit_damaged_on_the_way_is_sent_again_and_merged_only_once_verified(sites, sharded, tmp_path):
+    """One byte of a unit flips on the link: the site refuses the unit (its xxh3), nothing of it is journaled or
+    merged; the sender reads it again from the source and resends it; the merged output is the checkpoint's."""
+    _, ev = sites
+    job, name = "arrivedamaged", "arrivedamaged/step-00000010"
+    pattern = open(os.path.join(sharded, "__0_data.bin"), "rb").read()[UNIT + 1000:UNIT + 1032]
+    link = CorruptingLink(("127.0.0.1", ev.port), pattern)
+    tr = Site("train-c", str(tmp_path / "train"), routes={"eval-b": link.url}, unit_bytes=UNIT)
+    try:
+        src = _saving(tr, sharded, job)
+        units = _start(tr, sharded, src, name, 2)
+        shutil.copy(os.path.join(sharded, DCP_METADATA), src)
+        tr.call("replicate.commit", {"name": name, "path": src})
+        replica = tr.call("replicate.wait", {"name": name, "timeout": 60})["path"]
+        assert link.flipped == 1 and tr.call("replicate.log")["sending"]["resent_corrupt"] >= 1
+        assert "unit checksum mismatch" in ev.log()
+    finally:
+        tr.stop()
+        link.close()
+    st = ev.call("replica.merged", {"name": name, "timeout": 60})
+    merged = [e[1] for e in st["events"] if e[0] == "merged"]
+    assert sorted(merged) == list(range(units))  # each unit merged once, the damaged one after it was resent
+    after = merge_checkpoint(LocalSource(replica), os.path.join(ev.root, "after-damaged"), groups=GROUPS, reshard=2)
+    assert_same_merged(st["paths"], after)

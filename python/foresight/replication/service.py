@@ -85,7 +85,8 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
         self.received = {"windows": 0, "units": 0, "syncs": 0}  # as a receiving site
         self._receiving: dict[str, int] = {}  # windows being received per checkpoint
         self._merges: dict[str, Any] = {}  # checkpoints merged here as their units arrive (ArrivalMerge)
-        self.sending = {"windows": 0, "in_flight_max": 0}  # as a sender: windows put, most unacknowledged at once
+        # as a sender: windows put, most unacknowledged at once, windows sent again after a unit arrived damaged
+        self.sending = {"windows": 0, "in_flight_max": 0, "resent_corrupt": 0}
         self._lock = threading.Condition()
         self._clients: dict[tuple[str, int], flight.FlightClient] = {}
         self._workers = [threading.Thread(target=self._send_loop, name=f"foresight-repl-send-{i}", daemon=True)
