@@ -29,6 +29,7 @@ from foresight.replication.flight_calls import _chunks, _command, _unit_parts, j
 from foresight.replication.units import DCP_METADATA, JOURNAL, ReplicaBuilder, check_file_name, check_name
 
 MERGED = ".merged"  # merged outputs live in <root>/.merged/<job>/<step> (no checkpoint name starts with a dot)
+KEEP_MERGES = 64  # finished merges whose events replica.merged still reports (their files stay either way)
 
 
 class TransferReceiver:
@@ -113,7 +114,11 @@ class TransferReceiver:
             fresh = merge is None or merge.status()["done"]
             if fresh:
                 out = os.path.join(self.root, MERGED, *rb.name.split("/"))
+                self._merges.pop(rb.name, None)
                 merge = self._merges[rb.name] = ArrivalMerge(rb.tmp, rb.final, out, b.get("merge") or {})
+                finished = [n for n, m in self._merges.items() if m.status()["done"]]
+                for n in finished[:max(0, len(finished) - KEEP_MERGES)]:  # oldest first: their outputs stay
+                    del self._merges[n]
         merge.add_layout(b.get("rows") or [], files=b.get("files") or [], files_expected=b.get("files_expected"),
                          meta=b.get("meta") or {})
         if fresh:  # units journaled before the layout came: merged too (a later window is reported by its handler)
