@@ -39,6 +39,10 @@ def test_remote_merge_bench_smoke(tmp_path):
         assert r["outputs_match_saved_state"] and r["relayouts"] == 0
         assert r["filled_at_commit_MiB"] == 0  # every unit merged as it arrived, none left for the commit
         assert r["commit_to_merged_arrival_s"] > 0 and r["commit_to_merged_coalesced_remote_s"] > 0
+        assert r["commit_to_merged_bulk_copy_s"] > 0
+    # the bulk-copy alternative: one stream and two, each copy merged and checked against the saved state
+    assert [b["streams"] for b in data["bulk"]] == [1, 2]
+    assert all(b["tensors_checked"] == data["checkpoint"]["tensors"] for b in data["bulk"])
     assert (out / "remote_merge_smoke.png").stat().st_size > 0
     assert not (tmp_path / "work").exists()  # scratch files cleaned up
 
