@@ -166,7 +166,7 @@ class ArrivalMerge:
             self._out.append(fd)
             if f.size:
                 os.posix_fallocate(fd, 0, f.size)
-            os.pwrite(fd, f.header, 0)
+            _pwrite(fd, memoryview(f.header), 0)
 
     def _source_fd(self, file: str) -> int:
         fd = self._in.get(file)
