@@ -9,7 +9,12 @@ through foresight's DCP writer with ``Replication(every=100, site="eval-b")``. T
 
 - ``baseline``: merge reading each tensor chunk remotely as the merge needs it (DCP over a remote filesystem);
 - ``coalesced remote``: the same merge, all extents of a file in one coalesced remote read (no replica);
-- ``foresight``: merge from the local replica made during the save (resolved through etcd).
+- ``foresight``: merge from the local replica made during the save (resolved through etcd);
+- ``bulk copy``: the committed directory copied after the commit over a link like the replication's (one TCP
+  stream, as tar over ssh would, and ``--bulk-streams`` parallel ones), then the same merge from the copy;
+- ``foresight, merging as units arrive``: the evaluation site merges each unit once it is verified and durable
+  (``Replication(merge=...)``), for saves at several simulated write speeds (``--write-mbps``: saves shorter and
+  longer than the transfer), beside the replica-then-merge and coalesced-remote figures of the same run.
 
 Reported: merge latency and its reduction vs the baseline (paper: -76.1%; target here >= 90%), commit ->
 replica-ready time, end-to-end commit -> merged, bytes over the link, round trips; and an unpredicted urgent
@@ -56,7 +61,8 @@ def paper_shaped(n_small: int, n_large: int, large_bytes: int, seed: int = 0) ->
     return state
 
 
-def _rank(rank: int, init: str, path: str, node: str, sizes: tuple[int, int, int], out: str) -> None:
+def _rank(rank: int, init: str, path: str, node: str, sizes: tuple[int, int, int], out: str, step: int = 100,
+          merge: dict[str, Any] | None = None, write_mbps: float = 0.0, unit: int | None = None) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -71,9 +77,10 @@ def _rank(rank: int, init: str, path: str, node: str, sizes: tuple[int, int, int
         state = paper_shaped(*sizes)
         # large tensors sharded across the ranks (concatenated by the merge); small ones replicated (stored once)
         state = {k: distribute_tensor(v, mesh, [Shard(0)]) if v.dim() == 2 else v for k, v in state.items()}
-        rep = Replication(every=100, site="eval-b", node=node, job="lm")
+        rep = Replication(every=100, site="eval-b", node=node, job="lm", merge=merge, unit_bytes=unit)
+        writer_class = paced_writer(ReplicatingStorageWriter, write_mbps) if write_mbps else ReplicatingStorageWriter
         t0 = time.time()
-        dcp.save(state, storage_writer=ReplicatingStorageWriter(path, replicate=rep, step=100))
+        dcp.save(state, storage_writer=writer_class(path, replicate=rep, step=step))
         if rank == 0:
             with open(out, "w") as f:
                 json.dump({"save_started": t0, "committed": time.time()}, f)
@@ -81,6 +88,170 @@ def _rank(rank: int, init: str, path: str, node: str, sizes: tuple[int, int, int
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     run_then_end(save)  # the DTensors and mesh are freed before gloo ends (foresight.distributed)
+
+
+def paced_writer(base: type, mbps: float) -> type:
+    """``base`` (a ReplicatingStorageWriter) whose data file lands at ``mbps`` MB/s per rank: each piece is
+    reported (and its units released to the sender) no earlier than the simulated disk would have written it,
+    and the save commits only after the last one: saves shorter and longer than the transfer, on one machine."""
+
+    class Paced(base):
+        def _write_file(self, fio: Any, fd: int, view: memoryview, path: str) -> None:
+            real, t0 = fio.write_reporting, time.perf_counter()
+
+            def paced(fd: int, view: memoryview, piece: int, on_written: Any, *, path: str | None = None) -> None:
+                def report(end: int) -> None:
+                    time.sleep(max(0.0, t0 + end / (mbps * 1e6) - time.perf_counter()))
+                    on_written(end)
+
+                real(fd, view, piece, report, path=path)
+
+            fio.write_reporting = paced
+            super()._write_file(fio, fd, view, path)
+
+    return Paced
+
+
+def arrival_run(work: str, tr: Any, ev: Any, sizes: tuple[int, int, int], step: int, write_mbps: float,
+                link_mbit: float, unit: int) -> dict[str, Any]:
+    """A save at ``write_mbps`` MB/s per rank (0: as fast as the disk) whose evaluation site merges the units as
+    they arrive, beside merging its replica once it is ready. Returns the row (seconds from the source commit)."""
+    import torch.multiprocessing as tmp_mp
+
+    name = f"lm/step-{step:08d}"
+    src = os.path.join(tr.root, "lm", f"step-{step:08d}")
+    stamp = os.path.join(work, f"save-{step}.json")
+    groups = {"vision.": "vision", "text.": "text"}
+    tmp_mp.spawn(_rank, args=(os.path.join(work, f"init-{step}"), src, tr.url, sizes, stamp, step,
+                              {"groups": groups}, write_mbps, unit), nprocs=2, join=True)
+    saved = json.load(open(stamp))
+    info = tr.call("replicate.wait", {"name": name, "timeout": 3600})
+    st = ev.call("replica.merged", {"name": name, "timeout": 3600})
+    for f in os.listdir(info["path"]):
+        evict_file(os.path.join(info["path"], f))
+    from foresight.replication.source import LocalSource
+
+    t_merge, after = timed_merge(LocalSource(info["path"]), os.path.join(work, f"out_after_{step}"))
+    state = paper_shaped(*sizes)
+    checked = check_merged(st["paths"], state) == check_merged(after, state)
+    del state
+    save_s = saved["committed"] - saved["save_started"]
+    transfer_s = info["bytes_sent"] * 8 / (link_mbit * 1e6)
+    ready = info["ready_at"] - saved["committed"]
+    return {"write_MBps_per_rank": write_mbps or "disk", "save_s": save_s, "transfer_s_at_link_rate": transfer_s,
+            "save_longer_than_transfer": save_s >= transfer_s,
+            "MiB_left_at_commit": info["bytes_left_at_commit"] / 2**20, "commit_to_ready_s": ready,
+            "merge_after_s": t_merge, "commit_to_merged_replica_then_merge_s": max(0.0, ready) + t_merge,
+            "commit_to_merged_arrival_s": st["stats"]["published_at"] - saved["committed"],
+            "filled_at_commit_MiB": st["stats"]["bytes_filled_at_commit"] / 2**20,
+            "relayouts": st["stats"]["relayouts"], "outputs_match_saved_state": checked}
+
+
+class DirSink:
+    """The evaluation site's end of a plain bulk copy: each TCP connection carries pieces (``<name length u16>
+    <name> <offset u64> <length u64> <bytes>``) written into ``directory``; at its end the files it touched are
+    synced and one byte acknowledges them (what a practitioner's tar/stream of the directory does, minus the tar)."""
+
+    def __init__(self, directory: str) -> None:
+        from foresight.testing.wan import TcpReceiver
+
+        self.dir = directory
+        os.makedirs(directory, exist_ok=True)
+        self._rx = TcpReceiver(self._receive)
+        self.port = self._rx.port
+
+    def _receive(self, conn: Any, n: int) -> None:
+        fds: dict[str, int] = {}
+        f = conn.makefile("rb", buffering=1 << 20)
+        try:
+            while head := f.read(2):
+                name = f.read(int.from_bytes(head, "little")).decode()
+                off, length = (int.from_bytes(f.read(8), "little") for _ in range(2))
+                fd = fds.get(name)
+                if fd is None:
+                    fd = fds[name] = os.open(os.path.join(self.dir, os.path.basename(name)),
+                                             os.O_WRONLY | os.O_CREAT, 0o644)
+                pos = off
+                while pos < off + length:
+                    chunk = f.read(min(1 << 20, off + length - pos))
+                    if not chunk:
+                        raise RuntimeError(f"bulk copy cut short in {name}")
+                    os.pwrite(fd, chunk, pos)
+                    pos += len(chunk)
+            for fd in fds.values():
+                os.fdatasync(fd)
+            conn.sendall(b"k")
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+            f.close()
+            conn.close()
+
+    def close(self) -> None:
+        self._rx.close()
+
+
+def bulk_copy(src: str, port: int, streams: int) -> float:
+    """Seconds to copy every file of ``src`` through ``port`` in ``streams`` parallel TCP streams (the bytes cut
+    into equal slices), until each stream's receiver acknowledged its synced files."""
+    import socket
+    import threading
+
+    files = sorted((n, os.path.getsize(os.path.join(src, n))) for n in os.listdir(src))
+    total = sum(n for _, n in files)
+    cuts = [total * i // streams for i in range(streams + 1)]
+    pieces: list[list[tuple[str, int, int]]] = [[] for _ in range(streams)]
+    at = 0
+    for name, size in files:  # slice k gets the bytes [cuts[k], cuts[k + 1]) of the concatenated files
+        for k in range(streams):
+            lo, hi = max(cuts[k], at), min(cuts[k + 1], at + size)
+            if hi > lo or (size == 0 and k == 0):
+                pieces[k].append((name, lo - at, hi - lo))
+        at += size
+
+    def one(part: list[tuple[str, int, int]]) -> None:
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            for name, off, n in part:
+                raw = name.encode()
+                s.sendall(len(raw).to_bytes(2, "little") + raw + off.to_bytes(8, "little") + n.to_bytes(8, "little"))
+                with open(os.path.join(src, name), "rb") as f:
+                    if n:
+                        s.sendfile(f, off, n)
+            s.shutdown(socket.SHUT_WR)
+            if s.recv(1) != b"k":
+                raise RuntimeError("bulk copy: the receiver did not acknowledge")
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(p,)) for p in pieces if p]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def bulk_runs(work: str, src: str, rtt_ms: float, mbit: float, streams: list[int],
+              state: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """Commit -> merged for a plain bulk copy of the committed directory (1 stream, like tar over ssh, and N
+    parallel streams) through a link like the replication's, then the same merge from the copy."""
+    from foresight.replication.source import LocalSource
+    from foresight.testing.wan import WanLink
+
+    rows = []
+    for n in streams:
+        dest = os.path.join(work, f"bulk-{n}")
+        sink = DirSink(dest)
+        try:
+            with WanLink(("127.0.0.1", sink.port), rtt_ms=rtt_ms, mbit=mbit) as link:
+                copy_s = bulk_copy(src, link.port, n)
+        finally:
+            sink.close()
+        for f in os.listdir(dest):
+            evict_file(os.path.join(dest, f))
+        merge_s, written = timed_merge(LocalSource(dest), os.path.join(work, f"out_bulk_{n}"))
+        rows.append({"streams": n, "copy_s": copy_s, "merge_s": merge_s, "commit_to_merged_s": copy_s + merge_s,
+                     "tensors_checked": check_merged(written, state)})
+    return rows
 
 
 def check_merged(written: dict[str, list[str]], state: dict[str, torch.Tensor]) -> int:
@@ -219,11 +390,16 @@ def main() -> int:
     ap.add_argument("--unit-mib", type=int, default=32)
     ap.add_argument("--unit-sweep", default="1,4,16,32,64", help="unit sizes (MiB) to time; empty: skip")
     ap.add_argument("--sweep-mib", type=int, default=512, help="checkpoint size for the unit sweep")
+    ap.add_argument("--bulk-streams", type=int, default=2,
+                    help="parallel TCP streams of the bulk-copy alternative (beside one stream)")
+    ap.add_argument("--write-mbps", default="0,40",
+                    help="simulated write speeds (MB/s per rank; 0: the disk's) of the saves merged as they arrive")
     ap.add_argument("--dir", default="/var/tmp/foresight-bench-remote-merge")
     ap.add_argument("--out", default=str(RESULTS), help="where the JSON and PNG go (default: common.RESULTS)")
     a = ap.parse_args()
     if a.smoke:
         a.small, a.large, a.large_mib, a.bulk_mib, a.unit_mib, a.mbit = 60, 6, 0.5, 24, 1, 200.0
+        a.write_mbps = "0,2"  # ~1.6 MiB per rank: 2 MB/s saves for ~0.8 s, longer than the ~0.13 s transfer
         a.unit_sweep = ""
     import torch.distributed.checkpoint as dcp
     import torch.multiprocessing as tmp_mp
@@ -285,6 +461,7 @@ def main() -> int:
             t_c, merged["coalesced"] = timed_merge(coal_src, os.path.join(work, "out_coalesced"))
             state = paper_shaped(*sizes)  # what the ranks saved (same seed): each merge is checked against it
             checked = {k: check_merged(v, state) for k, v in merged.items()}
+            res["bulk"] = bulk_runs(work, src, a.rtt_ms, a.mbit, sorted({1, a.bulk_streams}), state)
             del state
             res["merge"] = {
                 "baseline": {"seconds": t_b, "round_trips": base_src.requests, "bytes_over_link": base_src.bytes},
@@ -298,13 +475,20 @@ def main() -> int:
                 "tensors_checked": checked,
             }
             res["merge"]["end_to_end_reduction"] = 1 - res["merge"]["end_to_end_foresight_s"] / t_b
-            base_src.close()
-            coal_src.close()
-            tr.stop()  # the urgent runs bring their own training-site sender (FIFO, then priority lane)
             bulk_dir = os.path.join(work, "train", "bulk", "step-00000001")
             big = {f"w{i}": torch.randn((4 << 20) // 4) for i in range(max(1, a.bulk_mib // 4))}
             dcp.save(big, storage_writer=ForesightStorageWriter(bulk_dir), no_dist=True)
             del big
+            base_src.close()
+            coal_src.close()
+            res["arrival"] = [arrival_run(work, tr, ev, sizes, 100 * (i + 2), float(mbps), a.mbit, unit)
+                              for i, mbps in enumerate(a.write_mbps.split(",")) if mbps != ""]
+            for r in res["arrival"]:
+                r["commit_to_merged_coalesced_remote_s"] = t_c
+                r["commit_to_merged_bulk_copy_s"] = min(b["commit_to_merged_s"] for b in res["bulk"])
+                r["arrival_vs_best_alternative"] = r["commit_to_merged_arrival_s"] / min(
+                    t_c, r["commit_to_merged_bulk_copy_s"])
+            tr.stop()  # the urgent runs bring their own training-site sender (FIFO, then priority lane)
             res["urgent"] = [urgent_run(mode, work, etcd.endpoint, to_eval.url, bulk_dir, src, unit, None)
                              for mode in ("fifo", "priority")]
     finally:
@@ -329,6 +513,15 @@ def main() -> int:
           f"{100 * m['end_to_end_reduction']:.1f}%)  commit -> replica ready: "
           f"{res['replication']['commit_to_ready_s']:.2f} s, {res['replication']['bytes'] / 2**20:.1f} MiB in "
           f"{res['replication']['units']} units")
+    print_table(res["bulk"], ["streams", "copy_s", "merge_s", "commit_to_merged_s"],
+                "bulk copy of the committed directory over the same link, then the merge")
+    print_table(res["arrival"], ["write_MBps_per_rank", "save_s", "transfer_s_at_link_rate", "MiB_left_at_commit",
+                                 "commit_to_ready_s", "commit_to_merged_replica_then_merge_s",
+                                 "commit_to_merged_coalesced_remote_s", "commit_to_merged_bulk_copy_s",
+                                 "commit_to_merged_arrival_s",
+                                 "arrival_vs_best_alternative"],
+                "commit -> merged: foresight merging as units arrive vs the replica then a merge; best alternative: "
+                "coalesced remote reads or a bulk copy then the merge")
     print_table(res["urgent"], ["lane", "urgent_ready_s", "bulk_ready_s", "urgent_bytes", "bulk_bytes"],
                 "urgent evaluation during bulk replication")
     os.makedirs(a.out, exist_ok=True)

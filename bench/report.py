@@ -204,6 +204,16 @@ def remote_merge(payload: dict) -> Section:
              m["foresight"]["bytes_over_link"] / 2**20, m["end_to_end_foresight_s"]]]
     s.tables.append(("merge at the evaluation site", ["method", "merge s", "round trips", "MiB over the link",
                                                       "commit -> merged s"], rows))
+    if payload.get("arrival"):  # runs since issue 20 item 3: the site merges units as they arrive
+        s.tables.append(("commit -> merged: merging as units arrive, by simulated write speed (MB/s per rank)",
+                         ["write speed", "save s", "transfer s at link rate", "MiB left at commit",
+                          "replica then merge s", "coalesced remote s", "bulk copy then merge s",
+                          "merging on arrival s", "vs best alternative"],
+                         [[a["write_MBps_per_rank"], a["save_s"], a["transfer_s_at_link_rate"],
+                           a["MiB_left_at_commit"], a["commit_to_merged_replica_then_merge_s"],
+                           a["commit_to_merged_coalesced_remote_s"], a.get("commit_to_merged_bulk_copy_s"),
+                           a["commit_to_merged_arrival_s"], a["arrival_vs_best_alternative"]]
+                          for a in payload["arrival"]]))
     s.tables.append(("an unpredicted urgent evaluation during a bulk replication",
                      ["sender", "urgent replica ready s", "bulk ready s", "urgent MiB", "bulk MiB"],
                      [[u["lane"], u["urgent_ready_s"], u["bulk_ready_s"], u["urgent_bytes"] / 2**20,

@@ -61,3 +61,28 @@ def write_checkpoint_phases(root: str, step: int, nbytes: int, seed: int = 0):
              "skeleton": None, "extra_state": None}
     store.write_index_and_commit(tmp, index)
     yield store.publish(tmp, root, step)
+
+
+def assert_same_merged(got: dict, want: dict) -> int:
+    """Two merged outputs (``{group: [paths]}``) hold the same files by name, each with the same tensors (dtype,
+    shape, bytes) and the same header metadata; returns the tensors compared. safetensors writes its metadata in
+    a hash order that changes from process to process, so files are compared loaded, not byte for byte."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    assert sorted(got) == sorted(want)
+    n = 0
+    for g in want:
+        assert [os.path.basename(p) for p in got[g]] == [os.path.basename(p) for p in want[g]], g
+        for a, b in zip(got[g], want[g]):
+            ta, tb = load_file(a), load_file(b)
+            assert sorted(ta) == sorted(tb), a
+            for k in tb:
+                assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, (a, k)
+                assert torch.equal(ta[k].view(torch.uint8) if ta[k].dim() else ta[k],
+                                   tb[k].view(torch.uint8) if tb[k].dim() else tb[k]), (a, k)
+                n += 1
+            with safe_open(a, "pt") as fa, safe_open(b, "pt") as fb:
+                assert fa.metadata() == fb.metadata(), a
+    return n

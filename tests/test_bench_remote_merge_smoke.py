@@ -32,6 +32,17 @@ def test_remote_merge_bench_smoke(tmp_path):
     assert data["checkpoint"]["under_16KiB"] > 0.6 and data["checkpoint"]["bytes_in_large"] > 0.5
     assert data["replication"]["bytes"] > 0 and data["wan"]["rtt_ms_measured"] >= data["wan"]["rtt_ms"] - 2
     assert [r["lane"] for r in data["urgent"]] == ["fifo", "priority"]
+    # merging as units arrive: a save as fast as the disk and one paced to last longer than the transfer
+    arrival = data["arrival"]
+    assert [r["write_MBps_per_rank"] for r in arrival] == ["disk", 2.0] and arrival[1]["save_longer_than_transfer"]
+    for r in arrival:
+        assert r["outputs_match_saved_state"] and r["relayouts"] == 0
+        assert r["filled_at_commit_MiB"] == 0  # every unit merged as it arrived, none left for the commit
+        assert r["commit_to_merged_arrival_s"] > 0 and r["commit_to_merged_coalesced_remote_s"] > 0
+        assert r["commit_to_merged_bulk_copy_s"] > 0
+    # the bulk-copy alternative: one stream and two, each copy merged and checked against the saved state
+    assert [b["streams"] for b in data["bulk"]] == [1, 2]
+    assert all(b["tensors_checked"] == data["checkpoint"]["tensors"] for b in data["bulk"])
     assert (out / "remote_merge_smoke.png").stat().st_size > 0
     assert not (tmp_path / "work").exists()  # scratch files cleaned up
 

@@ -314,6 +314,12 @@ class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageW
                 torch._foreach_copy_(views, srcs)
         view = memoryview(buf.numpy())[:layout.total]
         sums = xxh3_many(view, layout.offsets, layout.nbytes)
+        # the file's tensor chunks before a byte is written (a replicating subclass ships them: merge on arrival)
+        self._layout_rows = [
+            [item.index.fqn, name, o, n, dt, list(shape), list(item.tensor_data.chunk.offsets),
+             list(item.tensor_data.size)]
+            for item, o, n, dt, shape in zip(items, layout.offsets.tolist(), nbytes, dtypes, shapes)
+            if item.type != WriteItemType.BYTE_IO and not dt.startswith(_SERIALIZED)]
         etag = None
         if self.in_bucket:
             try:  # straight from the packing buffer: one multipart object, checked by size and ETag

@@ -20,6 +20,7 @@ import pyarrow as pa
 from pyarrow import flight
 
 from foresight.errors import ProtocolError
+from foresight.replication.source import WIRE_CHUNK
 
 SCHEMA = pa.schema([("data", pa.binary())])
 
@@ -91,3 +92,25 @@ def _unit_parts(reader: Any) -> Any:
         col = chunk.data.column(0)
         offs = np.frombuffer(col.buffers()[1], np.int32)[col.offset:col.offset + len(col) + 1]
         yield header, (memoryview(col.buffers()[2])[int(offs[0]):int(offs[-1])] if len(col) else b"")
+
+
+def put_body(client: Any, kind: str, cmd: dict[str, Any], body: bytes) -> dict[str, Any]:
+    """``DoPut kind`` with the JSON command ``cmd`` in its descriptor and ``body`` streamed (any size: actions
+    are bounded to 64 KiB); returns the site's JSON answer."""
+    writer, reader = client.do_put(flight.FlightDescriptor.for_path(kind, json.dumps(cmd)), SCHEMA)
+    mv = memoryview(body)
+    for pos in range(0, max(len(mv), 1), WIRE_CHUNK):
+        writer.write_batch(binary_batch(mv[pos:pos + WIRE_CHUNK]))
+    writer.done_writing()
+    return _ack(writer, reader)
+
+
+def json_body(reader: Any, what: str) -> dict[str, Any]:
+    """A DoPut body sent by :func:`put_body` with a JSON object in it."""
+    try:
+        obj = json.loads(b"".join(bytes(c) for c in _chunks(reader)) or b"{}")
+    except ValueError as e:
+        raise ProtocolError(f"{what} body is not JSON: {e}"[:200]) from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"{what} body must be a JSON object")
+    return obj

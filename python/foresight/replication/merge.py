@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,7 +38,9 @@ from foresight.replication.units import DCP_METADATA
 
 
 @dataclass
-class _Chunk:
+class Chunk:
+    """One stored chunk of a tensor: where its bytes lie and where it sits in the full tensor."""
+
     fqn: str
     file: str
     offset: int
@@ -49,13 +52,13 @@ class _Chunk:
     full: tuple[int, ...]  # the full tensor's shape
 
 
-def _chunks(source: Any) -> tuple[list[_Chunk], dict[str, Any]]:
+def chunks_of(source: Any) -> tuple[list[Chunk], dict[str, Any]]:
     """Every stored tensor chunk (duplicates of a replicated tensor dropped) and checkpoint-level metadata."""
     try:
         raw = source.read_file(DCP_METADATA)
     except CheckpointError:
         raw = None
-    out: list[_Chunk] = []
+    out: list[Chunk] = []
     if raw is not None:
         where = (os.path.join(source.path, DCP_METADATA) if hasattr(source, "path")
                  else f"{source.endpoint} {source.name}/{DCP_METADATA}")
@@ -69,7 +72,7 @@ def _chunks(source: Any) -> tuple[list[_Chunk], dict[str, Any]]:
             if (key.fqn, at) in seen:
                 continue
             seen.add((key.fqn, at))
-            out.append(_Chunk(key.fqn, info.relative_path, int(info.offset), int(info.length), int(info.xxh3),
+            out.append(Chunk(key.fqn, info.relative_path, int(info.offset), int(info.length), int(info.xxh3),
                               dtype_from_name(info.dtype), tuple(info.shape), at, tuple(tmd.size)))
         return out, {"source_format": "dcp"}
     index = json.loads(source.read_file(store.INDEX))
@@ -77,9 +80,38 @@ def _chunks(source: Any) -> tuple[list[_Chunk], dict[str, Any]]:
     files = [f["name"] for f in index["files"]]
     for n, fi, o, nb, h, dt, shape in zip(t["name"], t["file"], t["offset"], t["nbytes"], t["xxh3"], t["dtype"],
                                           t["shape"]):
-        out.append(_Chunk(n, files[fi], o, nb, int(h, 16), dtype_from_name(dt), tuple(shape), (0,) * len(shape),
+        out.append(Chunk(n, files[fi], o, nb, int(h, 16), dtype_from_name(dt), tuple(shape), (0,) * len(shape),
                           tuple(shape)))
     return out, {"source_format": "foresight", "foresight.step": str(index["step"])}
+
+
+def chunk_rows(chunks: list[Chunk]) -> list[list[Any]]:
+    """``chunks`` as JSON rows (``[fqn, file, offset, nbytes, dtype, shape, at, full]``): the layout a sender ships
+    to a site that merges as units arrive (:mod:`.arrival_merge`)."""
+    return [[c.fqn, c.file, c.offset, c.nbytes, str(c.dtype), list(c.shape), list(c.at), list(c.full)]
+            for c in chunks]
+
+
+def chunks_from_rows(rows: list[list[Any]], *, where: str = "") -> list[Chunk]:
+    """:func:`chunk_rows` back, checked (a row that does not fit raises naming it); duplicates (a replicated
+    tensor shipped by several writers) dropped. The xxh3 is not shipped (0): units carry their own."""
+    out, seen = [], set()
+    for row in rows:
+        try:
+            fqn, file, offset, nbytes, dt, shape, at, full = row
+            c = Chunk(str(fqn), str(file), int(offset), int(nbytes), 0, dtype_from_name(str(dt)),
+                      tuple(int(x) for x in shape), tuple(int(x) for x in at), tuple(int(x) for x in full))
+        except (TypeError, ValueError, KeyError) as e:
+            raise CheckpointError(f"bad layout row: {e}", row=str(row)[:200], source=where) from None
+        fits = len(c.shape) == len(c.at) == len(c.full) and all(
+            a >= 0 and a + s <= f for a, s, f in zip(c.at, c.shape, c.full))
+        if not fits or c.offset < 0 or c.nbytes != math.prod(c.shape) * c.dtype.itemsize:
+            raise CheckpointError("layout row does not fit its tensor", tensor=c.fqn, file=c.file, offset=c.offset,
+                                  source=where)
+        if (c.fqn, c.at) not in seen:
+            seen.add((c.fqn, c.at))
+            out.append(c)
+    return out
 
 
 def group_of(fqn: str, groups: Mapping[str, str] | None, depth: int) -> str:
@@ -96,7 +128,7 @@ def group_of(fqn: str, groups: Mapping[str, str] | None, depth: int) -> str:
 
 def read_tensors(source: Any, *, per_extent: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """All tensors of the checkpoint behind ``source``, whole (chunks concatenated), each chunk verified."""
-    chunks, meta = _chunks(source)
+    chunks, meta = chunks_of(source)
     files = sorted({c.file for c in chunks})
     fid = {f: i for i, f in enumerate(files)}
     region, tr = source.read_extents(files, np.array([fid[c.file] for c in chunks], np.int32),

@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import queue
@@ -46,7 +47,7 @@ from foresight.checkpoint import store
 from foresight.checkpoint.dcp import ForesightStorageWriter
 from foresight.errors import CheckpointError
 from foresight.replication.scheduler import priority_of
-from foresight.replication.flight_calls import call
+from foresight.replication.flight_calls import call, put_body
 from foresight.replication.units import UNIT_BYTES, check_name
 
 log = logging.getLogger("foresight.replicate")
@@ -65,6 +66,7 @@ class Replication:
     token: str = ""
     unit_bytes: int | None = None
     retry_every_s: float = RETRY_EVERY_S
+    merge: dict[str, Any] | None = None  # the site merges units as they arrive: {"groups", "depth", "reshard"}
     stats: dict[str, int] = field(default_factory=lambda: {"hook_failures": 0, "retried": 0}, repr=False)
     _pending: dict[int, str] = field(default_factory=dict, repr=False)  # step -> what the node still lacks
     _retry_thread: Any = field(default=None, repr=False)
@@ -96,7 +98,8 @@ class Replication:
         """How often a writer reports progress (:meth:`data_progress`): one transfer unit."""
         return int(self.unit_bytes or UNIT_BYTES)
 
-    def _call(self, action: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _call(self, action: str, body: dict[str, Any], *, put: bytes | None = None) -> dict[str, Any]:
+        """One action on the node (``put``: a ``DoPut action`` with this body instead, for a body of any size)."""
         from pyarrow import flight
 
         with self._lock:
@@ -104,6 +107,8 @@ class Replication:
                 self._client = flight.connect(self.node)
             client = self._client
         try:
+            if put is not None:
+                return put_body(client, action, {**body, "token": self.token}, put)
             return call(self.node, action, {**body, "token": self.token}, client=client)
         except flight.FlightError as e:
             if isinstance(e, flight.FlightUnavailableError):  # a fresh channel next time (no reconnect back-off)
@@ -118,11 +123,12 @@ class Replication:
 
     # -- hooks called by the writer (never raise: a replica is an extra) --------------------------------
     def data_started(self, step: int, directory: str, files: list[tuple[str, int]], *,
-                     leaf: str | None = None, shared: bool = False) -> None:
+                     leaf: str | None = None, shared: bool = False, layout: dict[str, Any] | None = None) -> None:
         """The writer created ``files`` (``[(name, size)]``) in ``directory`` and is writing them: their units
         leave as :meth:`data_progress` reports their bytes written (send while saving). Returns at once: the
         node calls go on a background lane, in order. ``shared``: other writers (the ranks of a DCP save) add
-        their own files to the same checkpoint's transfer."""
+        their own files to the same checkpoint's transfer. ``layout`` (``rows``: the files' tensor chunks,
+        ``files_expected``, ``meta``) lets a site asked to :attr:`merge` merge the units as they arrive."""
         self._sizes[step] = sum(int(n) for _, n in files)
         if not self.wants(step):
             return
@@ -132,7 +138,7 @@ class Replication:
         for old in sorted(self._streamed)[:-8]:
             self._streamed.discard(old)
         self._submit("data_started", step, self._start, step, os.path.abspath(directory),
-                     [[f, int(n)] for f, n in files], shared)
+                     [[f, int(n)] for f, n in files], shared, layout)
 
     def data_progress(self, step: int, written: dict[str, int]) -> None:
         """``written`` (``{file: bytes}``) of ``step``'s files are written: their units may leave. Returns at once;
@@ -223,12 +229,18 @@ class Replication:
             except CheckpointError as e:  # the node never heard of it, or is down: nothing will be published
                 self._failed("aborted", step, None, e)
 
-    def _start(self, step: int, directory: str, files: list[list[Any]] | None = None, shared: bool = False) -> None:
+    def _start(self, step: int, directory: str, files: list[list[Any]] | None = None, shared: bool = False,
+               layout: dict[str, Any] | None = None) -> None:
         body = {"name": self._started[step], "src": directory, "site": self.site, "priority": self._priority(step),
                 "unit_bytes": self.unit_bytes}
         if files is not None:  # still being written: units leave as their bytes are reported
             body.update(files=files, written={}, extend=shared)
+        if self.merge is not None:  # without a layout the site merges at the commit, from the metadata
+            body["merge"] = self.merge
         self._call("replicate.start", body)
+        if self.merge is not None and layout is not None and files is not None:  # the chunks: any size
+            self._call("replicate.layout", {"name": self._started[step]},
+                       put=json.dumps({**layout, "files": [f for f, _ in files]}).encode())
 
     def _failed(self, hook: str, step: int, need: str | None, e: Exception) -> None:
         """Report a hook the node did not take (log line + ``stats``); keep the step for a later retry."""
@@ -309,6 +321,7 @@ class Replication:
 
 @functools.cache
 def _dcp_writer_class() -> type:
+    import torch.distributed
     class ReplicatingStorageWriter(ForesightStorageWriter):
         """:class:`~foresight.checkpoint.dcp.ForesightStorageWriter` that replicates per a :class:`Replication`.
 
@@ -333,7 +346,13 @@ def _dcp_writer_class() -> type:
                 super()._write_file(fio, fd, view, path)
                 return
             name, leaf = os.path.basename(path), os.path.basename(os.path.normpath(self.path))
-            self.replicate.data_started(self.step, self.path, [(name, total)], leaf=leaf, shared=True)
+            layout = None
+            if self.replicate.merge is not None:  # the site merges as units arrive: it needs the chunks first
+                world = (torch.distributed.get_world_size() if self.use_collectives and
+                         torch.distributed.is_available() and torch.distributed.is_initialized() else None)
+                layout = {"rows": self._layout_rows, "files_expected": world, "meta": {"source_format": "dcp"}}
+            self.replicate.data_started(self.step, self.path, [(name, total)], leaf=leaf, shared=True,
+                                        layout=layout)
             fio.write_reporting(fd, view, piece, lambda end: self.replicate.data_progress(self.step, {name: end}),
                                 path=path)
 

@@ -39,6 +39,10 @@ WINDOW_UNITS = 64
 WINDOWS_IN_FLIGHT = 2  # per sending thread: the next window streams while the previous one is synced and acked
 # a site whose node answers but has not mounted replication yet (it is starting): wait for it like for one down
 _NOT_MOUNTED = ("no DoPut for 'replica.", "unknown action")
+# a unit whose bytes changed on the way (the site checks each against the xxh3 the sender computed): sent again,
+# read afresh from the source, at most this many times per window before the transfer fails
+_CORRUPT = "unit checksum mismatch"
+CORRUPT_RESENDS = 3
 
 
 @dataclass
@@ -187,6 +191,17 @@ class WindowSender:
                     try:
                         sent = self._window_acked(t, w.todo, *w.stream)
                     except (flight.FlightUnavailableError, flight.FlightServerError) as e:
+                        w.error = e
+                resends = 0
+                while sent is None and _CORRUPT in str(w.error) and resends < CORRUPT_RESENDS:
+                    resends += 1  # the site dropped a unit that arrived damaged (nothing of it journaled): again
+                    with self._lock:
+                        self.sending["resent_corrupt"] += 1
+                    log.warning("a unit arrived damaged at the site; sending it again",
+                                extra={"checkpoint": t.name, "site": t.site, "error": str(w.error)[:200]})
+                    try:
+                        sent = self._retrying(t.site, lambda c, attempt: self._resend(c, t, w.todo))
+                    except flight.FlightServerError as e:
                         w.error = e
                 if sent is None:
                     if isinstance(w.error, flight.FlightServerError) and \

@@ -81,9 +81,12 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
         self.transfers: dict[str, Transfer] = {}
         self.sent_log: list[tuple[str, int]] = []
         self.retries = 0  # attempts repeated because a site was down or starting
+        self.layout_failures = 0  # replica.layout calls that failed (the site then does not merge on arrival)
         self.received = {"windows": 0, "units": 0, "syncs": 0}  # as a receiving site
         self._receiving: dict[str, int] = {}  # windows being received per checkpoint
-        self.sending = {"windows": 0, "in_flight_max": 0}  # as a sender: windows put, most unacknowledged at once
+        self._merges: dict[str, Any] = {}  # checkpoints merged here as their units arrive (ArrivalMerge)
+        # as a sender: windows put, most unacknowledged at once, windows sent again after a unit arrived damaged
+        self.sending = {"windows": 0, "in_flight_max": 0, "resent_corrupt": 0}
         self._lock = threading.Condition()
         self._clients: dict[tuple[str, int], flight.FlightClient] = {}
         self._workers = [threading.Thread(target=self._send_loop, name=f"foresight-repl-send-{i}", daemon=True)
@@ -110,8 +113,9 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
             "replicate.abort": self.abort,
             "replicate.urgent": self.urgent, "replicate.wait": self.wait, "replicate.pause": self.pause,
             "replicate.resume": self.resume,
-            "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received, "sending": self.sending},
-            "replica.status": self.replica_status,
+            "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received, "sending": self.sending,
+                                        "layout_failures": self.layout_failures},
+            "replica.status": self.replica_status, "replica.merged": self.replica_merged,
         }
         out: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"replication.ping": lambda b: {"site": self.site}}
         for name, fn in control.items():
@@ -135,6 +139,8 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
         server.register_put("replica.unit", _clear_errors(self._put_unit))
         server.register_put("replica.units", _clear_errors(self._put_units))
         server.register_put("replica.commit", _clear_errors(self._put_commit))
+        server.register_put("replica.layout", _clear_errors(self._put_replica_layout))
+        server.register_put("replicate.layout", _clear_errors(self._put_replicate_layout))
         for kind in ("ckpt.read", "ckpt.file", "ckpt.list"):
             server.register_get(kind, _clear_errors(lambda context, ticket: self.do_get(ticket)))
         if not self.endpoint:
@@ -154,6 +160,7 @@ _REQUIRED = {
     "replicate.commit": ("name", "path"),
     "replicate.abort": ("name",), "replicate.urgent": ("name", "priority"), "replicate.wait": ("name",),
     "replicate.pause": (), "replicate.resume": (), "replicate.log": (), "replica.status": ("name",),
+    "replica.merged": ("name",),
 }
 
 

@@ -24,11 +24,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyarrow import flight
+import pyarrow as pa
 
 from foresight.errors import CheckpointError, ProtocolError
-from foresight.replication.flight_calls import SCHEMA, _ack, binary_batch
-from foresight.replication.source import WIRE_CHUNK
+from foresight.replication.flight_calls import json_body, put_body, _command
 from foresight.replication.units import Unit, check_file_name, check_name, data_files, meta_files, plan_units
 
 log = logging.getLogger("foresight.replicate")
@@ -61,6 +60,8 @@ class Transfer:
     status_asked: bool = False
     put: set[int] = field(default_factory=set)  # units on the wire (their window written whole), maybe unacknowledged
     publishing: bool = False
+    merge: dict[str, Any] | None = None  # the site merges as units arrive (groups, depth, reshard)
+    layout_calls: list[threading.Thread] = field(default_factory=list)  # replica.layout calls under way
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -74,7 +75,9 @@ class TransferSender:
         writer that is still writing) only units inside ``written`` (``{file: bytes written}``) leave now; the
         rest leave as :meth:`written` reports their bytes (send while saving). With ``extend`` (each rank of a
         DCP save declares its own file) the files join the transfer of that name in progress, if any; files it
-        already has are ignored (a rank's late call after the commit found the file on disk)."""
+        already has are ignored (a rank's late call after the commit found the file on disk). With ``merge``
+        (``{"groups": ..., "depth": ..., "reshard": ...}``) the site merges the units as they arrive, from the
+        chunks the writer sends next (:meth:`layout`); without them it merges at the commit."""
         name, src = check_name(b["name"]), self._under_root(b["src"])
         declared = b.get("files")
         listed = [(check_file_name(str(f)), int(n)) for f, n in declared] if declared is not None else data_files(src)
@@ -86,6 +89,9 @@ class TransferSender:
                     not old.done.is_set() or {f for f, _ in listed} <= {u.file for u in old.units})
             if joins:
                 added = self._declare(old, listed, src, unit_bytes)
+                if b.get("merge") is not None and old.merge is None:
+                    old.merge = dict(b["merge"])
+                    self._ship_layout(old, {})
                 self._release(old, b.get("written") or {})
                 return {"units": len(added), "bytes": sum(u.length for u in added)}
         units = plan_units(listed, unit_bytes)
@@ -95,12 +101,19 @@ class TransferSender:
         t.written = dict(listed) if declared is None else {}
         t.held = list(units)
         t.unit_bytes = unit_bytes
+        t.merge = None if b.get("merge") is None else dict(b["merge"])
         with self._lock:
             old = self.transfers.get(name)
-            if old is not None and not old.done.is_set():
-                self._close_fds(t)
-                raise CheckpointError("replication of this checkpoint is already in progress", name=name)
-            self.transfers[name] = t
+            clash = old is not None and not old.done.is_set()
+            if not clash:
+                self.transfers[name] = t
+        if clash:
+            self._close_fds(t)
+            if b.get("extend") and old.src == src:  # another rank's start got in first: join it
+                return self.start(b)
+            raise CheckpointError("replication of this checkpoint is already in progress", name=name)
+        if t.merge is not None:  # the site hears of the merge now; the files' chunks follow (replicate.layout)
+            self._ship_layout(t, {})
         self._release(t, b.get("written") or {})
         if not units:
             self._maybe_publish(t)
@@ -125,6 +138,46 @@ class TransferSender:
             t.held.extend(added)
             t.written_at = None
         return added
+
+    def _put_replicate_layout(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        """``DoPut replicate.layout`` (a body of any size, unlike an action): see :meth:`layout`."""
+        cmd = _command(descriptor)
+        self.check_token(cmd)
+        writer.write(pa.py_buffer(json.dumps(self.layout({**json_body(reader, "replicate.layout"),
+                                                          "name": cmd["name"]})).encode()))
+
+    def layout(self, b: dict[str, Any]) -> dict[str, Any]:
+        """The writer of ``b["name"]`` (started with ``merge``) describes its data files ``files``: their chunks
+        (``rows`` of :func:`~foresight.replication.merge.chunk_rows`), the data files to expect in all
+        (``files_expected``) and the merged files' metadata (``meta``); they go on to the site."""
+        t = self._transfer(b["name"])
+        if t.merge is None:
+            raise ProtocolError("replicate.layout for a transfer started without merge", name=t.name)
+        self._ship_layout(t, b)
+        return {}
+
+    def _ship_layout(self, t: Transfer, b: dict[str, Any]) -> None:
+        """Send the site the merge wanted and the chunks ``b`` describes (see :meth:`layout`), off the caller's
+        thread (the first windows need not wait; the site merges units journaled before it came). The replica is
+        published only after these calls end, so the site knows of the merge before the commit."""
+        if t.merge is None:
+            return
+        cmd = {"name": t.name, "token": self.token}
+        body = json.dumps({"rows": b.get("rows") or [], "merge": t.merge, "meta": b.get("meta") or {},
+                           "files": b.get("files") or [], "files_expected": b.get("files_expected")}).encode()
+
+        def ship() -> None:
+            try:
+                self._retrying(t.site, lambda client, attempt: put_body(client, "replica.layout", cmd, body))
+            except Exception as e:  # noqa: BLE001 - the replica goes on; the site merges nothing (logged)
+                self.layout_failures += 1
+                log.warning("shipping the layout for merging failed; the site will not merge this checkpoint",
+                            extra={"checkpoint": t.name, "error": str(e)[:300]})
+
+        th = threading.Thread(target=ship, name="foresight-repl-layout", daemon=True)
+        with self._lock:
+            t.layout_calls.append(th)
+        th.start()
 
     def written(self, b: dict[str, Any]) -> dict[str, Any]:
         """The writer of ``b["name"]`` has written ``b["written"]`` (``{file: bytes}``): those units may leave."""
@@ -231,22 +284,15 @@ class TransferSender:
             if t.meta is None or not (all_acked or (early and len(t.acked | t.put) >= len(t.units))):
                 return
             t.publishing = True
+        for th in list(t.layout_calls):  # the site hears of the merge before the commit
+            th.join(self.retry_s)
         try:
             names = sorted(t.meta)
             cmd = {"op": "replica.commit", "name": t.name, "units": len(t.units), "source_site": self.site,
                    "files": [[n, len(t.meta[n])] for n in names], "token": self.token, "early": not all_acked}
             body = b"".join(t.meta[n] for n in names)  # index + COMMIT, or DCP .metadata: any size
 
-            def put(client: flight.FlightClient, attempt: int) -> dict[str, Any]:
-                writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.commit", json.dumps(cmd)),
-                                               SCHEMA)
-                mv = memoryview(body)
-                for pos in range(0, max(len(mv), 1), WIRE_CHUNK):
-                    writer.write_batch(binary_batch(mv[pos:pos + WIRE_CHUNK]))
-                writer.done_writing()
-                return _ack(writer, reader)
-
-            res = self._retrying(t.site, put)
+            res = self._retrying(t.site, lambda client, attempt: put_body(client, "replica.commit", cmd, body))
         except Exception as e:  # noqa: BLE001
             if not all_acked and "units missing" in str(e):
                 with self._lock:  # a window did not make it: it is resent, its acknowledgement publishes

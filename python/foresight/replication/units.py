@@ -228,6 +228,7 @@ class ReplicaBuilder:
         parent, leaf = os.path.split(self.final)
         self.tmp = os.path.join(parent, f".replica-{leaf}")
         os.makedirs(self.tmp, exist_ok=True)
+        self.journaled: list[tuple[int, str, int, int]] = []  # the units the last write_units journaled
 
     def done_units(self) -> set[int]:
         """Units already journaled (their bytes verified and fsynced): a resumed transfer skips them."""
@@ -262,18 +263,21 @@ class ReplicaBuilder:
         verified against its xxh3 as it ends; then the files touched get one ``fdatasync`` each and the units one
         journal append (durability batched per window, never a unit journaled before its bytes are on disk). A unit
         journaled already for the same extent is drained and acknowledged, not written again.
-        Returns the unit ids journaled and the syncs made."""
+        Returns the unit ids journaled and the syncs made; ``self.journaled`` lists them as
+        ``(id, file, offset, length)``."""
         fds: dict[str, int] = {}
         done: list[int] = []
         cur: _UnitSink | None = None
         lines: list[str] = []
         held = self.done_extents()  # a unit journaled already (same id, same extent) is drained, not rewritten
+        extents: list[tuple[int, str, int, int]] = []
         try:
             for header, chunk in parts:
                 if header is not None:
                     if cur is not None:
                         done.append(cur.finish())
                         lines += [] if cur.held else [cur.journal_line()]
+                        extents.append((done[-1], cur.file, cur.offset, cur.length))
                     cur = _UnitSink(self.tmp, header, fds, held=held)
                 elif cur is None:
                     raise CheckpointError("unit body before its header", name=self.name)
@@ -281,6 +285,7 @@ class ReplicaBuilder:
             if cur is not None:
                 done.append(cur.finish())
                 lines += [] if cur.held else [cur.journal_line()]
+                extents.append((done[-1], cur.file, cur.offset, cur.length))
             for fd in fds.values():
                 os.fdatasync(fd)
         finally:
@@ -293,6 +298,7 @@ class ReplicaBuilder:
                 os.fdatasync(jfd)
             finally:
                 os.close(jfd)
+        self.journaled = extents
         return done, len(fds) + (1 if done else 0)
 
     def finalize(self, meta: dict[str, bytes], expected_units: int) -> str:
