@@ -35,6 +35,12 @@ cdef enum:
     # index is not in the page cache waits for its reads together rather than one after another.
     PREFETCH_BLOCKS = 64
 
+cdef enum:
+    # Packer.pack releases the GIL for windows of at least this many items (about 100 us and up). A step's share
+    # (tens of items, a few us) keeps it: the loader's consumer thread would take it at once, and the pipeline
+    # thread would then wait for it back (a thread switch each way, tens of us on a busy machine) for nothing.
+    RELEASE_GIL_ITEMS = 2048
+
 cdef uintptr_t PAGE_SIZE = <uintptr_t>sysconf(_SC_PAGESIZE)
 cdef int _SIZE_BYTES[4]
 _SIZE_BYTES[:] = [2, 4, 4, 8]
@@ -749,6 +755,15 @@ cdef class Packer:
             return rc
         return n
 
+    cdef int64_t pack_held(self, int64_t start, int64_t stop, int64_t* info):
+        """``pack_into`` the scratch arrays, with the GIL released only for windows of RELEASE_GIL_ITEMS or more."""
+        cdef int64_t total
+        if stop - start < RELEASE_GIL_ITEMS:
+            return self.pack_into(start, stop, &self.scratch, info)
+        with nogil:
+            total = self.pack_into(start, stop, &self.scratch, info)
+        return total
+
     def pack(self, int64_t start, int64_t stop) -> tuple:
         """``(item_ptr, dataset, sample, offset, length)`` of the global items ``[start, stop)`` (new arrays;
         ``item_ptr`` starts at 0), as ``pack_range`` gives them. Raises :class:`PackError` on a packing error."""
@@ -760,12 +775,10 @@ cdef class Packer:
             raise ValueError("Packer.pack: need 0 <= start <= stop")
         if n + 1 > self._scratch[0].shape[0]:
             self._grow(n, self.scratch.capacity)
-        with nogil:
-            total = self.pack_into(start, stop, &self.scratch, info)
+        total = self.pack_held(start, stop, info)
         if total > self.scratch.capacity:  # the arrays hold the most pieces of any call so far: rarely grown
             self._grow(n, total + total // 4)
-            with nogil:
-                total = self.pack_into(start, stop, &self.scratch, info)
+            total = self.pack_held(start, stop, info)
         if total < 0:
             raise PackError(total, info[0], info[1], info[2], info[3])
         arrays = (np.empty(n + 1, dtype=np.int64), np.empty(total, dtype=np.uint16), np.empty(total, dtype=np.int64),

@@ -124,7 +124,8 @@ def test_consecutive_steps_continue_and_shares_walk_forward():
     ref = reference_compact([sizes], [1.0], seed=4, seq_len=32, num_items=plan.num_items, block_size=64,
                             block_group=64)
     packer = _compact_kernels.Packer(plan.seq_len, *plan._args()[:-1])
-    packer.pack(0, plan.num_items)  # room for any window's pieces: no call below runs twice to grow it
+    assert plan.num_items >= 2048  # a window this long is packed with the GIL released (RELEASE_GIL_ITEMS)
+    _assert_window(packer.pack(0, plan.num_items), ref, 0, plan.num_items)  # and leaves room for any window below
     packer.locates = 0
     for step in range(plan.num_steps):  # a loader's pass: placed once, then each step continues the last
         _assert_window(packer.pack(*plan.step_items(step)), ref, *plan.step_items(step))
