@@ -24,8 +24,10 @@ those, a keyed Feistel bijection (:mod:`foresight.plan.permute`) and the dataset
 
 :class:`CompactPlan` answers ``pieces(start, stop)`` with the same arrays a materialized plan of the
 same algorithm would hold, so the loader, ``inspect`` and everything else use it unchanged; its
-``item_ptr`` and ``piece_*`` attributes are lazy columns that compute what is sliced. Its files are checked and
-opened by :mod:`foresight.plan.compact_store`.
+``item_ptr`` and ``piece_*`` attributes are lazy columns that compute what is sliced. ``pieces`` runs in each
+thread's own ``_compact_kernels.Packer``, whose cursors stay where the last call left them: a loader's next step
+continues them (no search, no block expanded twice), a rank's next share walks forward to it in the same block.
+Its files are checked and opened by :mod:`foresight.plan.compact_store`.
 
 Example::
 
@@ -41,6 +43,7 @@ import ctypes
 import math
 import mmap
 import numbers
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -354,6 +357,7 @@ class CompactPlan(Plan):
         self._digest = digest
         self._datasets = list(datasets) if datasets is not None else None
         self._kernel_args: tuple | None = None
+        self._packers = threading.local()  # each thread's Packer: its cursors continue from its last step
         self._num_pieces: int | None = None
         self._prefix_cache: dict[str, Any] = {"items": 0, "ptr": np.zeros(1, np.int64), "pieces": None}
         for name, dtype in (("item_ptr", "<i8"), ("piece_dataset", "<u2"), ("piece_sample", "<i8"),
@@ -366,7 +370,7 @@ class CompactPlan(Plan):
         if self._num_pieces is None:
             total, step = 0, 1 << 20
             for lo in range(0, self.num_items, step):
-                ptr, _ = self._run(lo, min(lo + step, self.num_items), capacity=0)
+                ptr = self._count(lo, min(lo + step, self.num_items))
                 total += int(ptr[-1])
             self._num_pieces = total
         return self._num_pieces
@@ -403,8 +407,10 @@ class CompactPlan(Plan):
         """The pieces of items ``[start, stop)``, computed (``item_ptr`` starts at 0)."""
         if not (0 <= start <= stop <= self.num_items):
             raise PlanError(f"item range must lie within [0, {self.num_items}]", start=start, stop=stop)
-        ptr, cols = self._run(int(start), int(stop), capacity=None)
-        return Pieces(ptr, cols["piece_dataset"], cols["piece_sample"], cols["piece_offset"], cols["piece_length"])
+        try:
+            return Pieces(*self._packer().pack(int(start), int(stop)))
+        except _kernels.PackError as e:
+            raise self._kernel_error(*e.args) from None
 
     def max_rank_pieces(self, end_step: int, world_size: int) -> int:
         """An upper bound on the pieces of one rank's share of one step, from the block summaries, without walking
@@ -444,8 +450,12 @@ class CompactPlan(Plan):
     def __getstate__(self) -> dict[str, Any]:
         # the kernel's arguments hold raw addresses of this process's token-count arrays: rebuilt where unpickled
         state = dict(self.__dict__, _kernel_args=None)
+        del state["_packers"]
         state["_prefix_cache"] = {"items": 0, "ptr": np.zeros(1, np.int64), "pieces": None}
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _packers=threading.local())
 
     def memory_bytes(self) -> int:
         """Bytes this plan holds in memory to compute steps, beyond ``block_prefix`` (memory-mapped from its file)
@@ -500,30 +510,29 @@ class CompactPlan(Plan):
             )
         return self._kernel_args
 
-    def _run(self, start: int, stop: int, *, capacity: int | None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def _count(self, start: int, stop: int) -> np.ndarray:
+        """``item_ptr`` of the items ``[start, stop)`` (starting at 0): the pieces counted, none written."""
         args = self._args()
-        if capacity is None:
-            capacity = self._guess_pieces(stop - start)
-        while True:
-            ptr = np.empty(stop - start + 1, dtype=np.int64)
-            cols = {"piece_dataset": np.empty(capacity, np.uint16), "piece_sample": np.empty(capacity, np.int64),
-                    "piece_offset": np.empty(capacity, np.int64), "piece_length": np.empty(capacity, np.int64)}
-            info = np.zeros(4, dtype=np.int64)
-            total = _kernels.pack_range(start, stop, self.seq_len, *args[:-1], ptr, cols["piece_dataset"],
-                                       cols["piece_sample"], cols["piece_offset"], cols["piece_length"], info)
-            if total < 0:
-                d, e, pos, block = (int(x) for x in info)
-                raise PlanError(_ERRORS.get(total, f"compact plan kernel error {total}"), path=self.path, dataset=d,
-                                epoch=e, block_position=pos, block=block,
-                                fingerprint=self.inputs["sources"][d]["fingerprint"])
-            if total <= capacity or capacity == 0:
-                return ptr, {k: v[:total] if capacity else v for k, v in cols.items()}
-            capacity = total
+        ptr = np.empty(stop - start + 1, dtype=np.int64)
+        empty8, info = np.empty(0, np.int64), np.zeros(4, dtype=np.int64)
+        total = _kernels.pack_range(start, stop, self.seq_len, *args[:-1], ptr, np.empty(0, np.uint16), empty8,
+                                    empty8, empty8, info)
+        if total < 0:
+            raise self._kernel_error(total, *(int(x) for x in info))
+        return ptr
 
-    def _guess_pieces(self, items: int) -> int:
-        mean = min(d["tokens"] / s["num_samples"] for d, s in zip(self.summary["datasets"], self.inputs["sources"]))
-        per_item = min(self.seq_len + 1, 2 + (self.seq_len + 1) / max(mean, 1e-9))
-        return int(items * per_item * 1.25) + 16
+    def _packer(self) -> Any:
+        """This thread's :class:`_compact_kernels.Packer` over the current kernel arguments (made again after
+        :meth:`attach`)."""
+        args, local = self._args(), self._packers
+        if getattr(local, "args", None) is not args:
+            local.packer, local.args = _kernels.Packer(self.seq_len, *args[:-1]), args
+        return local.packer
+
+    def _kernel_error(self, code: int, d: int, epoch: int, pos: int, block: int) -> PlanError:
+        return PlanError(_ERRORS.get(code, f"compact plan kernel error {code}"), path=self.path, dataset=d,
+                         epoch=epoch, block_position=pos, block=block,
+                         fingerprint=self.inputs["sources"][d]["fingerprint"])
 
     def _item_ptr_prefix(self, length: int) -> np.ndarray:
         """``item_ptr[:length]`` (walks items up to length - 1, count only, cached)."""
@@ -531,7 +540,7 @@ class CompactPlan(Plan):
         while cache["items"] + 1 < length:
             lo = cache["items"]
             hi = min(self.num_items, max(length - 1, lo + (1 << 16)))
-            ptr, _ = self._run(lo, hi, capacity=0)
+            ptr = self._count(lo, hi)
             cache["ptr"] = np.concatenate([cache["ptr"], cache["ptr"][-1] + ptr[1:]])
             cache["items"] = hi
         return cache["ptr"][:length]
@@ -542,7 +551,9 @@ class CompactPlan(Plan):
         if have is None or have["piece_length"].shape[0] < count:
             ptr = self._item_ptr_prefix(self.num_items + 1) if count > 0 else np.zeros(1, np.int64)
             items = int(np.searchsorted(ptr, count, side="left"))
-            _, have = self._run(0, min(items, self.num_items), capacity=None)
+            p = self.pieces(0, min(items, self.num_items))
+            have = {"piece_dataset": p.dataset, "piece_sample": p.sample, "piece_offset": p.offset,
+                    "piece_length": p.length}
             self._prefix_cache["pieces"] = have
         return have
 

@@ -85,9 +85,9 @@ def step_extents(plan, datasets: Sequence, files: FileTable, start: int, stop: i
     """Extents of items ``[start, stop)`` of ``plan`` (a rank's share of one step)."""
     pieces = plan.pieces(start, stop)
     # Copies: the plan's arrays are read-only mmaps (torch warns on them) and must never be written through
-    # a batch's ``sample_ids`` or ``dataset``.
+    # a batch's ``sample_ids`` or ``dataset``; a compact plan's pieces are new arrays of this call, used as they are.
     p_dataset = np.array(pieces.dataset, dtype=np.int32)
-    p_sample = np.array(pieces.sample, dtype=np.int64)
+    p_sample = _own_copy(pieces.sample)
     p_offset = np.asarray(pieces.offset, dtype=np.int64)
     p_length = np.asarray(pieces.length, dtype=np.int64)
     n = len(p_sample)
@@ -122,6 +122,14 @@ def step_extents(plan, datasets: Sequence, files: FileTable, start: int, stop: i
         item_ptr=np.asarray(pieces.item_ptr, dtype=np.int64),
     )
     return _whole_samples(ext, datasets, files) if whole_samples and tokens else ext
+
+
+def _own_copy(array: np.ndarray) -> np.ndarray:
+    """``array`` as a writable int64 array no one else holds: itself when it owns its memory (computed for this
+    call, as a compact plan's pieces), else a copy (a view of a plan's arrays)."""
+    if array.flags.owndata and array.flags.writeable and array.dtype == np.int64:
+        return array
+    return np.array(array, dtype=np.int64)
 
 
 def lookup_samples(datasets: Sequence, dataset: np.ndarray, samples: np.ndarray,
