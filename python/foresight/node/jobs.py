@@ -31,7 +31,8 @@ from foresight.io import open_file
 from foresight.media import TransformSpec
 from foresight.node.limits import WorkLimits, check_job
 from foresight.node.protocol import KIND_DECODED, KIND_DEFERRED, KIND_RAW, encode_deferred, encode_raw, encode_tensors
-from foresight.source import (FileTable, MediaDecodeStage, decode_part, modality_codes, read_extents, spec_codes,
+from foresight.source import (FileTable, MediaDecodeStage, dataset_modality_codes, decode_part,
+                              extents_without_fetching, modality_codes, read_extents, sample_shards, spec_codes,
                               step_extents)
 
 
@@ -52,20 +53,6 @@ def resolve_under(root: str, name: str, what: str) -> str:
     if not os.path.isdir(path):
         raise ProtocolError(f"no such {what} under the node's data root", name=name)
     return path
-
-
-class _MapsOnly:
-    """A bucket dataset seen through its maps alone: ``lookup`` gives extents and fetches nothing, so a step's
-    extents cost no request; the node then fetches only the samples it reads (:meth:`NodeJob.prepare`)."""
-
-    def __init__(self, ds: BucketDataset) -> None:
-        self.ds = ds
-
-    def lookup(self, ids: np.ndarray):
-        return self.ds.cache.lookup(ids)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.ds, name)
 
 
 @dataclass
@@ -161,7 +148,7 @@ class NodeJob:
                    dataset_names=list(req["datasets"]),
                    spec_codes=np.asarray(sorted(spec_codes(specs).values()), dtype=np.int16),
                    local_file=local, bounds=bounds, guard_reply=req.get("guard_reply", "raw"),
-                   extent_sources=[_MapsOnly(ds) if isinstance(ds, BucketDataset) else ds for ds in datasets])
+                   extent_sources=extents_without_fetching(datasets))
 
     def check_token(self, token: str | None) -> bool:
         return token is not None and hmac.compare_digest(token.encode(), self.token.encode())
@@ -237,8 +224,8 @@ class NodeJob:
         """Bool per sample of dataset ``d``: those this node reads for the job (a shard it serves, a modality the
         job decodes); a bucket dataset's prefetch fetches these alone."""
         ds = self.datasets[d]
-        shard = self.extent_sources[d].lookup(np.arange(ds.num_samples, dtype=np.int64)).shard
-        return self.local_file[self.files.base[d] + shard] & np.isin(np.asarray(ds.modality_codes()), self.spec_codes)
+        shard = sample_shards(self.extent_sources[d])
+        return self.local_file[self.files.base[d] + shard] & np.isin(dataset_modality_codes(ds), self.spec_codes)
 
     def _fetch_missing(self, dataset: np.ndarray, samples: np.ndarray) -> None:
         """The samples of bucket datasets this part reads, made present in their caches (one coalesced fetch per

@@ -30,15 +30,17 @@ Example::
                          positions=np.arange(len(sample_ids)), first_item=0)
 """
 from foresight.source.decode import StepDecoder, decode_part, pin_by_default, stack_samples
-from foresight.source.extents import FileTable, StepExtents, lookup_samples, sample_extents, step_extents
+from foresight.source.extents import (FileTable, MapsOnly, StepExtents, extents_without_fetching, lookup_samples,
+                                      sample_extents, sample_shards, step_extents)
 from foresight.source.media_stage import MediaDecodeStage
 from foresight.source.meta import meta_fields, sample_metas
-from foresight.source.modality import modality_codes, sample_epochs, spec_codes
+from foresight.source.modality import dataset_modality_codes, modality_codes, sample_epochs, spec_codes
 from foresight.source.reader import LocalPartReader, PartReader
 from foresight.source.reads import (ALIGN, PartBytes, Reads, ReusableRegion, anonymous_region, coalesce_extents,
                                     read_extents, round_up)
 
-__all__ = ["ALIGN", "FileTable", "LocalPartReader", "MediaDecodeStage", "PartBytes", "PartReader", "Reads",
-           "ReusableRegion", "StepDecoder", "StepExtents", "anonymous_region", "coalesce_extents", "decode_part",
-           "lookup_samples", "meta_fields", "modality_codes", "pin_by_default", "read_extents", "round_up",
-           "sample_epochs", "sample_extents", "sample_metas", "spec_codes", "stack_samples", "step_extents"]
+__all__ = ["ALIGN", "FileTable", "LocalPartReader", "MapsOnly", "MediaDecodeStage", "PartBytes", "PartReader", "Reads",
+           "ReusableRegion", "StepDecoder", "StepExtents", "anonymous_region", "coalesce_extents",
+           "dataset_modality_codes", "decode_part", "extents_without_fetching", "lookup_samples", "meta_fields",
+           "modality_codes", "pin_by_default", "read_extents", "round_up", "sample_epochs", "sample_extents",
+           "sample_metas", "sample_shards", "spec_codes", "stack_samples", "step_extents"]

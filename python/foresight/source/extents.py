@@ -21,6 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
+from foresight.bucket import BucketDataset
 from foresight.errors import PlanError
 
 
@@ -182,3 +183,27 @@ def _whole_samples(ext: StepExtents, datasets: Sequence, files: FileTable) -> St
 
 
 __all__ = ["FileTable", "StepExtents", "lookup_samples", "sample_extents", "step_extents"]
+
+
+class MapsOnly:
+    """A bucket dataset seen through its maps alone: ``lookup`` gives extents and fetches nothing, so a step's
+    extents cost no request (the storage node then fetches only the samples it reads)."""
+
+    def __init__(self, ds: BucketDataset) -> None:
+        self.ds = ds
+
+    def lookup(self, ids: np.ndarray):
+        return self.ds.cache.lookup(ids)
+
+    def __getattr__(self, name: str):
+        return getattr(self.ds, name)
+
+
+def extents_without_fetching(datasets: Sequence) -> list:
+    """What to look steps' extents up in without fetching a byte: a bucket dataset's maps, a local dataset itself."""
+    return [MapsOnly(ds) if isinstance(ds, BucketDataset) else ds for ds in datasets]
+
+
+def sample_shards(dataset) -> np.ndarray:
+    """The shard of every sample of ``dataset`` (a dataset or :class:`MapsOnly`), from its maps."""
+    return dataset.lookup(np.arange(dataset.num_samples, dtype=np.int64)).shard

@@ -34,6 +34,11 @@ def modality_codes(datasets: Sequence, dataset: np.ndarray, samples: np.ndarray)
     return codes
 
 
+def dataset_modality_codes(dataset) -> np.ndarray:
+    """The :class:`~foresight.format.Modality` code of every sample of one dataset (int16)."""
+    return np.asarray(dataset.modality_codes(), dtype=np.int16)
+
+
 def spec_codes(names: Iterable[str]) -> dict[str, int]:
     """``{modality name: code}`` for a decode stage's spec names (``"video"``, ``"image"``, ...).
 
