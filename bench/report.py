@@ -78,6 +78,23 @@ def read_path(payload: dict) -> Section:
     return s
 
 
+def read_path_tokens(payload: dict) -> Section:
+    s = Section("Read path, tokens: the Loader over a compact plan beside the same plan materialized")
+    load = [(payload["machine"].get(k) or [None])[0] for k in ("load_avg_start", "load_avg_end")]
+    s.notes.append(f"{payload['dataset_bytes'] / 2**20:g} MiB uint16 token dataset, {payload['run_bytes'] / 2**20:g} "
+                   f"MiB per run; both kinds interleaved run by run (medians); 1-minute load average {load[0]:.1f} "
+                   f"at the start, {load[1]:.1f} at the end")
+    s.tables.append(("tokens per second", ["cache", "plan", "runs", "tokens/s", "CPU-s per Gtoken", "x materialized"],
+                     [[r["mode"], r["plan"], r["runs"], r["tokens_per_s"], r["cpu_s_per_gtoken"],
+                       r.get("x_materialized")] for r in payload["rows"]]))
+    ratios = [f"{r['mode']} {r['x_materialized']:.2f}x" for r in payload["rows"]
+              if r["plan"] == "compact" and r.get("x_materialized") is not None]
+    if ratios:
+        s.notes.append(f"target (issue 23): the loader's throughput unchanged with the compact kind: "
+                       f"{', '.join(ratios)} the materialized plan's")
+    return s
+
+
 def checkpoint(payload: dict) -> Section:
     s = Section("Checkpoints: training-blocking time, durable write, cold restore")
     for res in payload["results"]:
@@ -316,8 +333,8 @@ def pushdown(payload: dict) -> Section:
 
 
 SUMMARIZERS: dict[str, Callable[[dict], Section]] = {
-    "read_path": read_path, "checkpoint": checkpoint, "decode": decode, "plan_build": plan_build,
-    "gpu_handoff": gpu_handoff, "remote_merge": remote_merge,
+    "read_path": read_path, "read_path_tokens": read_path_tokens, "checkpoint": checkpoint, "decode": decode,
+    "plan_build": plan_build, "gpu_handoff": gpu_handoff, "remote_merge": remote_merge,
     "pushdown": pushdown, "replication_overlap": replication_overlap,
 }
 

@@ -57,6 +57,9 @@ PRESETS: dict[str, dict[str, list[str]]] = {
     "plan_build": {"smoke": ["--smoke"], "quick": ["--sizes", "10000000", "--repeats", "3"],
                    "full": ["--sizes", "10000000,100000000", "--repeats", "2", "--sections", "build,mixing,scale",
                             "--compact-sizes", "10000000,100000000,1800000000"]},
+    # issue 23: the Loader over a compact plan beside the same plan materialized, interleaved run by run
+    "read_path_tokens": {"smoke": ["--smoke"], "quick": ["--dataset-gib", "1", "--runs", "5"],
+                         "full": ["--dataset-gib", "2", "--runs", "9"]},
     "gpu_handoff": {"smoke": ["--smoke"], "quick": [], "full": []},
     # quick: the shared host core only (where offloading pays; the idle core is in full), 3 interleaved runs per mode
     "pushdown": {"smoke": ["--smoke"], "quick": ["--videos", "6", "--images", "8", "--steps", "12", "--scenarios",
