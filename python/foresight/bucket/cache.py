@@ -167,9 +167,11 @@ class SampleCache:
         ids = np.flatnonzero(self.present)
         return int(self.lookup(ids).length.sum()) if ids.size else 0
 
-    def ensure(self, ids: np.ndarray, *, max_gap: int | None = None) -> int:
+    def ensure(self, ids: np.ndarray, *, max_gap: int | None = None, span_present: bool = False) -> int:
         """Make every sample of ``ids`` present (fetching the missing ones in coalesced GETs; ``max_gap`` overrides
-        the cache's and the fetcher's for this call); returns how many were fetched. Raises :class:`BucketError`
+        the cache's and the fetcher's for this call); returns how many were fetched. ``span_present``: a transfer
+        may run across present samples (fetched, checked and written again, identical bytes) instead of being cut
+        at each of them (a block fill around a few present samples stays a few GETs). Raises :class:`BucketError`
         naming the object when a fetched sample's xxh3 differs from the map's (the object changed under the same
         ETag, or the store returned wrong bytes): nothing of that fetch is marked."""
         ids = np.unique(np.asarray(ids, dtype=np.int64))
@@ -193,7 +195,7 @@ class SampleCache:
                 # chunks of at most FETCH_CHUNK bytes: one fetch's bytes are held in memory until written
                 chunk = np.cumsum(ext.length) // FETCH_CHUNK
                 for part in np.split(missing, np.flatnonzero(np.diff(chunk)) + 1) if missing.size else []:
-                    self._fetch(part, self.max_gap if max_gap is None else max_gap)
+                    self._fetch(part, self.max_gap if max_gap is None else max_gap, span_present)
                     with self._cv:
                         self._cv.notify_all()  # waiters whose samples this chunk held return now
                 return int(missing.size)
@@ -218,12 +220,14 @@ class SampleCache:
             self._busy = False
             self._cv.notify_all()
 
-    def _segments(self, ids: np.ndarray, shard: np.ndarray) -> np.ndarray:
-        """A run id per sample of ``ids`` (sorted, missing): a new run at each shard change and wherever a present
-        sample lies between two neighbours. Coalescing within runs only never fetches a present sample again as
-        part of a gap (its bytes are here already; a reader may be reading them)."""
+    def _segments(self, ids: np.ndarray, shard: np.ndarray, span_present: bool = False) -> np.ndarray:
+        """A run id per sample of ``ids`` (sorted, missing): a new run at each shard change and (unless
+        ``span_present``) wherever a present sample lies between two neighbours. Coalescing within runs only never
+        fetches a present sample again as part of a gap (its bytes are here already)."""
         if ids.size < 2:
             return np.zeros(ids.size, dtype=np.int32)
+        if span_present:
+            return np.concatenate(([0], np.cumsum(shard[1:] != shard[:-1]))).astype(np.int32)
         lo = int(ids[0])
         before = np.cumsum(self.present[lo:int(ids[-1]) + 1], dtype=np.int64)  # present samples in [lo, id]
         a, b = ids[:-1], ids[1:]
@@ -261,9 +265,9 @@ class SampleCache:
             got[at:at + n] = True
         return ids[got], held
 
-    def _fetch(self, ids: np.ndarray, max_gap: int | None = None) -> None:
+    def _fetch(self, ids: np.ndarray, max_gap: int | None = None, span_present: bool = False) -> None:
         ext = self.lookup(ids)
-        seg = self._segments(ids, ext.shard)
+        seg = self._segments(ids, ext.shard, span_present)
         seg_shard = ext.shard[np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])]
         got = self.fetcher.fetch(self.refs, seg, ext.offset, ext.length, ref_of_file=seg_shard, max_gap=max_gap)
         tr = got.transfers
@@ -281,7 +285,8 @@ class SampleCache:
             raise BucketError(f"sample {int(check[i])} fetched with xxh3 {int(sums[i]):016x}, the map says "
                               f"{int(self.checksums[check[i]]):016x} ({bad.size} samples differ)", "checksum",
                               object=str(self.refs[shard].url), offset=offset)
-        extra, extra_held = self._lock_free_runs(gap)
+        # present gap samples (span_present) are written again, identical and checked above, but not re-marked
+        extra, extra_held = self._lock_free_runs(gap[self.present[gap] == 0])
         try:
             try:
                 for k in range(tr.io_count):  # a loop over coalesced transfers (MiB each), not samples

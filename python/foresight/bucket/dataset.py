@@ -182,6 +182,12 @@ class BucketDataset(ShardedDataset):
             self.cache.ensure(np.asarray(ids, dtype=np.int64).reshape(-1))
         return ext
 
+    def lookup_would_wait(self, ids: np.ndarray) -> bool:
+        """Whether :meth:`lookup` of ``ids`` would fetch (some sample is not in the cache yet): the loader asks
+        before it looks up a later step, and hands out a step it has read instead of waiting behind that fetch."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        return bool(ids.size) and not bool(self.cache.present[ids].all())
+
     def close(self) -> None:  # idempotent (Closing): a half-built object has no cache yet
         cache = self.__dict__.pop("cache", None)
         if cache is not None:
