@@ -122,14 +122,14 @@ def test_two_processes_wanting_the_same_samples_fetch_them_once(s3_env, tmp_path
     hold = ("import os, time, numpy as np\n"
             "from foresight import open_dataset\n"
             "ds = open_dataset('s3://loader/once', cache_dir=os.environ['CACHE'])\n"
-            "sync = os.fdatasync\n"
-            "def held(fd):\n"
+            "write = os.pwrite\n"
+            "def held(fd, data, offset):\n"
             "    open(os.environ['HOLDING'], 'w').close()\n"
             "    for _ in range(1200):\n"
             "        if os.path.exists(os.environ['GO']): break\n"
             "        time.sleep(0.05)\n"
-            "    sync(fd)\n"
-            "os.fdatasync = held\n"
+            "    return write(fd, data, offset)\n"
+            "os.pwrite = held\n"
             "print(ds.cache.ensure(np.arange(int(os.environ['LO']), int(os.environ['HI']))))\n")
     env = dict(os.environ, CACHE=str(cache), HOLDING=str(tmp_path / "holding"), GO=str(tmp_path / "go"))
     a = subprocess.Popen([sys.executable, "-c", hold], env=dict(env, LO="0", HI="40"), stdout=subprocess.PIPE)
@@ -140,7 +140,7 @@ def test_two_processes_wanting_the_same_samples_fetch_them_once(s3_env, tmp_path
                 break
             time.sleep(0.05)
         assert (tmp_path / "holding").exists()
-        plain = hold.replace("os.fdatasync = held\n", "")
+        plain = hold.replace("os.pwrite = held\n", "")
         b = subprocess.Popen([sys.executable, "-c", plain], env=dict(env, LO="20", HI="60"), stdout=subprocess.PIPE)
         for _ in range(1200):  # B's lock request waits behind A's: /proc/locks shows it with "->"
             if any(line.split()[5] == str(b.pid) for line in _proc_locks() if "->" in line) or b.poll() is not None:

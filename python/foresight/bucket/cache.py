@@ -12,9 +12,12 @@ Safety under concurrent processes (ranks of one host, restarts):
 - coalescing runs only between samples that are absent: a present sample is never fetched again as part of a gap
   (nor its bytes rewritten while another process reads them); an absent sample that a transfer holds whole (a gap)
   is checked and marked too, when no other process holds its lock;
-- never a torn sample marked present: bytes are written, checked against the map's xxh3 (the project's
-  :func:`~foresight.checksum.xxh3_many`, one native call), flushed with ``fdatasync``, and only then marked; a
-  process killed before that leaves its samples unmarked, its locks vanish with it, and the next reader refetches;
+- never a torn sample marked present: bytes are checked against the map's xxh3 (the project's
+  :func:`~foresight.checksum.xxh3_many`, one native call), written, and only then marked; a process killed before
+  that leaves its samples unmarked, its locks vanish with it, and the next reader refetches. Written bytes sit in
+  the page cache, which outlives any process; only a machine crash can lose bytes whose mark reached the disk, so
+  instead of an ``fdatasync`` per fetch the first open after a reboot re-hashes the marked samples
+  (:meth:`SampleCache.scrub`; the boot id is recorded next to the index);
 - eviction clears a sample's mark first, then punches the whole 4 KiB blocks inside its extent out of the file
   (``fallocate(PUNCH_HOLE)``: blocks shared with a neighbour stay, so a neighbour's bytes never change).
 
@@ -24,7 +27,7 @@ samples are all present takes no lock.
 Example::
 
     cache = SampleCache(local_dir, fetcher, refs, shard_paths, lookup, checksums)
-    cache.ensure(np.array([3, 17, 42]))      # fetched (coalesced) unless present; marked after fdatasync
+    cache.ensure(np.array([3, 17, 42]))      # fetched (coalesced) unless present; marked once written
     cache.evict(np.array([17]))              # unmarked, then its blocks punched out
 """
 from __future__ import annotations
@@ -293,8 +296,6 @@ class SampleCache:
                     dest = int(tr.t_dest[k])
                     os.pwrite(self._fds[int(seg_shard[tr.t_file[k]])],
                               memoryview(got.region[dest:dest + int(tr.t_length[k])]), int(tr.t_offset[k]))
-                for s in np.unique(seg_shard[tr.t_file]).tolist():
-                    os.fdatasync(self._fds[s])
             except OSError as e:  # a full or failing cache disk: give back what this fetch allocated, mark nothing
                 mine = np.concatenate((ids, extra))
                 back = self.lookup(mine[self.present[mine] == 0])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
 from typing import Any
@@ -41,6 +42,8 @@ from .url import BucketURL
 __all__ = ["open_bucket_dataset", "BucketDataset", "local_dir_of", "is_cache_dir", "reopen_cache_dir"]
 
 STATE_NAME = "state.json"  # written last: its presence marks a complete layout
+BOOT_NAME = "boot_id"  # the boot during which the index's marks were made (their bytes may be in its page cache)
+log = logging.getLogger("foresight.bucket")
 
 
 def local_dir_of(url: BucketURL, cache_dir: str | os.PathLike) -> str:
@@ -120,6 +123,34 @@ def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef) -> dic
     return state
 
 
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:  # no boot id to compare: every open re-hashes the marked samples (never a lost write served)
+        return ""
+
+
+def _scrub_after_reboot(ds: "BucketDataset") -> None:
+    """Marks are made once bytes are written, not synced: a machine crash may have lost bytes whose marks reached
+    the disk. On the first open in a boot other than the recorded one, re-hash the marked samples (unmarking those
+    that differ), then record this boot (before any mark of it is made: the caller holds the layout lock)."""
+    path = os.path.join(ds.path, INDEX_DIR, BOOT_NAME)
+    now = _boot_id()
+    try:
+        with open(path) as f:
+            recorded = f.read().strip()
+    except OSError:
+        recorded = None
+    if now and recorded == now:
+        return
+    if ds.cache.present.any():
+        bad = ds.cache.scrub()
+        log.warning("bucket cache %s: first open since a reboot: the marked samples re-hashed, %d unmarked (refetched "
+                    "on next use)", ds.path, bad.size)
+    _write_atomic(path, now.encode())
+
+
 def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, options: dict[str, Any] | None = None,
                         concurrency: int = 16, max_gap: int | None = None, max_transfer: int | None = None,
                         retry: RetryPolicy = RetryPolicy()) -> "BucketDataset":
@@ -147,14 +178,16 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, o
                 state = None
             if state is None or state.get("manifest") != _ref_json(manifest_ref):
                 if state is not None:
-                    import logging
-
-                    logging.getLogger("foresight.bucket").warning(
-                        "bucket: %s changed since it was cached (manifest ETag): cache dropped", url)
+                    log.warning("bucket: %s changed since it was cached (manifest ETag): cache dropped", url)
                     os.unlink(state_path)
                 state = _lay_out(local, fetcher, manifest_ref)
-        refs = [ObjectRef(BucketURL(url.bucket, r["key"]), int(r["size"]), r["etag"]) for r in state["shards"]]
-        ds = BucketDataset(local, url, fetcher, refs)
+            refs = [ObjectRef(BucketURL(url.bucket, r["key"]), int(r["size"]), r["etag"]) for r in state["shards"]]
+            ds = BucketDataset(local, url, fetcher, refs)
+            try:
+                _scrub_after_reboot(ds)
+            except BaseException:
+                ds.close()
+                raise
         ds._reopen = (str(url), os.fspath(cache_dir), {"options": options, "concurrency": concurrency,
                                                        "max_gap": max_gap, "max_transfer": max_transfer,
                                                        "retry": retry})
