@@ -87,23 +87,25 @@ def _ref_json(ref: ObjectRef) -> dict[str, Any]:
     return {"key": ref.key, "size": ref.size, "etag": ref.etag}
 
 
-def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef) -> dict[str, Any]:
-    """Fetch the manifest and maps whole, head the shards, create the sparse files and the index; returns the
-    state (written last)."""
+def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef, raw: bytes) -> dict[str, Any]:
+    """Fetch the maps whole, head the shards, create the sparse files and the index (``raw``: the manifest's
+    bytes, fetched by the caller); returns the state (written last)."""
     index_dir = os.path.join(local, INDEX_DIR)
     for name in os.listdir(local):  # an older copy (or a layout cut short): nothing of it is kept
         if name != INDEX_DIR:
             path = os.path.join(local, name)
             shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
-    raw = fetcher.get_whole(manifest_ref)
     manifest = parse_manifest(raw, path=str(manifest_ref.url))
 
-    def shard(s) -> ObjectRef:  # its map fetched whole, its shard headed and laid out sparse
-        map_ref = fetcher.head(s.map)
-        if map_ref.size != s.map_bytes:
-            raise BucketError(f"map object is {map_ref.size} bytes, the manifest says {s.map_bytes}", "changed",
-                              object=str(map_ref.url))
-        _write_atomic(os.path.join(local, s.map), fetcher.get_whole(map_ref))
+    def one(task: tuple[str, Any]) -> ObjectRef | None:  # a map fetched whole, or a shard headed and laid out sparse
+        kind, s = task
+        if kind == "map":
+            map_ref, data = fetcher.get_object(s.map)
+            if map_ref.size != s.map_bytes:
+                raise BucketError(f"map object is {map_ref.size} bytes, the manifest says {s.map_bytes}", "changed",
+                                  object=str(map_ref.url))
+            _write_atomic(os.path.join(local, s.map), data)
+            return None
         bin_ref = fetcher.head(s.bin)
         if bin_ref.size != s.bin_bytes:
             raise BucketError(f"shard object is {bin_ref.size} bytes, the manifest says {s.bin_bytes}", "changed",
@@ -112,7 +114,9 @@ def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef) -> dic
             f.truncate(s.bin_bytes)  # sparse: no block allocated until fetched bytes land
         return bin_ref
 
-    shard_refs = fetcher.map(shard, manifest.shards)  # concurrently: three round trips per shard, not in series
+    # every map and shard at once: one round trip for the whole layout, not three per shard
+    got = fetcher.map(one, [("map", s) for s in manifest.shards] + [("bin", s) for s in manifest.shards])
+    shard_refs = got[len(manifest.shards):]
     present = os.path.join(index_dir, "present")
     with open(present, "wb") as f:
         f.truncate(manifest.num_samples)
@@ -169,7 +173,7 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, o
         os.makedirs(os.path.join(local, INDEX_DIR), exist_ok=True)
         with open(os.path.join(local, INDEX_DIR, "lock"), "a+b") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one process lays out; the others wait, then reuse it
-            manifest_ref = fetcher.head(MANIFEST_NAME)
+            manifest_ref, raw = fetcher.get_object(MANIFEST_NAME)  # small: fetched whole, not headed first
             state_path = os.path.join(local, INDEX_DIR, STATE_NAME)
             try:
                 with open(state_path, "rb") as f:
@@ -180,7 +184,7 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, o
                 if state is not None:
                     log.warning("bucket: %s changed since it was cached (manifest ETag): cache dropped", url)
                     os.unlink(state_path)
-                state = _lay_out(local, fetcher, manifest_ref)
+                state = _lay_out(local, fetcher, manifest_ref, raw)
             refs = [ObjectRef(BucketURL(url.bucket, r["key"]), int(r["size"]), r["etag"]) for r in state["shards"]]
             ds = BucketDataset(local, url, fetcher, refs)
             try:
