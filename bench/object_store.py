@@ -522,6 +522,11 @@ def main(argv: list[str] | None = None) -> int:
     from foresight.bucket.upload import upload_dataset
     from foresight.testing.wan import WanLink
 
+    # lazy: paid here, before any timed run. The Loader imports torch on its first batch (about 1.1 CPU-s, tens of
+    # seconds' worth on a loaded VM): the first method to run paid it in its first batch and its CPU
+    import torch.utils.data  # noqa: F401
+    import foresight.loader  # noqa: F401
+
     t_start = time.perf_counter()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the server (the finally below)
     work = Path(tempfile.mkdtemp(prefix="foresight-objstore-"))
