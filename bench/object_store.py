@@ -29,7 +29,7 @@ loader's window pinned; LRU; the offline optimum) and Mosaic's shard cache (whol
 Usage::
 
     python bench/object_store.py --smoke          # tiny datasets, one round trip, one run: seconds
-    python bench/object_store.py --preset quick   # ~100 MB, 10 and 30 ms, 3 runs
+    python bench/object_store.py --preset quick   # ~200 MB (32 + 160 MiB), 10 and 30 ms, 2 runs, 16 workers
     python bench/object_store.py                  # full: GiB-sized datasets, 5 runs
 """
 from __future__ import annotations
@@ -68,7 +68,9 @@ HIT_LOOKAHEAD = PREFETCH + 2  # the least the loader allows: the pinned window i
 PRESETS = {
     "smoke": {"token_mib": 2, "media_mib": 8, "shard_mib": 1, "rtts": "10", "runs": 1, "workers": "2",
               "token_batch": 16, "media_batch": 2},
-    "quick": {"token_mib": 32, "media_mib": 160, "shard_mib": 16, "rtts": "10,30", "runs": 3, "workers": "8,16",
+    # quick: 2 runs, 16 workers only (no sweep): 3 runs of the 8,16 sweep did not fit 25 minutes on the loaded
+    # shared 2-core VM (the per-sample anchors take minutes per run at 30 ms)
+    "quick": {"token_mib": 32, "media_mib": 160, "shard_mib": 16, "rtts": "10,30", "runs": 2, "workers": "16",
               "token_batch": 64, "media_batch": 8},
     "full": {"token_mib": 1024, "media_mib": 3072, "shard_mib": 64, "rtts": "10,30", "runs": 5,
              "workers": "4,8,16,32", "token_batch": 64, "media_batch": 8},
@@ -115,6 +117,17 @@ class Case:
         self.samples = int(self.acc.ids.size)
         self.read_bytes = int(self.length[self.acc.ids].sum())
         self.needed_bytes = int(self.length[np.unique(self.acc.ids)].sum())
+        self.step0_bytes = int(self.length[self.steps[0]].sum()) if self.steps else 0
+
+
+NETWORK_PIDS: list[int] = []  # the server's and the proxies' processes: the "network", not the methods' CPU
+
+
+def start_meter() -> Meter:
+    """A started Meter of this process and its workers, the server and the WAN proxy left out."""
+    m = Meter(exclude=NETWORK_PIDS)
+    m.start()
+    return m
 
 
 def row(case: Case, method: str, rtt: float, samples: int, wall: float, cpu: float, requests: float,
@@ -187,8 +200,7 @@ def _as_list(batch):
 def run_dataloader(case: Case, rtt: float, env: dict, workers: int, cls=Boto3Samples, method="dl-boto3") -> dict:
     import torch.utils.data as tud
 
-    meter = Meter()
-    meter.start()
+    meter = start_meter()
     dl = tud.DataLoader(cls(case, env), batch_sampler=[s.tolist() for s in case.steps], num_workers=workers,
                         collate_fn=_as_list, prefetch_factor=4, persistent_workers=False)
     it = iter(dl)
@@ -227,8 +239,7 @@ def s3_store(case: Case, env: dict):
 def run_obstore(case: Case, rtt: float, env: dict) -> dict:
     import obstore
 
-    meter = Meter()
-    meter.start()
+    meter = start_meter()
     store = s3_store(case, env)
 
     def step(ids: np.ndarray) -> int:
@@ -280,8 +291,7 @@ class ShardCache:
 def run_mosaic(case: Case, rtt: float, env: dict, cache_root: Path) -> dict:
     import obstore
 
-    meter = Meter()
-    meter.start()
+    meter = start_meter()
     store = s3_store(case, env)
     cache_dir = Path(tempfile.mkdtemp(prefix="mosaic-", dir=cache_root))
     cache = ShardCache(case, None)
@@ -334,17 +344,18 @@ def run_foresight(case: Case, rtt: float, env: dict, cache_root: Path, *, fill: 
     cache_dir = tempfile.mkdtemp(prefix="fs-", dir=cache_root)
     env_patch = patch.dict(os.environ, env)  # the server's keys for this run, the old values back after
     env_patch.start()
-    meter = Meter()
-    meter.start()
+    meter = start_meter()
     try:
         ds = open_dataset(case.url, cache_dir=cache_dir)
+        t_open = time.perf_counter() - meter._t0
         base = ds.fetcher.stats.as_dict()
-        samples, ttfb = 0, None
+        samples, ttfb, first = 0, None, {}
         with ds, PlanPrefetcher(ds, case.plan, lookahead=LOOKAHEAD, fill_block=FILL_BLOCK if fill else 0) as pf, \
                 Loader(case.plan, datasets=ds, prefetch=PREFETCH, on_step=pf.on_step) as loader:
             for batch in loader:
                 if ttfb is None:
                     ttfb = time.perf_counter() - meter._t0
+                    first = ds.fetcher.stats.as_dict()  # what had been fetched when the first batch came
                 samples += len(batch["lengths"])
             wall, cpu = meter.stop()
             stats = ds.fetcher.stats.as_dict()
@@ -355,7 +366,10 @@ def run_foresight(case: Case, rtt: float, env: dict, cache_root: Path, *, fill: 
         shutil.rmtree(cache_dir, ignore_errors=True)
     return row(case, "foresight" if fill else "foresight-nofill", rtt, samples, wall, cpu,
                stats["requests"] - base["requests"], stats["bytes"] - base["bytes"], ttfb,
-               config=f"lookahead={LOOKAHEAD} prefetch={PREFETCH}" + ("" if fill else " fill_block=0"))
+               config=f"lookahead={LOOKAHEAD} prefetch={PREFETCH}" + ("" if fill else " fill_block=0"),
+               first_batch_requests=first.get("requests", 0) - base["requests"],
+               first_batch_mb=(first.get("bytes", 0) - base["bytes"]) / 1e6, step0_mb=case.step0_bytes / 1e6,
+               retries=stats["retries"] - base["retries"], open_s=t_open)
 
 
 # -- hit rates -----------------------------------------------------------------------------------------------------
@@ -490,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mbit", type=float, default=800.0, help="the link's cap per direction (Mbit/s)")
     ap.add_argument("--runs", type=int, default=None)
     ap.add_argument("--workers", default=None, help="DataLoader worker counts swept for the per-sample anchors")
+    ap.add_argument("--datasets", default="token,media", help="which datasets, comma-separated (token, media)")
     ap.add_argument("--data-dir", default="/tmp/foresight-bench/object-store")
     ap.add_argument("--out", default=str(RESULTS), help="where the JSON and PNG go")
     args = ap.parse_args(argv)
@@ -507,18 +522,27 @@ def main(argv: list[str] | None = None) -> int:
     from foresight.bucket.upload import upload_dataset
     from foresight.testing.wan import WanLink
 
+    # lazy: paid here, before any timed run. The Loader imports torch on its first batch (about 1.1 CPU-s, tens of
+    # seconds' worth on a loaded VM): the first method to run paid it in its first batch and its CPU
+    import torch.utils.data  # noqa: F401
+    import foresight.loader  # noqa: F401
+
     t_start = time.perf_counter()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still stops the server (the finally below)
     work = Path(tempfile.mkdtemp(prefix="foresight-objstore-"))
     server = SeaweedServer(str(work / "seaweed"))
     server.start()
+    NETWORK_PIDS.append(server.proc.pid)
     rows, sweep, hits, skipped = [], [], [], {}
     try:
         direct = server.env()
         env_patch = patch.dict(os.environ, direct)  # the server's keys for this run, the old values back after
         env_patch.start()
         cases = []
-        for kind in ("token", "media"):
+        kinds = [k for k in args.datasets.split(",") if k]
+        if not kinds or set(kinds) - {"token", "media"}:
+            ap.error(f"--datasets takes token and/or media, got {args.datasets!r}")
+        for kind in kinds:
             mib, batch = cfg[f"{kind}_mib"], cfg[f"{kind}_batch"]
             local = make_dataset(data_root, kind, mib, cfg["shard_mib"])
             url = f"s3://bench/{kind}"
@@ -535,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: skipped ({why})")
         for rtt in rtts:
             with WanLink(("127.0.0.1", server.ports["s3.port"]), rtt_ms=rtt, mbit=args.mbit) as link:
+                NETWORK_PIDS.append(link.pid)
                 env = dict(direct, AWS_ENDPOINT_URL=f"http://127.0.0.1:{link.port}")
                 for case in cases:
                     print(f"-- {case.kind}, {rtt:g} ms, {args.mbit:g} Mbit/s: {len(case.steps)} steps, "
@@ -546,8 +571,8 @@ def main(argv: list[str] | None = None) -> int:
                         "mosaic-emul": lambda: run_mosaic(case, rtt, env, work),
                     }
                     if "dl-boto3" not in skipped:
-                        best_w, best = None, -1.0
-                        for w in workers:
+                        best_w, best = workers[0], -1.0
+                        for w in workers if len(workers) > 1 else []:  # one count: nothing to choose between
                             r = run_dataloader(case, rtt, env, w)
                             sweep.append({"dataset": case.kind, "rtt_ms": rtt, "workers": w,
                                           "samples_per_s": r["samples_per_s"]})
@@ -578,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     cols = ["dataset", "rtt_ms", "method", "samples_per_s", "requests_per_sample", "bytes_ratio", "cpu_s_per_gb",
-            "first_batch_s", "config"]
+            "first_batch_s", "first_batch_mb", "config"]
     print_table(rows, cols, title=f"\nobject store ({preset}; medians of {runs} runs, {args.mbit:g} Mbit/s link)")
     print_table(hits, ["dataset", "foresight_live", "foresight_replay", "optimum", "lru", "mosaic_shards"],
                 title=f"\ncache hit rate at {BUDGET_FRACTION:.0%} of the dataset, {HIT_EPOCHS} epochs")

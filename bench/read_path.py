@@ -134,17 +134,28 @@ def make_case(label: str, size: int, ds, run_bytes: int, batch: int | None = Non
 
 
 class Meter:
-    """Wall time and CPU time (this process, its threads and its live worker processes) of a timed span."""
+    """Wall time and CPU time (this process, its threads and its live worker processes) of a timed span.
+    ``exclude``: pids of child processes that are not the measured work (a server, a network proxy), with their
+    own children."""
 
-    def __init__(self) -> None:
+    def __init__(self, exclude: tuple[int, ...] | list[int] = ()) -> None:
         import psutil
 
         self._psutil = psutil
         self._me = psutil.Process()
+        self._exclude = set(exclude)
 
     def _children_cpu(self) -> dict[int, float]:
         out = {}
+        skip = set(self._exclude)
+        for pid in self._exclude:
+            try:
+                skip.update(c.pid for c in self._psutil.Process(pid).children(recursive=True))
+            except self._psutil.Error:
+                pass
         for child in self._me.children(recursive=True):
+            if child.pid in skip:
+                continue
             try:
                 t = child.cpu_times()
                 out[child.pid] = t.user + t.system

@@ -117,14 +117,14 @@ def test_two_processes_wanting_the_same_samples_fetch_them_once(s3_env, tmp_path
     hold = ("import os, time, numpy as np\n"
             "from foresight import open_dataset\n"
             "ds = open_dataset('s3://loader/once', cache_dir=os.environ['CACHE'])\n"
-            "sync = os.fdatasync\n"
-            "def held(fd):\n"
+            "write = os.pwrite\n"
+            "def held(fd, data, offset):\n"
             "    open(os.environ['HOLDING'], 'w').close()\n"
             "    for _ in range(1200):\n"
             "        if os.path.exists(os.environ['GO']): break\n"
             "        time.sleep(0.05)\n"
-            "    sync(fd)\n"
-            "os.fdatasync = held\n"
+            "    return write(fd, data, offset)\n"
+            "os.pwrite = held\n"
             "print(ds.cache.ensure(np.arange(int(os.environ['LO']), int(os.environ['HI']))))\n")
     env = dict(os.environ, CACHE=str(cache), HOLDING=str(tmp_path / "holding"), GO=str(tmp_path / "go"))
     a = subprocess.Popen([sys.executable, "-c", hold], env=dict(env, LO="0", HI="40"), stdout=subprocess.PIPE)
@@ -135,7 +135,7 @@ def test_two_processes_wanting_the_same_samples_fetch_them_once(s3_env, tmp_path
                 break
             time.sleep(0.05)
         assert (tmp_path / "holding").exists()
-        plain = hold.replace("os.fdatasync = held\n", "")
+        plain = hold.replace("os.pwrite = held\n", "")
         b = subprocess.Popen([sys.executable, "-c", plain], env=dict(env, LO="20", HI="60"), stdout=subprocess.PIPE)
         for _ in range(1200):  # B's lock request waits behind A's: /proc/locks shows it with "->"
             if any(line.split()[5] == str(b.pid) for line in _proc_locks() if "->" in line) or b.poll() is not None:
@@ -232,3 +232,54 @@ def test_a_waiting_lookup_returns_when_its_samples_land_not_when_the_whole_fetch
         assert cache.present[30] and whole.is_alive() and not cache.present[59]
         whole.join(60)
         assert cache.present.all()
+
+
+def test_the_loader_hands_out_a_read_step_before_waiting_on_the_next_steps_fetch(s3_env, tmp_path):
+    """The loader looks up the steps it prefetches before it hands out the one it has read; over a bucket a lookup
+    waits on a fetch, so batch 0 waited on steps 1..prefetch's fetches too (the first batch behind 30 MB of other
+    steps' GETs on the object-store bench). Here another process holds the cache's record locks of step 1's samples
+    (as a rank fetching them would): batch 0, whose samples are present, must come out while they are held."""
+    import threading
+
+    local = _bytes_dataset(tmp_path / "local", n=60)
+    plan = build_plan([(local, 1.0)], seed=4, global_batch_size=6, num_steps=6)
+    want = _batches(local, plan, "bytes")
+    upload_dataset(local.path, "s3://loader/first")
+    cache = tmp_path / "cache"
+    with open_dataset("s3://loader/first", cache_dir=cache) as ds:
+        step = [np.unique(np.asarray(plan.pieces(*plan.rank_items(k, 0, 1)).sample)) for k in range(2)]
+        step1 = np.setdiff1d(step[1], step[0])
+        ds.cache.ensure(step[0])
+        assert step1.size and ds.lookup_would_wait(step1) and not ds.lookup_would_wait(step[0])
+        hold = ("import fcntl, os, sys, time\n"
+                "fd = os.open(os.environ['INDEX'], os.O_RDWR)\n"
+                "for i in map(int, sys.argv[1:]):\n"
+                "    fcntl.lockf(fd, fcntl.LOCK_EX, 1, i, os.SEEK_SET)\n"
+                "open(os.environ['HOLDING'], 'w').close()\n"
+                "while not os.path.exists(os.environ['GO']):\n"
+                "    time.sleep(0.02)\n")
+        env = dict(os.environ, INDEX=os.path.join(ds.path, ".foresight-cache", "present"),
+                   HOLDING=str(tmp_path / "holding"), GO=str(tmp_path / "go"))
+        holder = subprocess.Popen([sys.executable, "-c", hold, *map(str, step1.tolist())], env=env)
+        try:
+            for _ in range(1200):
+                if (tmp_path / "holding").exists() or holder.poll() is not None:
+                    break
+                time.sleep(0.05)
+            assert (tmp_path / "holding").exists()
+            with Loader(ds, plan, prefetch=2) as loader:
+                it = iter(loader)
+                first: list = []
+                taker = threading.Thread(target=lambda: first.append(_copy(next(it), "bytes")), daemon=True)
+                taker.start()
+                taker.join(60)  # an event, not a duration: before the fix it never comes while the locks are held
+                came, still_held = len(first) == 1, holder.poll() is None  # step 1 was not fetched meanwhile
+                (tmp_path / "go").touch()  # before any assert: the loader's close joins a thread blocked on them
+                taker.join(120)
+                assert came and still_held, "batch 0 waited on step 1's fetch"
+                assert first == [want[0]]
+                rest = {b.step: _copy(b, "bytes") for b in it}
+            assert rest == {k: v for k, v in want.items() if k > 0}
+        finally:
+            (tmp_path / "go").touch()
+            holder.wait(60)

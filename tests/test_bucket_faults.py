@@ -163,12 +163,13 @@ def test_corrupt_cache_file_is_detected_and_refetched(s3_env, tmp_path, local):
 def test_process_killed_between_write_and_mark_leaves_no_torn_entry(s3_env, tmp_path, local):
     upload_dataset(local.path, "s3://faults/torn")
     cache = tmp_path / "cache"
-    # the child dies (os._exit, as a SIGKILL would leave it) after writing samples into the sparse file, before the
-    # fdatasync that precedes marking them present
+    # the child dies (os._exit, as a SIGKILL would leave it) once it has written samples into the sparse file,
+    # before it marks them present
     code = ("import os, numpy as np\n"
             "from foresight import open_dataset\n"
             "ds = open_dataset('s3://faults/torn', cache_dir=os.environ['CACHE'])\n"
-            "os.fdatasync = lambda fd: os._exit(9)\n"
+            "write = os.pwrite\n"
+            "os.pwrite = lambda fd, data, offset: (write(fd, data, offset), os._exit(9))\n"
             "ds.lookup(np.arange(20))\n")
     child = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, CACHE=str(cache)), timeout=120,
                            capture_output=True)
@@ -308,3 +309,31 @@ def test_a_request_slower_than_its_timeout_is_retried(s3_env, proxy, monkeypatch
         assert ds.fetcher.stats.retries == 1
     # the retry was served, and the late one forwarded after its delay (to a client that had given up on it)
     assert proxy.wait_for(2, path=f"/{shard}$") == 2
+
+
+def test_first_open_after_a_reboot_rehashes_the_marked_samples(s3_env, tmp_path, local):
+    """Marks are made once bytes are written (not synced): a machine crash may lose bytes whose marks reached the
+    disk. The cache records the boot it was used in; the first open in another boot re-hashes what is marked."""
+    upload_dataset(local.path, "s3://faults/reboot")
+    cache = tmp_path / "cache"
+    with open_dataset("s3://faults/reboot", cache_dir=cache) as ds:
+        ds.lookup(np.arange(10))
+        boot = os.path.join(ds.path, ".foresight-cache", "boot_id")
+        with open(boot) as f:
+            recorded = f.read()
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            assert recorded == f.read().strip()
+        ext = ds.cache.lookup(np.array([3]))
+        with open(ds.shard_paths[int(ext.shard[0])], "r+b") as f:  # what a lost write leaves: zeros
+            f.seek(int(ext.offset[0]))
+            f.write(bytes(int(ext.length[0])))
+    with open_dataset("s3://faults/reboot", cache_dir=cache) as ds:  # the same boot: nothing re-hashed
+        assert ds.cache.present[:10].all() and ds.cache.stats.corrupt == 0
+    with open(boot, "w") as f:
+        f.write("another-boot")
+    with open_dataset("s3://faults/reboot", cache_dir=cache) as ds:
+        assert ds.cache.stats.corrupt == 1 and ds.cache.present.nonzero()[0].tolist() == [0, 1, 2, 4, 5, 6, 7, 8, 9]
+        ds.lookup(np.arange(10))
+        assert all(ds.read(i) == local.read(i) for i in range(10))
+    with open(boot) as f:
+        assert f.read() != "another-boot"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import numpy as np
 import pytest
@@ -158,3 +159,35 @@ def test_block_fill_makes_a_sparse_random_plan_few_requests(s3_env, tmp_path):
         assert requests * 10 <= local.num_samples, requests
         assert stats["bytes"] - base["bytes"] <= int(local.sample_bytes().sum()) * 1.25
         assert pf.stats["filled_samples"] > 0
+
+
+def test_the_first_step_is_fetched_alone_with_its_own_bytes_only(s3_env, tmp_path):
+    """The first batch waits on the prefetcher's first fetch: it must hold step 0's samples, not the megabytes a
+    1 MiB gap cap merges around them on a random plan (16x step 0's bytes on the bench's token plan), nor a fill.
+    ``lookahead=1`` parks the prefetcher after that fetch (the next one waits for the consumer), so the fetcher's
+    counters are that fetch's alone."""
+    from foresight.bucket.prefetch import FILL_GAP
+
+    rng = np.random.default_rng(6)
+    with DatasetWriter(str(tmp_path / "tok"), align=4096) as w:
+        for _ in range(1024):
+            w.add(rng.integers(0, 256, size=16 << 10, dtype=np.uint8).tobytes(), modality="bytes")
+    local = open_dataset(str(tmp_path / "tok"))
+    plan = build_plan([(local, 1.0)], seed=2, global_batch_size=32, epochs=1)  # ~512 KiB between a step's samples
+    step0 = plan_accesses(plan).of(0)
+    own = int(local.sample_bytes()[step0].sum())
+    upload_dataset(local.path, "s3://policy/first")
+    with open_dataset("s3://policy/first", cache_dir=tmp_path / "cache") as ds:
+        base = ds.fetcher.stats.as_dict()
+        with PlanPrefetcher(ds, plan, lookahead=1) as pf:
+            for _ in range(1200):  # an event: the first fetch landed (bounded wait, not a duration)
+                if pf.stats["prefetched_steps"] or pf.error is not None:
+                    break
+                time.sleep(0.05)
+            assert pf.error is None and pf.stats["prefetched_steps"] == 1
+            got = {k: v - base[k] for k, v in ds.fetcher.stats.as_dict().items()}
+            assert ds.cache.present[step0].all()
+            merged = got["requests"] < step0.size  # samples closer than FILL_GAP share a GET, nothing more
+            assert own <= got["bytes"] <= own + (step0.size - got["requests"]) * FILL_GAP, (got, own)
+            assert merged or got["bytes"] == own
+            assert pf.stats["filled_samples"] == 0

@@ -12,9 +12,12 @@ Safety under concurrent processes (ranks of one host, restarts):
 - coalescing runs only between samples that are absent: a present sample is never fetched again as part of a gap
   (nor its bytes rewritten while another process reads them); an absent sample that a transfer holds whole (a gap)
   is checked and marked too, when no other process holds its lock;
-- never a torn sample marked present: bytes are written, checked against the map's xxh3 (the project's
-  :func:`~foresight.checksum.xxh3_many`, one native call), flushed with ``fdatasync``, and only then marked; a
-  process killed before that leaves its samples unmarked, its locks vanish with it, and the next reader refetches;
+- never a torn sample marked present: bytes are checked against the map's xxh3 (the project's
+  :func:`~foresight.checksum.xxh3_many`, one native call), written, and only then marked; a process killed before
+  that leaves its samples unmarked, its locks vanish with it, and the next reader refetches. Written bytes sit in
+  the page cache, which outlives any process; only a machine crash can lose bytes whose mark reached the disk, so
+  instead of an ``fdatasync`` per fetch the first open after a reboot re-hashes the marked samples
+  (:meth:`SampleCache.scrub`; the boot id is recorded next to the index);
 - eviction clears a sample's mark first, then punches the whole 4 KiB blocks inside its extent out of the file
   (``fallocate(PUNCH_HOLE)``: blocks shared with a neighbour stay, so a neighbour's bytes never change);
 - eviction never punches a sample that a reader of any process pins (:mod:`foresight.bucket.pins`: a shared lock
@@ -26,7 +29,7 @@ samples are all present takes no lock.
 Example::
 
     cache = SampleCache(local_dir, fetcher, refs, shard_paths, lookup, checksums)
-    cache.ensure(np.array([3, 17, 42]))      # fetched (coalesced) unless present; marked after fdatasync
+    cache.ensure(np.array([3, 17, 42]))      # fetched (coalesced) unless present; marked once written
     cache.evict(np.array([17]))              # unmarked, then its blocks punched out
 """
 from __future__ import annotations
@@ -174,9 +177,11 @@ class SampleCache:
         ids = np.flatnonzero(self.present)
         return int(self.lookup(ids).length.sum()) if ids.size else 0
 
-    def ensure(self, ids: np.ndarray, *, max_gap: int | None = None) -> int:
+    def ensure(self, ids: np.ndarray, *, max_gap: int | None = None, span_present: bool = False) -> int:
         """Make every sample of ``ids`` present (fetching the missing ones in coalesced GETs; ``max_gap`` overrides
-        the cache's and the fetcher's for this call); returns how many were fetched. Raises :class:`BucketError`
+        the cache's and the fetcher's for this call); returns how many were fetched. ``span_present``: a transfer
+        may run across present samples (fetched, checked and written again, identical bytes) instead of being cut
+        at each of them (a block fill around a few present samples stays a few GETs). Raises :class:`BucketError`
         naming the object when a fetched sample's xxh3 differs from the map's (the object changed under the same
         ETag, or the store returned wrong bytes): nothing of that fetch is marked."""
         ids = np.unique(np.asarray(ids, dtype=np.int64))
@@ -200,7 +205,7 @@ class SampleCache:
                 # chunks of at most FETCH_CHUNK bytes: one fetch's bytes are held in memory until written
                 chunk = np.cumsum(ext.length) // FETCH_CHUNK
                 for part in np.split(missing, np.flatnonzero(np.diff(chunk)) + 1) if missing.size else []:
-                    self._fetch(part, self.max_gap if max_gap is None else max_gap)
+                    self._fetch(part, self.max_gap if max_gap is None else max_gap, span_present)
                     with self._cv:
                         self._cv.notify_all()  # waiters whose samples this chunk held return now
                 return int(missing.size)
@@ -225,12 +230,14 @@ class SampleCache:
             self._busy = False
             self._cv.notify_all()
 
-    def _segments(self, ids: np.ndarray, shard: np.ndarray) -> np.ndarray:
-        """A run id per sample of ``ids`` (sorted, missing): a new run at each shard change and wherever a present
-        sample lies between two neighbours. Coalescing within runs only never fetches a present sample again as
-        part of a gap (its bytes are here already; a reader may be reading them)."""
+    def _segments(self, ids: np.ndarray, shard: np.ndarray, span_present: bool = False) -> np.ndarray:
+        """A run id per sample of ``ids`` (sorted, missing): a new run at each shard change and (unless
+        ``span_present``) wherever a present sample lies between two neighbours. Coalescing within runs only never
+        fetches a present sample again as part of a gap (its bytes are here already)."""
         if ids.size < 2:
             return np.zeros(ids.size, dtype=np.int32)
+        if span_present:
+            return np.concatenate(([0], np.cumsum(shard[1:] != shard[:-1]))).astype(np.int32)
         lo = int(ids[0])
         before = np.cumsum(self.present[lo:int(ids[-1]) + 1], dtype=np.int64)  # present samples in [lo, id]
         a, b = ids[:-1], ids[1:]
@@ -268,9 +275,9 @@ class SampleCache:
             got[at:at + n] = True
         return ids[got], held
 
-    def _fetch(self, ids: np.ndarray, max_gap: int | None = None) -> None:
+    def _fetch(self, ids: np.ndarray, max_gap: int | None = None, span_present: bool = False) -> None:
         ext = self.lookup(ids)
-        seg = self._segments(ids, ext.shard)
+        seg = self._segments(ids, ext.shard, span_present)
         seg_shard = ext.shard[np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])]
         got = self.fetcher.fetch(self.refs, seg, ext.offset, ext.length, ref_of_file=seg_shard, max_gap=max_gap)
         tr = got.transfers
@@ -281,15 +288,14 @@ class SampleCache:
         lengths = np.concatenate((ext.length, gap_ext.length))
         if self.checksums is not None:
             self._check(got.region, where, lengths, check, ids, ext, gap_ext)
-        extra, extra_held = self._lock_free_runs(gap)
+        # present gap samples (span_present) are written again, identical and checked above, but not re-marked
+        extra, extra_held = self._lock_free_runs(gap[self.present[gap] == 0])
         try:
             try:
                 for k in range(tr.io_count):  # a loop over coalesced transfers (MiB each), not samples
                     dest = int(tr.t_dest[k])
                     os.pwrite(self._fds[int(seg_shard[tr.t_file[k]])],
                               memoryview(got.region[dest:dest + int(tr.t_length[k])]), int(tr.t_offset[k]))
-                for s in np.unique(seg_shard[tr.t_file]).tolist():
-                    os.fdatasync(self._fds[s])
             except OSError as e:  # a full or failing cache disk: give back what this fetch allocated, mark nothing
                 mine = np.concatenate((ids, extra))
                 back = self.lookup(mine[self.present[mine] == 0])
@@ -355,6 +361,14 @@ class SampleCache:
             return nbytes
         finally:
             self._unlock(held)
+
+    def unmark_all(self) -> int:
+        """Forget every present sample (each is fetched again on use); returns how many were marked. What a cache
+        without per-sample checksums (a Megatron pair) does where one with them would :meth:`scrub`."""
+        with self._exclusive():
+            n = int(np.count_nonzero(self.present))
+            self.present[:] = 0
+        return n
 
     def scrub(self, ids: np.ndarray | None = None) -> np.ndarray:
         """Re-hash the present samples of ``ids`` (all present ones by default) from the local files and unmark

@@ -52,6 +52,7 @@ __all__ = ["open_bucket_dataset", "BucketDataset", "BucketMegatronDataset", "loc
            "cache_layout_of", "reopen_cache_dir"]
 
 STATE_NAME = "state.json"  # written last: its presence marks a complete layout
+BOOT_NAME = "boot_id"  # the boot during which the index's marks were made (their bytes may be in its page cache)
 
 
 def local_dir_of(url: BucketURL, cache_dir: str | os.PathLike) -> str:
@@ -107,20 +108,22 @@ def _ref_json(ref: ObjectRef) -> dict[str, Any]:
     return {"key": ref.key, "size": ref.size, "etag": ref.etag}
 
 
-def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef) -> dict[str, Any]:
-    """Fetch the manifest and maps whole, head the shards, create the sparse files and the index; returns the
-    state (written last)."""
+def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef, raw: bytes) -> dict[str, Any]:
+    """Fetch the maps whole, head the shards, create the sparse files and the index (``raw``: the manifest's
+    bytes, fetched by the caller); returns the state (written last)."""
     index_dir = os.path.join(local, INDEX_DIR)
     _clear(local)
-    raw = fetcher.get_whole(manifest_ref)
     manifest = parse_manifest(raw, path=str(manifest_ref.url))
 
-    def shard(s) -> ObjectRef:  # its map fetched whole, its shard headed and laid out sparse
-        map_ref = fetcher.head(s.map)
-        if map_ref.size != s.map_bytes:
-            raise BucketError(f"map object is {map_ref.size} bytes, the manifest says {s.map_bytes}", "changed",
-                              object=str(map_ref.url))
-        _write_atomic(os.path.join(local, s.map), fetcher.get_whole(map_ref))
+    def one(task: tuple[str, Any]) -> ObjectRef | None:  # a map fetched whole, or a shard headed and laid out sparse
+        kind, s = task
+        if kind == "map":
+            map_ref, data = fetcher.get_object(s.map)
+            if map_ref.size != s.map_bytes:
+                raise BucketError(f"map object is {map_ref.size} bytes, the manifest says {s.map_bytes}", "changed",
+                                  object=str(map_ref.url))
+            _write_atomic(os.path.join(local, s.map), data)
+            return None
         bin_ref = fetcher.head(s.bin)
         if bin_ref.size != s.bin_bytes:
             raise BucketError(f"shard object is {bin_ref.size} bytes, the manifest says {s.bin_bytes}", "changed",
@@ -129,7 +132,9 @@ def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef) -> dic
             f.truncate(s.bin_bytes)  # sparse: no block allocated until fetched bytes land
         return bin_ref
 
-    shard_refs = fetcher.map(shard, manifest.shards)  # concurrently: three round trips per shard, not in series
+    # every map and shard at once: one round trip for the whole layout, not three per shard
+    got = fetcher.map(one, [("map", s) for s in manifest.shards] + [("bin", s) for s in manifest.shards])
+    shard_refs = got[len(manifest.shards):]
     present = os.path.join(index_dir, "present")
     with open(present, "wb") as f:
         f.truncate(manifest.num_samples)
@@ -179,6 +184,16 @@ def _read_state(local: str) -> dict[str, Any] | None:
         return None
 
 
+def _get_or_none(fetcher: RangedFetcher, name: str) -> tuple[ObjectRef, bytes] | None:
+    """The object, whole, and its ref; None when it is missing (a missing bucket still raises, naming the bucket)."""
+    try:
+        return fetcher.get_object(name)
+    except BucketError as e:
+        if e.reason != "not_found" or "bucket" in e.context:
+            raise
+        return None
+
+
 def _head_or_none(fetcher: RangedFetcher, name: str) -> ObjectRef | None:
     """The object's ref, or None when it is missing (a missing bucket still raises, naming the bucket)."""
     try:
@@ -187,6 +202,37 @@ def _head_or_none(fetcher: RangedFetcher, name: str) -> ObjectRef | None:
         if e.reason != "not_found" or "bucket" in e.context:
             raise
         return None
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:  # no boot id to compare: every open re-hashes the marked samples (never a lost write served)
+        return ""
+
+
+def _scrub_after_reboot(ds: "BucketDataset") -> None:
+    """Marks are made once bytes are written, not synced: a machine crash may have lost bytes whose marks reached
+    the disk. On the first open in a boot other than the recorded one, re-hash the marked samples (unmarking those
+    that differ), then record this boot (before any mark of it is made: the caller holds the layout lock)."""
+    path = os.path.join(ds.path, INDEX_DIR, BOOT_NAME)
+    now = _boot_id()
+    try:
+        with open(path) as f:
+            recorded = f.read().strip()
+    except OSError:
+        recorded = None
+    if now and recorded == now:
+        return
+    if ds.cache.checksums is None and ds.cache.present.any():  # a Megatron pair: nothing to check against
+        log.warning("bucket cache %s: first open since a reboot: %d marked samples forgotten (refetched on next use; "
+                    "no per-sample checksums to check them against)", ds.path, ds.cache.unmark_all())
+    elif ds.cache.present.any():
+        bad = ds.cache.scrub()
+        log.warning("bucket cache %s: first open since a reboot: the marked samples re-hashed, %d unmarked (refetched "
+                    "on next use)", ds.path, bad.size)
+    _write_atomic(path, now.encode())
 
 
 def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, fingerprint: str = "index",
@@ -214,11 +260,12 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
         with open(os.path.join(local, INDEX_DIR, "lock"), "a+b") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one process lays out; the others wait, then reuse it
             state = _read_state(local)
-            manifest_ref = _head_or_none(fetcher, MANIFEST_NAME)
-            if manifest_ref is not None:
+            got = _get_or_none(fetcher, MANIFEST_NAME)  # small: fetched whole, not headed first
+            if got is not None:
+                manifest_ref, raw = got
                 if state is None or state.get("manifest") != _ref_json(manifest_ref):
                     _drop(local, url, state)
-                    state = _lay_out(local, fetcher, manifest_ref)
+                    state = _lay_out(local, fetcher, manifest_ref, raw)
             else:
                 fetcher = _megatron_fetcher(url, fetcher, concurrency, retry, caps)
                 name = url.prefix.rsplit("/", 1)[-1]
@@ -233,11 +280,14 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
                 if state is None or state.get("idx") != _ref_json(idx_ref):
                     _drop(local, url, state)
                     state = _lay_out_megatron(local, fetcher, idx_ref)
-        refs = [ObjectRef(BucketURL(url.bucket, r["key"]), int(r["size"]), r["etag"]) for r in state["shards"]]
-        if state.get("kind") == "megatron":
-            ds = BucketMegatronDataset(local, url, fetcher, refs)
-        else:
-            ds = BucketDataset(local, url, fetcher, refs)
+            refs = [ObjectRef(BucketURL(url.bucket, r["key"]), int(r["size"]), r["etag"]) for r in state["shards"]]
+            kind = BucketMegatronDataset if state.get("kind") == "megatron" else BucketDataset
+            ds = kind(local, url, fetcher, refs)
+            try:  # under the layout lock: no mark of this boot is made before the check
+                _scrub_after_reboot(ds)
+            except BaseException:
+                ds.close()
+                raise
         ds._reopen = (str(url), os.fspath(cache_dir), {"options": options, "concurrency": concurrency,
                                                        "max_gap": max_gap, "max_transfer": max_transfer,
                                                        "retry": retry})
@@ -278,6 +328,12 @@ class _FetchesOnLookup:
         if len(ext.offset):
             self.cache.ensure(np.asarray(ids, dtype=np.int64).reshape(-1))
         return ext
+
+    def lookup_would_wait(self, ids: np.ndarray) -> bool:
+        """Whether :meth:`lookup` of ``ids`` would fetch (some sample is not in the cache yet): the loader asks
+        before it looks up a later step, and hands out a step it has read instead of waiting behind that fetch."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        return bool(ids.size) and not bool(self.cache.present[ids].all())
 
     def close(self) -> None:  # idempotent (Closing): a half-built object has no cache yet
         cache = self.__dict__.pop("cache", None)

@@ -16,9 +16,12 @@ are ~1 sample per ranged GET however many steps are grouped). Knowing the whole 
 absent sample the plan still reads that lies in the same ``fill_block``-aligned block of an object as a sample it
 fetches: those bytes are the plan's future, not waste, so the block is fetched in one run, once, and the samples
 of later steps are already there (up to ``fill_bytes`` per fetch, blocks in the order the group first needs them).
-The first steps (through ``group_steps``) are fetched without fill, the first alone: the loader looks up the steps
-it prefetches before it hands out the first batch, so those wait for their own samples only. Under a budget
-there is no fill: a filled sample could be evicted before its use.
+The first step is fetched alone, without fill and without merged gaps: the first batch waits on that fetch (the
+loader hands out a step it has read before it waits on the lookup of a later one), so it waits on its own samples'
+bytes only. The fills from the next group on take their blocks whole, present samples included (a present sample
+inside a fill run is fetched, checked and written again, identical: cutting runs at every present sample would
+make the fill one GET per sample again). Under a budget there is no fill: a filled sample could be evicted before
+its use.
 
 The consumer's position comes from the loader's ``on_step`` hook (called when a batch is handed out: its reads are
 done). The loader's own ``lookup`` still fetches anything the prefetcher has not (a demand miss), so a slow
@@ -142,7 +145,7 @@ class PlanPrefetcher(Closing):
     # -- the prefetch thread --------------------------------------------------------------------------------------
     def _groups(self) -> list[tuple[int, int]]:
         """The fetches' step ranges: ``group_steps`` at a time, the first step alone when filling (its fetch is
-        what the first batch waits for)."""
+        what the first batch waits for, so it holds that step's samples only)."""
         n, g = len(self.acc), self.group_steps
         first = min(1, n) if self.fill_block else 0
         return ([(0, first)] if first else []) + [(k, min(k + g, n)) for k in range(first, n, g)]
@@ -161,13 +164,17 @@ class PlanPrefetcher(Closing):
                 ids = np.unique(uses)
                 if self.budget_bytes is not None:
                     self._make_room(k, consumed, ids)
-                gap = self.max_gap
-                if self.fill_block and k > self.group_steps:  # the loader's first steps wait for no fill
+                gap, span = self.max_gap, False
+                if self.fill_block and k == 0:  # the first batch waits on this fetch: its own bytes only
+                    gap = FILL_GAP
+                elif self.fill_block:
                     filled = self._fill(k, uses)
                     self.stats["filled_samples"] += filled.size
                     ids = np.union1d(ids, filled)
-                    gap = FILL_GAP
-                fetched = self.cache.ensure(ids, max_gap=gap)  # one coalesced fetch for the group's steps
+                    # a fill run takes its block whole, the first step's samples in it again (a few percent):
+                    # cut at every present sample, it would be one GET per sample again
+                    gap, span = FILL_GAP, True
+                fetched = self.cache.ensure(ids, max_gap=gap, span_present=span)  # one coalesced fetch per group
                 self._last_use[uses] = np.repeat(np.arange(k, end), np.diff(acc.ptr[k:end + 1]))
                 self.stats["prefetched_steps"] += end - k
                 self.stats["fetched_samples"] += fetched

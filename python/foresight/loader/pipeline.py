@@ -15,6 +15,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -98,10 +99,28 @@ class StepPipeline:
         size = (stop - start) // k
         return step, micro, start + micro * size, start + (micro + 1) * size
 
+    @functools.cached_property
+    def _fetch_probes(self) -> list[tuple[int, Any]]:
+        """``(dataset index, lookup_would_wait)`` of the datasets whose lookup may wait on a fetch (a bucket
+        dataset's samples not yet in its cache); empty for local datasets, which never wait."""
+        return [(d, ds.lookup_would_wait) for d, ds in enumerate(self.datasets) if hasattr(ds, "lookup_would_wait")]
+
+    def _lookup_would_wait(self, start: int, stop: int) -> bool:
+        """Whether looking up items ``[start, stop)`` would wait on a fetch."""
+        if not self._fetch_probes:
+            return False
+        pieces = self.plan.pieces(start, stop)
+        dataset, sample = np.asarray(pieces.dataset), np.asarray(pieces.sample)
+        return any(probe(sample[dataset == d]) for d, probe in self._fetch_probes)
+
     def _prepare(self, unit: int, busy: Job | None = None) -> Job | None:
         """Everything before the engine call: done while earlier steps' reads run, so that when one of them
         completes the next step's reads go in at once instead of after a Python gap with a draining ring.
-        None when no slot came free before ``busy``'s reads completed."""
+        None when no slot came free before ``busy``'s reads completed, or when ``unit``'s lookup would wait on a
+        fetch while ``busy`` is read: that step goes to the consumer first (the first batch waits on its own
+        samples' fetch, not on the next steps')."""
+        if busy is not None and self._lookup_would_wait(*self._unit_items(unit)[2:]):
+            return None
         t0 = time.perf_counter()
         slot = self._acquire_slot(busy)
         if slot is None:

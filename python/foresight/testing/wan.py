@@ -171,6 +171,11 @@ class WanLink:
     def url(self) -> str:
         return f"grpc://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int:
+        """The proxy process (a bench leaves its CPU out of the measured work's: it is the network)."""
+        return self._proc.pid
+
     def close(self) -> None:
         if self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
