@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from foresight import open_dataset
-from foresight.bucket import BucketDataset
-from foresight.bucket.dataset import BucketMegatronDataset
+from foresight.bucket import BucketDataset, BucketURL
+from foresight.bucket.dataset import BucketMegatronDataset, local_dir_of
 from foresight.bucket.prefetch import PlanPrefetcher
 from foresight.bucket.upload import upload_dataset, upload_dir
 from foresight.errors import BucketError, FormatError
@@ -93,6 +93,25 @@ def test_megatron_pair_is_read_in_place_from_a_bucket(s3_env, tmp_path):
         # a plan's recorded location (the cached prefix) reopens through the bucket, never the sparse .bin alone
         with open_dataset(again.path) as by_path:
             assert isinstance(by_path, BucketMegatronDataset) and by_path.url == again.url
+
+
+def test_megatron_pair_forgets_its_marks_on_the_first_open_after_a_reboot(s3_env, tmp_path):
+    """Marks are made once bytes are written (not synced); a pair has no per-sample checksums to re-hash against,
+    so the first open in another boot than the recorded one forgets them and reads fetch again."""
+    prefix = _megatron_pair(tmp_path / "mg")
+    local = open_dataset(prefix)
+    _upload_pair(prefix, "s3://paths/reboot/wiki")
+    cache = tmp_path / "cache"
+    with open_dataset("s3://paths/reboot/wiki", cache_dir=cache) as ds:
+        ds.lookup(np.arange(10))
+        boot = os.path.join(local_dir_of(BucketURL.parse("s3://paths/reboot/wiki"), cache), ".foresight-cache", "boot_id")
+    with open_dataset("s3://paths/reboot/wiki", cache_dir=cache) as ds:  # the same boot: kept
+        assert int(ds.cache.present.sum()) == 10
+    with open(boot, "w") as f:
+        f.write("another-boot")
+    with open_dataset("s3://paths/reboot/wiki", cache_dir=cache) as ds:
+        assert not ds.cache.present.any()
+        assert all(ds.read(i) == local.read(i) for i in range(10))
 
 
 def test_megatron_bad_input_fails_in_one_line(s3_env, tmp_path):

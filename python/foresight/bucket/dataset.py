@@ -212,11 +212,11 @@ def _boot_id() -> str:
         return ""
 
 
-def _scrub_after_reboot(ds: "BucketDataset") -> None:
+def _scrub_after_reboot(ds: "BucketDataset | BucketMegatronDataset", local: str) -> None:
     """Marks are made once bytes are written, not synced: a machine crash may have lost bytes whose marks reached
     the disk. On the first open in a boot other than the recorded one, re-hash the marked samples (unmarking those
     that differ), then record this boot (before any mark of it is made: the caller holds the layout lock)."""
-    path = os.path.join(ds.path, INDEX_DIR, BOOT_NAME)
+    path = os.path.join(local, INDEX_DIR, BOOT_NAME)
     now = _boot_id()
     try:
         with open(path) as f:
@@ -284,7 +284,7 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
             kind = BucketMegatronDataset if state.get("kind") == "megatron" else BucketDataset
             ds = kind(local, url, fetcher, refs)
             try:  # under the layout lock: no mark of this boot is made before the check
-                _scrub_after_reboot(ds)
+                _scrub_after_reboot(ds, local)
             except BaseException:
                 ds.close()
                 raise
