@@ -54,7 +54,7 @@ from foresight.errors import NodeError
 from foresight.replication.hints import HintError, validate_hints
 from foresight.replication.replica_copies import LocalCopy, ReplicaCopies
 from foresight.replication.replica_etcd import ReplicaEtcd
-from foresight.replication.replica_plan import DEFAULT_BASE_REPLICAS, DEFAULT_SAFE_READERS, plan_replicas
+from foresight.replication.replica_plan import DEFAULT_BASE_REPLICAS, DEFAULT_SAFE_READERS, cold_lead_s, plan_replicas
 from foresight.replication.replica_requests import check_file, ckpt_key, decode_ckpt_request, decode_hints
 
 log = logging.getLogger("foresight.replication.replica_manager")
@@ -168,17 +168,24 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
             raise HintError("a hint for this checkpoint is live; release it first (replicas.release) or let it "
                             "expire", checkpoint=name)
         live = self._live_nodes()
-        copies = self.copies(name, live)
-        known = {f: next(iter(recs.values()))["size"] for f, recs in copies.items()}
-        if not known:
+        # the hinted files' copies only: a restart's checkpoint holds thousands of per-rank shards, and the plan
+        # is on the restart's clock
+        copies = {}
+        for h in req["files"]:
+            copies.update(self.copies(name, live, file=h.path))
+        if not copies and not self.copies(name, live):  # which error: the slow look only when none was found
             raise HintError("no live node has published this checkpoint (replicas.publish)", checkpoint=name)
+        known = {f: next(iter(recs.values()))["size"] for f, recs in copies.items()}
         hints = validate_hints(req["files"], known=known, max_readers=self.max_readers)
         used_bytes, used_replicas = self._job_usage(job)
         holders = {f: sorted(recs) for f, recs in copies.items()}
         loads = self._loads(live)
+        lead_s = cold_lead_s(req.get("cold_bytes", 0), req.get("cold_reads", 0), len(loads),
+                             node_bytes_per_s=self.limit.bytes_per_s, node_requests_per_s=self.limit.requests_per_s)
         common = dict(nodes=loads, holders=holders, safe_readers=self.safe_readers, base_replicas=self.base_replicas,
                       max_per_file=self.max_per_file, node_bytes_per_s=self.limit.bytes_per_s,
-                      node_requests_per_s=self.limit.requests_per_s, placement_cost_s=self.placement_cost_s)
+                      node_requests_per_s=self.limit.requests_per_s, placement_cost_s=self.placement_cost_s,
+                      lead_s=lead_s, join=req.get("copies_join", False))
         wanted = plan_replicas(hints, **common)
         left_bytes, left_replicas = self.quota_bytes - used_bytes, self.quota_replicas - used_replicas
         if not req["allow_partial"] and (wanted.copy_bytes > left_bytes or wanted.new_replicas > left_replicas):
@@ -194,7 +201,8 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
                   "granularity_waste": f.granularity_waste} for f in plan.files]
         record = {"job": job, "checkpoint": name, "ttl_s": req["ttl_s"], "lease": lease.id, "created": now,
                   "copy_bytes": plan.copy_bytes, "new_replicas": plan.new_replicas, "files": files,
-                  "placement_cost_s": self.placement_cost_s,
+                  "placement_cost_s": self.placement_cost_s, "lead_s": lead_s,
+                  "copies_join": req.get("copies_join", False),
                   "coordinator": self.node_id}
         if not self.cluster._call(lambda c: c.create(hint_key, json.dumps(record), lease=lease)):
             lease.revoke()  # another node accepted a hint for it a moment ago
@@ -256,7 +264,12 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         for t in tasks:  # a target that died will never finish its copy: do not wait for it
             if t["state"] in ("pending", "copying") and t["node"] not in live:
                 t["state"], t["error"] = "failed", "target node left the cluster"
-        copies = self.copies(name, live)
+        if hint is not None:  # polled during the restart: the hinted files' copies, not every shard's
+            copies = {}
+            for f in hint.get("files", []):
+                copies.update(self.copies(name, live, file=f["path"]))
+        else:
+            copies = self.copies(name, live)
         counts = {s: sum(t["state"] == s for t in tasks) for s in ("pending", "copying", "done", "failed")}
         done = [t for t in tasks if t["state"] == "done"]
         done_at = [t["done_at"] for t in done]
