@@ -23,8 +23,9 @@ Side by side, each on a fresh placement of the same files on the same nodes (one
 
 Placement is inside every hinted total: the clock starts when the hint is sent. The hinted modes send it through
 :class:`~foresight.replication.restore_schedule.HintedRestore`: the ranks start at once (nobody waits for the plan
-call); while the copies are placed, only the ranks the existing copies serve (4 fetches per copy, one fetch per
-host with sharing) read the hot files first, the others read their shards first, and hot fetches wait for a slot;
+call); while the copies are placed, only the ranks the existing copies serve (4 fetches per copy; with sharing one
+fetch per host, by its local rank 0, the host's other ranks reading their own shard meanwhile) read the hot files
+first, the others read their shards first, and hot fetches wait for a slot;
 registered copies join the reads (the ranks' copy list is refreshed) and end the schedule. The hint carries
 ``copies_join`` and the shards' bytes and reads, so the planner places a copy when the base copies would still be
 busy with the file when it lands. Reactive copies land mid-storm (their source reads go ahead of the storm's at the
@@ -269,7 +270,7 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
             gate.wait()
             mine = []
             files = [*hot, shards[r]]
-            for f in placement.order(files) if placement is not None else files:
+            for f in placement.order(files, local_rank=r % per_host) if placement is not None else files:
                 if detector is not None:
                     detector.saw(f)
                 t = time.perf_counter()

@@ -1,8 +1,9 @@
 """Replication hints on a real cluster: etcd and storage-node processes on loopback, a real DCP checkpoint.
 
-Covers issue 12 and issue 20's hinted restore (the ranks never wait for placement; new copies join the reads): replica counts follow the formula and the caps, reads spread over the copies, copies are reclaimed
+Covers issue 12: replica counts follow the formula and the caps, reads spread over the copies, copies are reclaimed
 when the hint's TTL ends (never under a read), quotas and bad hints are refused with clear errors, and a node that
-dies during a read storm leaves its readers on the other copies.
+dies during a read storm leaves its readers on the other copies. Issue 20: a hinted restore never holds its ranks
+for placement, and the new copies join the reads.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from foresight.checkpoint.dcp import ForesightStorageWriter
+from foresight.cluster.membership import Cluster
 from foresight.replication.hint_client import (
     ReplicaReader,
     publish_checkpoint,
@@ -289,14 +291,23 @@ def test_a_hinted_restore_reads_at_once_and_its_copies_join_the_reads(etcd, node
             assert all(len(replicas.copies(name)[h.path]) == 4 for h in hints)  # the ranks were told
             assert all(n <= 1 * 4 for n in restore.peak.values())  # depth 1 per copy, 4 copies at most
             assert restore.order(files[::-1]) == [".metadata"] + [f for f in files[::-1] if f != ".metadata"]
+        # the placement's time went into the cluster's running mean; the next plan prices copies with it
+        cluster = Cluster(etcd)
+        measured = dict(cluster._get_prefix(cluster.key("replicas", ".placement")))
+        sample = measured[cluster.key("replicas", ".placement")]
+        assert sample["samples"] >= 1 and sample["place_s"] > 0
+        _place(ckpt, "jobI/step-2", nodes[2:], "jobI")
+        plan = set_replication_hints("jobI/step-2", etcd=etcd, job="jobI", token=TOKEN, ttl_s=600, hints=hints)
+        assert plan["placement_cost_s"] == max(2 * 0.25, sample["place_s"])  # the nodes' poll_s is 0.25
+        release_replication_hints("jobI/step-2", etcd=etcd, job="jobI", token=TOKEN)
     finally:
         release_replication_hints(name, etcd=etcd, job=job, token=TOKEN)
 
 
 def test_while_placement_runs_the_copies_set_who_reads_hot_files_first(etcd, nodes, ckpt):
     """The hint goes to a node that never answers (a listening socket nobody serves), so placement is pending:
-    only the ranks the base copies serve (2 copies x depth 1 x 2 ranks per host) read the hot file first, the
-    others their cold files; a third concurrent fetch waits for a slot. When the node is gone the hint goes to the
+    only the hosts the base copies serve (2 copies x depth 1) read the hot file first (their local rank 0, which
+    fetches for the host), the other ranks their cold files; a third concurrent fetch waits for a slot. When the node is gone the hint goes to the
     cluster, its copies are placed, and the waiting fetch goes."""
     name, job = "jobO/step-1", "jobO"
     _place(ckpt, name, nodes[:2], job)
@@ -314,8 +325,10 @@ def test_while_placement_runs_the_copies_set_who_reads_hot_files_first(etcd, nod
             files = [".metadata", data, "shard-0"]
             assert restore.order(files) == files  # not started: the order given
             restore.start()
-            orders = [restore.order(files) for _ in range(6)]
-            assert orders[:4] == [files] * 4 and orders[4:] == [[".metadata", "shard-0", data]] * 2
+            cold_first = [".metadata", "shard-0", data]
+            # ranks 0..7, two per host: local rank 0 fetches for its host; 2 copies x depth 1 = 2 hosts hot-first
+            orders = [restore.order(files, local_rank=r % 2) for r in range(8)]
+            assert orders == [files, cold_first, files, cold_first] + [cold_first] * 4
             reader = restore.scheduled(replicas)
             restore._acquire(data)
             restore._acquire(data)  # both slots (2 base copies x depth 1) held, as by two fetches in flight
@@ -328,7 +341,8 @@ def test_while_placement_runs_the_copies_set_who_reads_hot_files_first(etcd, nod
             silent.close()  # the node is gone: the hint goes to the cluster
             restore.join()
             assert restore.error is None and restore.placed["complete"] and restore.plan["copies_join"] is True
-            assert restore.order(files) == files
+            assert restore.order(files, local_rank=0) == files  # placement over: the order given
+            assert restore.order(files, local_rank=1) == cold_first  # its own reads while the host's fetch runs
     finally:
         silent.close()
         release_replication_hints(name, etcd=etcd, job=job, token=TOKEN)

@@ -58,8 +58,8 @@ def decode_ckpt_request(o: dict) -> dict:
 
 
 def decode_hints(o: dict) -> dict:
-    check_fields(o, ("job", "checkpoint", "ttl_s", "files"), ("allow_partial", "cold_bytes", "cold_reads", "copies_join"),
-                 "set_replication_hints")
+    check_fields(o, ("job", "checkpoint", "ttl_s", "files"),
+                 ("allow_partial", "cold_bytes", "cold_reads", "copies_join"), "set_replication_hints")
     job = check_ident(o["job"], "job")
     ttl = o["ttl_s"]
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL_S:

@@ -8,8 +8,9 @@ connection for the hint and its progress polls) and lets the ranks start at once
 
 * ``.metadata`` comes first (a rank needs it to plan its reads);
 * :meth:`HintedRestore.order`: the hinted (hot) files first only for as many ranks as the copies that exist serve
-  at once (``depth`` fetches per copy, one fetch per ``ranks_per_host`` ranks with per-host sharing); the other
-  ranks read their cold files (their own shards, spread over every node) first and reach the hot files later;
+  at once (``depth`` fetches per copy; with per-host sharing one fetch per host, by its local rank 0, while the
+  host's other ranks read their own files first); the other ranks read their cold files (their own shards, spread
+  over every node) first and reach the hot files later;
 * :class:`ScheduledReader`: a hot fetch waits for a slot (``depth`` per copy in flight), so the base copies are
   kept busy but never queue reads that the new copies will serve sooner; registered copies add slots at once.
 
@@ -26,7 +27,7 @@ Example::
         restore = HintedRestore("job-7/step-100", etcd=ep, job="job-7", token=tok, hints=hints, reader=replicas,
                                 ranks_per_host=8, cold_bytes=world * shard_size, cold_reads=world).start()
         reader = SharedReplicaReader(restore.scheduled(replicas), share, hot=[h.path for h in hints])
-        for f in restore.order([".metadata", "__0_data.bin", my_shard]):
+        for f in restore.order([".metadata", "__0_data.bin", my_shard], local_rank=local_rank):
             data = reader.read("job-7/step-100", f)
         restore.join()
 """
@@ -38,6 +39,8 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import pyarrow.flight as flight
 
 from foresight.cluster.auth import connect
 from foresight.cluster.membership import Cluster
@@ -53,7 +56,8 @@ class HintedRestore:
     """The hint of one restart, sent in the background, and the order its ranks read in (see the module docstring).
 
     Args:
-        checkpoint: ``<job>/...``; etcd, job, token: as :func:`~foresight.replication.hint_client.set_replication_hints`.
+        checkpoint: ``<job>/...``; etcd, job, token: as
+            :func:`~foresight.replication.hint_client.set_replication_hints`.
         hints: the hot files (e.g. :func:`~foresight.replication.hints.derive_dcp_hints`); may be set before start.
         reader: a :class:`~foresight.replication.hint_client.ReplicaReader` whose copy list is refreshed once the
             copies are registered (the ranks are told).
@@ -64,7 +68,8 @@ class HintedRestore:
             answer, the hint goes to the cluster (any live node).
 
     Attributes after :meth:`join`: ``plan`` (the node's plan), ``placed`` (its progress at the end), ``place_s``
-    (hint sent -> ranks told), ``error`` (why the hint did not help, or None).
+    (hint sent -> ranks told), ``error`` (why the hint did not help, or None); ``stats``: ``fallbacks`` (the
+    chosen node did not answer: the hint went to the cluster) and ``failures`` (the hint did not help: base copies).
     """
 
     def __init__(self, checkpoint: str, *, etcd: str, job: str, token: str, hints: Sequence[FileHint] = (),
@@ -91,6 +96,7 @@ class HintedRestore:
         self._hot_first = 0
         self._counts: dict[str, int] = {}
         self._thread: threading.Thread | None = None
+        self.stats = {"fallbacks": 0, "failures": 0}
 
     # -- placement -------------------------------------------------------------------------------------------
     def start(self) -> "HintedRestore":
@@ -107,8 +113,6 @@ class HintedRestore:
     def _coordinator(self) -> tuple[str | None, Any]:
         """One live node and one connection to it for the hint and its progress polls (a new etcd client and
         Flight channel per poll is time the restart waits for); (None, None): any node through etcd."""
-        import pyarrow.flight as flight
-
         location = self.node
         if location is None:
             cluster = getattr(self.reader, "cluster", None) or Cluster(self.etcd)
@@ -124,11 +128,10 @@ class HintedRestore:
         except (flight.FlightError, OSError) as e:
             log.warning("could not connect to a node for the hint; asking the cluster",
                         extra={"node": location, "error": str(e)[:200]})
+            self.stats["fallbacks"] += 1
             return None, None
 
     def _run(self) -> None:
-        import pyarrow.flight as flight
-
         node, client = self._coordinator()
         try:
             args = dict(etcd=self.etcd, job=self.job, token=self.token)
@@ -142,6 +145,8 @@ class HintedRestore:
                         raise
                     log.warning("the node chosen for the hint did not answer; asking the cluster",
                                 extra={"node": node, "error": str(e)[:200]})
+                    self.stats["fallbacks"] += 1
+                    client.close()
                     node, client = None, None
                     self.plan = set_replication_hints(self.checkpoint, **args, **hint)
             finally:
@@ -155,6 +160,7 @@ class HintedRestore:
             self.place_s = time.perf_counter() - self.t0
         except Exception as e:  # the restart goes on from the base copies; said once, kept for the caller
             self.error = str(e)[:300]
+            self.stats["failures"] += 1
             log.warning("replication hint did not help: reading the base copies",
                         extra={"checkpoint": self.checkpoint, "error": self.error})
         finally:
@@ -170,18 +176,25 @@ class HintedRestore:
             self._thread.join(timeout=self.timeout + 60)
 
     # -- the ranks' side -------------------------------------------------------------------------------------
-    def order(self, files: Sequence[str]) -> list[str]:
+    def order(self, files: Sequence[str], *, local_rank: int | None = None) -> list[str]:
         """``files`` in the schedule's order: ``.metadata`` first; then, while the hint's copies are being placed,
         the hinted files only for the ranks the existing copies have fetch slots for (``depth`` per copy, one
         fetch per ``ranks_per_host`` ranks), the cold files first for the others (by the time they reach the
-        hinted files, the new copies take them). Once placement is over: the order given."""
+        hinted files, the new copies take them). Once placement is over: the order given.
+
+        With per-host sharing, give ``local_rank`` (the rank's index on its host): the host's one fetch of each hot
+        file is local rank 0's (the budget then counts hosts), and the other ranks read their own cold files while
+        it runs, instead of waiting for it, whether placement is over or not."""
         hinted = {h.path for h in self.hints}
         meta = [f for f in files if f == METADATA]
         hot = [f for f in files if f != METADATA and f in hinted]
         cold = [f for f in files if f != METADATA and f not in hinted]
+        shared = local_rank is not None and self.ranks_per_host > 1
+        if hot and shared and local_rank > 0:
+            return meta + cold + hot
         if not hot or not self._placing():
             return meta + [f for f in files if f != METADATA]
-        budget = self.depth * self.ranks_per_host * min(self._copies_now(f) for f in hot)
+        budget = self.depth * (1 if shared else self.ranks_per_host) * min(self._copies_now(f) for f in hot)
         with self._lock:
             first = self._hot_first < budget
             self._hot_first += first
@@ -208,12 +221,12 @@ class HintedRestore:
         queue at the base copies would hold reads the new copies serve sooner); copies registered add slots."""
         t = time.perf_counter()
         deadline = time.monotonic() + self.timeout
-        with self._slots:
-            while self._placing() and time.monotonic() < deadline:
-                slots = self.depth * self._copies_now(file)
-                if self._inflight.get(file, 0) < slots:
+        with self._slots:  # woken by a release, or by the end of placement (notify_all)
+            while self._placing() and self._inflight.get(file, 0) >= self.depth * self._copies_now(file):
+                left = deadline - time.monotonic()
+                if left <= 0:
                     break
-                self._slots.wait(0.05)
+                self._slots.wait(left)
             self._inflight[file] = self._inflight.get(file, 0) + 1
             self.peak[file] = max(self.peak.get(file, 0), self._inflight[file])
             self.held_s += time.perf_counter() - t
@@ -221,7 +234,7 @@ class HintedRestore:
     def _release(self, file: str) -> None:
         with self._slots:
             self._inflight[file] -= 1
-            self._slots.notify()
+            self._slots.notify_all()  # waiters of other files share the condition
 
 
 class ScheduledReader:
