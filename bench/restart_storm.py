@@ -26,7 +26,8 @@ Placement is inside every hinted total: the clock starts when the hint is sent. 
 call); while the copies are placed, only the ranks the existing copies serve (4 fetches per copy; with sharing one
 fetch per host, by its local rank 0, the host's other ranks reading their own shard meanwhile) read the hot files
 first, the others read their shards first, and hot fetches wait for a slot;
-registered copies join the reads (the ranks' copy list is refreshed) and end the schedule. The hint carries
+registered copies join the reads (the ranks' copy list is refreshed) and end the schedule, as does placement
+running past when its copies were expected. The hint carries
 ``copies_join`` and the shards' bytes and reads, so the planner places a copy when the base copies would still be
 busy with the file when it lands. Reactive copies land mid-storm (their source reads go ahead of the storm's at the
 holder: the service limit's priority lane; one thread of the process re-reads the copy list every ``--refresh-s``

@@ -314,17 +314,23 @@ def test_while_placement_runs_the_copies_set_who_reads_hot_files_first(etcd, nod
     hints = derive_dcp_hints(ckpt, 64)
     data = next(h.path for h in hints if h.path != ".metadata")
     want = _files(ckpt)
-    silent = socket.socket()
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(64)
+    silent, later = socket.socket(), socket.socket()
+    for s in (silent, later):
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
     try:
         with ReplicaReader(etcd, job=job, token=TOKEN, refresh_s=3600) as replicas:
             replicas.copies(name)
             restore = HintedRestore(name, etcd=etcd, job=job, token=TOKEN, hints=hints, reader=replicas,
-                                    ranks_per_host=2, depth=1, node=f"grpc://127.0.0.1:{silent.getsockname()[1]}")
+                                    ranks_per_host=2, depth=1, node=f"grpc://127.0.0.1:{silent.getsockname()[1]}",
+                                    expect_s=600)  # the plan is expected late: the schedule keeps its slots
             files = [".metadata", data, "shard-0"]
             assert restore.order(files) == files  # not started: the order given
             restore.start()
+            late = HintedRestore(name, etcd=etcd, job=job, token=TOKEN, hints=hints, reader=replicas,
+                                 ranks_per_host=2, depth=1, node=f"grpc://127.0.0.1:{later.getsockname()[1]}",
+                                 expect_s=0).start()
+            assert late.order(files, local_rank=0) == files  # a plan past its expected time holds nobody
             cold_first = [".metadata", "shard-0", data]
             # ranks 0..7, two per host: local rank 0 fetches for its host; 2 copies x depth 1 = 2 hosts hot-first
             orders = [restore.order(files, local_rank=r % 2) for r in range(8)]
@@ -343,6 +349,10 @@ def test_while_placement_runs_the_copies_set_who_reads_hot_files_first(etcd, nod
             assert restore.error is None and restore.placed["complete"] and restore.plan["copies_join"] is True
             assert restore.order(files, local_rank=0) == files  # placement over: the order given
             assert restore.order(files, local_rank=1) == cold_first  # its own reads while the host's fetch runs
+            later.close()
+            late.join()  # its hint reached the cluster after the first one's: refused, the base copies serve
+            assert late.error is not None and late.stats["failures"] == 1 and late.ready.is_set()
     finally:
         silent.close()
+        later.close()
         release_replication_hints(name, etcd=etcd, job=job, token=TOKEN)

@@ -15,7 +15,8 @@ connection for the hint and its progress polls) and lets the ranks start at once
   kept busy but never queue reads that the new copies will serve sooner; registered copies add slots at once.
 
 Once placement is over (copies registered and the reader's list refreshed, or a plan that places none, or a
-failure: logged, the base copies serve) every rank reads in its own order with no slot. The hint says the ranks are
+failure: logged, the base copies serve), or runs past when its copies were expected (the plan's placement cost;
+``expect_s`` while the plan is out: late copies hold nobody), every rank reads in its own order with no slot. The hint says the ranks are
 not held (``copies_join``) and how much they read besides (``cold_bytes``, ``cold_reads``), so the planner places a
 copy when the base copies would still be busy with the file when it lands
 (:func:`~foresight.replication.replica_plan.paying_replicas`). A hint costs time at worst, never a byte.
@@ -66,6 +67,8 @@ class HintedRestore:
         depth: fetches in flight per copy of a hinted file while placement runs (see :meth:`order`).
         node: the node (location) to send the hint to and poll; default one live node at random. If it does not
             answer, the hint goes to the cluster (any live node).
+        expect_s: how long the schedule holds hot fetches for a plan that is not back yet; once it is back, for
+            its ``placement_cost_s`` (the cluster's measured placement time when longer than the configured).
 
     Attributes after :meth:`join`: ``plan`` (the node's plan), ``placed`` (its progress at the end), ``place_s``
     (hint sent -> ranks told), ``error`` (why the hint did not help, or None); ``stats``: ``fallbacks`` (the
@@ -75,11 +78,12 @@ class HintedRestore:
     def __init__(self, checkpoint: str, *, etcd: str, job: str, token: str, hints: Sequence[FileHint] = (),
                  reader: Any = None, ranks_per_host: int = 1, cold_bytes: int = 0, cold_reads: int = 0,
                  ttl_s: float = 600.0, timeout: float = 600.0, poll_s: float = 0.05, depth: int = 4,
-                 node: str | None = None) -> None:
+                 node: str | None = None, expect_s: float = 1.0) -> None:
         self.checkpoint, self.etcd, self.job, self.token = checkpoint, etcd, job, token
         self.hints, self.reader, self.ranks_per_host = list(hints), reader, ranks_per_host
         self.cold_bytes, self.cold_reads, self.ttl_s = cold_bytes, cold_reads, ttl_s
-        self.timeout, self.poll_s, self.node = timeout, poll_s, node
+        self.timeout, self.poll_s, self.node, self.expect_s = timeout, poll_s, node, expect_s
+        self._plan_at: float | None = None
         self.planned = threading.Event()  # the plan is back (or the hint failed)
         self.ready = threading.Event()  # the plan's copies are registered and the reader told (or none, or failed)
         self.plan: dict | None = None
@@ -150,6 +154,7 @@ class HintedRestore:
                     node, client = None, None
                     self.plan = set_replication_hints(self.checkpoint, **args, **hint)
             finally:
+                self._plan_at = time.perf_counter()
                 self.planned.set()
             if self.plan.get("new_replicas"):
                 self.placed = wait_for_replicas(self.checkpoint, **args, node=node, client=client,
@@ -205,7 +210,18 @@ class HintedRestore:
         return ScheduledReader(self, reader)
 
     def _placing(self) -> bool:
-        return self._thread is not None and not self.ready.is_set()
+        return self._gate_left() > 0
+
+    def _gate_left(self) -> float:
+        """Seconds the schedule still holds hot fetches for placement: until the copies are registered, but never
+        past when they were expected (the plan's placement cost after the plan came back; ``expect_s`` after the
+        hint was sent, while it is out): copies that run late do not hold the readers of the base copies."""
+        if self._thread is None or self.ready.is_set():
+            return 0.0
+        plan, at = self.plan, self._plan_at
+        if plan is None or at is None:
+            return max(0.0, self.t0 + self.expect_s - time.perf_counter())
+        return max(0.0, at + float(plan.get("placement_cost_s", self.expect_s)) - time.perf_counter())
 
     def _copies_now(self, file: str) -> int:
         return max(1, self._counts.get(file, DEFAULT_BASE_REPLICAS))
@@ -223,7 +239,7 @@ class HintedRestore:
         deadline = time.monotonic() + self.timeout
         with self._slots:  # woken by a release, or by the end of placement (notify_all)
             while self._placing() and self._inflight.get(file, 0) >= self.depth * self._copies_now(file):
-                left = deadline - time.monotonic()
+                left = min(deadline - time.monotonic(), self._gate_left())
                 if left <= 0:
                     break
                 self._slots.wait(left)
