@@ -86,7 +86,7 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
             at this node's service ``limit`` (every node assumed alike; unlimited: every wanted copy is placed).
             None: ``2 x poll_s`` (a target finds its task within one poll; the rest takes about another). The
             planner takes the cluster's measured placement time instead when it is longer (``{p}/replicas/
-            .placement``: a running mean of hint accepted -> last copy registered, folded in when a hint's
+            .placement``: a running mean of hint received -> last copy registered, folded in when a hint's
             progress is first seen complete).
     """
 
@@ -163,6 +163,7 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         return {"checkpoint": name, "node": self.node_id, "files": files}
 
     def _set_hints(self, context: Any, req: dict) -> dict:
+        received = time.time()  # the restart's clock runs from here: planning is part of placement's cost
         job, name = req["job"], req["checkpoint"]
         self._authorize(context, job)
         if req["ttl_s"] > self.max_ttl_s:
@@ -206,6 +207,7 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
                   "holders": f.holders, "new_nodes": f.new_nodes, "capped_by": f.capped_by,
                   "granularity_waste": f.granularity_waste} for f in plan.files]
         record = {"job": job, "checkpoint": name, "ttl_s": req["ttl_s"], "lease": lease.id, "created": now,
+                  "received": received,
                   "copy_bytes": plan.copy_bytes, "new_replicas": plan.new_replicas, "files": files,
                   "placement_cost_s": cost_s, "lead_s": lead_s,
                   "copies_join": req.get("copies_join", False),
@@ -254,7 +256,7 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
 
     def _placement_cost(self) -> float:
         """What placement costs a restart here: the configured figure, or what the cluster's recent placements
-        took (hint accepted -> last copy registered, a running mean in etcd) when that is longer: a loaded
+        took (hint received -> last copy registered, planning included; a running mean in etcd) when longer: a loaded
         cluster places slower than its poll interval says, and a copy must pay for the time it really takes."""
         measured = self._get1(self._k("replicas", ".placement"))
         return max(self.placement_cost_s, float(measured["place_s"])) if measured else self.placement_cost_s
@@ -302,7 +304,7 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
                  for f, recs in copies.items()}
         complete = hint is not None and counts["pending"] + counts["copying"] == 0
         if complete and done_at and not counts["failed"]:
-            self._note_placement(hint, max(done_at) - hint["created"])
+            self._note_placement(hint, max(done_at) - hint.get("received", hint["created"]))
         return {"checkpoint": name, "hint_live": hint is not None, "tasks": len(tasks), **counts,
                 "complete": hint is not None and counts["pending"] + counts["copying"] == 0,
                 "copied_bytes": sum(int(t.get("size", 0)) for t in tasks if t["state"] == "done"),
