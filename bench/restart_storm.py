@@ -21,13 +21,17 @@ Side by side, each on a fresh placement of the same files on the same nodes (one
   declared;
 * ``foresight``: hints for one reader per host (``ranks_per_host``) plus the per-host sharing.
 
-Placement is inside every hinted total: the clock starts when the hint is sent. The planner places only the copies
-that save the readers more than their placement costs (``capped_by: placement_cost``); the ranks wait for the plan
-(one call), then for its copies if it places any (``place s``: hint sent -> copies registered), so those copies do
-not queue behind the storm's reads; a plan that places none (with one reader per host a hot file the base copies
-serve nearly as fast) releases them at once, and foresight costs the sharing one call. Reactive copies land
-mid-storm (their source reads go ahead of the storm's at the holder: the service limit's priority lane; one thread of
-the process re-reads the copy list every ``--refresh-s`` for the ranks).
+Placement is inside every hinted total: the clock starts when the hint is sent. The hinted modes send it through
+:class:`~foresight.replication.restore_schedule.HintedRestore`: the ranks start at once (nobody waits for the plan
+call); while the copies are placed, only the ranks the existing copies serve (4 fetches per copy; with sharing one
+fetch per host, by its local rank 0, the host's other ranks reading their own shard meanwhile) read the hot files
+first, the others read their shards first, and hot fetches wait for a slot;
+registered copies join the reads (the ranks' copy list is refreshed) and end the schedule, as does placement
+running past when its copies were expected. The hint carries
+``copies_join`` and the shards' bytes and reads, so the planner places a copy when the base copies would still be
+busy with the file when it lands. Reactive copies land mid-storm (their source reads go ahead of the storm's at the
+holder: the service limit's priority lane; one thread of the process re-reads the copy list every ``--refresh-s``
+for the ranks).
 
 Layouts (``--layouts``), each scaled down by keeping its ratios (hot bytes : per-rank bytes, ranks per host, readers
 per safe reader); nodes, ranks and the per-node limit set the absolute time:
@@ -188,43 +192,14 @@ def place_default(cluster: Cluster, src: Path, name: str, replicas: int = 3, see
 
 
 # -- the storm -------------------------------------------------------------------------------------------------
-class Placement:
-    """Copies asked for at the storm's start (``hints``, ``uniform``) or once hot files are seen (``reactive``),
-    sent from a thread of their own so the storm never waits for them; when the last copy landed."""
+def make_placement(etcd: str, name: str, hints: list, *, ranks_per_host: int = 1, cold_bytes: int = 0,
+              cold_reads: int = 0) -> "HintedRestore":
+    """The hint of one mode, sent from a thread of its own (:class:`~foresight.replication.restore_schedule.
+    HintedRestore`): at the storm's start (``hints``, ``foresight``) or once hot files are seen (``reactive``)."""
+    from foresight.replication.restore_schedule import HintedRestore
 
-    def __init__(self, etcd: str, name: str, hints: list, *, ranks_per_host: int = 1) -> None:
-        self.etcd, self.name, self.hints, self.ranks_per_host = etcd, name, hints, ranks_per_host
-        self.planned = threading.Event()  # set once the plan is back (or the hint failed)
-        self.plan: dict | None = None
-        self.placed: dict | None = None
-        self.error: str | None = None
-        self.t0 = 0.0
-        self.place_s: float | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, name="storm-placement", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        from foresight.replication.hint_client import set_replication_hints, wait_for_replicas
-
-        try:
-            try:
-                self.plan = set_replication_hints(self.name, etcd=self.etcd, job=JOB, token=TOKEN, ttl_s=600,
-                                                  hints=self.hints, ranks_per_host=self.ranks_per_host)
-            finally:
-                self.planned.set()
-            self.placed = wait_for_replicas(self.name, etcd=self.etcd, job=JOB, token=TOKEN, timeout=600,
-                                            poll_s=0.05)
-            self.place_s = time.perf_counter() - self.t0
-        except Exception as e:  # reported in the results: the storm itself falls back to the base copies
-            self.error = str(e)[:300]
-
-    def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout=600)
+    return HintedRestore(name, etcd=etcd, job=JOB, token=TOKEN, hints=hints, ranks_per_host=ranks_per_host,
+                         cold_bytes=cold_bytes, cold_reads=cold_reads, ttl_s=600, timeout=600, poll_s=0.05)
 
 
 class Detector:
@@ -232,7 +207,7 @@ class Detector:
     for ``window_s`` more (a monitoring interval), then hints the files that reached ``threshold`` (one hint per
     checkpoint), as a storage system reacting to load would."""
 
-    def __init__(self, placement: Placement, hot_hints: dict, threshold: int, window_s: float) -> None:
+    def __init__(self, placement: "HintedRestore", hot_hints: dict, threshold: int, window_s: float) -> None:
         self.placement, self.hot_hints, self.threshold, self.window_s = placement, hot_hints, threshold, window_s
         self.counts: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -263,7 +238,7 @@ class Detector:
 
 
 def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot: list[str], *,
-          share_root: Path | None = None, placement: Placement | None = None,
+          share_root: Path | None = None, placement: "HintedRestore | None" = None,
           detector: Detector | None = None) -> dict:
     """All ranks released at once; each reads the hot files then its own shard. Per-read and per-rank times."""
     from foresight.replication.hint_client import ReplicaReader
@@ -289,11 +264,14 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
                 except Exception as e:  # etcd slow under the storm: keep the list we have, say so
                     print(f"  copy-list refresh failed: {str(e)[:120]}", flush=True)
 
+        base = placement.scheduled(replicas) if placement is not None else replicas  # hinted fetches in slots
+
         def rank(r: int) -> tuple[float, float]:
-            reader = SharedReplicaReader(replicas, shares[r], hot=hot) if shares else replicas
+            reader = SharedReplicaReader(base, shares[r], hot=hot) if shares else base
             gate.wait()
             mine = []
-            for f in [*hot, shards[r]]:
+            files = [*hot, shards[r]]
+            for f in placement.order(files, local_rank=r % per_host) if placement is not None else files:
                 if detector is not None:
                     detector.saw(f)
                 t = time.perf_counter()
@@ -309,12 +287,9 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
         with cf.ThreadPoolExecutor(args.threads) as pool:
             futures = [pool.submit(rank, r) for r in range(ranks)]
             t0 = time.perf_counter()
-            if placement is not None:  # inside the total: the plan, then its copies (if any) on idle nodes
+            if placement is not None:  # inside the total; the ranks read their cold files meanwhile
+                placement.reader = replicas
                 placement.start()
-                placement.planned.wait(600)
-                if (placement.plan or {}).get("new_replicas"):
-                    placement.join()
-                    replicas.copies(name, force=True)
             if refresher is not None:
                 refresher.start()
             gate.set()
@@ -352,14 +327,15 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
     if placement is not None:
         out.update(copy_bytes=(placement.plan or {}).get("copy_bytes", 0),
                    new_replicas=(placement.plan or {}).get("new_replicas", 0), place_s=placement.place_s,
-                   placement_error=placement.error,
+                   placement_error=placement.error, held_s=placement.held_s,
+                   lead_s=(placement.plan or {}).get("lead_s"),
                    copy_failures=(placement.placed or {}).get("failed"),
                    place_steps=(placement.placed or {}).get("steps_s"),
                    files=plan_files(placement))
     return out
 
 
-def plan_files(placement: Placement) -> list[dict]:
+def plan_files(placement: "HintedRestore") -> list[dict]:
     """The plan per hot file: readers, copies wanted and placed, the cap that bit (e.g. ``placement_cost``)."""
     return [{k: f[k] for k in ("path", "size", "readers", "wanted", "replicas", "capped_by")}
             for f in (placement.plan or {}).get("files", [])][:4]
@@ -394,12 +370,13 @@ def run_layout(cluster: Cluster, args: argparse.Namespace, layout: str, work: Pa
         copies = min(5, args.nodes) if mode == "uniform" else 3
         place_default(cluster, src, name, replicas=copies)
         placement = detector = share_root = None
+        cold = dict(cold_bytes=args.ranks * sizes["shard_kib"] * 1024, cold_reads=args.ranks)  # the shards
         if mode == "hints":
-            placement = Placement(etcd, name, hot_hints)
+            placement = make_placement(etcd, name, hot_hints, **cold)
         elif mode == "foresight":
-            placement = Placement(etcd, name, hot_hints, ranks_per_host=args.ranks_per_host)
+            placement = make_placement(etcd, name, hot_hints, ranks_per_host=args.ranks_per_host, **cold)
         elif mode == "reactive":
-            placement = Placement(etcd, name, [])
+            placement = make_placement(etcd, name, [])
             detector = Detector(placement, {h.path: h for h in hot_hints}, args.safe_readers, args.detect_s)
         if mode in ("host_cache", "foresight"):
             share_root = work / f"shares-{layout}-{mode}"
@@ -556,8 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     payload = {"title": "Restart storm: six ways to serve a synchronized restore's hot checkpoint files",
                "machine": machine(), **res, "report": report(res),
-               "notes": ["total = the hint or copies sent (placed before the ranks are released; else the storm start) "
-                         "to the last rank done; slowest rank = its "
+               "notes": ["total = the storm start (the hint sent at the same moment, the ranks not held for it) "
+                         "to the last rank done, placement included; slowest rank = its "
                          "first read to its last; each node behind a token-bucket service limit; KiB/host = bytes "
                          "the nodes served / hosts; hot reads/host = hot-file fetches from the nodes per host"]}
     if out == RESULTS:

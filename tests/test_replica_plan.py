@@ -9,7 +9,8 @@ import torch.distributed.checkpoint as dcp
 
 from foresight.checkpoint.dcp import ForesightStorageWriter
 from foresight.replication.hints import FileHint, HintError, _chunk_readers, derive_dcp_hints, validate_hints
-from foresight.replication.replica_plan import paying_replicas, plan_replicas, wanted_replicas
+from foresight.replication.replica_plan import cold_lead_s, paying_replicas, plan_replicas, wanted_replicas
+from foresight.replication.replica_requests import decode_hints
 
 
 @pytest.fixture
@@ -165,3 +166,53 @@ def test_the_cost_rule_stops_at_the_last_copy_that_pays_and_spares_the_base():
     # a file short of the base replication is topped up whatever the rule says
     plan = plan_replicas([_hint("hot", 4096, 2)], NODES8, holders={"hot": ["n0"]}, safe_readers=16, **RATE)
     assert plan.files[0].replicas == 3 and plan.files[0].capped_by is None
+
+
+def test_a_cold_first_schedule_hides_placement_so_per_host_copies_pay():
+    # the bench's fsdp7b restart at 512 ranks on 8 nodes: the shards (512 x 32 KiB) take 0.5 s of the nodes' time
+    lead = cold_lead_s(512 * (32 << 10), 512, 8, node_bytes_per_s=4 << 20, node_requests_per_s=200)
+    assert lead == pytest.approx(0.5)
+    assert cold_lead_s(0, 1600, 8, node_bytes_per_s=4 << 20, node_requests_per_s=200) == pytest.approx(1.0)
+    assert cold_lead_s(1 << 30, 10, 8, node_bytes_per_s=None) == 0.0  # no known rate: nothing hidden
+    # one reader per host: the 4th copy saved 0.33 s against 0.5 + 0.0625 s; placed during the shards it costs
+    # only its source read, so the formula's 4 copies are placed
+    hot = 256 << 10
+    hidden = plan_replicas([_hint("hot", hot, 64)], NODES8, holders=BASE, safe_readers=16, lead_s=lead, **RATE)
+    f = hidden.files[0]
+    assert f.wanted == 4 and f.replicas == 4 and len(f.new_nodes) == 1 and f.capped_by is None
+    # a head start shorter than the placement hides part of it: 0.3 s left + 0.0625 > 0.33 s saved
+    part = plan_replicas([_hint("hot", hot, 64)], NODES8, holders=BASE, safe_readers=16, lead_s=0.2, **RATE)
+    assert part.files[0].replicas == 3 and part.files[0].capped_by == "placement_cost"
+    with pytest.raises(HintError, match="cold bytes"):
+        cold_lead_s(-1, 0, 8, node_bytes_per_s=1)
+
+
+def test_the_hint_request_carries_the_cold_reads_checked():
+    req = {"job": "run-7", "checkpoint": "run-7/step-1", "ttl_s": 60,
+           "files": [{"path": "f", "size": 1, "readers": 2, "hot_bytes": 1}]}
+    assert decode_hints(req)["cold_bytes"] == 0 and decode_hints(req)["cold_reads"] == 0
+    got = decode_hints(dict(req, cold_bytes=1 << 24, cold_reads=512))
+    assert (got["cold_bytes"], got["cold_reads"]) == (1 << 24, 512)
+    for bad in (-1, 1.5, True, "9"):
+        with pytest.raises(HintError, match="cold_bytes must be an integer"):
+            decode_hints(dict(req, cold_bytes=bad))
+
+
+def test_copies_that_join_a_running_restart_pay_while_the_base_copies_are_still_busy():
+    hot = 256 << 10  # 0.0625 s per read at 4 MiB/s; 64 host readers keep 3 base copies busy 64 x 0.0625 / 3 s
+    held = plan_replicas([_hint("hot", hot, 64)], NODES8, holders=BASE, safe_readers=16, **RATE)
+    assert held.files[0].replicas == 3  # readers held for the copies: the 4th costs more than it saves
+    joined = plan_replicas([_hint("hot", hot, 64)], NODES8, holders=BASE, safe_readers=16, join=True, **RATE)
+    f = joined.files[0]  # not held: it lands after 0.56 s while the base copies have 1.33 s of reads
+    assert f.replicas == f.wanted == 4 and len(f.new_nodes) == 1 and f.capped_by is None
+    # few readers: the base copies are done (6 x 0.0625 / 3 = 0.125 s) before any copy could land
+    few = plan_replicas([_hint("hot", hot, 6)], NODES8, holders=BASE, safe_readers=1, join=True, **RATE)
+    assert few.files[0].wanted == 6 and few.files[0].replicas == 3 and few.files[0].capped_by == "placement_cost"
+    assert paying_replicas(64, hot, 3, 8, node_bytes_per_s=4 << 20, placement_cost_s=0.5, join=True) == 8
+    assert paying_replicas(64, hot, 3, 8, node_bytes_per_s=4 << 20, placement_cost_s=2.0, join=True) == 3
+    got = decode_hints({"job": "run-7", "checkpoint": "run-7/step-1", "ttl_s": 60, "copies_join": True,
+                        "files": [{"path": "f", "size": 1, "readers": 2, "hot_bytes": 1}]})
+    assert got["copies_join"] is True
+    with pytest.raises(HintError, match="copies_join must be true or false"):
+        decode_hints({"job": "run-7", "checkpoint": "run-7/step-1", "ttl_s": 60, "copies_join": 1,
+                      "files": [{"path": "f", "size": 1, "readers": 2, "hot_bytes": 1}]})

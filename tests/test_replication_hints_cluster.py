@@ -2,7 +2,8 @@
 
 Covers issue 12: replica counts follow the formula and the caps, reads spread over the copies, copies are reclaimed
 when the hint's TTL ends (never under a read), quotas and bad hints are refused with clear errors, and a node that
-dies during a read storm leaves its readers on the other copies.
+dies during a read storm leaves its readers on the other copies. Issue 20: a hinted restore never holds its ranks
+for placement, and the new copies join the reads.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import threading
 
 import pyarrow.flight as flight
@@ -20,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from foresight.checkpoint.dcp import ForesightStorageWriter
+from foresight.cluster.membership import Cluster
 from foresight.replication.hint_client import (
     ReplicaReader,
     publish_checkpoint,
@@ -29,6 +32,7 @@ from foresight.replication.hint_client import (
     wait_for_replicas,
 )
 from foresight.replication.hints import FileHint, derive_dcp_hints
+from foresight.replication.restore_schedule import HintedRestore
 from foresight.errors import NodeError
 from foresight.testing.etcd import EtcdProcess
 from node_helpers import NodeProc, wait_for
@@ -256,3 +260,99 @@ def test_release_ends_a_hint_at_once(etcd, nodes, ckpt):
     wait_for(lambda: not _hinted_on(nodes, name), timeout=60, what="released copies deleted")
     stats = _stats(nodes)
     assert sum(s["reclaimed"] for s in stats) - before >= placed["done"] and all(s["inflight"] == 0 for s in stats)
+
+
+def test_a_hinted_restore_reads_at_once_and_its_copies_join_the_reads(etcd, nodes, ckpt):
+    """The ranks start with the hint in flight (nobody waits for the plan); every byte is the checkpoint's; the
+    copies are placed (the hint says the ranks are not held), the ranks' list is refreshed, hot fetches never
+    exceeded ``depth`` per copy, and after placement each rank reads in its own order."""
+    name, job = "jobH/step-1", "jobH"
+    _place(ckpt, name, nodes[:2], job)
+    hints = derive_dcp_hints(ckpt, 1024)
+    files = [h.path for h in hints] + ["shard-0"]  # a cold file no hint names (read through the same reader)
+    want = _files(ckpt)
+    with open(os.path.join(nodes[0].root, *name.split("/"), "shard-0"), "wb") as f:
+        f.write(b"cold bytes")
+    publish_checkpoint(nodes[0].location, name, job=job, token=TOKEN)
+    want["shard-0"] = b"cold bytes"
+    try:
+        with ReplicaReader(etcd, job=job, token=TOKEN, refresh_s=3600) as replicas:
+            replicas.copies(name)
+            restore = HintedRestore(name, etcd=etcd, job=job, token=TOKEN, hints=hints, reader=replicas, depth=1,
+                                    cold_bytes=16 << 10, cold_reads=16).start()
+            reader = restore.scheduled(replicas)
+            with cf.ThreadPoolExecutor(16) as pool:
+                got = list(pool.map(lambda r: {f: bytes(reader.read(name, f)) for f in restore.order(files)},
+                                    range(16)))
+            assert all(g == want for g in got)
+            restore.join()
+            assert restore.error is None and restore.plan["copies_join"] is True and restore.place_s is not None
+            assert restore.plan["new_replicas"] == 2 * len(hints) and restore.placed["complete"]
+            assert all(len(replicas.copies(name)[h.path]) == 4 for h in hints)  # the ranks were told
+            assert all(n <= 1 * 4 for n in restore.peak.values())  # depth 1 per copy, 4 copies at most
+            assert restore.order(files[::-1]) == [".metadata"] + [f for f in files[::-1] if f != ".metadata"]
+        # the placement's time went into the cluster's running mean; the next plan prices copies with it
+        cluster = Cluster(etcd)
+        measured = dict(cluster._get_prefix(cluster.key("replicas", ".placement")))
+        sample = measured[cluster.key("replicas", ".placement")]
+        assert sample["samples"] >= 1 and sample["place_s"] > 0
+        _place(ckpt, "jobI/step-2", nodes[2:], "jobI")
+        plan = set_replication_hints("jobI/step-2", etcd=etcd, job="jobI", token=TOKEN, ttl_s=600, hints=hints)
+        assert plan["placement_cost_s"] == max(2 * 0.25, sample["place_s"])  # the nodes' poll_s is 0.25
+        release_replication_hints("jobI/step-2", etcd=etcd, job="jobI", token=TOKEN)
+    finally:
+        release_replication_hints(name, etcd=etcd, job=job, token=TOKEN)
+
+
+def test_while_placement_runs_the_copies_set_who_reads_hot_files_first(etcd, nodes, ckpt):
+    """The hint goes to a node that never answers (a listening socket nobody serves), so placement is pending:
+    only the hosts the base copies serve (2 copies x depth 1) read the hot file first (their local rank 0, which
+    fetches for the host), the other ranks their cold files; a third concurrent fetch waits for a slot. When the node is gone the hint goes to the
+    cluster, its copies are placed, and the waiting fetch goes."""
+    name, job = "jobO/step-1", "jobO"
+    _place(ckpt, name, nodes[:2], job)
+    hints = derive_dcp_hints(ckpt, 64)
+    data = next(h.path for h in hints if h.path != ".metadata")
+    want = _files(ckpt)
+    silent, later = socket.socket(), socket.socket()
+    for s in (silent, later):
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+    try:
+        with ReplicaReader(etcd, job=job, token=TOKEN, refresh_s=3600) as replicas:
+            replicas.copies(name)
+            restore = HintedRestore(name, etcd=etcd, job=job, token=TOKEN, hints=hints, reader=replicas,
+                                    ranks_per_host=2, depth=1, node=f"grpc://127.0.0.1:{silent.getsockname()[1]}",
+                                    expect_s=600)  # the plan is expected late: the schedule keeps its slots
+            files = [".metadata", data, "shard-0"]
+            assert restore.order(files) == files  # not started: the order given
+            restore.start()
+            late = HintedRestore(name, etcd=etcd, job=job, token=TOKEN, hints=hints, reader=replicas,
+                                 ranks_per_host=2, depth=1, node=f"grpc://127.0.0.1:{later.getsockname()[1]}",
+                                 expect_s=0).start()
+            assert late.order(files, local_rank=0) == files  # a plan past its expected time holds nobody
+            cold_first = [".metadata", "shard-0", data]
+            # ranks 0..7, two per host: local rank 0 fetches for its host; 2 copies x depth 1 = 2 hosts hot-first
+            orders = [restore.order(files, local_rank=r % 2) for r in range(8)]
+            assert orders == [files, cold_first, files, cold_first] + [cold_first] * 4
+            reader = restore.scheduled(replicas)
+            restore._acquire(data)
+            restore._acquire(data)  # both slots (2 base copies x depth 1) held, as by two fetches in flight
+            third = cf.ThreadPoolExecutor(1).submit(reader.read, name, data)
+            with pytest.raises(cf.TimeoutError):
+                third.result(timeout=0.5)  # waits for a slot (a bound on a hang, not a timing figure)
+            restore._release(data)
+            assert third.result(timeout=60) == want[data]
+            restore._release(data)
+            silent.close()  # the node is gone: the hint goes to the cluster
+            restore.join()
+            assert restore.error is None and restore.placed["complete"] and restore.plan["copies_join"] is True
+            assert restore.order(files, local_rank=0) == files  # placement over: the order given
+            assert restore.order(files, local_rank=1) == cold_first  # its own reads while the host's fetch runs
+            later.close()
+            late.join()  # its hint reached the cluster after the first one's: refused, the base copies serve
+            assert late.error is not None and late.stats["failures"] == 1 and late.ready.is_set()
+    finally:
+        silent.close()
+        later.close()
+        release_replication_hints(name, etcd=etcd, job=job, token=TOKEN)

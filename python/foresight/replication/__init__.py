@@ -6,7 +6,8 @@ its handlers, never the other way round):
 * **Restart replication** inside a cluster: :mod:`.hints` (which files a restart reads, and by how many ranks),
   :mod:`.hint_client` (send hints, watch copies, :class:`ReplicaReader`), :mod:`.replica_plan` (how many copies pay
   off), :mod:`.replica_manager` (the node's side: tasks in etcd, copies, TTL reclaim), :mod:`.hot_layout` (hot
-  tensors in files of their own), :mod:`.host_share` (one read per host, shared through /dev/shm).
+  tensors in files of their own), :mod:`.host_share` (one read per host, shared through /dev/shm),
+  :mod:`.restore_schedule` (the hint sent without holding the ranks; new copies join the reads).
 * **Predictive replication** to an evaluation site: :mod:`.policy` (:class:`Replication`, the Checkpointer's
   hooks), :mod:`.units` (32 MiB checksummed units), :mod:`.scheduler` (:class:`PriorityLane`: urgent first, bulk
   never starved), :mod:`.service` (the node-side sender and receiver), :mod:`.resolver` (nearest complete copy),
@@ -41,6 +42,7 @@ _EXPORTS = {
     "ReplicaManager": "replica_manager",
     "HotFileStorageWriter": "hot_layout",
     "HostShare": "host_share",
+    "HintedRestore": "restore_schedule",
     "ReplicationService": "service",
 }
 

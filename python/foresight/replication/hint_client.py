@@ -55,13 +55,14 @@ def _action(location: str, action: str, body: dict, *, job: str, token: str, tim
 
 
 def _cluster_action(action: str, body: dict, *, job: str, token: str, etcd: str | None, node: str | None,
-                    prefix: str | None) -> dict:
-    """Send ``action`` to ``node``, or to the live nodes in random order until one answers (a refusal is final;
-    a node that died but still has a lease is skipped)."""
+                    prefix: str | None, client: Any = None) -> dict:
+    """Send ``action`` to ``node`` (over ``client`` if given: a caller polling one node keeps one connection), or
+    to the live nodes in random order until one answers (a refusal is final; a node that died but still has a
+    lease is skipped)."""
     import pyarrow.flight as flight
 
     if node is not None:
-        return _action(node, action, body, job=job, token=token)
+        return _action(node, action, body, job=job, token=token, client=client)
     if etcd is None:
         raise ValueError("give etcd=<endpoint> or node=<location>")
 
@@ -84,16 +85,24 @@ def publish_checkpoint(node: str, checkpoint: str, *, job: str, token: str) -> d
 def set_replication_hints(checkpoint: str, *, job: str, token: str, ttl_s: float, etcd: str | None = None,
                           node: str | None = None, checkpoint_dir: str | None = None, world_size: int | None = None,
                           replicated_readers: int | None = None, hints: Sequence[FileHint] | None = None,
-                          allow_partial: bool = False, prefix: str | None = None, ranks_per_host: int = 1) -> dict:
+                          allow_partial: bool = False, prefix: str | None = None, ranks_per_host: int = 1,
+                          cold_bytes: int = 0, cold_reads: int = 0, copies_join: bool = False,
+                          client: Any = None) -> dict:
     """Declare the files a restart of ``world_size`` ranks will read from ``checkpoint`` (named ``<job>/...``).
 
     Hints come from ``checkpoint_dir`` (a local copy of the DCP checkpoint) and ``world_size``, or from ``hints``.
     With ``ranks_per_host`` > 1 the ranks of a host share their reads (:mod:`foresight.replication.host_share`):
     a file read by at least that many ranks has one reader per host, ``ceil(readers / ranks_per_host)``.
+    ``cold_bytes`` and ``cold_reads`` (all ranks together) are what the ranks read before the hinted files (a
+    cold-first schedule, :class:`~foresight.replication.restore_schedule.HintedRestore`): placement runs meanwhile,
+    so the planner counts only the part of its cost beyond that head start. ``copies_join``: the ranks are not
+    held for the copies (they read the base copies meanwhile; new copies take the later readers), so a copy pays
+    when the base copies would still be busy with the file when it lands.
     Returns the node's plan: per file the readers, replicas wanted and placed, new nodes, the cap that bit and
     the bytes the file granularity copies in vain; ``copy_bytes`` and ``new_replicas`` in total.
     Refused (``pyarrow.flight.FlightServerError`` naming the reason) for unknown files, sizes that differ,
     absurd reader counts, a TTL out of bounds, or a plan over the job's quota (unless ``allow_partial``).
+    ``client``: a Flight client connected to ``node``, reused (one connection for the hint and its progress).
     """
     if hints is None:
         if checkpoint_dir is None or world_size is None:
@@ -106,16 +115,21 @@ def set_replication_hints(checkpoint: str, *, job: str, token: str, ttl_s: float
                  else h for h in hints]
     body = {"job": job, "checkpoint": checkpoint, "ttl_s": ttl_s, "files": [h.to_dict() for h in hints],
             "allow_partial": allow_partial}
-    return _cluster_action("set_replication_hints", body, job=job, token=token, etcd=etcd, node=node, prefix=prefix)
+    if cold_bytes or cold_reads:
+        body.update(cold_bytes=int(cold_bytes), cold_reads=int(cold_reads))
+    if copies_join:
+        body["copies_join"] = True
+    return _cluster_action("set_replication_hints", body, job=job, token=token, etcd=etcd, node=node, prefix=prefix,
+                           client=client)
 
 
 def replication_progress(checkpoint: str, *, job: str, token: str, etcd: str | None = None, node: str | None = None,
-                         prefix: str | None = None) -> dict:
+                         prefix: str | None = None, client: Any = None) -> dict:
     """Copies made, pending and failed for the checkpoint's live hint; ``complete`` once none is pending;
     ``place_s`` (hint accepted -> last copy registered) and ``steps_s``, the slowest copy's time per step
     (``pickup`` by its target, ``pull`` from a holder, ``register``)."""
     return _cluster_action("replicas.progress", {"job": job, "checkpoint": checkpoint}, job=job, token=token,
-                           etcd=etcd, node=node, prefix=prefix)
+                           etcd=etcd, node=node, prefix=prefix, client=client)
 
 
 def release_replication_hints(checkpoint: str, *, job: str, token: str, etcd: str | None = None,
@@ -126,12 +140,14 @@ def release_replication_hints(checkpoint: str, *, job: str, token: str, etcd: st
 
 
 def wait_for_replicas(checkpoint: str, *, job: str, token: str, etcd: str | None = None, node: str | None = None,
-                      timeout: float = 300.0, poll_s: float = 0.1, prefix: str | None = None) -> dict:
+                      timeout: float = 300.0, poll_s: float = 0.1, prefix: str | None = None,
+                      client: Any = None) -> dict:
     """Poll :func:`replication_progress` until every copy task is done or failed; NodeError after ``timeout`` or
-    when the hint is gone (its TTL ended or it was released) before that."""
+    when the hint is gone (its TTL ended or it was released) before that. ``client``: as set_replication_hints."""
     deadline = time.monotonic() + timeout
     while True:
-        p = replication_progress(checkpoint, job=job, token=token, etcd=etcd, node=node, prefix=prefix)
+        p = replication_progress(checkpoint, job=job, token=token, etcd=etcd, node=node, prefix=prefix,
+                                 client=client)
         if p["complete"]:
             return p
         if not p["hint_live"]:

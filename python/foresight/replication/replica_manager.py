@@ -22,6 +22,7 @@ etcd keys (``{p}`` = the cluster prefix, ``{ckpt}`` = the checkpoint name URL-qu
                                                  under the node's lease, hinted ones under the hint's lease
 ``{p}/replicas/.tasks/{node}/{ckpt}/{file}``     a copy to make: ``{state, grant, lease, ...}`` (hint's lease)
 ``{p}/replicas/.load/{node}``                    ``{inflight, reads, bytes}`` (node's lease)
+``{p}/replicas/.placement``                      ``{place_s, samples}``: recent placements' running mean (no lease)
 
 Reclaim: when a hint's lease ends its keys vanish; each node's janitor then stops serving its copies and deletes
 them, deferred while a read of the copy is in flight (reference counts). A wrong or stale hint therefore costs at
@@ -54,7 +55,7 @@ from foresight.errors import NodeError
 from foresight.replication.hints import HintError, validate_hints
 from foresight.replication.replica_copies import LocalCopy, ReplicaCopies
 from foresight.replication.replica_etcd import ReplicaEtcd
-from foresight.replication.replica_plan import DEFAULT_BASE_REPLICAS, DEFAULT_SAFE_READERS, plan_replicas
+from foresight.replication.replica_plan import DEFAULT_BASE_REPLICAS, DEFAULT_SAFE_READERS, cold_lead_s, plan_replicas
 from foresight.replication.replica_requests import check_file, ckpt_key, decode_ckpt_request, decode_hints
 
 log = logging.getLogger("foresight.replication.replica_manager")
@@ -83,7 +84,10 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         placement_cost_s: what placing one copy costs a restart beyond its bytes (plan, task pick-up, registration,
             readers told); a copy above the base replication is placed only when it saves the readers more, judged
             at this node's service ``limit`` (every node assumed alike; unlimited: every wanted copy is placed).
-            None: ``2 x poll_s`` (a target finds its task within one poll; the rest takes about another).
+            None: ``2 x poll_s`` (a target finds its task within one poll; the rest takes about another). The
+            planner takes the cluster's measured placement time instead when it is longer (``{p}/replicas/
+            .placement``: a running mean of hint received -> last copy registered, folded in when a hint's
+            progress is first seen complete).
     """
 
     def __init__(self, server: Any, cluster: Any, *, limit: ServiceLimit | None = None,
@@ -107,6 +111,7 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         self._base_records: dict[str, str] = {}  # key -> value, re-put under a new lease if ours expired
         self._bindings: dict[str, dict] = {}
         self._busy: set[str] = set()  # task keys being copied here
+        self._noted: set[int] = set()  # hints (by lease) whose placement time went into the running mean
         self.inflight = 0
         self.stats = {"reads": 0, "bytes": 0, "copies_made": 0, "copies_failed": 0, "reclaimed": 0,
                       "wake_failures": 0}
@@ -158,6 +163,7 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         return {"checkpoint": name, "node": self.node_id, "files": files}
 
     def _set_hints(self, context: Any, req: dict) -> dict:
+        received = time.time()  # the restart's clock runs from here: planning is part of placement's cost
         job, name = req["job"], req["checkpoint"]
         self._authorize(context, job)
         if req["ttl_s"] > self.max_ttl_s:
@@ -168,17 +174,25 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
             raise HintError("a hint for this checkpoint is live; release it first (replicas.release) or let it "
                             "expire", checkpoint=name)
         live = self._live_nodes()
-        copies = self.copies(name, live)
-        known = {f: next(iter(recs.values()))["size"] for f, recs in copies.items()}
-        if not known:
+        # the hinted files' copies only: a restart's checkpoint holds thousands of per-rank shards, and the plan
+        # is on the restart's clock
+        copies = {}
+        for h in req["files"]:
+            copies.update(self.copies(name, live, file=h.path))
+        if not copies and not self.copies(name, live):  # which error: the slow look only when none was found
             raise HintError("no live node has published this checkpoint (replicas.publish)", checkpoint=name)
+        known = {f: next(iter(recs.values()))["size"] for f, recs in copies.items()}
         hints = validate_hints(req["files"], known=known, max_readers=self.max_readers)
         used_bytes, used_replicas = self._job_usage(job)
         holders = {f: sorted(recs) for f, recs in copies.items()}
         loads = self._loads(live)
+        cost_s = self._placement_cost()
+        lead_s = cold_lead_s(req.get("cold_bytes", 0), req.get("cold_reads", 0), len(loads),
+                             node_bytes_per_s=self.limit.bytes_per_s, node_requests_per_s=self.limit.requests_per_s)
         common = dict(nodes=loads, holders=holders, safe_readers=self.safe_readers, base_replicas=self.base_replicas,
                       max_per_file=self.max_per_file, node_bytes_per_s=self.limit.bytes_per_s,
-                      node_requests_per_s=self.limit.requests_per_s, placement_cost_s=self.placement_cost_s)
+                      node_requests_per_s=self.limit.requests_per_s, placement_cost_s=cost_s,
+                      lead_s=lead_s, join=req.get("copies_join", False))
         wanted = plan_replicas(hints, **common)
         left_bytes, left_replicas = self.quota_bytes - used_bytes, self.quota_replicas - used_replicas
         if not req["allow_partial"] and (wanted.copy_bytes > left_bytes or wanted.new_replicas > left_replicas):
@@ -193,8 +207,10 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
                   "holders": f.holders, "new_nodes": f.new_nodes, "capped_by": f.capped_by,
                   "granularity_waste": f.granularity_waste} for f in plan.files]
         record = {"job": job, "checkpoint": name, "ttl_s": req["ttl_s"], "lease": lease.id, "created": now,
+                  "received": received,
                   "copy_bytes": plan.copy_bytes, "new_replicas": plan.new_replicas, "files": files,
-                  "placement_cost_s": self.placement_cost_s,
+                  "placement_cost_s": cost_s, "lead_s": lead_s,
+                  "copies_join": req.get("copies_join", False),
                   "coordinator": self.node_id}
         if not self.cluster._call(lambda c: c.create(hint_key, json.dumps(record), lease=lease)):
             lease.revoke()  # another node accepted a hint for it a moment ago
@@ -238,6 +254,25 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         for node in sorted(nodes):
             threading.Thread(target=send, args=(node,), name="foresight-replica-wake", daemon=True).start()
 
+    def _placement_cost(self) -> float:
+        """What placement costs a restart here: the configured figure, or what the cluster's recent placements
+        took (hint received -> last copy registered, planning included; a running mean in etcd) when longer: a loaded
+        cluster places slower than its poll interval says, and a copy must pay for the time it really takes."""
+        measured = self._get1(self._k("replicas", ".placement"))
+        return max(self.placement_cost_s, float(measured["place_s"])) if measured else self.placement_cost_s
+
+    def _note_placement(self, hint: dict, place_s: float) -> None:
+        """Fold a finished hint's placement time into the cluster's running mean (once per hint, by the node
+        that reports its progress; racing nodes each fold their sample: a mean, not a ledger)."""
+        with self._lock:
+            if hint["lease"] in self._noted:
+                return
+            self._noted.add(hint["lease"])
+        key = self._k("replicas", ".placement")
+        old = self._get1(key)
+        mean = place_s if old is None else 0.5 * float(old["place_s"]) + 0.5 * place_s
+        self._put(key, {"place_s": mean, "samples": (old or {}).get("samples", 0) + 1})
+
     def _job_usage(self, job: str) -> tuple[int, int]:
         """Bytes and copies this job's live hints hold or are making."""
         nbytes = copies = 0
@@ -256,12 +291,20 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         for t in tasks:  # a target that died will never finish its copy: do not wait for it
             if t["state"] in ("pending", "copying") and t["node"] not in live:
                 t["state"], t["error"] = "failed", "target node left the cluster"
-        copies = self.copies(name, live)
+        if hint is not None:  # polled during the restart: the hinted files' copies, not every shard's
+            copies = {}
+            for f in hint.get("files", []):
+                copies.update(self.copies(name, live, file=f["path"]))
+        else:
+            copies = self.copies(name, live)
         counts = {s: sum(t["state"] == s for t in tasks) for s in ("pending", "copying", "done", "failed")}
         done = [t for t in tasks if t["state"] == "done"]
         done_at = [t["done_at"] for t in done]
         files = {f: {"copies": sorted(recs), "hinted": sorted(n for n, r in recs.items() if not r.get("base"))}
                  for f, recs in copies.items()}
+        complete = hint is not None and counts["pending"] + counts["copying"] == 0
+        if complete and done_at and not counts["failed"]:
+            self._note_placement(hint, max(done_at) - hint.get("received", hint["created"]))
         return {"checkpoint": name, "hint_live": hint is not None, "tasks": len(tasks), **counts,
                 "complete": hint is not None and counts["pending"] + counts["copying"] == 0,
                 "copied_bytes": sum(int(t.get("size", 0)) for t in tasks if t["state"] == "done"),

@@ -17,6 +17,16 @@ saving exceeds the cost; the first one that does not pay stops the file, recorde
 So when host sharing already cut the readers to one per host, a file that the existing copies serve nearly as fast
 gets no copy and the restart is not held up by placement. Without a known rate the rule is off (the formula alone).
 
+A read schedule can hide placement: when the readers first read their cold files (per-rank shards, each on the base
+copies) and the hinted files after, the placement runs meanwhile. ``lead_s`` is that head start
+(:func:`cold_lead_s`: the cold bytes and reads spread over the nodes at their service rate); the fixed cost counts only
+beyond it, ``max(0, placement_cost_s - lead_s)``, while the copy's source read still costs its ``t_read``.
+
+When the readers are not held for the copies (``join``: they read from the copies that exist, and new ones take the
+readers that come after they are registered), the base copies serve meanwhile, so nothing waits for placement; a
+copy helps if the base copies still have readers left when it lands, ``readers x t_read > have x P`` with ``P`` the
+placement's time as above, and then every copy up to the formula's count serves part of that rest.
+
 Example::
 
     plan = plan_replicas(hints, nodes={"n0": 0.2, "n1": 0.5, "n2": 0.1}, holders={".metadata": ["n0"]},
@@ -77,23 +87,50 @@ def wanted_replicas(readers: int, safe_readers: int, base: int) -> int:
     return max(base, math.ceil(readers / safe_readers))
 
 
+def cold_lead_s(cold_bytes: int, cold_reads: int, nodes: int, *, node_bytes_per_s: float | None,
+                node_requests_per_s: float | None = None) -> float:
+    """How long ``nodes`` nodes at their service rate take to serve the reads a restart does before its hinted
+    files (``cold_reads`` reads of ``cold_bytes`` in total): the time placement has to land its copies unseen.
+    0 without a known rate or nodes.
+
+    Example::
+
+        cold_lead_s(512 * (32 << 10), 512, 8, node_bytes_per_s=4 << 20, node_requests_per_s=200)   # 0.5
+    """
+    if cold_bytes < 0 or cold_reads < 0:
+        raise HintError(f"cold bytes {cold_bytes} and cold reads {cold_reads} must be >= 0")
+    if nodes < 1 or not node_bytes_per_s or node_bytes_per_s <= 0:
+        return 0.0
+    lead = cold_bytes / (nodes * node_bytes_per_s)
+    if node_requests_per_s:
+        lead = max(lead, cold_reads / (nodes * node_requests_per_s))
+    return lead
+
+
 def paying_replicas(readers: int, size: int, have: int, target: int, *, node_bytes_per_s: float | None,
-                    node_requests_per_s: float | None = None, placement_cost_s: float = 0.0) -> int:
+                    node_requests_per_s: float | None = None, placement_cost_s: float = 0.0,
+                    lead_s: float = 0.0, join: bool = False) -> int:
     """Copies (``have`` <= result <= ``target``) worth their placement: copy ``c + 1`` is added while it saves the
-    readers more time than it costs (see the module docstring). ``node_bytes_per_s`` None: ``target`` (rule off).
+    readers more time than it costs (see the module docstring): ``max(0, placement_cost_s - lead_s)`` plus its
+    source read; with ``join`` (readers not held for the copies) all ``target`` copies pay once the base copies
+    would still be busy with the file when they land, none otherwise. ``node_bytes_per_s`` None: ``target``.
 
     Example::
 
         paying_replicas(64, 256 << 10, 3, 4, node_bytes_per_s=4 << 20, placement_cost_s=0.5)   # 3: saves 0.33 s
         paying_replicas(512, 256 << 10, 3, 8, node_bytes_per_s=4 << 20, placement_cost_s=0.5)  # 8
+        paying_replicas(64, 256 << 10, 3, 4, node_bytes_per_s=4 << 20, placement_cost_s=0.5, lead_s=0.5)  # 4
     """
     if not node_bytes_per_s or node_bytes_per_s <= 0:
         return target
     t_read = size / node_bytes_per_s
     if node_requests_per_s:
         t_read = max(t_read, 1.0 / node_requests_per_s)
+    cost = max(0.0, placement_cost_s - max(0.0, lead_s)) + t_read
+    if join:
+        return max(have, target) if readers * t_read > max(1, have) * cost else have
     c = max(1, have)
-    while c < target and readers * t_read * (1 / c - 1 / (c + 1)) > placement_cost_s + t_read:
+    while c < target and readers * t_read * (1 / c - 1 / (c + 1)) > cost:
         c += 1
     return max(have, min(c, target))
 
@@ -103,13 +140,15 @@ def plan_replicas(hints: Sequence[FileHint], nodes: Mapping[str, float], *,
                   base_replicas: int = DEFAULT_BASE_REPLICAS, max_per_file: int | None = None,
                   quota_bytes: int | None = None, quota_replicas: int | None = None,
                   node_bytes_per_s: float | None = None, node_requests_per_s: float | None = None,
-                  placement_cost_s: float = 0.0) -> ReplicaPlan:
+                  placement_cost_s: float = 0.0, lead_s: float = 0.0, join: bool = False) -> ReplicaPlan:
     """Plan replicas for ``hints`` over ``nodes`` (node id -> current load in concurrent readers).
 
     ``holders`` lists the nodes that already hold each file (the base replicas); they count toward the total and
     never get a second copy. Quotas bound the *new* copies of this job. ``node_bytes_per_s``,
     ``node_requests_per_s`` (a node's service rate) and ``placement_cost_s`` weigh each copy above the base
-    replication against its placement (:func:`paying_replicas`); without a rate every wanted copy is placed.
+    replication against its placement (:func:`paying_replicas`), less the ``lead_s`` a cold-first read schedule
+    gives it, or by the ``join`` rule when the readers are not held for the copies; without a rate every wanted
+    copy is placed.
     """
     holders = holders or {}
     unknown = sorted({n for hs in holders.values() for n in hs} - set(nodes))
@@ -129,7 +168,8 @@ def plan_replicas(hints: Sequence[FileHint], nodes: Mapping[str, float], *,
                 target, capped = limit, reason
         floor = max(len(have), min(base_replicas, target))  # the base replication is not weighed
         paying = paying_replicas(h.readers, h.size, floor, target, node_bytes_per_s=node_bytes_per_s,
-                                 node_requests_per_s=node_requests_per_s, placement_cost_s=placement_cost_s)
+                                 node_requests_per_s=node_requests_per_s, placement_cost_s=placement_cost_s,
+                                 lead_s=lead_s, join=join)
         if paying < target:
             target, capped = paying, "placement_cost"
         extra = max(0, target - len(have))

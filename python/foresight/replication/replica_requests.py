@@ -58,7 +58,8 @@ def decode_ckpt_request(o: dict) -> dict:
 
 
 def decode_hints(o: dict) -> dict:
-    check_fields(o, ("job", "checkpoint", "ttl_s", "files"), ("allow_partial",), "set_replication_hints")
+    check_fields(o, ("job", "checkpoint", "ttl_s", "files"),
+                 ("allow_partial", "cold_bytes", "cold_reads", "copies_join"), "set_replication_hints")
     job = check_ident(o["job"], "job")
     ttl = o["ttl_s"]
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl <= MAX_TTL_S:
@@ -74,8 +75,17 @@ def decode_hints(o: dict) -> dict:
             if isinstance(f[k], bool) or not isinstance(f[k], int):
                 raise HintError(f"hint field {k} must be an integer", path=str(f["path"])[:80])
         hints.append(FileHint(check_file(f["path"]), f["size"], f["readers"], f["hot_bytes"]))
+    cold = {}
+    for k in ("cold_bytes", "cold_reads"):  # what the readers read before the hinted files (a cold-first schedule)
+        v = o.get(k, 0)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 62:
+            raise HintError(f"{k} must be an integer >= 0", got=repr(v)[:80])
+        cold[k] = v
+    join = o.get("copies_join", False)
+    if not isinstance(join, bool):
+        raise HintError("copies_join must be true or false", got=repr(join)[:80])
     return {"job": job, "checkpoint": check_checkpoint(job, o["checkpoint"]), "ttl_s": float(ttl), "files": hints,
-            "allow_partial": bool(o.get("allow_partial", False))}
+            "allow_partial": bool(o.get("allow_partial", False)), "copies_join": join, **cold}
 
 
 __all__ = ["MAX_FILES", "check_checkpoint", "check_file", "ckpt_key", "decode_ckpt_request", "decode_hints"]
