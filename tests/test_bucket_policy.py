@@ -191,3 +191,33 @@ def test_the_first_step_is_fetched_alone_with_its_own_bytes_only(s3_env, tmp_pat
             assert own <= got["bytes"] <= own + (step0.size - got["requests"]) * FILL_GAP, (got, own)
             assert merged or got["bytes"] == own
             assert pf.stats["filled_samples"] == 0
+
+
+def test_fills_start_at_one_block_and_double(s3_env, tmp_path):
+    """The steps right after the first must not wait behind a fill of the whole dataset: the first fill takes one
+    block's worth of the plan's later samples, each next fill at most twice the last (up to fill_bytes).
+    ``lookahead=1`` and ``group_steps=1`` park the prefetcher after each group, so each fill is counted alone."""
+    rng = np.random.default_rng(7)
+    with DatasetWriter(str(tmp_path / "fill"), align=4096) as w:
+        for _ in range(512):
+            w.add(rng.integers(0, 256, size=16 << 10, dtype=np.uint8).tobytes(), modality="bytes")
+    local = open_dataset(str(tmp_path / "fill"))
+    plan = build_plan([(local, 1.0)], seed=3, global_batch_size=16, epochs=1)
+    block = 128 << 10  # 8 samples of 16 KiB: a fill of the whole 8 MiB dataset would be 64 blocks
+    upload_dataset(local.path, "s3://policy/fill")
+    with open_dataset("s3://policy/fill", cache_dir=tmp_path / "cache") as ds, \
+            PlanPrefetcher(ds, plan, lookahead=1, group_steps=1, fill_block=block, fill_bytes=4 << 20) as pf:
+        filled = []
+        for step in range(6):
+            for _ in range(1200):  # an event: this group's fetch landed (bounded wait, not a duration)
+                if pf.stats["prefetched_steps"] > step or pf.error is not None:
+                    break
+                time.sleep(0.05)
+            assert pf.error is None and pf.stats["prefetched_steps"] == step + 1
+            filled.append(pf.stats["filled_samples"] - sum(filled))
+            pf.on_step(step)
+    per_fill = [n * (16 << 10) for n in filled[1:]]
+    assert filled[0] == 0 and all(n > 0 for n in filled[1:]), filled
+    limits = [block << i for i in range(len(per_fill))]  # one block's worth, then doubling
+    assert all(got <= lim + block for got, lim in zip(per_fill, limits)), (per_fill, limits)  # whole blocks: +1
+    assert per_fill[-1] > per_fill[0]

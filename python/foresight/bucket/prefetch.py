@@ -15,7 +15,10 @@ Block fill (no budget): a random plan's steps are sparse in the objects (64 samp
 are ~1 sample per ranged GET however many steps are grouped). Knowing the whole plan, a fetch also takes every
 absent sample the plan still reads that lies in the same ``fill_block``-aligned block of an object as a sample it
 fetches: those bytes are the plan's future, not waste, so the block is fetched in one run, once, and the samples
-of later steps are already there (up to ``fill_bytes`` per fetch, blocks in the order the group first needs them).
+of later steps are already there (blocks in the order the group first needs them). The fills grow: the first takes
+one block's worth, each next one twice the last, up to ``fill_bytes`` per fetch, so the steps right after the
+first never wait behind a fill of the whole dataset (a fill's samples are marked as its chunks land, in object
+order, not plan order).
 The first step is fetched alone, without fill and without merged gaps: the first batch waits on that fetch (the
 loader hands out a step it has read before it waits on the lookup of a later one), so it waits on its own samples'
 bytes only. The fills from the next group on take their blocks whole, present samples included (a present sample
@@ -94,6 +97,7 @@ class PlanPrefetcher(Closing):
         self._sizes = ds.sample_bytes()
         self.fill_block = int(fill_block) if budget_bytes is None else 0
         self.fill_bytes = int(fill_bytes)
+        self._fill_limit = min(self.fill_bytes, self.fill_block)  # doubles with each fill, up to fill_bytes
         if self.fill_block:
             self._init_fill()
         self._last_use = np.full(ds.num_samples, -1, dtype=np.int64)
@@ -199,7 +203,8 @@ class PlanPrefetcher(Closing):
 
     def _fill(self, k: int, uses: np.ndarray) -> np.ndarray:
         """The absent samples the plan reads at position ``k`` or later that share a block with an absent sample of
-        ``uses`` (blocks in the order ``uses`` first needs them, at most ``fill_bytes`` in all)."""
+        ``uses`` (blocks in the order ``uses`` first needs them, at most the current fill limit in all: one block's
+        worth for the first fill, doubling with each one up to ``fill_bytes``)."""
         present = self.cache.present
         wanted = uses[present[uses] == 0]
         if not wanted.size:
@@ -216,7 +221,8 @@ class PlanPrefetcher(Closing):
         keep = (present[cand] == 0) & (self._last_pos[cand] >= k)
         cand, block_of = cand[keep], block_of[keep]
         per_block = np.bincount(block_of, weights=self._sizes[cand], minlength=blocks.size)
-        n_blocks = max(1, int(np.searchsorted(np.cumsum(per_block), self.fill_bytes, side="right")))
+        n_blocks = max(1, int(np.searchsorted(np.cumsum(per_block), self._fill_limit, side="right")))
+        self._fill_limit = min(self.fill_bytes, 2 * self._fill_limit)
         return cand[block_of < n_blocks]
 
     def _window(self, consumed: int) -> np.ndarray:
