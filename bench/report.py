@@ -95,6 +95,29 @@ def read_path_tokens(payload: dict) -> Section:
     return s
 
 
+def object_store(payload: dict) -> Section:
+    s = Section("Object store: training from a bucket, fetched ahead by the plan, cached by its future")
+    sets = ", ".join(f"{d['kind']} {d['samples']} samples ({d['bytes'] / 2**20:.0f} MiB, {d['steps']} steps)"
+                     for d in payload["datasets"])
+    s.notes.append(f"SeaweedFS on loopback behind the WAN bed's delaying proxy ({payload['mbit']:g} Mbit/s shared "
+                   f"pipe; round trips {', '.join(f'{r:g}' for r in payload['rtts_ms'])} ms); {sets}; "
+                   f"{payload['runs']} run(s) per method, the median row shown")
+    s.tables.append(("per method", ["dataset", "RTT ms", "method", "samples/s", "requests/sample",
+                                    "bytes / plan's", "CPU-s/GB", "first batch s", "config"],
+                     [[r["dataset"], r["rtt_ms"], r["method"], r.get("samples_per_s"), r.get("requests_per_sample"),
+                       r.get("bytes_ratio"), r.get("cpu_s_per_gb"), r.get("first_batch_s"), r.get("config")]
+                      for r in payload["rows"]]))
+    s.tables.append(("cache hit rate at a budget (the plan replayed for several epochs)",
+                     ["dataset", "budget", "epochs", "foresight (live)", "foresight (replay)", "LRU",
+                      "offline optimum", "Mosaic's shard cache"],
+                     [[h["dataset"], f"{100 * h['budget_fraction']:g}%", h["epochs"], h["foresight_live"],
+                       h["foresight_replay"], h["lru"], h["optimum"], h.get("mosaic_shards")]
+                      for h in payload["hit_rates"]]))
+    s.tables.append(("targets (issue 22)", ["target", "where", "value", "met"],
+                     [[t["target"], t["where"], t["value"], t["met"]] for t in payload["targets"]]))
+    return s
+
+
 def checkpoint(payload: dict) -> Section:
     s = Section("Checkpoints: training-blocking time, durable write, cold restore")
     for res in payload["results"]:
@@ -334,7 +357,7 @@ def pushdown(payload: dict) -> Section:
 
 SUMMARIZERS: dict[str, Callable[[dict], Section]] = {
     "read_path": read_path, "read_path_tokens": read_path_tokens, "checkpoint": checkpoint, "decode": decode,
-    "plan_build": plan_build, "gpu_handoff": gpu_handoff, "remote_merge": remote_merge,
+    "plan_build": plan_build, "gpu_handoff": gpu_handoff, "remote_merge": remote_merge, "object_store": object_store,
     "pushdown": pushdown, "replication_overlap": replication_overlap,
 }
 
