@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as tmp_mp
 
-from foresight.checkpoint.dcp import ForesightStorageReader, ForesightStorageWriter
+from foresight.checkpoint.dcp import ForesightStorageWriter
+from foresight.checkpoint.dcp_reader import ForesightStorageReader
 from foresight.replication.hints import derive_dcp_hints
 from foresight.replication.hot_layout import HotFileStorageWriter
 from foresight.replication.replica_plan import plan_replicas

@@ -57,7 +57,7 @@ def _rank(mode: str, a: dict) -> None:
     elif mode == "dcp":
         import torch.distributed.checkpoint as dcp
 
-        from foresight.checkpoint.dcp import ForesightStorageReader
+        from foresight.checkpoint.dcp_reader import ForesightStorageReader
 
         state = {k: torch.zeros(v) for k, v in a["shapes"].items()}
         dcp.load(state, storage_reader=ForesightStorageReader(a["ckpt"], host_share=share))

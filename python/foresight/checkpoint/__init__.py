@@ -43,10 +43,14 @@ __all__ = [
 
 
 def __getattr__(name: str):  # the DCP adapter and the exporter import heavier modules: load them on use
-    if name in ("ForesightStorageWriter", "ForesightStorageReader"):
-        from foresight.checkpoint import dcp  # lazy: torch.distributed.checkpoint is heavy; loaded on use
+    if name == "ForesightStorageWriter":
+        from foresight.checkpoint.dcp import ForesightStorageWriter  # lazy: torch.distributed.checkpoint is heavy
 
-        return getattr(dcp, name)
+        return ForesightStorageWriter
+    if name == "ForesightStorageReader":
+        from foresight.checkpoint.dcp_reader import ForesightStorageReader  # lazy: as the writer
+
+        return ForesightStorageReader
     if name == "export_safetensors":
         from foresight.checkpoint.export import export_safetensors  # lazy: safetensors, loaded on use
 

@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 
 from foresight.checkpoint import store
 from foresight.checkpoint.checkpointer import load
-from foresight.checkpoint.dcp import ForesightStorageReader
+from foresight.checkpoint.dcp_reader import ForesightStorageReader
 from foresight.checksum import xxh3_many
 from foresight.errors import CheckpointError
 from foresight.replication.source import LocalSource, RemoteSource
@@ -191,7 +191,7 @@ class Resolver:
             return load(int(m.group(1)), root=os.path.dirname(path), **kwargs)
 
     def dcp_reader(self, name: str, root: str, *, token: str = "", **kwargs: Any) -> Any:
-        """A :class:`~foresight.checkpoint.dcp.ForesightStorageReader` over the nearest copy of ``name`` (pulled
+        """A :class:`~foresight.checkpoint.dcp_reader.ForesightStorageReader` over the nearest copy of ``name`` (pulled
         into ``root`` if this site has none)."""
         return ForesightStorageReader(self.pull(name, root, token=token), **kwargs)
 
