@@ -254,6 +254,17 @@ def remote_merge(payload: dict) -> Section:
                            a["commit_to_merged_coalesced_remote_s"], a.get("commit_to_merged_bulk_copy_s"),
                            a["commit_to_merged_arrival_s"], a["arrival_vs_best_alternative"]]
                           for a in payload["arrival"]]))
+    if payload.get("jobs"):  # several jobs saving and replicating at once over the one shared link
+        s.tables.append(("concurrent jobs on the one link (saves as fast as the disk): commit -> merged per job",
+                         ["jobs", "merging on arrival s", "bulk copy then merge s", "streams per job",
+                          "slowest job: arrival vs bulk copy"],
+                         [[j["jobs"], ", ".join(f"{x:.2f}" for x in j["commit_to_merged_arrival_s"]),
+                           ", ".join(f"{x:.2f}" for x in j["commit_to_merged_bulk_copy_s"]),
+                           j["bulk_streams_per_job"], j["arrival_vs_bulk_copy"]] for j in payload["jobs"]]))
+    if payload.get("targets"):
+        s.tables.append(("issue 20 targets", ["target", "case", "value", "bound", "met"],
+                         [[t["target"], t["case"], t["value"], t["bound"], "met" if t["met"] else "not met"]
+                          for t in payload["targets"]]))
     s.tables.append(("an unpredicted urgent evaluation during a bulk replication",
                      ["sender", "urgent replica ready s", "bulk ready s", "urgent MiB", "bulk MiB"],
                      [[u["lane"], u["urgent_ready_s"], u["bulk_ready_s"], u["urgent_bytes"] / 2**20,

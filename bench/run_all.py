@@ -66,7 +66,7 @@ PRESETS: dict[str, dict[str, list[str]]] = {
                                                  "shared"], "full": []},
     "remote_merge": {"smoke": ["--smoke"],
                      "quick": ["--small", "600", "--large", "16", "--large-mib", "4", "--bulk-mib", "256",
-                               "--unit-sweep", ""], "full": []},
+                               "--unit-sweep", "", "--jobs", "1,2", "--unit-mib", "4"], "full": []},
     "restart_storm": {"smoke": ["--smoke"], "quick": ["--quick"], "full": []},
     "object_store": {"smoke": ["--smoke"], "quick": ["--preset", "quick"], "full": []},
     # quick: half the checkpoint (128 MiB), 3 runs per link method; full: the defaults (256 MiB)

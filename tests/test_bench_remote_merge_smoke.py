@@ -43,6 +43,15 @@ def test_remote_merge_bench_smoke(tmp_path):
     # the bulk-copy alternative: one stream and two, each copy merged and checked against the saved state
     assert [b["streams"] for b in data["bulk"]] == [1, 2]
     assert all(b["tensors_checked"] == data["checkpoint"]["tensors"] for b in data["bulk"])
+    # 1 and 2 jobs at once over the one link: each job merged on arrival and bulk-copied, both checked
+    assert [j["jobs"] for j in data["jobs"]] == [1, 2]
+    for j in data["jobs"]:
+        assert j["outputs_match_saved_state"] and j["bulk_streams_per_job"] == 2
+        assert len(j["commit_to_merged_arrival_s"]) == len(j["commit_to_merged_bulk_copy_s"]) == j["jobs"]
+    # the targets table: the save longer than the transfer, the instantaneous ones, the merge latency
+    cases = [(t["target"], t["case"]) for t in data["targets"]]
+    assert len(cases) == 2 + 2 + 1 and all(isinstance(t["met"], bool) for t in data["targets"])
+    assert "issue 20 targets" in proc.stdout
     assert (out / "remote_merge_smoke.png").stat().st_size > 0
     assert not (tmp_path / "work").exists()  # scratch files cleaned up
 
