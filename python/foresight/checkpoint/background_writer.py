@@ -15,9 +15,7 @@ Example::
 from __future__ import annotations
 
 import os
-import queue
 import shutil
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -30,6 +28,7 @@ from foresight.checkpoint import store
 from foresight.checkpoint.aligned_io import FileIO
 from foresight.checkpoint.exit_safe_pool import ExitSafePool
 from foresight.checkpoint.layout import Layout
+from foresight.checkpoint.queue_worker import QueueWorker
 from foresight.checkpoint.save_handle import SaveHandle
 from foresight.checkpoint.staging import StagingPool
 from foresight.checkpoint.tier_drain import TierDrain, retain
@@ -69,32 +68,19 @@ class BackgroundWriter:
         self._on_done = on_done
         self._next_seq = next_seq
         self._hash_pool = ExitSafePool(1, "hash")
-        self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="foresight-ckpt-writer", daemon=True)
-        self._thread.start()
+        self._worker = QueueWorker(self._write_one, "foresight-ckpt-writer")
 
     def put(self, job: WriteJob) -> None:
-        self._q.put(job)
+        self._worker.put(job)
 
     def join(self) -> None:
         """Wait until every queued snapshot is written (committed or failed)."""
-        self._q.join()
+        self._worker.join()
 
     def stop(self) -> None:
         """End the thread (after the queued writes) and the hash worker."""
-        self._q.put(None)
-        self._thread.join()
+        self._worker.stop()
         self._hash_pool.shutdown()
-
-    def _loop(self) -> None:
-        while True:
-            job = self._q.get()
-            try:
-                if job is None:
-                    return
-                self._write_one(job)
-            finally:
-                self._q.task_done()
 
     def _write_one(self, job: WriteJob) -> None:
         h = job.handle

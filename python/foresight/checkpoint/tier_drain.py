@@ -13,7 +13,6 @@ Example::
 from __future__ import annotations
 
 import os
-import queue
 import shutil
 import threading
 import warnings
@@ -24,6 +23,7 @@ from typing import Any
 from foresight.checkpoint import store
 from foresight.checkpoint.aligned_io import FileIO, copy_file
 from foresight.checkpoint.bucket_tier import BucketTier
+from foresight.checkpoint.queue_worker import QueueWorker
 from foresight.checkpoint.save_handle import SaveHandle
 from foresight.checkpoint.startup_recovery import holds_commit
 from foresight.errors import CheckpointError
@@ -45,16 +45,12 @@ class TierDrain:
         self._on_done = on_done
         self._lock = threading.Lock()
         self._pending: Counter[int] = Counter()  # steps (on tier 0) still to be copied to slower tiers
-        self._q: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
-        if len(tiers) > 1:
-            self._thread = threading.Thread(target=self._loop, name="foresight-ckpt-drain", daemon=True)
-            self._thread.start()
+        self._worker = QueueWorker(self._drain_one, "foresight-ckpt-drain") if len(tiers) > 1 else None
 
     @property
     def active(self) -> bool:
         """Whether there are slower tiers to drain to."""
-        return self._thread is not None
+        return self._worker is not None
 
     def reserve(self, step: int) -> None:
         """Protect ``step`` on the fastest tier until its drain finishes (called before it is published)."""
@@ -71,50 +67,43 @@ class TierDrain:
             return {step for step, n in self._pending.items() if n > 0}
 
     def put(self, handle: SaveHandle) -> None:
-        """Queue a committed (and reserved) step for copying."""
-        self._q.put(handle)
+        """Queue a committed (and reserved) step for copying (only when :attr:`active`)."""
+        self._worker.put(handle)
 
     def join(self) -> None:
         """Wait until every queued step is drained."""
-        self._q.join()
+        if self._worker is not None:
+            self._worker.join()
 
     def stop(self) -> None:
         """End the thread (after the queued drains)."""
-        if self._thread is not None:
-            self._q.put(None)
-            self._thread.join()
+        if self._worker is not None:
+            self._worker.stop()
 
-    def _loop(self) -> None:
-        while True:
-            h = self._q.get()
-            try:
-                if h is None:
-                    return
-                root = self.tiers[0]
-                try:
-                    marker = store.read_marker(h.path)
-                    for tier, (root, keep) in enumerate(zip(self.tiers[1:], self.keep[1:]), start=1):
-                        if h._drain_tiers is not None and tier not in h._drain_tiers:
-                            continue
-                        bucket = self._buckets.get(root)
-                        if bucket is not None:
-                            if not bucket.holds_commit(h.step, marker):
-                                bucket.upload(h.path, h.step)
-                            retain_bucket(bucket, keep)
-                            continue
-                        if not holds_commit(root, h.step, marker):  # a resumed drain may find it there
-                            copy_checkpoint(h.path, root, h.step, fio=self._fio)
-                        retain(root, keep, ())
-                except BaseException as e:  # noqa: BLE001
-                    h._fail(e if isinstance(e, CheckpointError) else
-                            CheckpointError(f"drain failed: {e}", step=h.step, tier=root))
-                finally:
-                    self.unreserve(h.step)
-                    retain(self.tiers[0], self.keep[0], self.protected())
-                h._durable.set()
-                self._on_done(h)
-            finally:
-                self._q.task_done()
+    def _drain_one(self, h: SaveHandle) -> None:
+        root = self.tiers[0]
+        try:
+            marker = store.read_marker(h.path)
+            for tier, (root, keep) in enumerate(zip(self.tiers[1:], self.keep[1:]), start=1):
+                if h._drain_tiers is not None and tier not in h._drain_tiers:
+                    continue
+                bucket = self._buckets.get(root)
+                if bucket is not None:
+                    if not bucket.holds_commit(h.step, marker):
+                        bucket.upload(h.path, h.step)
+                    retain_bucket(bucket, keep)
+                    continue
+                if not holds_commit(root, h.step, marker):  # a resumed drain may find it there
+                    copy_checkpoint(h.path, root, h.step, fio=self._fio)
+                retain(root, keep, ())
+        except BaseException as e:  # noqa: BLE001
+            h._fail(e if isinstance(e, CheckpointError) else
+                    CheckpointError(f"drain failed: {e}", step=h.step, tier=root))
+        finally:
+            self.unreserve(h.step)
+            retain(self.tiers[0], self.keep[0], self.protected())
+        h._durable.set()
+        self._on_done(h)
 
 
 def retain(root: str, keep: int | None, protect: Any) -> None:
