@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from hypothesis import strategies as st
 
 M64 = (1 << 64) - 1
 
@@ -122,3 +123,18 @@ def reference_compact(sizes, weights, *, seed: int, seq_len: int, num_items: int
     return {"item_ptr": np.array(ptr, np.int64), "piece_dataset": np.array(ds, np.uint16),
             "piece_sample": np.array(sample, np.int64), "piece_offset": np.array(offset, np.int64),
             "piece_length": np.array(length, np.int64)}
+
+
+def draw_corpus(data, num_sources: int) -> tuple[list[np.ndarray], list[float]]:
+    """Hypothesis: ``num_sources`` corpora of up to 120 document lengths (zeros allowed, never all zero) and their
+    blending weights."""
+    sizes, weights = [], []
+    for _ in range(num_sources):
+        n = data.draw(st.integers(1, 120))
+        hi = data.draw(st.integers(1, 60))
+        arr = np.array(data.draw(st.lists(st.integers(0, hi), min_size=n, max_size=n)), dtype=np.int64)
+        if arr.sum() == 0:
+            arr[0] = 1
+        sizes.append(arr)
+        weights.append(data.draw(st.floats(0.05, 5.0)))
+    return sizes, weights

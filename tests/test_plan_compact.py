@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compact_reference import mix, perm, reference_compact
+from compact_reference import draw_corpus, mix, perm, reference_compact
 from foresight import _compact_kernels
 from foresight.errors import FormatError, PlanError
 from foresight.plan import ArraySource, CompactPlan, build_plan, load_plan
@@ -91,15 +91,7 @@ def test_small_corpus_matches_reference_and_stream_is_exact():
     group=st.sampled_from([1, 2, 3, 16, 1000]),
 )
 def test_hypothesis_equals_reference(data, num_sources, block_size, seq_len, seed, batch, steps, group):
-    sizes, weights = [], []
-    for _ in range(num_sources):
-        n = data.draw(st.integers(1, 120))
-        hi = data.draw(st.integers(1, 60))
-        arr = np.array(data.draw(st.lists(st.integers(0, hi), min_size=n, max_size=n)), dtype=np.int64)
-        if arr.sum() == 0:
-            arr[0] = 1
-        sizes.append(arr)
-        weights.append(data.draw(st.floats(0.05, 5.0)))
+    sizes, weights = draw_corpus(data, num_sources)
     with mock.patch.object(compact, "DEFAULT_BLOCK_GROUP", group):
         plan = build_plan(_sources(sizes, weights), seed=seed, global_batch_size=batch, seq_len=seq_len,
                           num_steps=steps, compact=True, block_size=block_size)

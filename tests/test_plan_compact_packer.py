@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compact_reference import reference_compact
+from compact_reference import draw_corpus, reference_compact
 from foresight import _compact_kernels
 from foresight.errors import PlanError
 from foresight.plan import ArraySource, build_plan
@@ -96,15 +96,7 @@ def windows(draw, num_items, batch):
 )
 def test_packer_equals_fresh_packing_and_the_reference_on_any_windows(data, num_sources, block_size, seq_len, seed,
                                                                       batch, steps, group):
-    sizes, weights = [], []
-    for _ in range(num_sources):
-        n = data.draw(st.integers(1, 120))
-        hi = data.draw(st.integers(1, 60))
-        arr = np.array(data.draw(st.lists(st.integers(0, hi), min_size=n, max_size=n)), dtype=np.int64)
-        if arr.sum() == 0:
-            arr[0] = 1
-        sizes.append(arr)
-        weights.append(data.draw(st.floats(0.05, 5.0)))
+    sizes, weights = draw_corpus(data, num_sources)
     plan = _plan(sizes, weights, seed=seed, batch=batch, seq_len=seq_len, steps=steps, block_size=block_size,
                  group=group)
     ref = reference_compact(sizes, weights, seed=seed, seq_len=seq_len, num_items=plan.num_items,
