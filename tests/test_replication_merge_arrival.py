@@ -41,20 +41,28 @@ def full_state() -> dict[str, torch.Tensor]:
     return state
 
 
+def sharded_state() -> dict:
+    """:func:`full_state` as a DCP rank of ``WORLD`` holds it (within an initialised process group): one tensor
+    sharded by rows, one by columns, one replicated."""
+    from torch.distributed.device_mesh import init_device_mesh  # lazy: inside the spawned rank only
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    state = full_state()
+    state["vision.big"] = distribute_tensor(state["vision.big"], mesh, [Shard(0)])
+    state["text.embed"] = distribute_tensor(state["text.embed"], mesh, [Shard(1)])
+    state["text.head"] = distribute_tensor(state["text.head"], mesh, [Replicate()])
+    return state
+
+
 def _worker(rank: int, init_file: str, path: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from foresight.checkpoint import ForesightStorageWriter
     from foresight.distributed import run_then_end
 
     def save() -> None:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        state = full_state()
-        state["vision.big"] = distribute_tensor(state["vision.big"], mesh, [Shard(0)])
-        state["text.embed"] = distribute_tensor(state["text.embed"], mesh, [Shard(1)])
-        state["text.head"] = distribute_tensor(state["text.head"], mesh, [Replicate()])
+        state = sharded_state()
         dcp.save(state, storage_writer=ForesightStorageWriter(path))
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
@@ -191,18 +199,12 @@ def test_a_unit_failing_verification_is_never_merged_and_the_unit_sent_again_is(
 
 def _replicating_worker(rank: int, init_file: str, path: str, node: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from foresight.distributed import run_then_end
     from foresight.replication.policy import Replication, ReplicatingStorageWriter
 
     def save() -> None:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        state = full_state()
-        state["vision.big"] = distribute_tensor(state["vision.big"], mesh, [Shard(0)])
-        state["text.embed"] = distribute_tensor(state["text.embed"], mesh, [Shard(1)])
-        state["text.head"] = distribute_tensor(state["text.head"], mesh, [Replicate()])
+        state = sharded_state()
         rep = Replication(every=10, site="eval-b", node=node, job="dcpmerge", unit_bytes=UNIT,
                           merge={"groups": GROUPS, "reshard": 2})
         dcp.save(state, storage_writer=ReplicatingStorageWriter(path, replicate=rep, step=10))
