@@ -12,7 +12,7 @@ anything else (connection refused or reset, timeouts, 5xx) is retried with expon
 redacted). Each retry is logged once at WARNING and counted in :attr:`RangedFetcher.stats`.
 
 Whole objects go through the same retried calls: :meth:`RangedFetcher.download` (a plan's arrays, a Megatron
-``.idx``: ranged GETs of at most ``max_transfer`` bytes each, pinned to the ETag), :meth:`~RangedFetcher.put_file`,
+``.idx``: ranged GETs of at most ``max_transfer`` bytes each, pinned to the ETag), :meth:`~RangedFetcher.put`,
 :meth:`~RangedFetcher.delete` and :meth:`~RangedFetcher.list` (the objects under the prefix, or directly under it).
 
 Example::
@@ -33,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, BinaryIO, Callable, Sequence
 
 import numpy as np
 
@@ -46,10 +46,11 @@ from .url import BucketURL
 log = logging.getLogger("foresight.bucket")
 
 __all__ = ["ObjectRef", "RetryPolicy", "RangedFetcher", "Fetched", "FetchStats",
-           "DEFAULT_MAX_GAP", "DEFAULT_MAX_TRANSFER"]
+           "DEFAULT_MAX_GAP", "DEFAULT_MAX_TRANSFER", "DEFAULT_PART_BYTES"]
 
 DEFAULT_MAX_GAP = 1 << 20
 DEFAULT_MAX_TRANSFER = 16 << 20
+DEFAULT_PART_BYTES = 16 << 20  # S3 takes parts of 5 MiB - 5 GiB; 16 MiB is a few round trips' worth of transfer
 
 
 @dataclass(frozen=True)
@@ -297,24 +298,44 @@ class RangedFetcher:
             f.flush()
             os.fsync(f.fileno())
 
-    def put_file(self, name: str, path: str) -> ObjectRef:
-        """Upload the local file ``path`` as object ``name`` under the URL's prefix (multipart above obstore's chunk
-        size; atomic: no reader sees a partial object). Returns the new object's size and ETag."""
+    def put(self, name: str, data: str | os.PathLike | bytes | memoryview | BinaryIO, *,
+            part_bytes: int = DEFAULT_PART_BYTES, part_concurrency: int = 8) -> ObjectRef:
+        """Upload a local file (by path), a buffer or a seekable binary file object as object ``name`` under the
+        URL's prefix (multipart above ``part_bytes``, parts sent ``part_concurrency`` at a time; atomic: no reader
+        sees a partial object; the whole object is sent again on a retried failure), then check it with a HEAD: the
+        size sent and the ETag the upload returned. Returns that size and ETag."""
         import obstore
 
         url = self.url.child(name)
-        result = self.call(url, obstore.put, url.prefix, Path(path))
-        size = os.path.getsize(path)
+        if isinstance(data, (str, os.PathLike)):
+            size, source = os.path.getsize(data), Path(data)
+        elif hasattr(data, "read"):
+            size, source = data.seek(0, os.SEEK_END), data
+        else:
+            source = memoryview(data).cast("B")
+            size = source.nbytes
+
+        def put(store: Any, key: str) -> Any:
+            if hasattr(source, "seek"):
+                source.seek(0)  # a retry sends the object again from its start
+            return obstore.put(store, key, source, chunk_size=part_bytes, max_concurrency=part_concurrency)
+
+        result = self.call(url, put, url.prefix)
         self.stats.add(requests=1, bytes=size)
-        return ObjectRef(url, size, result.get("e_tag"))
+        ref = self.head(name)
+        sent_etag = result.get("e_tag") if isinstance(result, dict) else None
+        if ref.size != size or (sent_etag and ref.etag != sent_etag):
+            raise BucketError(f"object not stored as sent: {ref.size} of {size} bytes, ETag {ref.etag} after an "
+                              f"upload that returned {sent_etag}", "changed", object=str(url))
+        return ref
 
-    def delete(self, name: str) -> None:
-        """Delete object ``name`` under the URL's prefix (a missing one is no error, as in S3)."""
+    def delete(self, *names: str) -> None:
+        """Delete objects ``names`` under the URL's prefix in one request (a missing one is no error, as in S3)."""
         import obstore
 
-        url = self.url.child(name)
-        self.call(url, obstore.delete, url.prefix)
-        self.stats.add(requests=1)
+        if names:
+            self.call(self.url.child(names[0]), obstore.delete, [self.url.key(n) for n in names])
+            self.stats.add(requests=1)
 
     def list(self, under: str = "", *, deep: bool = True) -> list[ObjectRef]:
         """The objects under the URL's prefix (or ``under`` it), sorted by key: all of them (``deep``: one paged

@@ -17,20 +17,15 @@ Example::
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from foresight.errors import BucketError
-
 from .config import open_store
-from .fetch import Fetched, ObjectRef, RangedFetcher, RetryPolicy
+from .fetch import DEFAULT_PART_BYTES, Fetched, ObjectRef, RangedFetcher, RetryPolicy
 from .url import BucketURL
 
 __all__ = ["BucketPrefix", "DEFAULT_PART_BYTES"]
-
-DEFAULT_PART_BYTES = 16 << 20  # S3 takes parts of 5 MiB - 5 GiB; 16 MiB is a few round trips' worth of transfer
 
 
 class BucketPrefix:
@@ -57,32 +52,9 @@ class BucketPrefix:
         self.close()
 
     def put(self, name: str, data: str | os.PathLike | bytes | memoryview | BinaryIO) -> ObjectRef:
-        """Upload a local file (by path), a buffer or a seekable binary file object as object ``name`` (multipart
-        above ``part_bytes``, parts sent concurrently; the whole object is sent again on a retried failure), then
-        check it with a HEAD."""
-        import obstore
-
-        url = self.url.child(name)
-        if isinstance(data, (str, os.PathLike)):
-            size, source = os.path.getsize(data), Path(data)
-        elif hasattr(data, "read"):
-            size, source = data.seek(0, os.SEEK_END), data
-        else:
-            source = memoryview(data).cast("B")
-            size = source.nbytes
-
-        def put(store: Any, key: str) -> Any:
-            if hasattr(source, "seek"):
-                source.seek(0)  # a retry sends the object again from its start
-            return obstore.put(store, key, source, chunk_size=self.part_bytes, max_concurrency=self.part_concurrency)
-
-        result = self.fetcher.call(url, put, url.prefix)
-        ref = self.fetcher.head(name)
-        sent_etag = result.get("e_tag") if isinstance(result, dict) else None
-        if ref.size != size or (sent_etag and ref.etag != sent_etag):
-            raise BucketError(f"object not stored as sent: {ref.size} of {size} bytes, ETag {ref.etag} after an "
-                              f"upload that returned {sent_etag}", "changed", object=str(url))
-        return ref
+        """Upload a local file (by path), a buffer or a seekable binary file object as object ``name``, checked
+        by a HEAD (:meth:`.RangedFetcher.put`, with this prefix's part size and concurrency)."""
+        return self.fetcher.put(name, data, part_bytes=self.part_bytes, part_concurrency=self.part_concurrency)
 
     def head(self, name: str) -> ObjectRef:
         """Size and ETag of object ``name``."""
@@ -105,8 +77,5 @@ class BucketPrefix:
         return {ref.key[cut:]: ref for ref in self.fetcher.list(under)}
 
     def delete(self, names: list[str]) -> None:
-        """Delete objects ``names`` (a missing one is no error)."""
-        import obstore
-
-        if names:
-            self.fetcher.call(self.url.child(names[0]), obstore.delete, [self.url.key(n) for n in names])
+        """Delete objects ``names`` in one request (a missing one is no error)."""
+        self.fetcher.delete(*names)

@@ -59,9 +59,9 @@ def upload_dir(local_dir: str | os.PathLike, url: str | BucketURL, *, marker: st
             refuse_existing(fetcher, marker, what)
         elif fetcher.exists(marker):
             fetcher.delete(marker)  # first: the old marker must never list objects already replaced
-        refs = fetcher.map(lambda n: fetcher.put_file(n, os.path.join(local_dir, n)),
+        refs = fetcher.map(lambda n: fetcher.put(n, os.path.join(local_dir, n)),
                            [n for n in names if n != marker])
-        refs.append(fetcher.put_file(marker, os.path.join(local_dir, marker)))
+        refs.append(fetcher.put(marker, os.path.join(local_dir, marker)))
     return refs
 
 
