@@ -244,12 +244,16 @@ def _pin(core: int) -> list[str]:
 
 def _start_busy(count: int) -> list[subprocess.Popen]:
     """CPU-bound processes on the training core: the rest of a shared host (other ranks' loaders, the framework)."""
-    return [subprocess.Popen(_pin(0) + [sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    from foresight.testing.tether import start_tethered
+
+    return [start_tethered(_pin(0) + [sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
 def run_mode(mode: str, args: argparse.Namespace, root: Path, workdir: Path, *, scenario: str = "idle",
              compute_s: float | None = None) -> dict:
     import psutil
+
+    from foresight.testing.tether import start_tethered
 
     compute_s = args.compute_s if compute_s is None else compute_s
     node_proc, node_loc, node_cpu0 = None, None, 0.0
@@ -259,7 +263,7 @@ def run_mode(mode: str, args: argparse.Namespace, root: Path, workdir: Path, *, 
         ready = workdir / f"node-{mode}.json"
         ready.unlink(missing_ok=True)
         log = open(workdir / f"node-{mode}.log", "wb")
-        node_proc = subprocess.Popen(
+        node_proc = start_tethered(
             _pin(1) + [sys.executable, "-m", "foresight", "node", "serve", "--root", str(root), "--ready-file",
                        str(ready), "--cpu-threshold", "101" if NODE_MODES[mode] is None else "0",
                        "--decode-threads", "1",

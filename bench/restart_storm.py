@@ -96,6 +96,7 @@ class Cluster:
 
     def __init__(self, work: Path, nodes: int, limit: str, safe_readers: int) -> None:
         from foresight.testing.etcd import EtcdProcess
+        from foresight.testing.tether import start_tethered
 
         self.etcd = EtcdProcess(str(work / "etcd"))
         self.roots = [work / f"root-{i}" for i in range(nodes)]
@@ -105,7 +106,7 @@ class Cluster:
             root.mkdir(parents=True)
             ready = work / f"node-{i}.ready.json"
             log = open(work / f"node-{i}.log", "wb")
-            self.procs.append(subprocess.Popen(
+            self.procs.append(start_tethered(
                 [sys.executable, "-m", "foresight", "node", "serve", "--root", str(root), "--etcd", self.etcd.endpoint,
                  "--node-id", f"s{i:02d}", "--ttl", "5", "--cpu-threshold", "101", "--service-limit", limit,
                  "--safe-readers", str(safe_readers), "--replica-quota", "64G:100000", "--ready-file", str(ready),

@@ -12,6 +12,7 @@ import numpy as np
 from process_diagnostics import kernel_state, kill_and_reap, stop
 
 from foresight.media import FrameSampling, TransformSpec
+from foresight.testing.tether import start_tethered
 
 PY = sys.executable
 SPECS = {
@@ -82,9 +83,9 @@ class NodeProc:
         self._log = open(self.log_path, "ab")
         path = os.pathsep.join([os.path.abspath("python"), os.environ.get("PYTHONPATH", "")])
         env = dict(os.environ, PYTHONPATH=path, PYTHONFAULTHANDLER="1")  # SIGABRT prints every thread's stack
-        self.proc = subprocess.Popen([PY, "-m", "foresight", "node", "serve", "--root", root, "--ready-file",
-                                      self.ready_file, "--decode-threads", "2", *args],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = start_tethered([PY, "-m", "foresight", "node", "serve", "--root", root, "--ready-file",
+                                    self.ready_file, "--decode-threads", "2", *args],
+                                   stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while not os.path.exists(self.ready_file):
             if self.proc.poll() is not None:

@@ -28,6 +28,8 @@ import pytest
 from bench_presets import load_bench, load_run_all
 from process_diagnostics import kill_and_reap
 
+from foresight.testing.tether import start_tethered
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = ("loader.md", "node.md", "benchmarks.md")
@@ -45,8 +47,7 @@ def _run_script(script: str, cwd: Path) -> tuple[int, str]:
     to a file, not a pipe: a node left running would hold a pipe open after the script itself has exited."""
     (cwd / "page.py").write_text(script)
     with open(cwd / "page.out", "w") as out:
-        proc = subprocess.Popen([sys.executable, "page.py"], cwd=cwd, env=ENV, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = start_tethered([sys.executable, "page.py"], cwd=cwd, env=ENV, stdout=out, stderr=subprocess.STDOUT)
     try:
         rc = proc.wait(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:

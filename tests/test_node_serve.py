@@ -14,6 +14,7 @@ import pytest
 
 from foresight.loader import MediaDecodeStage
 from foresight.node.client import NodeSource
+from foresight.testing.tether import start_tethered
 from node_helpers import SPECS, TOKEN, NodeProc, host_reference, make_root, run_source, summary, wait_for
 
 
@@ -143,7 +144,7 @@ GUARD_THRESHOLD = 10.0  # percent of the measured scope's CPUs: far above an idl
 
 def _busy_children() -> list:
     """Spinning processes that are children of this (the node's) process: inside its process tree."""
-    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(BUSY_PROCESSES)]
+    return [start_tethered([sys.executable, "-c", BUSY_LOOP]) for _ in range(BUSY_PROCESSES)]
 
 
 def _busy_outsiders() -> list[int]:

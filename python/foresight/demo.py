@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from foresight.cli import main as cli_main
+from foresight.testing.tether import start_tethered
 
 VOCAB = 512
 
@@ -281,8 +282,8 @@ def _through_a_node(ds, plan, seed: int, out: str) -> tuple[list[str], dict]:
 
     ready = os.path.join(out, "node.ready.json")
     log = open(os.path.join(out, "node.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "foresight", "node", "serve", "--root", out, "--ready-file", ready,
-                             "--decode-threads", "2", "--cpu-threshold", "101"], stdout=log, stderr=subprocess.STDOUT)
+    proc = start_tethered([sys.executable, "-m", "foresight", "node", "serve", "--root", out, "--ready-file", ready,
+                           "--decode-threads", "2", "--cpu-threshold", "101"], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while not os.path.exists(ready):

@@ -4,6 +4,8 @@ Users' code paths never import this package (tests/test_layers.py checks that on
 it ships inside the package so that benches and examples run from an installed foresight.
 
 * :mod:`.processes`: free loopback ports, bounded process stops (the one helper of each for the project).
+* :mod:`.tether` (:func:`start_tethered`): the one launcher of a bed's server process: it dies with the process
+  that started it (a SIGKILLed pytest or bench leaves no ``weed``, etcd or node behind).
 * :mod:`.etcd` (:class:`EtcdProcess`): the one etcd launcher (Debian ``etcd-server``).
 * :mod:`.sites` (:class:`SiteProcess`): a replication site's storage node as a process.
 * :mod:`.wan` (:class:`WanLink`): the WAN bed's delaying, rate-limited link (docs/wan_bed.md).

@@ -15,6 +15,7 @@ import urllib.request
 
 from foresight.errors import NodeError
 from foresight.testing.processes import free_ports, stop_process
+from foresight.testing.tether import start_tethered
 
 
 class EtcdProcess:
@@ -32,7 +33,7 @@ class EtcdProcess:
         self.endpoint = f"http://127.0.0.1:{client}"
         self.log_path = os.path.join(data_dir, "etcd.log")
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
+        self.proc = start_tethered(
             [binary, "--name", "foresight-test", "--data-dir", os.path.join(data_dir, "data"),
              "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
              "--listen-peer-urls", f"http://127.0.0.1:{peer}",

@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 
 from foresight.testing.processes import free_ports
+from foresight.testing.tether import start_tethered
 
 __all__ = ["SeaweedServer", "weed_binary", "ACCESS_KEY"]
 
@@ -78,8 +79,8 @@ class SeaweedServer:
         args += [f"-{flag}={port}" for flag, port in self.ports.items()]
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=self.workdir, start_new_session=True)
+            self.proc = start_tethered(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       cwd=self.workdir)
         finally:
             log.close()
         self._wait_ready()

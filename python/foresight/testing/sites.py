@@ -18,6 +18,7 @@ from typing import Any
 
 from foresight.replication.flight_calls import call
 from foresight.testing.processes import stop_process
+from foresight.testing.tether import start_tethered
 
 
 class SiteProcess:
@@ -47,7 +48,7 @@ class SiteProcess:
             args += ["--route", f"{s}={url}"]
         self.log_path = f"{os.path.abspath(root)}.{site}.log"
         self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = start_tethered(args, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while not os.path.exists(self.ready_file):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Callable
 
+from foresight.testing.tether import start_tethered
+
 CHUNK = 256 << 10
 BURST = 64 << 10  # bytes the bucket holds when idle: a short burst leaves at once, then the rate rules
 
@@ -156,7 +158,7 @@ class WanLink:
     def __init__(self, target: tuple[str, int], *, rtt_ms: float = 100.0, mbit: float = 0.0,
                  background: int = 0) -> None:
         self.target, self.rtt_ms, self.mbit, self.background = target, rtt_ms, mbit, background
-        self._proc = subprocess.Popen(
+        self._proc = start_tethered(
             [sys.executable, "-m", "foresight.testing.wan", "--target", f"{target[0]}:{target[1]}",
              "--rtt-ms", str(rtt_ms), "--mbit", str(mbit), "--background", str(background)],
             stdout=subprocess.PIPE, text=True)
