@@ -4,10 +4,11 @@ Each rank reads its share of every step from the ``.bin``/``.idx`` pair with for
 conversion), trains a small DDP model, and saves model + optimizer + the loader's plan position every
 ``--save-every`` steps with ``dcp.async_save`` through ``ForesightStorageWriter`` (on a gloo group of its own,
 so the background save never shares a process group with DDP's all-reduces). ``--kill-at-step N`` SIGKILLs rank 1
-mid-run (a save may be in flight) and torchrun ends the job; run the same command again (as a scheduler requeues
-a job) and both ranks resume from the newest *complete* checkpoint (``.metadata`` is written last), repeating the
-interrupted steps: each rank compares every repeated step's batch and loss with the killed run's (``log.jsonl``),
-prints how many it compared, and exits non-zero if one differs or none was left to compare.
+mid-run, once every rank has finished step N-1 (a save may be in flight), and torchrun ends the job; run the same
+command again (as a scheduler requeues a job) and both ranks resume from the newest *complete* checkpoint
+(``.metadata`` is written last), repeating the interrupted steps: each rank compares every repeated step's batch and
+loss with the killed run's (``log.jsonl``), prints how many it compared, and exits non-zero if one differs or none
+was left to compare.
 
 Run it (CPU, gloo)::
 
@@ -105,6 +106,11 @@ compared, differ = 0, []
 writer, pending = ForesightStorageWriter(ckpt_root), None  # one writer: its staging copy is reused
 with loader, open(f"{args.out}/log.jsonl", "a") as log:
     for batch in loader:
+        if batch.step == args.kill_at_step:
+            # Every rank has finished and logged the steps before this one: torchrun ends the other ranks as soon
+            # as rank 1 dies, and a rank that lagged (a loaded host) would lose the steps it had trained but not
+            # logged yet, leaving it nothing to compare after a resume from a checkpoint taken after them.
+            dist.barrier()
         if batch.step == args.kill_at_step and rank == 1:
             print(f"rank 1: SIGKILL at step {batch.step} as asked by --kill-at-step: an intended crash (a save may "
                   f"be in flight); torchrun now reports the job failed. Run the same command without --kill-at-step "

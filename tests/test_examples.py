@@ -12,33 +12,48 @@ import pytest
 from installed import require
 from process_diagnostics import kill_and_reap
 
+from foresight.testing.tether import start_tethered
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "python"))
+RUN_TIMEOUT_S = 300  # one launch's bound (a hung example), far above its run on a loaded 2-core machine
 
 
-def run(argv: list[str], timeout: int = 300, check: bool = True) -> subprocess.CompletedProcess:
+def run(argv: list[str], timeout: int = RUN_TIMEOUT_S, check: bool = True,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run an example in a session of its own, so that a hung one is killed with the nodes, etcd and ranks it
     started (a bound for a hung test, not a timing assertion). Its output goes to files, not pipes: a node it left
-    running would hold a pipe open, and reading to its end would wait for that node."""
+    running would hold a pipe open, and reading to its end would wait for that node. That output is printed too,
+    whatever happens (pytest shows it with any failure: an assertion on the result, a hang, pytest-timeout).
+    ``env``: variables added to the example's environment."""
     with tempfile.TemporaryDirectory(prefix="foresight-example-") as logs:
         out_path, err_path = Path(logs, "stdout"), Path(logs, "stderr")
         with open(out_path, "w") as out_file, open(err_path, "w") as err_file:
-            proc = subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=out_file, stderr=err_file, text=True,
-                                    start_new_session=True)
+            proc = start_tethered(argv, cwd=ROOT, env={**ENV, **(env or {})}, stdout=out_file, stderr=err_file, text=True)
         try:
             proc.wait(timeout=timeout)
             hung = False
         except subprocess.TimeoutExpired:
             hung = True
         finally:
-            kill_and_reap(proc, f"example {argv}", group=True)  # and whatever it left running
-        out, err = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+            try:
+                kill_and_reap(proc, f"example {argv}", group=True)  # and whatever it left running
+            finally:
+                out, err = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+                print(f"$ {' '.join(argv)}  (exit {proc.returncode})\n{out}", flush=True)
+                print(err, file=sys.stderr, flush=True)
     if hung:
         raise AssertionError(f"{argv} still running after {timeout} s\n{out[-3000:]}\n{err[-6000:]}")
     if check and proc.returncode != 0:
         raise AssertionError(f"{argv} exited {proc.returncode}\n{out[-3000:]}\n{err[-6000:]}")
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def launches(n: int) -> pytest.MarkDecorator:
+    """pytest-timeout's bound for a test of ``n`` launches: theirs added up (and a margin), so that a hung launch is
+    ended by :func:`run`, which names it, rather than the whole test by pytest-timeout."""
+    return pytest.mark.timeout(n * RUN_TIMEOUT_S + 120)
 
 
 def example(name: str, *args: str, **kw) -> subprocess.CompletedProcess:
@@ -55,6 +70,7 @@ def steps_logged(out: Path) -> list[dict]:
 
 
 @pytest.mark.slow  # three torchrun launches of 2 ranks
+@launches(3)
 def test_llm_megatron_torchrun_kill_and_exact_resume(tmp_path):
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     torchrun("llm_megatron_torchrun.py", "--smoke", "--out", str(ref))
@@ -77,12 +93,33 @@ def test_llm_megatron_torchrun_kill_and_exact_resume(tmp_path):
     assert len(got) > len(want)  # the steps after the last complete checkpoint ran twice, identically
 
 
+@pytest.mark.slow  # two torchrun launches of 2 ranks
+@launches(2)
+def test_llm_megatron_kill_waits_for_a_lagging_rank(tmp_path):
+    """Rank 0 logs step 8 late and rank 1 is killed at step 9 once the step-8 checkpoint is complete
+    (tests/lagging_rank): rank 0 still logged step 8, the one step the resume repeats, so both ranks compare it.
+    Before the example's barrier at the kill, torchrun ended rank 0 first and it had nothing to compare (seen once
+    under load, without the injected delay)."""
+    lagging = {"FORESIGHT_TEST_LAGGING_RANK": "1",
+               "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "lagging_rank"), ENV["PYTHONPATH"]])}
+    killed = torchrun("llm_megatron_torchrun.py", "--smoke", "--out", str(tmp_path), "--kill-at-step", "9",
+                      check=False, env=lagging)
+    assert killed.returncode != 0
+    assert os.path.exists(tmp_path / "ckpt" / "step-000008" / ".metadata")  # the resume repeats step 8 alone
+    resumed = torchrun("llm_megatron_torchrun.py", "--smoke", "--out", str(tmp_path))
+    assert "resumed from step-000008 at step 8" in resumed.stdout
+    for rank in (0, 1):
+        assert f"rank {rank}: compared the 1 steps repeated after the resume with the killed run's batches and " \
+               "losses: equal" in resumed.stdout
+
+
 def test_dataloader_dropin_resumes_exactly(tmp_path):
     proc = example("dataloader_dropin.py", "--smoke", "--out", str(tmp_path))
     assert "compared the 4 batches after the resume point (and the 4 before) with the uninterrupted run's: " \
            "equal: True" in proc.stdout
 
 
+@launches(2)
 def test_dataloader_dropin_with_a_plan_too_short_to_compare_anything_fails(tmp_path):
     from foresight import build_plan, open_dataset
     from foresight.format import pack_jsonl
