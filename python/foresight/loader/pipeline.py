@@ -156,11 +156,9 @@ class StepPipeline:
         job = Job(step, micro, start, stop, slot, ext, x_dest, region, None, overflow)
         job.reads = Reads.into(self._files, tr, region)
         t2 = time.perf_counter()
-        self.stats.add(
-            slot_wait_s=t_slot - t0, plan_s=t1 - t_slot, coalesce_s=t2 - t1,
-            extents=len(ext.offset) if read is None else int(read.sum()), ios=len(tr.t_offset),
-            bytes_requested=int(ext.length.sum() if read is None else ext.length[read].sum()),
-            bytes_read=int(tr.t_length.sum()),
+        self.stats.add(  # the coalescer counted the extents it was given (those read here) and its transfers
+            slot_wait_s=t_slot - t0, plan_s=t1 - t_slot, coalesce_s=t2 - t1, extents=len(tr.x_length),
+            ios=tr.io_count, bytes_requested=tr.requested_bytes, bytes_read=tr.read_bytes,
         )
         return job
 
