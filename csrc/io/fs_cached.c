@@ -153,10 +153,14 @@ static void ring_units(struct fs_cached_pass *p, struct pass_ring *r, const int 
     }
     int reaped = 0;
     while (reaped < queued) {
-        int ret = io_uring_submit_and_wait(&r->ring, 1);
+        struct io_uring_cqe *first;
+        int ret = r->ok ? io_uring_submit_and_wait(&r->ring, 1) : io_uring_wait_cqe_nr(&r->ring, &first, 1);
         if (ret < 0 && !transient(ret)) {
+            if (!r->ok)
+                break; /* nothing more can be learnt from this ring (a kernel fault: its reads count as misses) */
             /* The ring itself failed (not a read: those fail in their CQEs). What it took in still completes, and
-             * must before the units go to the engine's ring: wait for them; what it never took in is unread. */
+             * must before the units go to the engine's ring: wait for those only; what it never took is unread
+             * (the last SQEs: the kernel takes them in order) and is read by the caller. */
             unsigned left = io_uring_sq_ready(&r->ring);
             for (int j = n - 1; j >= 0 && left; j--)
                 if (issued[j]) {
@@ -165,11 +169,7 @@ static void ring_units(struct fs_cached_pass *p, struct pass_ring *r, const int 
                     queued--;
                 }
             r->ok = 0;
-            if (reaped >= queued)
-                break;
-            ret = io_uring_wait_cqe_nr(&r->ring, NULL, 1);
-            if (ret < 0 && !transient(ret))
-                break; /* nothing more can be learnt from this ring (a kernel fault: its reads count as misses) */
+            continue;
         }
         struct io_uring_cqe *cqe;
         unsigned head, count = 0;
