@@ -728,3 +728,73 @@ def test_registered_fd_closed_and_reused_reads_the_new_file(backend, tmp_path):
             assert bytes(buf) == b"B" * 16
         finally:
             os.close(fd2)
+
+
+@pytest.mark.skipif(URING_SKIP is not None, reason=str(URING_SKIP))
+def test_page_cache_pass_reads_through_its_rings_on_registered_files_and_buffers(tmp_path):
+    """The page-cache pass's threads read a claim with one io_uring_enter on a ring of their own (RWF_NOWAIT),
+    on the engine's registered files and into its registered buffers, mirrored on their rings: counted apart
+    (cached_*), bytes right. Re-registering while batches are in flight waits for their passes first; after
+    unregistering, the pass reads plain fds and buffers; a registered fd closed and reused reads the new file."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: the page-cache pass has no helper threads, the feeding thread probes alone")
+    n, size = 256, 4096
+    data = np.random.default_rng(3).integers(0, 256, n * size, dtype=np.uint8)
+    path, other = tmp_path / "warm.bin", tmp_path / "other.bin"
+    path.write_bytes(data.tobytes())  # just written: in the page cache
+    other.write_bytes(data[::-1].tobytes())
+    arena = aligned(4 * n * size)
+    slots = [arena[k * n * size:(k + 1) * n * size] for k in range(4)]
+    fd = open_file(path)
+    try:
+        with IOEngine(backend="uring", threads=4) as eng:
+            assert eng.stats["cached_rings"] >= 2  # the feeding thread's and at least one helper's
+
+            def read(slot: np.ndarray, seed: int, f: int = fd) -> tuple[int, np.ndarray]:
+                offsets, addrs = _permuted_reads(n, size, seed, slot)
+                return eng.submit_reads(f, offsets, size, addrs), offsets
+
+            def counts() -> tuple[int, int, int]:
+                s = eng.stats
+                return s["cached_ring_ops"], s["cached_fixed_buffer_ops"], s["cached_fixed_file_ops"]
+
+            ticket, offsets = read(slots[0], 0)
+            assert (eng.wait(ticket) == size).all()
+            assert np.array_equal(slots[0], _expected(data, offsets, size))
+            assert counts() == (n, 0, 0)
+
+            eng.register_files([fd])
+            eng.register_buffers([arena])
+            ticket, offsets = read(slots[1], 1)
+            eng.wait(ticket)
+            assert np.array_equal(slots[1], _expected(data, offsets, size))
+            assert counts() == (2 * n, n, n)
+
+            in_flight = [read(slots[k], 10 + k) for k in range(3)]
+            eng.unregister_buffers()  # collects the passes in flight before their rings change
+            for (ticket, offsets), slot in zip(in_flight, slots):
+                assert (eng.wait(ticket) == size).all()
+                assert np.array_equal(slot, _expected(data, offsets, size))
+            assert counts() == (5 * n, 4 * n, 4 * n)  # all three read into the registered buffers
+
+            ticket, offsets = read(slots[3], 4)
+            eng.wait(ticket)
+            assert np.array_equal(slots[3], _expected(data, offsets, size))
+            assert counts() == (6 * n, 4 * n, 5 * n)
+
+            os.close(fd)  # still registered: the number comes back for another file
+            fd2 = open_file(other)
+            try:
+                assert fd2 == fd
+                ticket, offsets = read(slots[0], 5, fd2)
+                eng.wait(ticket)
+                assert np.array_equal(slots[0], _expected(data[::-1], offsets, size))
+                assert counts() == (7 * n, 4 * n, 5 * n)  # not through the old file's slot
+            finally:
+                eng.unregister_files()
+                os.close(fd2)
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -346,3 +346,29 @@ def test_large_samples_get_a_larger_transfer_limit(tmp_path, backend):
                 assert loader.max_transfer == EXTENTS_PER_TRANSFER * size
     assert ios[None] == 2 * plan.num_steps
     assert ios[DEFAULT_MAX_TRANSFER] == 4 * plan.num_steps
+
+
+def test_steps_served_by_the_page_cache_read_no_holes(tmp_path):
+    """Warm data on io_uring: once every read completed since the last step came from the page cache, steps are
+    coalesced without holes (a hole there is a copy, not a saved device read); the bytes are the same. The pread
+    backend (no page-cache pass) keeps max_gap and reads the holes."""
+    size, n = 16 << 10, 256
+    data = np.random.default_rng(5).integers(0, 256, size * n, dtype=np.uint8)
+    with DatasetWriter(str(tmp_path / "warm"), align=4096) as w:  # just written: in the page cache
+        w.add_many(data, np.full(n, size, np.int64), modality="bytes")
+    ds = open_dataset(str(tmp_path / "warm"))
+    plan = build_plan([(ds, 1.0)], seed=4, global_batch_size=32, num_steps=8)  # 1 in 8 samples a step: holes
+    stats = {}
+    for backend in ("uring", "pread"):
+        with Loader(plan, datasets=ds, backend=backend) as loader:
+            for batch in loader:
+                got = batch["data"].numpy()
+                for off, sid in zip(batch["offsets"].numpy(), batch["sample_ids"].numpy()):
+                    assert np.array_equal(got[off:off + size], data[sid * size:(sid + 1) * size])
+            stats[backend] = loader.stats.as_dict()
+    if stats["uring"]["backend"] != "uring":
+        pytest.skip("io_uring unavailable here")
+    assert stats["pread"]["page_cache_steps"] == 0 and stats["pread"]["amplification"] > 1
+    assert stats["uring"]["page_cache_steps"] >= 1  # the first steps are coalesced before any read completed
+    assert stats["uring"]["bytes_read"] < stats["pread"]["bytes_read"]
+    assert stats["uring"]["bytes_requested"] == stats["pread"]["bytes_requested"] == 8 * 32 * size

@@ -18,8 +18,11 @@ import foresight.source.media_stage as stage_mod
 from foresight.io import IOEngine
 from foresight.loader import Loader, MediaDecodeStage
 from foresight.node.client import NodeSource
+from foresight.errors import PlanError
+from foresight.plan import build_plan
 from foresight.source import (FileTable, LocalPartReader, coalesce_extents, decode_part, lookup_samples,
-                              modality_codes, read_extents, sample_epochs, sample_extents, spec_codes, stack_samples)
+                              modality_codes, read_extents, sample_epochs, sample_extents, spec_codes, stack_samples,
+                              step_extents)
 from node_helpers import SPECS, TOKEN, NodeProc, host_reference, make_root, summary
 
 PKG = os.path.dirname(source.__file__).rsplit(os.sep, 1)[0]  # python/foresight
@@ -147,6 +150,32 @@ def test_batched_lookups_match_the_datasets(tmp_path):
                 assert part.sample(i).tobytes() == f.read(int(length[i])), sample
     finally:
         files.close()
+
+
+def test_step_extents_of_one_dataset_match_the_mixture_path(tmp_path):
+    """One dataset takes a shortcut (its lookup's arrays are the extents): the same extents as the per-dataset
+    path of a mixture, and a piece naming a dataset the loader was not given is still refused by name."""
+    ds = make_root(str(tmp_path / "root"))["dataset"]
+    one = build_plan([(ds, 1.0)], seed=3, global_batch_size=8, num_steps=2)
+    two = build_plan([(ds, 1.0), (ds, 1.0)], seed=3, global_batch_size=8, num_steps=2)
+    opener = lambda p, direct=False: os.open(p, os.O_RDONLY)  # noqa: E731
+    files_one, files_two = FileTable([ds], opener), FileTable([ds, ds], opener)
+    try:
+        ext = step_extents(one, [ds], files_one, 0, 8)
+        want = ds.lookup(ext.sample)
+        assert ext.file.dtype == np.int32 and ext.offset.dtype == ext.length.dtype == np.int64
+        assert (ext.offset == want.offset).all() and (ext.length == want.length).all()
+        assert (ext.file == want.shard).all()
+        mixed = step_extents(two, [ds, ds], files_two, 0, 8)
+        assert set(mixed.dataset.tolist()) == {0, 1}  # the per-dataset path, over the same shard files twice
+        again = ds.lookup(mixed.sample)
+        assert (mixed.offset == again.offset).all() and (mixed.length == again.length).all()
+        assert (mixed.file == files_two.base[mixed.dataset] + again.shard).all()
+        with pytest.raises(PlanError, match="not given"):
+            step_extents(two, [ds], files_one, 0, 8)
+    finally:
+        files_one.close()
+        files_two.close()
 
 
 def test_stack_samples_stacks_equal_shapes_and_lists_others():

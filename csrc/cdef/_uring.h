@@ -53,6 +53,10 @@ struct fs_engine_info {
     uint64_t requeues;
     uint64_t retries;
     uint64_t syscalls;
+    uint32_t cached_rings;
+    uint64_t cached_ring_ops;
+    uint64_t cached_fixed_buffer_ops;
+    uint64_t cached_fixed_file_ops;
     ...;
 };
 

@@ -39,6 +39,28 @@ struct fs_fd_cache {
 /* Device and inode of cache->fd (fstat once per cached fd); 0 or -errno. */
 int fs_fd_identity(struct fs_fd_cache *cache, uint64_t *dev, uint64_t *ino);
 
+/* The io_uring backend's registered files and buffers, by registration index: what a request's fd and buffer
+ * map to on the engine's ring and, mirrored, on the page-cache pass's rings (the same indices). Changed only
+ * under the engine lock with no page-cache pass running, so the pass threads read it without a lock. */
+struct fs_fixed_file {
+    uint64_t dev, ino; /* what the fd named when registered */
+};
+struct fs_fixed_buf {
+    uint64_t addr, len;
+};
+struct fs_fixed {
+    int32_t *file_slot; /* fd -> registered index, -1 when not registered */
+    uint32_t file_slot_len;
+    struct fs_fixed_file *files; /* by registered index */
+    struct fs_fixed_buf *bufs;   /* sorted by addr; index = registration index */
+    uint32_t nbufs;
+};
+/* The registered slot of cache->fd (fs_req_check filled the cache), if it still names the file it named at
+ * registration (an fd closed and reused for another file must not read the old one); else -1. */
+int fs_fixed_file_index(const struct fs_fixed *f, struct fs_fd_cache *cache);
+/* The registered buffer holding [addr, addr + len), or -1. */
+int fs_fixed_buf_index(const struct fs_fixed *f, uint64_t addr, uint64_t len);
+
 struct fs_engine;
 
 struct fs_backend_ops {
@@ -77,7 +99,9 @@ struct fs_job *fs_jobs_feedable(struct fs_engine *eng);
 #define FS_PROBE_DONE 2 /* results[i] is the final result */
 struct fs_cached;
 struct fs_cached_pass;
-int fs_cached_create(uint32_t helpers, struct fs_cached **out); /* helpers start on the first pass */
+/* helpers start on the first pass. fixed: the engine's registration table (NULL: none), which the pass's rings
+ * mirror through fs_cached_register_files/_buffers. */
+int fs_cached_create(uint32_t helpers, const struct fs_fixed *fixed, struct fs_cached **out);
 void fs_cached_destroy(struct fs_cached *c); /* every pass collected */
 /* Queue a pass probing requests [first, first + count) of job: 0 and *out, or -ENOMEM (no pass). The requests
  * belong to the pass until fs_cached_finish returns 1. */
@@ -90,6 +114,14 @@ int fs_cached_finish(struct fs_cached *c, struct fs_cached_pass *p, int block, i
 uint8_t fs_cached_state(const struct fs_cached_pass *p, int64_t i); /* FS_PROBE_* of request i, once collected */
 void fs_cached_release(struct fs_cached *c, struct fs_cached_pass *p); /* collected, all its requests started */
 uint32_t fs_cached_threads(const struct fs_cached *c); /* threads a pass runs on, the feeder included */
+/* Reads of a collected pass p: through a pass ring, of which into registered buffers and on registered files. */
+void fs_cached_counts(const struct fs_cached_pass *p, uint64_t *ring_ops, uint64_t *fixed_buffer_ops,
+                      uint64_t *fixed_file_ops);
+uint32_t fs_cached_rings(const struct fs_cached *c); /* pass threads reading through their own io_uring ring */
+/* Mirror the engine ring's registration on the pass's rings (n == 0: unregister), with no pass running; a ring
+ * that refuses it reads with plain fds/buffers (fs_cached_counts tells). */
+void fs_cached_register_files(struct fs_cached *c, const int32_t *fds, uint32_t n);
+void fs_cached_register_buffers(struct fs_cached *c, const struct fs_fixed_buf *bufs, uint32_t n);
 
 int fs_uring_create(struct fs_engine *eng); /* 0 or -errno (ENOSYS without liburing) */
 int fs_pool_create(struct fs_engine *eng);

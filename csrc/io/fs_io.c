@@ -272,6 +272,33 @@ int fs_fd_identity(struct fs_fd_cache *cache, uint64_t *dev, uint64_t *ino) {
     return 0;
 }
 
+int fs_fixed_file_index(const struct fs_fixed *f, struct fs_fd_cache *cache) {
+    int fd = cache->fd;
+    if (!f || fd < 0 || (uint32_t)fd >= f->file_slot_len || f->file_slot[fd] < 0)
+        return -1;
+    int k = f->file_slot[fd];
+    uint64_t dev, ino;
+    if (fs_fd_identity(cache, &dev, &ino) < 0 || dev != f->files[k].dev || ino != f->files[k].ino)
+        return -1;
+    return k;
+}
+
+int fs_fixed_buf_index(const struct fs_fixed *f, uint64_t addr, uint64_t len) {
+    if (!f || !f->nbufs)
+        return -1;
+    uint32_t lo = 0, hi = f->nbufs; /* last registered buffer starting at or below addr */
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (f->bufs[mid].addr <= addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo > 0 && addr + len <= f->bufs[lo - 1].addr + f->bufs[lo - 1].len)
+        return (int)(lo - 1);
+    return -1;
+}
+
 void fs_job_finish(struct fs_engine *eng, struct fs_job *job, int64_t i, int64_t res) {
     job->b.results[i] = res;
     job->done++;

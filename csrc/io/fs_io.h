@@ -8,7 +8,8 @@
  *     fails with -ENODATA (unless FS_BATCH_ALLOW_EOF);
  *   - requests always name plain fds; when an fd is registered (fs_engine_register_files) the
  *     io_uring backend uses its fixed-file slot, and when a request's buffer lies inside a
- *     registered buffer it uses READ_FIXED/WRITE_FIXED;
+ *     registered buffer it uses READ_FIXED/WRITE_FIXED (the page-cache pass's rings too, which
+ *     mirror the registration: fs_cached.c);
  *   - O_DIRECT fds (detected with fcntl) need offset, length and buffer address to be multiples of
  *     FS_DIRECT_ALIGN (and of the device's logical block size); a misaligned request is rejected
  *     with -EINVAL before any I/O is issued, nothing falls back silently to buffered I/O.
@@ -89,6 +90,10 @@ struct fs_engine_info {
     uint64_t requeues;           /* short transfers continued */
     uint64_t retries;            /* EAGAIN/EINTR retried */
     uint64_t syscalls;           /* io_uring_enter calls (approximate with SQPOLL) */
+    uint32_t cached_rings;       /* page-cache pass threads reading through their own io_uring ring (else preadv2) */
+    uint64_t cached_ring_ops;    /* page-cache pass reads (RWF_NOWAIT) issued on those rings */
+    uint64_t cached_fixed_buffer_ops; /* of which READ_FIXED into a registered buffer */
+    uint64_t cached_fixed_file_ops;   /* of which on a registered file */
 };
 
 int fs_io_have_liburing(void);

@@ -38,14 +38,6 @@ struct slot {
     int file_index; /* registered-file slot to use, or -1 for the plain fd */
 };
 
-struct fixed_file {
-    uint64_t dev, ino; /* what the fd named when registered */
-};
-
-struct fixed_buf {
-    uint64_t addr, len;
-};
-
 struct fs_uring {
     struct io_uring ring;
     uint32_t qd;
@@ -54,11 +46,7 @@ struct fs_uring {
     struct slot *slots;
     uint32_t *free_slots;
     uint32_t nfree;
-    int32_t *file_slot; /* fd -> registered index, -1 when not registered */
-    uint32_t file_slot_len;
-    struct fixed_file *files; /* by registered index */
-    struct fixed_buf *bufs; /* sorted by addr; index = registration index */
-    uint32_t nbufs;
+    struct fs_fixed fixed; /* registered files and buffers */
     struct fs_fd_cache fdc;
     int draining;
     struct fs_cached *cached;  /* page-cache pass helpers, NULL: probe on the feeding thread */
@@ -91,19 +79,7 @@ static int queue_sqe(struct fs_engine *eng, struct fs_uring *u, uint32_t s) {
             return -EBUSY;
     }
 
-    int buf_index = -1;
-    if (u->nbufs) { /* last registered buffer starting at or below addr */
-        uint32_t lo = 0, hi = u->nbufs;
-        while (lo < hi) {
-            uint32_t mid = lo + (hi - lo) / 2;
-            if (u->bufs[mid].addr <= addr)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        if (lo > 0 && addr + len <= u->bufs[lo - 1].addr + u->bufs[lo - 1].len)
-            buf_index = (int)(lo - 1);
-    }
+    int buf_index = fs_fixed_buf_index(&u->fixed, addr, len);
     int fixed_file = sl->file_index >= 0;
     int target = fixed_file ? sl->file_index : fd;
     void *p = (void *)(uintptr_t)addr;
@@ -168,18 +144,6 @@ static int nowait_read(struct fs_engine *eng, struct fs_job *job, int64_t i) {
     return 0;
 }
 
-/* The registered slot for fd, if fd still names the file it named at registration (an fd
- * closed and reused for another file must not read the old one); else -1. */
-static int fixed_index(struct fs_uring *u, int fd) {
-    if ((uint32_t)fd >= u->file_slot_len || u->file_slot[fd] < 0)
-        return -1;
-    int k = u->file_slot[fd];
-    uint64_t dev, ino;
-    if (fs_fd_identity(&u->fdc, &dev, &ino) < 0 || dev != u->files[k].dev || ino != u->files[k].ino)
-        return -1;
-    return k;
-}
-
 /* What the page-cache pass found for request i of job (FS_PROBE_NONE when it was not probed). */
 static uint8_t probed(const struct fs_job *job, int64_t i) {
     return job->pass_state == PASS_COLLECTED ? fs_cached_state(job->pass, i) : FS_PROBE_NONE;
@@ -210,14 +174,26 @@ static void start_pass(struct fs_engine *eng, struct fs_uring *u, struct fs_job 
 }
 
 /* Collect job's running pass (block: take part and wait); 1 when collected, 0 while it runs. */
-static int finish_pass(struct fs_uring *u, struct fs_job *job, int block) {
+static int finish_pass(struct fs_engine *eng, struct fs_uring *u, struct fs_job *job, int block) {
     int gave_up = 0;
     if (!fs_cached_finish(u->cached, job->pass, block, &gave_up))
         return 0;
     job->pass_state = PASS_COLLECTED;
     if (gave_up)
         job->nowait_off = 1;
+    uint64_t ring_ops, fixed_buffer_ops, fixed_file_ops;
+    fs_cached_counts(job->pass, &ring_ops, &fixed_buffer_ops, &fixed_file_ops);
+    eng->info.cached_ring_ops += ring_ops;
+    eng->info.cached_fixed_buffer_ops += fixed_buffer_ops;
+    eng->info.cached_fixed_file_ops += fixed_file_ops;
     return 1;
+}
+
+/* Collect every running pass, taking part: then no pass thread reads, and the registration may change. */
+static void quiesce_passes(struct fs_engine *eng, struct fs_uring *u) {
+    for (struct fs_job *job = eng->head; job; job = job->link)
+        if (job->pass_state == PASS_RUNNING)
+            finish_pass(eng, u, job, 1);
 }
 
 /* Give the pass's memory back once all of job's requests are started. */
@@ -239,7 +215,7 @@ static int feed(struct fs_engine *eng, struct fs_uring *u, struct fs_job *target
         start_pass(eng, u, j);
     int block = target != NULL;
     while (job) {
-        if (job->pass_state == PASS_RUNNING && !finish_pass(u, job, block))
+        if (job->pass_state == PASS_RUNNING && !finish_pass(eng, u, job, block))
             return 0; /* its requests are the pass's until collected */
         int ret;
         while (job->next < job->b.n) {
@@ -268,7 +244,7 @@ static int feed(struct fs_engine *eng, struct fs_uring *u, struct fs_job *target
                 !job->nowait_off && nowait_read(eng, job, i))
                 continue;
             uint32_t s = u->free_slots[--u->nfree];
-            u->slots[s] = (struct slot){.job = job, .idx = i, .direct = direct, .file_index = fixed_index(u, job->b.fds[i])};
+            u->slots[s] = (struct slot){.job = job, .idx = i, .direct = direct, .file_index = fs_fixed_file_index(&u->fixed, &u->fdc)};
             ret = queue_sqe(eng, u, s);
             if (ret < 0) { /* no SQE (a backstop: SQ entries >= slots): retry it next round */
                 u->free_slots[u->nfree++] = s;
@@ -406,7 +382,7 @@ static int u_register_files(struct fs_engine *eng, const int32_t *fds, uint32_t 
         if (fds[i] > maxfd)
             maxfd = fds[i];
     int32_t *table = NULL;
-    struct fixed_file *files = NULL;
+    struct fs_fixed_file *files = NULL;
     if (maxfd >= 0) {
         table = malloc(sizeof(int32_t) * (size_t)(maxfd + 1));
         files = calloc(n, sizeof(*files));
@@ -426,9 +402,12 @@ static int u_register_files(struct fs_engine *eng, const int32_t *fds, uint32_t 
                 free(files);
                 return err;
             }
-            files[i] = (struct fixed_file){(uint64_t)st.st_dev, (uint64_t)st.st_ino};
+            files[i] = (struct fs_fixed_file){(uint64_t)st.st_dev, (uint64_t)st.st_ino};
         }
     }
+    quiesce_passes(eng, u); /* the pass threads look fds up in the table replaced here */
+    if (u->cached)
+        fs_cached_register_files(u->cached, NULL, 0);
     if (eng->info.registered_files) {
         int ret = io_uring_unregister_files(&u->ring);
         if (ret < 0) {
@@ -438,11 +417,11 @@ static int u_register_files(struct fs_engine *eng, const int32_t *fds, uint32_t 
         }
         eng->info.registered_files = 0;
     }
-    free(u->file_slot);
-    free(u->files);
-    u->file_slot = NULL;
-    u->files = NULL;
-    u->file_slot_len = 0;
+    free(u->fixed.file_slot);
+    free(u->fixed.files);
+    u->fixed.file_slot = NULL;
+    u->fixed.files = NULL;
+    u->fixed.file_slot_len = 0;
     if (n == 0) {
         free(table);
         free(files);
@@ -457,15 +436,17 @@ static int u_register_files(struct fs_engine *eng, const int32_t *fds, uint32_t 
     for (uint32_t i = 0; i < n; i++)
         if (fds[i] >= 0)
             table[fds[i]] = (int32_t)i;
-    u->file_slot = table;
-    u->files = files;
-    u->file_slot_len = (uint32_t)(maxfd + 1);
+    u->fixed.file_slot = table;
+    u->fixed.files = files;
+    u->fixed.file_slot_len = (uint32_t)(maxfd + 1);
     eng->info.registered_files = n;
+    if (u->cached)
+        fs_cached_register_files(u->cached, fds, n);
     return 0;
 }
 
 static int cmp_buf(const void *a, const void *b) {
-    const struct fixed_buf *x = a, *y = b;
+    const struct fs_fixed_buf *x = a, *y = b;
     return x->addr < y->addr ? -1 : x->addr > y->addr;
 }
 
@@ -476,7 +457,7 @@ static int u_register_buffers(struct fs_engine *eng, const uint64_t *addrs, cons
         pieces += (lens[i] + FS_MAX_REGISTERED_BUFFER - 1) / FS_MAX_REGISTERED_BUFFER;
     if (pieces > 16384) /* IORING_MAX_REG_BUFFERS */
         return -E2BIG;
-    struct fixed_buf *bufs = NULL;
+    struct fs_fixed_buf *bufs = NULL;
     struct iovec *iov = NULL;
     if (pieces) {
         bufs = malloc(sizeof(*bufs) * pieces);
@@ -491,14 +472,17 @@ static int u_register_buffers(struct fs_engine *eng, const uint64_t *addrs, cons
     for (uint32_t i = 0; i < n; i++)
         for (uint64_t off = 0; off < lens[i]; off += FS_MAX_REGISTERED_BUFFER) {
             uint64_t rest = lens[i] - off;
-            bufs[k++] = (struct fixed_buf){addrs[i] + off, rest < FS_MAX_REGISTERED_BUFFER ? rest : FS_MAX_REGISTERED_BUFFER};
+            bufs[k++] = (struct fs_fixed_buf){addrs[i] + off, rest < FS_MAX_REGISTERED_BUFFER ? rest : FS_MAX_REGISTERED_BUFFER};
         }
     if (k)
         qsort(bufs, k, sizeof(*bufs), cmp_buf);
     for (uint32_t j = 0; j < k; j++)
         iov[j] = (struct iovec){(void *)(uintptr_t)bufs[j].addr, (size_t)bufs[j].len};
 
-    if (u->nbufs) {
+    quiesce_passes(eng, u); /* the pass threads look buffers up in the table replaced here */
+    if (u->cached)
+        fs_cached_register_buffers(u->cached, NULL, 0);
+    if (u->fixed.nbufs) {
         int ret = io_uring_unregister_buffers(&u->ring);
         if (ret < 0) {
             free(bufs);
@@ -506,18 +490,20 @@ static int u_register_buffers(struct fs_engine *eng, const uint64_t *addrs, cons
             return ret;
         }
     }
-    free(u->bufs);
-    u->bufs = NULL;
-    u->nbufs = 0;
+    free(u->fixed.bufs);
+    u->fixed.bufs = NULL;
+    u->fixed.nbufs = 0;
     eng->info.registered_buffers = 0;
     int ret = 0;
     if (k) {
         ret = io_uring_register_buffers(&u->ring, iov, k);
         if (ret == 0) {
-            u->bufs = bufs;
-            u->nbufs = k;
+            u->fixed.bufs = bufs;
+            u->fixed.nbufs = k;
             eng->info.registered_buffers = k;
             bufs = NULL;
+            if (u->cached)
+                fs_cached_register_buffers(u->cached, u->fixed.bufs, k);
         }
     }
     free(bufs);
@@ -530,7 +516,7 @@ static void u_destroy(struct fs_engine *eng) {
     pthread_mutex_lock(&eng->lock);
     for (struct fs_job *job = eng->head; job; job = job->link) { /* helpers write into caller memory */
         if (job->pass_state == PASS_RUNNING)
-            finish_pass(u, job, 1);
+            finish_pass(eng, u, job, 1);
         release_pass(u, job);
     }
     fs_jobs_cancel_unstarted(eng);
@@ -545,9 +531,9 @@ static void u_destroy(struct fs_engine *eng) {
     pthread_mutex_unlock(&eng->lock);
     fs_cached_destroy(u->cached); /* its helpers are idle: every pass was collected above */
     io_uring_queue_exit(&u->ring); /* also drops registered files and buffers */
-    free(u->bufs);
-    free(u->files);
-    free(u->file_slot);
+    free(u->fixed.bufs);
+    free(u->fixed.files);
+    free(u->fixed.file_slot);
     free(u->free_slots);
     free(u->slots);
     free(u);
@@ -622,9 +608,10 @@ int fs_uring_create(struct fs_engine *eng) {
         uint32_t threads = eng->opts.threads;
         if (cpus > 0 && (uint32_t)cpus < threads)
             threads = (uint32_t)cpus;
-        if (threads > 1 && fs_cached_create(threads - 1, &u->cached) < 0)
+        if (threads > 1 && fs_cached_create(threads - 1, &u->fixed, &u->cached) < 0)
             u->cached = NULL; /* no helpers: the feeding thread probes alone */
         eng->info.threads = fs_cached_threads(u->cached);
+        eng->info.cached_rings = u->cached ? fs_cached_rings(u->cached) : 0;
     }
     return 0;
 fail:

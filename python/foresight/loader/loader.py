@@ -77,7 +77,9 @@ class Loader(StepPipeline, Closing):
         queue_depth: reads in flight at most; the engine's 64 MiB cap on bytes in flight lowers it for large
             extents (128 beat 64 by 9-10% and matched 256 at 4-64 KiB random reads, bench/read_path.py).
         max_gap, max_transfer: coalescing: merge extents across holes up to ``max_gap`` bytes into transfers of
-            at most ``max_transfer`` bytes. ``max_gap=-1`` turns coalescing off (one read per extent).
+            at most ``max_transfer`` bytes. ``max_gap=-1`` turns coalescing off (one read per extent). While the
+            page cache serves every read (io_uring), steps are coalesced without holes (``stats.page_cache_steps``):
+            there a hole is a wasted copy, not a saved device read.
             ``max_transfer=None`` sizes it from the plan's mean piece (4 MiB, more for samples over 256 KiB:
             :func:`foresight.io.coalesce.transfer_limit_for`).
         verify: check the xxh3 checksum (recorded at pack time) of every sample a step uses, in one native call
@@ -252,6 +254,8 @@ class Loader(StepPipeline, Closing):
         self._engine, self._files, self._arena = io.engine, io.files, io.arena
         self.stats.backend = self._engine.backend
         self._pending_events: deque = deque()
+        self._cache_seen = (0, 0)  # the engine's (requests, page-cache hits) when the last step was coalesced
+        self._page_cache_only = False
         fallback = getattr(self._engine, "fallback_reason", None)
         log.info(
             "loader rank %d/%d, backend=%s%s, %d slots x %s = %s host memory (%s), prefetch %d, "

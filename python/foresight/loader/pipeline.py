@@ -134,9 +134,10 @@ class StepPipeline:
             region = self._arena.slot(slot)[: self._transfer_bytes]
             # with a source, the samples its nodes decode are not read here
             read = None if self.source is None else ~self.source.decodes(ext.dataset, ext.sample)
-            tr = self._coalesce(ext, self.max_gap, read)
+            max_gap = self._step_max_gap()
+            tr = self._coalesce(ext, max_gap, read)
             overflow = None
-            if tr.total_bytes > self._transfer_bytes and self.max_gap > 0:
+            if tr.total_bytes > self._transfer_bytes and max_gap > 0:
                 tr = self._coalesce(ext, 0, read)
             if tr.total_bytes > self._transfer_bytes:  # rare: a step larger than the plan-derived bound
                 overflow = anonymous_region(tr.total_bytes)
@@ -156,11 +157,9 @@ class StepPipeline:
         job = Job(step, micro, start, stop, slot, ext, x_dest, region, None, overflow)
         job.reads = Reads.into(self._files, tr, region)
         t2 = time.perf_counter()
-        self.stats.add(
-            slot_wait_s=t_slot - t0, plan_s=t1 - t_slot, coalesce_s=t2 - t1,
-            extents=len(ext.offset) if read is None else int(read.sum()), ios=len(tr.t_offset),
-            bytes_requested=int(ext.length.sum() if read is None else ext.length[read].sum()),
-            bytes_read=int(tr.t_length.sum()),
+        self.stats.add(  # the coalescer counted the extents it was given (those read here) and its transfers
+            slot_wait_s=t_slot - t0, plan_s=t1 - t_slot, coalesce_s=t2 - t1, extents=len(tr.x_length),
+            ios=tr.io_count, bytes_requested=tr.requested_bytes, bytes_read=tr.read_bytes,
         )
         return job
 
@@ -170,6 +169,22 @@ class StepPipeline:
         job.reads = None
         self.stats.add(submit_s=time.perf_counter() - t0)
         return job
+
+    def _step_max_gap(self) -> int:
+        """``max_gap``, or 0 while the page cache serves every read: a hole read from the page cache is a copy that
+        saves no device read (warm random reads got faster without them), while cold holes save I/Os. Decided from
+        the reads completed since the last step was coalesced (none: the last decision stands)."""
+        if self.max_gap <= 0:
+            return self.max_gap
+        requests, hits = self._engine.page_cache_counts()
+        seen_requests, seen_hits = self._cache_seen
+        if requests > seen_requests:
+            self._page_cache_only = hits - seen_hits == requests - seen_requests
+            self._cache_seen = (requests, hits)
+        if self._page_cache_only:
+            self.stats.add(page_cache_steps=1)
+            return 0
+        return self.max_gap
 
     def _coalesce(self, ext: StepExtents, max_gap: int, read: np.ndarray | None = None):
         """The step's transfers; ``read`` (a mask over its extents) limits them to those samples."""

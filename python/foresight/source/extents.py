@@ -91,11 +91,35 @@ def step_extents(plan, datasets: Sequence, files: FileTable, start: int, stop: i
     p_sample = _own_copy(pieces.sample)
     p_offset = np.asarray(pieces.offset, dtype=np.int64)
     p_length = np.asarray(pieces.length, dtype=np.int64)
+    tokens = plan.kind == "tokens"
+    if len(datasets) == 1 and not tokens and not p_dataset.any():
+        # one dataset, whole samples: its lookup's arrays are the extents (no per-dataset masks, no scatter)
+        found = datasets[0].lookup(p_sample)
+        file = (found.shard + files.base[0]).astype(np.int32, copy=False)
+        offset, length = np.asarray(found.offset, dtype=np.int64), np.asarray(found.length, dtype=np.int64)
+    else:
+        file, offset, length = _mixture_extents(datasets, files, p_dataset, p_sample, p_offset, p_length, tokens)
+    ext = StepExtents(
+        file=file,
+        offset=offset,
+        length=length,
+        dataset=p_dataset,
+        sample=p_sample,
+        piece_tokens=p_length if tokens else None,
+        item_ptr=np.asarray(pieces.item_ptr, dtype=np.int64),
+    )
+    return _whole_samples(ext, datasets, files) if whole_samples and tokens else ext
+
+
+def _mixture_extents(datasets: Sequence, files: FileTable, p_dataset: np.ndarray, p_sample: np.ndarray,
+                     p_offset: np.ndarray, p_length: np.ndarray, tokens: bool,
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(file, offset, length)`` of the pieces: one batched lookup per dataset they touch (token pieces are parts
+    of their samples, checked to lie inside them)."""
     n = len(p_sample)
     file = np.empty(n, dtype=np.int32)
     offset = np.empty(n, dtype=np.int64)
     length = np.empty(n, dtype=np.int64)
-    tokens = plan.kind == "tokens"
     for d in np.unique(p_dataset):
         if d < 0 or d >= len(datasets):
             raise PlanError("plan names a dataset the loader was not given", dataset=int(d), datasets=len(datasets))
@@ -113,16 +137,7 @@ def step_extents(plan, datasets: Sequence, files: FileTable, start: int, stop: i
         else:
             offset[mask] = ext.offset
             length[mask] = ext.length
-    ext = StepExtents(
-        file=file,
-        offset=offset,
-        length=length,
-        dataset=p_dataset,
-        sample=p_sample,
-        piece_tokens=p_length if tokens else None,
-        item_ptr=np.asarray(pieces.item_ptr, dtype=np.int64),
-    )
-    return _whole_samples(ext, datasets, files) if whole_samples and tokens else ext
+    return file, offset, length
 
 
 def _own_copy(array: np.ndarray) -> np.ndarray:
