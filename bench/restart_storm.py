@@ -22,16 +22,19 @@ Side by side, each on a fresh placement of the same files on the same nodes (one
 * ``foresight``: hints for one reader per host (``ranks_per_host``) plus the per-host sharing.
 
 Placement is inside every hinted total: the clock starts when the hint is sent. The hinted modes send it through
-:class:`~foresight.replication.restore_schedule.HintedRestore`: the ranks start at once (nobody waits for the plan
-call); while the copies are placed, only the ranks the existing copies serve (4 fetches per copy; with sharing one
-fetch per host, by its local rank 0, the host's other ranks reading their own shard meanwhile) read the hot files
-first, the others read their shards first, and hot fetches wait for a slot;
-registered copies join the reads (the ranks' copy list is refreshed) and end the schedule, as does placement
-running past when its copies were expected. The hint carries
-``copies_join`` and the shards' bytes and reads, so the planner places a copy when the base copies would still be
-busy with the file when it lands. Reactive copies land mid-storm (their source reads go ahead of the storm's at the
-holder: the service limit's priority lane; one thread of the process re-reads the copy list every ``--refresh-s``
-for the ranks).
+:class:`~foresight.replication.restore_schedule.HintedRestore`: the ranks start at once and are never held; while
+the copies are placed every rank reads its own shard first (with sharing, a host's ranks other than local rank 0
+always do), so placement runs behind the shards; each copy joins the reads when it is listed (the hot files' copy
+records re-read every 50 ms). The hint carries ``copies_join`` and the shards' bytes and reads, so the planner sizes
+each hot file's copies by the file's finish (``replica_plan.finish_replicas``: up to one per node). Reactive copies
+land mid-storm (their source reads go ahead of the storm's at the holder: the service limit's priority lane; one
+thread of the process re-reads the copy list every ``--refresh-s`` for the ranks).
+
+Each mode's *floor* (:mod:`storm_floors`): the least time the bed allows it, the largest of its node bytes over all
+nodes' bandwidth, its reads over their request rate, and a hot file's reads over its copies; reported beside the
+measured time with what set it, the machine's busy share during the storm and the bound as run (CPU when the
+machine was >= 90% busy and the mode ran >= 1.5x its floor). ``--repeats`` rounds of every mode (rotated order, the
+same base placement for all modes of a round): medians, the range, and foresight's ratio to each mode per round.
 
 Layouts (``--layouts``), each scaled down by keeping its ratios (hot bytes : per-rank bytes, ranks per host, readers
 per safe reader); nodes, ranks and the per-node limit set the absolute time:
