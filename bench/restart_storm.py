@@ -26,7 +26,8 @@ Placement is inside every hinted total: the clock starts when the hint is sent. 
 :class:`~foresight.replication.restore_schedule.HintedRestore`: the ranks start at once and are never held; while
 the copies are placed every rank reads its own shard first (with sharing, a host's ranks other than local rank 0
 always do), so placement runs behind the shards; each copy joins the reads when it is listed (the hot files' copy
-records re-read every 50 ms). The hint carries ``copies_join`` and the shards' bytes and reads, so the planner sizes
+records re-read every 50 ms); meanwhile hot fetches are admitted 4 per listed copy (a fetch queued at a base copy
+would stay in its queue after the new copies land). The hint carries ``copies_join`` and the shards' bytes and reads, so the planner sizes
 each hot file's copies by the file's finish (``replica_plan.finish_replicas``: up to one per node). Reactive copies
 land mid-storm (their source reads go ahead of the storm's at the holder: the service limit's priority lane; one
 thread of the process re-reads the copy list every ``--refresh-s`` for the ranks).
@@ -276,8 +277,10 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
                 except Exception as e:  # etcd slow under the storm: keep the list we have, say so
                     print(f"  copy-list refresh failed: {str(e)[:120]}", flush=True)
 
+        base = placement.scheduled(replicas) if placement is not None else replicas  # hot fetches admitted
+
         def rank(r: int) -> tuple[float, float]:
-            reader = SharedReplicaReader(replicas, shares[r], hot=hot) if shares else replicas
+            reader = SharedReplicaReader(base, shares[r], hot=hot) if shares else base
             gate.wait()
             mine = []
             files = [*hot, shards[r]]
@@ -337,7 +340,7 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
     if placement is not None:
         out.update(copy_bytes=(placement.plan or {}).get("copy_bytes", 0),
                    new_replicas=(placement.plan or {}).get("new_replicas", 0), place_s=placement.place_s,
-                   placement_error=placement.error, joined_s=placement.joined_s,
+                   placement_error=placement.error, joined_s=placement.joined_s, held_s=placement.held_s,
                    lead_s=(placement.plan or {}).get("lead_s"),
                    placement_cost_s=(placement.plan or {}).get("placement_cost_s"),
                    copy_failures=(placement.placed or {}).get("failed"),

@@ -311,7 +311,7 @@ def test_a_hinted_restore_reads_at_once_and_its_copies_join_the_reads(etcd, node
 def test_while_placement_runs_every_rank_reads_its_cold_files_first_and_nobody_waits(etcd, nodes, ckpt):
     """The hint goes to a node that never answers (a listening socket nobody serves), so placement is pending:
     every rank reads its cold files first (local rank 0, which fetches for its host, too), and a rank that reaches
-    the hot file reads the copies that exist at once. When the node is gone the hint goes to the cluster, its
+    the hot file reads the copies that exist at once, admitted ``depth`` per listed copy. When the node is gone the hint goes to the cluster, its
     copies are placed, and the order given comes back (the host's other ranks keep reading their own files
     while local rank 0 fetches)."""
     name, job = "jobO/step-1", "jobO"
@@ -327,7 +327,7 @@ def test_while_placement_runs_every_rank_reads_its_cold_files_first_and_nobody_w
         with ReplicaReader(etcd, job=job, token=TOKEN, refresh_s=3600) as replicas:
             replicas.copies(name)
             restore = HintedRestore(name, etcd=etcd, job=job, token=TOKEN, hints=hints, reader=replicas,
-                                    ranks_per_host=2, node=f"grpc://127.0.0.1:{silent.getsockname()[1]}")
+                                    ranks_per_host=2, depth=1, node=f"grpc://127.0.0.1:{silent.getsockname()[1]}")
             files = [".metadata", data, "shard-0"]
             assert restore.order(files) == files and not restore.placing  # not started: the order given
             restore.start()
@@ -340,6 +340,18 @@ def test_while_placement_runs_every_rank_reads_its_cold_files_first_and_nobody_w
             # a rank at the hot file while the plan is out reads the base copies now (a bounded wait, not a timing)
             assert cf.ThreadPoolExecutor(1).submit(replicas.read, name, data).result(timeout=60) == want[data]
             assert restore.placing  # the read went while placement was still pending
+            # admission: 2 listed copies x depth 1 hot fetches in flight; a third waits for one to end (not for
+            # placement), then goes
+            reader = restore.scheduled(replicas)
+            restore._acquire(data)
+            restore._acquire(data)
+            third = cf.ThreadPoolExecutor(1).submit(reader.read, name, data)
+            with pytest.raises(cf.TimeoutError):
+                third.result(timeout=0.5)  # waits for a slot (a bound on a hang, not a timing figure)
+            restore._release(data)
+            assert third.result(timeout=60) == want[data] and restore.peak[data] == 2
+            restore._release(data)
+            assert reader.read(name, ".metadata") == want[".metadata"]  # never through a slot
             silent.close()  # the node is gone: the hint goes to the cluster
             restore.join()
             assert restore.error is None and restore.placed["complete"] and restore.plan["copies_join"] is True

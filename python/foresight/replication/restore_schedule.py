@@ -10,6 +10,11 @@ restart is declared (one node, one connection for the hint and its progress poll
   placement runs behind the cold reads and the hot reads find the new copies; with per-host sharing a host's ranks
   other than local rank 0 (which fetches for the host) always read their own files first. Nobody is held: a rank
   that reaches a hot file before its copies land reads the copies that exist.
+* :class:`ScheduledReader` (:meth:`HintedRestore.scheduled`): admission, not a hold. While placement runs, a hot
+  fetch goes when fewer than ``depth`` fetches of the file are in flight per listed copy, else it waits for one to
+  end or a copy to join: a node serves its reads in arrival order, so a fetch sent to a base copy's full queue
+  would wait there even after new copies land (with 512 ranks reading a file on 3 copies, each queue holds ~170
+  reads); waiting here, it goes to whichever copy frees first, new ones included.
 * while placement runs, the reader's list of the hinted files' copies is re-read every ``poll_s`` (a range per hot
   file: :meth:`~foresight.replication.hint_client.ReplicaReader.refresh_files`), so each copy takes readers the moment
   it is registered, not when the last one is.
@@ -26,7 +31,7 @@ Example::
         replicas.copies("job-7/step-100")
         restore = HintedRestore("job-7/step-100", etcd=ep, job="job-7", token=tok, hints=hints, reader=replicas,
                                 ranks_per_host=8, cold_bytes=world * shard_size, cold_reads=world).start()
-        reader = SharedReplicaReader(replicas, share, hot=[h.path for h in hints])
+        reader = SharedReplicaReader(restore.scheduled(replicas), share, hot=[h.path for h in hints])
         for f in restore.order([".metadata", "__0_data.bin", my_shard], local_rank=local_rank):
             data = reader.read("job-7/step-100", f)
         restore.join()
@@ -66,6 +71,7 @@ class HintedRestore:
             asked for the tasks' progress meanwhile (failed copies end the wait).
         node: the node (location) to send the hint to and poll; default one live node at random. If it does not
             answer, the hint goes to the cluster (any live node).
+        depth: hot fetches in flight per listed copy while placement runs (:class:`ScheduledReader`).
 
     Attributes after :meth:`join`: ``plan`` (the node's plan), ``placed`` (its progress once every copy was
     listed; asked after the ranks were told, it also folds the placement's time into the cluster's mean), ``place_s`` (hint sent -> every planned copy listed for the ranks), ``joined_s``
@@ -77,7 +83,7 @@ class HintedRestore:
     def __init__(self, checkpoint: str, *, etcd: str, job: str, token: str, hints: Sequence[FileHint] = (),
                  reader: Any = None, ranks_per_host: int = 1, cold_bytes: int = 0, cold_reads: int = 0,
                  ttl_s: float = 600.0, timeout: float = 600.0, poll_s: float = 0.05, progress_s: float = 0.5,
-                 node: str | None = None) -> None:
+                 node: str | None = None, depth: int = 4) -> None:
         self.checkpoint, self.etcd, self.job, self.token = checkpoint, etcd, job, token
         self.hints, self.reader, self.ranks_per_host = list(hints), reader, ranks_per_host
         self.cold_bytes, self.cold_reads, self.ttl_s = cold_bytes, cold_reads, ttl_s
@@ -92,11 +98,23 @@ class HintedRestore:
         self.t0 = 0.0
         self._thread: threading.Thread | None = None
         self.stats = {"fallbacks": 0, "failures": 0, "polls": 0}
+        self.depth = depth
+        self._slots = threading.Condition()
+        self._inflight: dict[str, int] = {}
+        self._counts: dict[str, int] = {}  # listed copies of each hinted file (updated as copies join)
+        self.peak: dict[str, int] = {}  # most fetches of each hinted file in flight at once through the slots
+        self.held_s = 0.0  # fetch time spent waiting for a slot, all fetches together
 
     # -- placement -------------------------------------------------------------------------------------------
     def start(self) -> "HintedRestore":
         """Send the hint now (from a thread of its own); the ranks may start reading at once."""
         self.t0 = time.perf_counter()
+        if self.reader is not None:
+            try:
+                self._count(self.reader.copies(self.checkpoint))
+            except NodeError as e:  # no list yet: slots assume the base replication
+                log.warning("no copy list for the schedule",
+                            extra={"checkpoint": self.checkpoint, "error": str(e)[:200]})
         self._thread = threading.Thread(target=self._run, name="hinted-restore", daemon=True)
         self._thread.start()
         return self
@@ -146,6 +164,8 @@ class HintedRestore:
                 self._join_copies(node, client, args)
                 self.place_s = time.perf_counter() - self.t0
                 self.ready.set()  # the ranks read in their own order now
+                with self._slots:
+                    self._slots.notify_all()
                 if self.placed is None:  # the node's account of it (and its placement time into the cluster's mean)
                     self.placed = replication_progress(self.checkpoint, **args, node=node, client=client)
             self.place_s = self.place_s if self.place_s is not None else time.perf_counter() - self.t0
@@ -157,6 +177,8 @@ class HintedRestore:
         finally:
             self.planned.set()
             self.ready.set()
+            with self._slots:
+                self._slots.notify_all()  # placement over: every waiting fetch goes
             if client is not None:
                 client.close()
 
@@ -173,6 +195,7 @@ class HintedRestore:
             if self.reader is not None:
                 listed = self.reader.refresh_files(self.checkpoint, files)
                 self.stats["polls"] += 1
+                self._count(listed)
                 new = {(f, n) for f, n in want if n in listed.get(f, {})} - seen
                 self.joined_s += [time.perf_counter() - self.t0] * len(new)
                 seen |= new
@@ -216,10 +239,62 @@ class HintedRestore:
             return meta + cold + hot
         return meta + [f for f in files if f != METADATA]
 
+    def scheduled(self, reader: Any) -> "ScheduledReader":
+        """``reader`` (a ReplicaReader) with the hinted files' fetches admitted through this schedule's slots."""
+        return ScheduledReader(self, reader)
+
+    def _count(self, listed: dict) -> None:
+        """The hinted files' listed copies (the slots per file), waking fetches a new copy has room for."""
+        with self._slots:
+            self._counts = {h.path: len(listed.get(h.path, {})) for h in self.hints}
+            self._slots.notify_all()
+
+    def _acquire(self, file: str) -> None:
+        """A fetch slot for ``file``: at most ``depth`` fetches in flight per listed copy while placement runs."""
+        t = time.perf_counter()
+        deadline = time.monotonic() + self.timeout
+        with self._slots:
+            while self.placing and self._inflight.get(file, 0) >= self.depth * max(1, self._counts.get(file, 1)):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._slots.wait(min(left, self.poll_s * 4))
+            self._inflight[file] = self._inflight.get(file, 0) + 1
+            self.peak[file] = max(self.peak.get(file, 0), self._inflight[file])
+            self.held_s += time.perf_counter() - t
+
+    def _release(self, file: str) -> None:
+        with self._slots:
+            self._inflight[file] -= 1
+            self._slots.notify_all()
+
     @property
     def placing(self) -> bool:
         """The hint was sent and its copies are not all listed yet (nor has it failed)."""
         return self._thread is not None and not self.ready.is_set()
 
 
-__all__ = ["HintedRestore"]
+class ScheduledReader:
+    """A ReplicaReader front whose hinted files (not ``.metadata``) are fetched through the schedule's slots while
+    placement runs; other reads and the copy list pass straight through (a :class:`~foresight.replication.
+    host_share.SharedReplicaReader` can sit on it: the host's one fetch takes the slot)."""
+
+    def __init__(self, restore: HintedRestore, reader: Any) -> None:
+        self.restore, self.reader = restore, reader
+
+    def copies(self, checkpoint: str, **kwargs: Any) -> dict:
+        return self.reader.copies(checkpoint, **kwargs)
+
+    def read(self, checkpoint: str, file: str) -> bytes:
+        r = self.restore
+        if checkpoint != r.checkpoint or file == METADATA or not r.placing or \
+                file not in {h.path for h in r.hints}:
+            return self.reader.read(checkpoint, file)
+        r._acquire(file)
+        try:
+            return self.reader.read(checkpoint, file)
+        finally:
+            r._release(file)
+
+
+__all__ = ["HintedRestore", "ScheduledReader"]
