@@ -7,7 +7,8 @@ simulated ranks (a thread pool of readers sharing one :class:`~foresight.replica
 all released at once), ``--ranks-per-host`` to a host, each read the checkpoint's hot files (``.metadata`` and the
 data file of the replicated tensors: every rank reads them) and its own shard file, every file verified by xxh3.
 
-Side by side, each on a fresh placement of the same files on the same nodes (one checkpoint name per mode):
+Side by side, each on a fresh placement of the same files on the same nodes (one checkpoint name per mode), each
+planning from the same cluster state (the placement time the nodes learned from earlier modes' hints is dropped):
 
 * ``default``: the 3 base copies only;
 * ``reactive``: the storage side notices a hot file once ``safe readers`` ranks have read it (after the storm
@@ -22,16 +23,20 @@ Side by side, each on a fresh placement of the same files on the same nodes (one
 * ``foresight``: hints for one reader per host (``ranks_per_host``) plus the per-host sharing.
 
 Placement is inside every hinted total: the clock starts when the hint is sent. The hinted modes send it through
-:class:`~foresight.replication.restore_schedule.HintedRestore`: the ranks start at once (nobody waits for the plan
-call); while the copies are placed, only the ranks the existing copies serve (4 fetches per copy; with sharing one
-fetch per host, by its local rank 0, the host's other ranks reading their own shard meanwhile) read the hot files
-first, the others read their shards first, and hot fetches wait for a slot;
-registered copies join the reads (the ranks' copy list is refreshed) and end the schedule, as does placement
-running past when its copies were expected. The hint carries
-``copies_join`` and the shards' bytes and reads, so the planner places a copy when the base copies would still be
-busy with the file when it lands. Reactive copies land mid-storm (their source reads go ahead of the storm's at the
-holder: the service limit's priority lane; one thread of the process re-reads the copy list every ``--refresh-s``
-for the ranks).
+:class:`~foresight.replication.restore_schedule.HintedRestore`: the ranks start at once and are never held; while
+the copies are placed every rank reads its own shard first (with sharing, a host's ranks other than local rank 0
+always do), so placement runs behind the shards; each copy joins the reads when it is listed (the hot files' copy
+records re-read every 50 ms); meanwhile hot fetches are admitted 4 per listed copy (a fetch queued at a base copy
+would stay in its queue after the new copies land). The hint carries ``copies_join`` and the shards' bytes and reads, so the planner sizes
+each hot file's copies by the file's finish (``replica_plan.finish_replicas``: up to one per node). Reactive copies
+land mid-storm (their source reads go ahead of the storm's at the holder: the service limit's priority lane; one
+thread of the process re-reads the copy list every ``--refresh-s`` for the ranks).
+
+Each mode's *floor* (:mod:`storm_floors`): the least time the bed allows it, the largest of its node bytes over all
+nodes' bandwidth, its reads over their request rate, and a hot file's reads over its copies; reported beside the
+measured time with what set it, the CPU the bed used during the storm over the machine's cores (its CPU floor), the
+machine's busy share, and the bound as run (CPU when the CPU floor is above the bytes' floor). ``--repeats`` rounds
+of every mode (rotated order, the same base placement for all modes of a round): medians, the range, and foresight's ratio to each mode per round.
 
 Layouts (``--layouts``), each scaled down by keeping its ratios (hot bytes : per-rank bytes, ranks per host, readers
 per safe reader); nodes, ranks and the per-node limit set the absolute time:
@@ -50,7 +55,7 @@ reads from the nodes per host, extra bytes copied between nodes, host-local byte
 Usage::
 
     python bench/restart_storm.py                  # 12 nodes, 1024 ranks
-    python bench/restart_storm.py --quick          # 8 nodes, 512 ranks
+    python bench/restart_storm.py --quick          # 8 nodes, 512 ranks, 3 rounds
     python bench/restart_storm.py --smoke          # 4 nodes, 64 ranks: checks the bench works (seconds)
 """
 from __future__ import annotations
@@ -75,6 +80,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "python"))
 
 from common import RESULTS, machine, print_table, write_results  # noqa: E402
+from storm_floors import bed_line, mode_floor  # noqa: E402
 
 JOB, TOKEN = "storm", "storm-token-0001"
 MODES = ["default", "reactive", "uniform", "host_cache", "hints", "foresight"]
@@ -82,11 +88,19 @@ LABELS = {"default": "default 3 copies", "reactive": "reactive replication", "un
           "host_cache": "per-host cache alone", "hints": "hints alone", "foresight": "foresight (hints + host share)"}
 LAYOUTS = {"fsdp7b": dict(replicated_kib=256, shard_kib=32), "shards16k": dict(replicated_kib=128, shard_kib=16)}
 PRESETS = {
-    "smoke": dict(nodes=4, ranks=64, limit="2M:200", threads=64, layouts="fsdp7b,shards16k", scale=1 / 4),
-    "quick": dict(nodes=8, ranks=512, limit="4M:200", threads=256, layouts="fsdp7b,shards16k", scale=1.0),
-    "full": dict(nodes=12, ranks=1024, limit="4M:200", threads=256, layouts="fsdp7b,shards16k", scale=1.0),
+    "smoke": dict(nodes=4, ranks=64, limit="2M:200", threads=64, layouts="fsdp7b,shards16k", scale=1 / 4, repeats=1),
+    "quick": dict(nodes=8, ranks=512, limit="2M:100", threads=256, layouts="fsdp7b,shards16k", scale=1.0, repeats=3),
+    "full": dict(nodes=12, ranks=1024, limit="2M:100", threads=256, layouts="fsdp7b,shards16k", scale=1.0,
+                 repeats=3),
 }
 REAL_RANKS, REAL_SAFE_READERS = 2048, 64
+# Node limits: a read's CPU (Flight, Python, verification: about 4 ms all processes together on this bed) against its
+# byte time at a node. At 4 MiB/s a 32 KiB shard takes 8 ms, so the bed's CPU (2.8 CPU-s a shared storm on 2 cores)
+# sat above the per-host modes' byte floors and the storm measured the CPU; a real restore's 41 MB shard takes ~40 ms
+# at 1 GB/s against ~1 ms of CPU. 2 MiB/s and 100 requests/s (both halved) put the bytes back in charge.
+# Threads stay under the ranks (256): with one thread per rank, the 7 of every 8 ranks waiting for their host's
+# shared fetch poll for it in this one process, and the per-host cache's storm measured that CPU (3 s -> 8 s at
+# 2M:100), which real ranks on their own hosts' cores do not pay.
 
 
 # -- cluster ---------------------------------------------------------------------------------------------------
@@ -265,7 +279,7 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
                 except Exception as e:  # etcd slow under the storm: keep the list we have, say so
                     print(f"  copy-list refresh failed: {str(e)[:120]}", flush=True)
 
-        base = placement.scheduled(replicas) if placement is not None else replicas  # hinted fetches in slots
+        base = placement.scheduled(replicas) if placement is not None else replicas  # hot fetches admitted
 
         def rank(r: int) -> tuple[float, float]:
             reader = SharedReplicaReader(base, shares[r], hot=hot) if shares else base
@@ -328,8 +342,9 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
     if placement is not None:
         out.update(copy_bytes=(placement.plan or {}).get("copy_bytes", 0),
                    new_replicas=(placement.plan or {}).get("new_replicas", 0), place_s=placement.place_s,
-                   placement_error=placement.error, held_s=placement.held_s,
+                   placement_error=placement.error, joined_s=placement.joined_s, held_s=placement.held_s,
                    lead_s=(placement.plan or {}).get("lead_s"),
+                   placement_cost_s=(placement.plan or {}).get("placement_cost_s"),
                    copy_failures=(placement.placed or {}).get("failed"),
                    place_steps=(placement.placed or {}).get("steps_s"),
                    files=plan_files(placement))
@@ -338,7 +353,7 @@ def storm(etcd: str, name: str, args: argparse.Namespace, shards: list[str], hot
 
 def plan_files(placement: "HintedRestore") -> list[dict]:
     """The plan per hot file: readers, copies wanted and placed, the cap that bit (e.g. ``placement_cost``)."""
-    return [{k: f[k] for k in ("path", "size", "readers", "wanted", "replicas", "capped_by")}
+    return [{k: f.get(k) for k in ("path", "size", "readers", "wanted", "replicas", "capped_by", "sized_by")}
             for f in (placement.plan or {}).get("files", [])][:4]
 
 
@@ -355,7 +370,97 @@ def release(cluster: Cluster, name: str, timeout: float = 300.0) -> None:
         time.sleep(0.2)
 
 
+def cpu_sample(pids: list[int]) -> tuple[float, float, float]:
+    """(machine busy CPU-s, machine CPU-s, this bed's CPU-s: the bench process, its nodes and etcd) so far."""
+    import psutil
+
+    t = psutil.cpu_times()
+    total = sum(t)
+    busy = total - t.idle - getattr(t, "iowait", 0.0)
+    ours = 0.0
+    for pid in pids:
+        try:
+            c = psutil.Process(pid).cpu_times()
+            ours += c.user + c.system
+        except psutil.Error:  # a node gone: its CPU is no longer counted (the storm's figures say why)
+            pass
+    return busy, total, ours
+
+
+def forget_placements(etcd: str) -> None:
+    """Every mode plans from the same cluster state: the placement time the nodes learned from the previous modes'
+    hints (``{p}/replicas/.placement``, a running mean the planner prices copies with) is dropped, so the order of
+    the modes does not decide whether a mode's copies pay."""
+    from foresight.cluster.membership import Cluster
+
+    c = Cluster(etcd)
+    c._call(lambda e: e.delete(c.key("replicas", ".placement")))
+
+
+def run_mode(cluster: Cluster, args: argparse.Namespace, layout: str, mode: str, src: Path, shards: list[str],
+             hot_hints: list, sizes: dict, work: Path, seq: list[int], seed: int) -> dict:
+    """One storm of one mode on a fresh placement of the checkpoint (``seed``: the same nodes for every mode of a
+    round); its copies released after."""
+    etcd = cluster.etcd.endpoint
+    hot = [h.path for h in hot_hints]
+    seq[0] += 1
+    name = f"{JOB}/{layout}-{mode}-{seq[0]}"
+    copies = min(5, args.nodes) if mode == "uniform" else 3
+    place_default(cluster, src, name, replicas=copies, seed=seed)
+    forget_placements(etcd)
+    placement = detector = share_root = None
+    cold = dict(cold_bytes=args.ranks * sizes["shard_kib"] * 1024, cold_reads=args.ranks)  # the shards
+    if mode == "hints":
+        placement = make_placement(etcd, name, hot_hints, **cold)
+    elif mode == "foresight":
+        placement = make_placement(etcd, name, hot_hints, ranks_per_host=args.ranks_per_host, **cold)
+    elif mode == "reactive":
+        placement = make_placement(etcd, name, [])
+        detector = Detector(placement, {h.path: h for h in hot_hints}, args.safe_readers, args.detect_s)
+    if mode in ("host_cache", "foresight"):
+        share_root = work / f"shares-{layout}-{mode}-{seq[0]}"
+        share_root.mkdir()
+    pids = [os.getpid(), cluster.etcd.proc.pid, *(p.pid for p in cluster.procs)]
+    before = cpu_sample(pids)
+    r = storm(etcd, name, args, shards, hot, share_root=share_root,
+              placement=None if mode == "reactive" else placement, detector=detector)
+    after = cpu_sample(pids)
+    r.update(machine_busy=(after[0] - before[0]) / max(1e-9, after[1] - before[1]), cpu_s=after[2] - before[2])
+    if detector is not None:
+        detector.join()  # the hint may land after a short storm: counted all the same
+        r.update(detected_after_reads=detector.fired_after_reads, place_s=placement.place_s,
+                 copy_bytes=(placement.plan or {}).get("copy_bytes", 0),
+                 new_replicas=(placement.plan or {}).get("new_replicas", 0), placement_error=placement.error,
+                 files=plan_files(placement), place_steps=(placement.placed or {}).get("steps_s"))
+    if mode == "uniform":  # the extra copies were made when the checkpoint was written, off the restore's clock
+        r.update(copy_bytes=(copies - 3) * sum(os.path.getsize(src / f) for f in os.listdir(src)),
+                 new_replicas=(copies - 3) * len(os.listdir(src)))
+    if placement is not None and placement.plan is not None:
+        release(cluster, name)
+    if share_root is not None:
+        shutil.rmtree(share_root, ignore_errors=True)
+    return r
+
+
+def floor_of(args: argparse.Namespace, mode: str, r: dict, hot_sizes: dict[str, int], shard_bytes: int) -> dict:
+    """The mode's floor (:func:`storm_floors.mode_floor`) with the copies it had: the plan's for hinted modes."""
+    from foresight.cluster.throttle import parse_amounts
+
+    b, q = parse_amounts(args.limit)
+    base = min(5, args.nodes) if mode == "uniform" else 3
+    copies = {f: base for f in hot_sizes}
+    for f in r.get("files") or []:
+        copies[f["path"]] = f["replicas"]
+    # copies made on the restore's clock are node bytes too; uniform's were made at the save
+    copy_bytes = 0 if mode == "uniform" else r["copy_bytes"]
+    return mode_floor(nodes=args.nodes, node_bytes_per_s=b, node_requests_per_s=q or None, ranks=args.ranks,
+                      ranks_per_host=args.ranks_per_host, hot=hot_sizes, shard_bytes=shard_bytes,
+                      shared=mode in ("host_cache", "foresight"), copies=copies, copy_bytes=copy_bytes)
+
+
 def run_layout(cluster: Cluster, args: argparse.Namespace, layout: str, work: Path, seq: list[int]) -> dict:
+    """``args.repeats`` rounds of every mode (each round in a rotated order, so load drift on the machine does not
+    fall on one mode); per mode the median round's figures, every round's total, and the floor."""
     from foresight.replication.hints import derive_dcp_hints
 
     sizes = {k: max(1, int(v * args.scale)) for k, v in LAYOUTS[layout].items()}
@@ -363,51 +468,43 @@ def run_layout(cluster: Cluster, args: argparse.Namespace, layout: str, work: Pa
     hot_hints = derive_dcp_hints(str(src), args.ranks)  # .metadata and the data file; shards are not in it
     hosts = math.ceil(args.ranks / args.ranks_per_host)
     hot = [h.path for h in hot_hints]
-    etcd = cluster.etcd.endpoint
+    hot_sizes = {h.path: h.size for h in hot_hints}
+    runs: dict[str, list[dict]] = {m: [] for m in args.modes}
+    for rep in range(args.repeats):
+        k = rep % len(args.modes)
+        for mode in args.modes[k:] + args.modes[:k]:
+            r = run_mode(cluster, args, layout, mode, src, shards, hot_hints, sizes, work, seq, seed=rep + 1)
+            runs[mode].append(r)
+            print(f"  {layout} round {rep + 1}/{args.repeats} {mode:>10}: {r['total_s']:.2f} s, "
+                  f"{r['bytes_per_host'] / 1024:.0f} KiB/host from the nodes, +{r['copy_bytes'] / 1024:.0f} KiB "
+                  f"copied, machine busy {100 * r['machine_busy']:.0f}%", flush=True)
     results: dict[str, dict] = {}
     for mode in args.modes:
-        seq[0] += 1
-        name = f"{JOB}/{layout}-{mode}-{seq[0]}"
-        copies = min(5, args.nodes) if mode == "uniform" else 3
-        place_default(cluster, src, name, replicas=copies)
-        placement = detector = share_root = None
-        cold = dict(cold_bytes=args.ranks * sizes["shard_kib"] * 1024, cold_reads=args.ranks)  # the shards
-        if mode == "hints":
-            placement = make_placement(etcd, name, hot_hints, **cold)
-        elif mode == "foresight":
-            placement = make_placement(etcd, name, hot_hints, ranks_per_host=args.ranks_per_host, **cold)
-        elif mode == "reactive":
-            placement = make_placement(etcd, name, [])
-            detector = Detector(placement, {h.path: h for h in hot_hints}, args.safe_readers, args.detect_s)
-        if mode in ("host_cache", "foresight"):
-            share_root = work / f"shares-{layout}-{mode}"
-            share_root.mkdir()
-        r = storm(etcd, name, args, shards, hot, share_root=share_root,
-                  placement=None if mode == "reactive" else placement, detector=detector)
-        if detector is not None:
-            detector.join()  # the hint may land after a short storm: counted all the same
-            r.update(detected_after_reads=detector.fired_after_reads, place_s=placement.place_s,
-                     copy_bytes=(placement.plan or {}).get("copy_bytes", 0),
-                     new_replicas=(placement.plan or {}).get("new_replicas", 0), placement_error=placement.error,
-                     files=plan_files(placement), place_steps=(placement.placed or {}).get("steps_s"))
-        if mode == "uniform":  # the extra copies were made when the checkpoint was written, off the restore's clock
-            r.update(copy_bytes=(copies - 3) * sum(os.path.getsize(src / f) for f in os.listdir(src)),
-                     new_replicas=(copies - 3) * len(os.listdir(src)))
+        totals = [r["total_s"] for r in runs[mode]]
+        med = sorted(runs[mode], key=lambda r: r["total_s"])[(len(totals) - 1) // 2]  # the median round
+        r = dict(med, total_s=statistics.median(totals), rounds_total_s=totals,
+                 spread_s=[min(totals), max(totals)])
+        f = floor_of(args, mode, med, hot_sizes, sizes["shard_kib"] * 1024)
+        cpu_floor = statistics.median(x["cpu_s"] for x in runs[mode]) / (os.cpu_count() or 1)
+        r.update(floor=f, over_floor=r["total_s"] / f["floor_s"], cpu_floor_s=cpu_floor,
+                 bound=f"CPU ({cpu_floor:.2f} s)" if cpu_floor >= f["floor_s"] else f["bound"])
         results[mode] = r
-        if placement is not None and placement.plan is not None:
-            release(cluster, name)
-        print(f"  {layout} {mode:>10}: {r['total_s']:.2f} s, {r['bytes_per_host'] / 1024:.0f} KiB/host from the "
-              f"nodes, +{r['copy_bytes'] / 1024:.0f} KiB copied", flush=True)
-        if share_root is not None:
-            shutil.rmtree(share_root, ignore_errors=True)
     d = results["default"]["total_s"]
     for r in results.values():
         r["reduction"] = 1 - r["total_s"] / d
+    vs = {}
+    if "foresight" in results:
+        for m in results:
+            if m == "foresight":
+                continue
+            ratios = [f["total_s"] / o["total_s"] for f, o in zip(runs["foresight"], runs[m])]  # same round
+            vs[m] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "rounds": ratios}
     best_other = min((m for m in results if m not in ("default", "foresight")),
                      key=lambda m: results[m]["total_s"], default=None)
     return {"sizes": sizes, "hot": hot, "hot_bytes": sum(h.size for h in hot_hints), "hosts": hosts,
             "ckpt_bytes": sum(os.path.getsize(src / f) for f in os.listdir(src)),
             "shard_bytes": sizes["shard_kib"] * 1024, "modes": results, "best_alternative": best_other,
+            "foresight_vs": vs,
             "foresight_vs_best_alternative": (results["foresight"]["total_s"] / results[best_other]["total_s"]
                                               if best_other and "foresight" in results else None)}
 
@@ -429,9 +526,13 @@ def run(args: argparse.Namespace) -> dict:
         if cluster is not None:
             cluster.close()
         shutil.rmtree(work, ignore_errors=True)
+    from foresight.cluster.throttle import parse_amounts
+
+    b, q = parse_amounts(args.limit)
     return {"config": {k: getattr(args, k) for k in ("nodes", "ranks", "ranks_per_host", "limit", "threads",
                                                        "safe_readers", "refresh_s", "scale", "layouts", "modes",
-                                                       "preset")},
+                                                       "preset", "repeats")},
+            "bed": bed_line(args.nodes, b, q or None),
             "layouts": layouts,
             "node_stats": {n: {k: s[k] for k in ("reads", "bytes", "copies_made", "reclaimed")}
                            for n, s in node_stats.items()}}
@@ -442,20 +543,35 @@ def report(res: dict) -> list[dict]:
     cfg = res["config"]
     tables = []
     for layout, lr in res["layouts"].items():
-        rows = []
+        rows, floors = [], []
         for mode, r in lr["modes"].items():
-            rows.append([LABELS[mode], f"{r['total_s']:.2f}", f"{100 * r['reduction']:.1f}%",
+            lo, hi = r.get("spread_s", [r["total_s"]] * 2)
+            vs = lr.get("foresight_vs", {}).get(mode)
+            rows.append([LABELS[mode], f"{r['total_s']:.2f}", f"{lo:.2f}-{hi:.2f}", f"{100 * r['reduction']:.1f}%",
+                         "-" if vs is None else f"{vs['median']:.2f} ({vs['min']:.2f}-{vs['max']:.2f})",
                          f"{r['slowest_rank_s']:.2f}", f"{r['median_rank_s']:.2f}",
                          f"{r['bytes_per_host'] / 1024:.0f}", f"{r['hot_reads_per_host']:.1f}",
                          f"{r['copy_bytes'] / 1024:.0f}", f"{r['host_local_bytes'] / 1024:.0f}",
                          "-" if r["place_s"] is None else f"{r['place_s']:.2f}", r["retries"]])
-        tables.append({"title": f"{layout}: {cfg['ranks']} ranks ({cfg['ranks_per_host']} per host), hot "
-                                f"{lr['hot_bytes'] // 1024} KiB + {lr['shard_bytes'] // 1024} KiB per rank, "
-                                f"{cfg['nodes']} nodes at {cfg['limit']} (bytes/s:requests/s) each",
-                       "header": ["mode", "total s", "vs default", "slowest rank s", "median rank s",
-                                  "KiB/host from nodes", "hot reads/host", "extra KiB copied", "host-local KiB",
-                                  "place s", "retries"],
+            f = r["floor"]
+            floors.append([LABELS[mode], f"{f['node_bytes'] / 2**20:.1f}", f"{f['hot_bytes'] / 2**20:.1f}",
+                           f"{f['cold_bytes'] / 2**20:.1f}", f"{f['copy_bytes'] / 2**20:.2f}", f["node_reads"],
+                           f"{f['floor_s']:.2f}", f["bound"], f"{r['cpu_s']:.1f}", f"{r['cpu_floor_s']:.2f}",
+                           f"{100 * r['machine_busy']:.0f}%", f"{r['total_s']:.2f}", f"{r['over_floor']:.2f}",
+                           r["bound"]])
+        head = (f"{layout}: {cfg['ranks']} ranks ({cfg['ranks_per_host']} per host), hot "
+                f"{lr['hot_bytes'] // 1024} KiB + {lr['shard_bytes'] // 1024} KiB per rank, "
+                f"{cfg['nodes']} nodes at {cfg['limit']} (bytes/s:requests/s) each")
+        tables.append({"title": f"{head}; medians of {cfg.get('repeats', 1)} rounds",
+                       "header": ["mode", "total s", "range s", "vs default", "foresight / it (range)",
+                                  "slowest rank s", "median rank s", "KiB/host from nodes", "hot reads/host",
+                                  "extra KiB copied", "host-local KiB", "place s", "retries"],
                        "rows": rows})
+        tables.append({"title": f"{layout}: the floor of each mode ({res.get('bed', '')})",
+                       "header": ["mode", "MiB from nodes", "hot MiB", "shard MiB", "copies MiB", "reads",
+                                  "floor s", "floor set by", "bed CPU-s", "CPU floor s", "machine busy",
+                                  "measured s", "x floor", "bound as run"],
+                       "rows": floors})
     return tables
 
 
@@ -497,6 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=None, help="multiplies the layouts' file sizes")
     ap.add_argument("--limit", default=None, help="per-node service limit BYTES[K|M|G]:REQUESTS per second")
     ap.add_argument("--threads", type=int, default=None, help="reader threads (ranks in flight at once)")
+    ap.add_argument("--repeats", type=int, default=None, help="rounds of every mode (medians reported)")
     ap.add_argument("--safe-readers", type=int, default=None,
                     help=f"readers one copy serves well (default: {REAL_SAFE_READERS} at {REAL_RANKS} ranks, scaled)")
     ap.add_argument("--refresh-s", type=float, default=0.25, help="how often readers re-read the copy list")
@@ -526,7 +643,8 @@ def main(argv: list[str] | None = None) -> int:
         if f is not None:
             print(f"{layout}: foresight loading-time reduction {100 * f['reduction']:.1f}% vs the default (paper: "
                   f"40.8%, target >= 50%); {lr['foresight_vs_best_alternative']:.2f}x the best alternative "
-                  f"({lr['best_alternative']})")
+                  f"({lr['best_alternative']}); per round against each: " + ", ".join(
+                      f"{m} {v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f})" for m, v in lr["foresight_vs"].items()))
     failures = sum(r["verify_failures"] for lr in res["layouts"].values() for r in lr["modes"].values())
     print(f"verify failures {failures}")
     suffix = "" if args.preset == "full" else f"_{args.preset}"
@@ -534,7 +652,16 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     payload = {"title": "Restart storm: six ways to serve a synchronized restore's hot checkpoint files",
                "machine": machine(), **res, "report": report(res),
-               "notes": ["total = the storm start (the hint sent at the same moment, the ranks not held for it) "
+               "notes": [f"medians of {res['config']['repeats']} rounds (each round every mode once, in a rotated "
+                         "order; the same base placement for every mode of a round); range = fastest-slowest round; "
+                         "foresight / it = foresight's total over the mode's in the same round",
+                         "floor = the least time the bed allows the mode (bench/storm_floors.py): its node bytes "
+                         "over all nodes' bandwidth, its reads over their request rate, or a hot file's reads over "
+                         "its copies, whichever is largest; bed CPU-s = CPU the bench process, its nodes and etcd "
+                         "used during the storm (median round); CPU floor = that over the machine's cores; bound "
+                         "as run = CPU when the CPU floor is above the bytes' floor; machine busy = all cores' busy "
+                         "share during the storm, other tenants included",
+                         "total = the storm start (the hint sent at the same moment, the ranks not held for it) "
                          "to the last rank done, placement included; slowest rank = its "
                          "first read to its last; each node behind a token-bucket service limit; KiB/host = bytes "
                          "the nodes served / hosts; hot reads/host = hot-file fetches from the nodes per host"]}

@@ -39,12 +39,22 @@ def test_restart_storm_bench_smoke(tmp_path):
             assert 0 <= r["copy_bytes"] <= (nodes - 3) * hot and r["place_s"] is not None, name
             files = r["files"]
             assert r["copy_bytes"] == sum((f["replicas"] - 3) * f["size"] for f in files), name
-            for f in files:  # a copy the formula wants is missing only for a cap, and the cap is named
-                assert f["replicas"] == min(f["wanted"], nodes) or f["capped_by"] == "placement_cost", (name, f)
+            for f in files:  # the formula's count, or (readers not held) the finish's, short of it only for a named cap
+                assert f["sized_by"] == "finish", (name, f)  # the ranks are never held for the copies
+                cap = min(f["wanted"], nodes) if f["sized_by"] == "formula" else nodes
+                assert f["replicas"] == cap or f["capped_by"] == "placement_cost", (name, f)
         assert modes["reactive"]["detected_after_reads"] > 0  # hinted only once the storm had started
         readers = {f["path"]: f["readers"] for f in modes["foresight"]["files"]}
         assert readers == {f: hosts for f in layout["hot"]}  # one reader per host
         assert {f["readers"] for f in modes["hints"]["files"]} == {ranks}
+        for name, r in modes.items():  # every mode's floor, from its bytes and reads, and the rounds behind the median
+            f = r["floor"]
+            assert f["node_bytes"] == r["node_bytes"] + (0 if name == "uniform" else r["copy_bytes"]), name
+            assert f["node_reads"] == r["node_reads"], name
+            assert f["floor_s"] == max(f["times_s"].values()) > 0 and r["bound"], name
+            assert len(r["rounds_total_s"]) == cfg["repeats"] and r["spread_s"][0] <= r["total_s"] <= r["spread_s"][1]
+        assert set(layout["foresight_vs"]) == set(modes) - {"foresight"}
+    assert data["bed"].startswith(f"{nodes} nodes")
     assert data["title"] and [t["title"] for t in data["report"]] and all(t["rows"] for t in data["report"])
     assert (results / "restart_storm_smoke.png").stat().st_size > 0
     assert list(scratch.iterdir()) == []  # scratch files cleaned up

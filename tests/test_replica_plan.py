@@ -9,7 +9,8 @@ import torch.distributed.checkpoint as dcp
 
 from foresight.checkpoint.dcp import ForesightStorageWriter
 from foresight.replication.hints import FileHint, HintError, _chunk_readers, derive_dcp_hints, validate_hints
-from foresight.replication.replica_plan import cold_lead_s, paying_replicas, plan_replicas, wanted_replicas
+from foresight.replication.replica_plan import (cold_lead_s, finish_replicas, finish_time_s, paying_replicas,
+                                                plan_replicas, wanted_replicas)
 from foresight.replication.replica_requests import decode_hints
 
 
@@ -203,12 +204,15 @@ def test_copies_that_join_a_running_restart_pay_while_the_base_copies_are_still_
     held = plan_replicas([_hint("hot", hot, 64)], NODES8, holders=BASE, safe_readers=16, **RATE)
     assert held.files[0].replicas == 3  # readers held for the copies: the 4th costs more than it saves
     joined = plan_replicas([_hint("hot", hot, 64)], NODES8, holders=BASE, safe_readers=16, join=True, **RATE)
-    f = joined.files[0]  # not held: it lands after 0.56 s while the base copies have 1.33 s of reads
-    assert f.replicas == f.wanted == 4 and len(f.new_nodes) == 1 and f.capped_by is None
+    f = joined.files[0]  # not held: copies land from 0.56 s while the base copies have 1.33 s of reads
+    assert f.wanted == 4 and f.sized_by == "finish" and f.capped_by == "nodes"  # 0.91 s on 8 copies, 1.33 on 3
+    assert f.replicas == finish_replicas(64, hot / (4 << 20), 3, 8, land_s=0.5) == 8 and len(f.new_nodes) == 5
     # few readers: the base copies are done (6 x 0.0625 / 3 = 0.125 s) before any copy could land
     few = plan_replicas([_hint("hot", hot, 6)], NODES8, holders=BASE, safe_readers=1, join=True, **RATE)
     assert few.files[0].wanted == 6 and few.files[0].replicas == 3 and few.files[0].capped_by == "placement_cost"
     assert paying_replicas(64, hot, 3, 8, node_bytes_per_s=4 << 20, placement_cost_s=0.5, join=True) == 8
+    # landing at 1.2 s: 6 copies end the reads soonest (1.329 s; 1.333 on 3, 1.344 on 8)
+    assert paying_replicas(64, hot, 3, 8, node_bytes_per_s=4 << 20, placement_cost_s=1.2, join=True) == 6
     assert paying_replicas(64, hot, 3, 8, node_bytes_per_s=4 << 20, placement_cost_s=2.0, join=True) == 3
     got = decode_hints({"job": "run-7", "checkpoint": "run-7/step-1", "ttl_s": 60, "copies_join": True,
                         "files": [{"path": "f", "size": 1, "readers": 2, "hot_bytes": 1}]})
@@ -216,3 +220,33 @@ def test_copies_that_join_a_running_restart_pay_while_the_base_copies_are_still_
     with pytest.raises(HintError, match="copies_join must be true or false"):
         decode_hints({"job": "run-7", "checkpoint": "run-7/step-1", "ttl_s": 60, "copies_join": 1,
                       "files": [{"path": "f", "size": 1, "readers": 2, "hot_bytes": 1}]})
+
+
+def test_copies_for_readers_not_held_are_sized_by_the_files_finish_beyond_the_formula():
+    """Readers not held for the copies: the count is the one that ends the file's reads soonest, each copy serving
+    from when it lands (source reads queued at the holders), up to the node cap and past the safe-readers formula."""
+    hot, t = 256 << 10, 0.0625  # the bench's fsdp7b hot file at 4 MiB/s: 64 host readers, 1.33 s on 3 copies
+    assert finish_time_s(64, t, 3, 3, land_s=0.0) == pytest.approx(64 * t / 3)
+    # 8 copies: 5 source reads (2 rounds at 3 holders) land at t, t, t, 2t, 2t and take 5 t of holder time
+    assert finish_time_s(64, t, 3, 8, land_s=0.0) == pytest.approx((64 * t + 5 * t + 7 * t) / 8)
+    assert finish_time_s(4, t, 3, 8, land_s=0.0) == math.inf  # the last copy lands after the reads are over
+    # placement hidden behind the cold reads (lead >= placement cost): every node gets a copy, 4 more than the formula
+    lead = cold_lead_s(512 * (32 << 10), 512, 8, node_bytes_per_s=4 << 20, node_requests_per_s=200)
+    plan = plan_replicas([_hint("hot", hot, 64), _hint("meta", 4096, 64)], NODES8, holders=BASE, safe_readers=16,
+                         join=True, lead_s=lead, **RATE)
+    by = {f.path: f for f in plan.files}
+    assert by["hot"].wanted == 4 and by["hot"].replicas == 8 and by["hot"].capped_by == "nodes"
+    assert by["hot"].sized_by == "finish" and sorted(by["hot"].new_nodes) == ["n3", "n4", "n5", "n6", "n7"]
+    assert by["meta"].replicas == 8 and plan.copy_bytes == 5 * (hot + 4096)  # 64 x 5 ms of requests: it pays too
+    # no head start: the small file's reads (0.11 s on 3 copies) end before a copy lands (0.5 s)
+    bare = plan_replicas([_hint("hot", hot, 64), _hint("meta", 4096, 64)], NODES8, holders=BASE, safe_readers=16,
+                         join=True, **RATE)
+    assert {f.path: f.replicas for f in bare.files} == {"hot": 8, "meta": 3}
+    # a per-file cap bounds it, and is named
+    capped = plan_replicas([_hint("hot", hot, 64)], NODES8, holders=BASE, safe_readers=16, join=True, lead_s=lead,
+                           max_per_file=5, **RATE)
+    assert capped.files[0].replicas == 5 and capped.files[0].capped_by == "per_file"
+    # placement slower than the base copies' work: none; without a known rate the formula sizes it
+    assert finish_replicas(64, t, 3, 8, land_s=1.5) == 3
+    formula = plan_replicas([_hint("hot", hot, 64)], NODES8, holders=BASE, safe_readers=16, join=True)
+    assert formula.files[0].replicas == 4 and formula.files[0].sized_by == "formula"

@@ -263,9 +263,10 @@ def test_release_ends_a_hint_at_once(etcd, nodes, ckpt):
 
 
 def test_a_hinted_restore_reads_at_once_and_its_copies_join_the_reads(etcd, nodes, ckpt):
-    """The ranks start with the hint in flight (nobody waits for the plan); every byte is the checkpoint's; the
-    copies are placed (the hint says the ranks are not held), the ranks' list is refreshed, hot fetches never
-    exceeded ``depth`` per copy, and after placement each rank reads in its own order."""
+    """The ranks start with the hint in flight (nobody waits for the plan or a slot); every byte is the
+    checkpoint's; the copies are placed (the hint says the ranks are not held), each joins the ranks' list as it
+    is registered (the hot files' records re-read alone, not the whole list), and after placement each rank reads
+    in its own order."""
     name, job = "jobH/step-1", "jobH"
     _place(ckpt, name, nodes[:2], job)
     hints = derive_dcp_hints(ckpt, 1024)
@@ -278,18 +279,21 @@ def test_a_hinted_restore_reads_at_once_and_its_copies_join_the_reads(etcd, node
     try:
         with ReplicaReader(etcd, job=job, token=TOKEN, refresh_s=3600) as replicas:
             replicas.copies(name)
-            restore = HintedRestore(name, etcd=etcd, job=job, token=TOKEN, hints=hints, reader=replicas, depth=1,
+            refreshes = replicas.stats["copy_refreshes"]
+            restore = HintedRestore(name, etcd=etcd, job=job, token=TOKEN, hints=hints, reader=replicas,
                                     cold_bytes=16 << 10, cold_reads=16).start()
-            reader = restore.scheduled(replicas)
             with cf.ThreadPoolExecutor(16) as pool:
-                got = list(pool.map(lambda r: {f: bytes(reader.read(name, f)) for f in restore.order(files)},
+                got = list(pool.map(lambda r: {f: bytes(replicas.read(name, f)) for f in restore.order(files)},
                                     range(16)))
             assert all(g == want for g in got)
             restore.join()
             assert restore.error is None and restore.plan["copies_join"] is True and restore.place_s is not None
             assert restore.plan["new_replicas"] == 2 * len(hints) and restore.placed["complete"]
+            assert len(restore.joined_s) == restore.plan["new_replicas"]  # each copy seen listed, once
             assert all(len(replicas.copies(name)[h.path]) == 4 for h in hints)  # the ranks were told
-            assert all(n <= 1 * 4 for n in restore.peak.values())  # depth 1 per copy, 4 copies at most
+            assert replicas.stats["file_refreshes"] == restore.stats["polls"] >= 1
+            assert replicas.stats["copy_refreshes"] == refreshes  # the whole list was never asked for again
+            assert replicas.copies(name)["shard-0"]  # the cold file's records kept
             assert restore.order(files[::-1]) == [".metadata"] + [f for f in files[::-1] if f != ".metadata"]
         # the placement's time went into the cluster's running mean; the next plan prices copies with it
         cluster = Cluster(etcd)
@@ -304,11 +308,12 @@ def test_a_hinted_restore_reads_at_once_and_its_copies_join_the_reads(etcd, node
         release_replication_hints(name, etcd=etcd, job=job, token=TOKEN)
 
 
-def test_while_placement_runs_the_copies_set_who_reads_hot_files_first(etcd, nodes, ckpt):
+def test_while_placement_runs_every_rank_reads_its_cold_files_first_and_nobody_waits(etcd, nodes, ckpt):
     """The hint goes to a node that never answers (a listening socket nobody serves), so placement is pending:
-    only the hosts the base copies serve (2 copies x depth 1) read the hot file first (their local rank 0, which
-    fetches for the host), the other ranks their cold files; a third concurrent fetch waits for a slot. When the node is gone the hint goes to the
-    cluster, its copies are placed, and the waiting fetch goes."""
+    every rank reads its cold files first (local rank 0, which fetches for its host, too), and a rank that reaches
+    the hot file reads the copies that exist at once, admitted ``depth`` per listed copy. When the node is gone the hint goes to the cluster, its
+    copies are placed, and the order given comes back (the host's other ranks keep reading their own files
+    while local rank 0 fetches)."""
     name, job = "jobO/step-1", "jobO"
     _place(ckpt, name, nodes[:2], job)
     hints = derive_dcp_hints(ckpt, 64)
@@ -322,36 +327,41 @@ def test_while_placement_runs_the_copies_set_who_reads_hot_files_first(etcd, nod
         with ReplicaReader(etcd, job=job, token=TOKEN, refresh_s=3600) as replicas:
             replicas.copies(name)
             restore = HintedRestore(name, etcd=etcd, job=job, token=TOKEN, hints=hints, reader=replicas,
-                                    ranks_per_host=2, depth=1, node=f"grpc://127.0.0.1:{silent.getsockname()[1]}",
-                                    expect_s=600)  # the plan is expected late: the schedule keeps its slots
+                                    ranks_per_host=2, depth=1, node=f"grpc://127.0.0.1:{silent.getsockname()[1]}")
             files = [".metadata", data, "shard-0"]
-            assert restore.order(files) == files  # not started: the order given
+            assert restore.order(files) == files and not restore.placing  # not started: the order given
             restore.start()
             late = HintedRestore(name, etcd=etcd, job=job, token=TOKEN, hints=hints, reader=replicas,
-                                 ranks_per_host=2, depth=1, node=f"grpc://127.0.0.1:{later.getsockname()[1]}",
-                                 expect_s=0).start()
-            assert late.order(files, local_rank=0) == files  # a plan past its expected time holds nobody
+                                 ranks_per_host=2, node=f"grpc://127.0.0.1:{later.getsockname()[1]}").start()
             cold_first = [".metadata", "shard-0", data]
-            # ranks 0..7, two per host: local rank 0 fetches for its host; 2 copies x depth 1 = 2 hosts hot-first
-            orders = [restore.order(files, local_rank=r % 2) for r in range(8)]
-            assert orders == [files, cold_first, files, cold_first] + [cold_first] * 4
+            assert restore.placing and not restore.planned.is_set()
+            assert [restore.order(files, local_rank=r % 2) for r in range(8)] == [cold_first] * 8
+            assert restore.order(files) == cold_first
+            # a rank at the hot file while the plan is out reads the base copies now (a bounded wait, not a timing)
+            assert cf.ThreadPoolExecutor(1).submit(replicas.read, name, data).result(timeout=60) == want[data]
+            assert restore.placing  # the read went while placement was still pending
+            # admission: 2 listed copies x depth 1 hot fetches in flight; a third waits for one to end (not for
+            # placement), then goes
             reader = restore.scheduled(replicas)
             restore._acquire(data)
-            restore._acquire(data)  # both slots (2 base copies x depth 1) held, as by two fetches in flight
+            restore._acquire(data)
             third = cf.ThreadPoolExecutor(1).submit(reader.read, name, data)
             with pytest.raises(cf.TimeoutError):
                 third.result(timeout=0.5)  # waits for a slot (a bound on a hang, not a timing figure)
             restore._release(data)
-            assert third.result(timeout=60) == want[data]
+            assert third.result(timeout=60) == want[data] and restore.peak[data] == 2
             restore._release(data)
+            assert reader.read(name, ".metadata") == want[".metadata"]  # never through a slot
             silent.close()  # the node is gone: the hint goes to the cluster
             restore.join()
             assert restore.error is None and restore.placed["complete"] and restore.plan["copies_join"] is True
+            assert not restore.placing and len(restore.joined_s) == restore.plan["new_replicas"] > 0
             assert restore.order(files, local_rank=0) == files  # placement over: the order given
             assert restore.order(files, local_rank=1) == cold_first  # its own reads while the host's fetch runs
             later.close()
             late.join()  # its hint reached the cluster after the first one's: refused, the base copies serve
             assert late.error is not None and late.stats["failures"] == 1 and late.ready.is_set()
+            assert late.order(files, local_rank=0) == files
     finally:
         silent.close()
         later.close()

@@ -194,7 +194,7 @@ class ReplicaReader:
         self._clients: dict[str, Any] = {}
         self._rng = random.Random()
         self.stats: dict[str, Any] = {"reads": 0, "bytes": 0, "retries": 0, "verify_failures": 0, "by_node": {},
-                                      "copy_refreshes": 0, "stale_lists": 0}
+                                      "copy_refreshes": 0, "stale_lists": 0, "file_refreshes": 0}
 
     # -- copies ------------------------------------------------------------------------------------------
     def copies(self, checkpoint: str, *, force: bool = False) -> dict[str, dict[str, dict]]:
@@ -242,15 +242,35 @@ class ReplicaReader:
         flight.set()
         return out
 
-    def _fetch_copies(self, checkpoint: str) -> dict[str, dict[str, dict]]:
+    def _fetch_copies(self, checkpoint: str, files: Sequence[str] = ()) -> dict[str, dict[str, dict]]:
+        """The live copies of ``checkpoint`` from etcd: every file's, or only those of ``files`` (one range each)."""
         live = self.cluster.nodes()
         base = self.cluster.key("replicas", ckpt_key(checkpoint)) + "/"
         out: dict[str, dict[str, dict]] = {}
-        for key, rec in self.cluster._get_prefix(base):
-            file, _, node = key[len(base):].partition("/")
-            if node in live:
-                out.setdefault(file, {})[node] = rec
+        for prefix in [base + f"{f}/" for f in files] or [base]:
+            for key, rec in self.cluster._get_prefix(prefix):
+                file, _, node = key[len(base):].partition("/")
+                if node in live:
+                    out.setdefault(file, {})[node] = rec
         return out
+
+    def refresh_files(self, checkpoint: str, files: Sequence[str]) -> dict[str, dict[str, dict]]:
+        """Re-read the copies of ``files`` alone (a restart's hot files while their copies are placed: a range per
+        file, not the checkpoint's thousands of shard records) into the cached list, which keeps its age; the
+        whole list is fetched when none is cached. Returns the updated list."""
+        if not files:
+            return self.copies(checkpoint)
+        with self._lock:
+            hit = self._copies.get(checkpoint)
+        if hit is None:
+            return self.copies(checkpoint)
+        fresh = self._fetch_copies(checkpoint, files)
+        with self._lock:
+            at, listed = self._copies.get(checkpoint, hit)
+            merged = {**listed, **{f: fresh.get(f, {}) for f in files}}
+            self._copies[checkpoint] = (at, merged)
+            self.stats["file_refreshes"] += 1
+        return merged
 
     def refresh_loads(self, *, force: bool = False) -> dict[str, float]:
         """The in-flight reads each node advertises (reused for ``load_refresh_s``; one thread asks etcd)."""

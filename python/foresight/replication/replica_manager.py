@@ -205,7 +205,7 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         now = time.time()
         files = [{"path": f.path, "size": f.size, "readers": f.readers, "wanted": f.wanted, "replicas": f.replicas,
                   "holders": f.holders, "new_nodes": f.new_nodes, "capped_by": f.capped_by,
-                  "granularity_waste": f.granularity_waste} for f in plan.files]
+                  "granularity_waste": f.granularity_waste, "sized_by": f.sized_by} for f in plan.files]
         record = {"job": job, "checkpoint": name, "ttl_s": req["ttl_s"], "lease": lease.id, "created": now,
                   "received": received,
                   "copy_bytes": plan.copy_bytes, "new_replicas": plan.new_replicas, "files": files,

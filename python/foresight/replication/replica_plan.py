@@ -24,8 +24,14 @@ beyond it, ``max(0, placement_cost_s - lead_s)``, while the copy's source read s
 
 When the readers are not held for the copies (``join``: they read from the copies that exist, and new ones take the
 readers that come after they are registered), the base copies serve meanwhile, so nothing waits for placement; a
-copy helps if the base copies still have readers left when it lands, ``readers x t_read > have x P`` with ``P`` the
-placement's time as above, and then every copy up to the formula's count serves part of that rest.
+copy helps if the base copies still have readers left when it lands, ``readers x t_read > have x L`` with ``L =
+max(0, P - lead_s) + t_read`` its landing. How many then is a question of the file's finish, not of concurrent
+readers (:func:`finish_replicas`): with ``c`` copies the file's reads take the copies' node time, each new copy
+serving from when it lands (its source read queued at the ``have`` holders: the ``k``-th lands at ``max(0, P - lead)
++ ceil(k / have) x t_read``) and its source read taken from the holders, so ``T(c) = (readers x t_read + (c - have)
+x t_read + sum of the landings) / c``; the count is the ``c`` (up to the node cap, beyond the formula's) that ends
+the file's reads soonest. With the cold reads first, the hot reads have every node: a file that keeps its base
+copies busy well past the landing goes on every node, at ``size`` bytes a copy.
 
 Example::
 
@@ -57,6 +63,7 @@ class FilePlan:
     new_nodes: list[str]  # nodes that get a new copy
     capped_by: str | None = None  # "nodes", "per_file", "placement_cost", "quota_bytes", "quota_replicas"
     granularity_waste: int = 0  # bytes per extra copy that no hot reader needs
+    sized_by: str = "formula"  # "formula" (readers / safe readers) or "finish" (readers not held: finish_replicas)
 
     @property
     def copy_bytes(self) -> int:
@@ -112,8 +119,9 @@ def paying_replicas(readers: int, size: int, have: int, target: int, *, node_byt
                     lead_s: float = 0.0, join: bool = False) -> int:
     """Copies (``have`` <= result <= ``target``) worth their placement: copy ``c + 1`` is added while it saves the
     readers more time than it costs (see the module docstring): ``max(0, placement_cost_s - lead_s)`` plus its
-    source read; with ``join`` (readers not held for the copies) all ``target`` copies pay once the base copies
-    would still be busy with the file when they land, none otherwise. ``node_bytes_per_s`` None: ``target``.
+    source read; with ``join`` (readers not held for the copies) none pays unless the base copies would still be busy
+    with the file when one lands, and then the count up to ``target`` that ends the file's reads soonest
+    (:func:`finish_replicas`). ``node_bytes_per_s`` None: ``target``.
 
     Example::
 
@@ -128,11 +136,37 @@ def paying_replicas(readers: int, size: int, have: int, target: int, *, node_byt
         t_read = max(t_read, 1.0 / node_requests_per_s)
     cost = max(0.0, placement_cost_s - max(0.0, lead_s)) + t_read
     if join:
-        return max(have, target) if readers * t_read > max(1, have) * cost else have
+        return finish_replicas(readers, t_read, have, target, land_s=cost - t_read) if \
+            readers * t_read > max(1, have) * cost else have
     c = max(1, have)
     while c < target and readers * t_read * (1 / c - 1 / (c + 1)) > cost:
         c += 1
     return max(have, min(c, target))
+
+
+def finish_time_s(readers: int, t_read: float, have: int, copies: int, *, land_s: float) -> float:
+    """When ``copies`` copies (``have`` of them there from the start) end ``readers`` reads of ``t_read`` each: the
+    new ones land ``land_s`` after the start plus their source reads, queued ``have`` at a time at the holders, and
+    those reads take holder time too (see the module docstring). ``inf`` when a copy would land after the end."""
+    have = max(1, have)
+    landings = [land_s + math.ceil(k / have) * t_read for k in range(1, copies - have + 1)]
+    end = (readers * t_read + len(landings) * t_read + sum(landings)) / max(1, copies)
+    return end if not landings or landings[-1] < end else math.inf
+
+
+def finish_replicas(readers: int, t_read: float, have: int, cap: int, *, land_s: float) -> int:
+    """The copy count in ``have..cap`` that ends the file's reads soonest (:func:`finish_time_s`; the fewest on a
+    tie), for readers that are not held for the copies.
+
+    Example::
+
+        finish_replicas(64, 0.0625, 3, 8, land_s=0.0)   # 8: 1.33 s on the 3 base copies, 0.59 s on 8
+        finish_replicas(64, 0.0625, 3, 8, land_s=1.5)   # 3: copies landing after 1.5 s end nothing sooner
+    """
+    have = max(1, have)
+    best = min(range(have, max(have, cap) + 1), key=lambda c: (finish_time_s(readers, t_read, have, c,
+                                                                               land_s=land_s), c))
+    return best
 
 
 def plan_replicas(hints: Sequence[FileHint], nodes: Mapping[str, float], *,
@@ -166,6 +200,10 @@ def plan_replicas(hints: Sequence[FileHint], nodes: Mapping[str, float], *,
         for limit, reason in ((len(nodes), "nodes"), (max_per_file, "per_file")):
             if limit is not None and target > limit:
                 target, capped = limit, reason
+        by_finish = join and bool(node_bytes_per_s)  # readers not held: sized by the file's finish, up to the cap
+        if by_finish:
+            cap = min(x for x in (len(nodes), max_per_file) if x is not None)
+            target, capped = max(target, cap), "nodes" if cap == len(nodes) else "per_file"
         floor = max(len(have), min(base_replicas, target))  # the base replication is not weighed
         paying = paying_replicas(h.readers, h.size, floor, target, node_bytes_per_s=node_bytes_per_s,
                                  node_requests_per_s=node_requests_per_s, placement_cost_s=placement_cost_s,
@@ -187,5 +225,5 @@ def plan_replicas(hints: Sequence[FileHint], nodes: Mapping[str, float], *,
         bytes_left -= h.size * len(new)
         replicas_left -= len(new)
         plan.files.append(FilePlan(h.path, h.size, h.readers, wanted, total, have, new, capped,
-                                   h.granularity_waste))
+                                   h.granularity_waste, "finish" if by_finish else "formula"))
     return plan

@@ -1,25 +1,29 @@
-"""A restart's read schedule around its replication hint: no rank waits for placement, new copies take the late
-readers.
+"""A restart's read schedule around its replication hint: no rank waits for placement, every copy joins the reads
+as soon as it is registered.
 
 Sending a hint and waiting for its copies before the ranks start puts the placement (one planning call, then the
-copies) on the restart's clock; with per-host sharing a plan often places nothing and the call alone is lost time.
-:class:`HintedRestore` sends the hint from a thread of its own the moment the restart is declared (one node, one
-connection for the hint and its progress polls) and lets the ranks start at once. While the copies are placed:
+copies) on the restart's clock. :class:`HintedRestore` sends the hint from a thread of its own the moment the
+restart is declared (one node, one connection for the hint and its progress polls) and lets the ranks start at once:
 
-* ``.metadata`` comes first (a rank needs it to plan its reads);
-* :meth:`HintedRestore.order`: the hinted (hot) files first only for as many ranks as the copies that exist serve
-  at once (``depth`` fetches per copy; with per-host sharing one fetch per host, by its local rank 0, while the
-  host's other ranks read their own files first); the other ranks read their cold files (their own shards, spread
-  over every node) first and reach the hot files later;
-* :class:`ScheduledReader`: a hot fetch waits for a slot (``depth`` per copy in flight), so the base copies are
-  kept busy but never queue reads that the new copies will serve sooner; registered copies add slots at once.
+* :meth:`HintedRestore.order`: ``.metadata`` first (a rank needs it to plan its reads); then, while the copies are
+  placed, every rank reads its cold files (its own shards, spread over every node) before the hinted (hot) ones, so
+  placement runs behind the cold reads and the hot reads find the new copies; with per-host sharing a host's ranks
+  other than local rank 0 (which fetches for the host) always read their own files first. Nobody is held: a rank
+  that reaches a hot file before its copies land reads the copies that exist.
+* :class:`ScheduledReader` (:meth:`HintedRestore.scheduled`): admission, not a hold. While placement runs, a hot
+  fetch goes when fewer than ``depth`` fetches of the file are in flight per listed copy, else it waits for one to
+  end or a copy to join: a node serves its reads in arrival order, so a fetch sent to a base copy's full queue
+  would wait there even after new copies land (with 512 ranks reading a file on 3 copies, each queue holds ~170
+  reads); waiting here, it goes to whichever copy frees first, new ones included.
+* while placement runs, the reader's list of the hinted files' copies is re-read every ``poll_s`` (a range per hot
+  file: :meth:`~foresight.replication.hint_client.ReplicaReader.refresh_files`), so each copy takes readers the moment
+  it is registered, not when the last one is.
 
-Once placement is over (copies registered and the reader's list refreshed, or a plan that places none, or a
-failure: logged, the base copies serve), or runs past when its copies were expected (the plan's placement cost;
-``expect_s`` while the plan is out: late copies hold nobody), every rank reads in its own order with no slot. The hint says the ranks are
-not held (``copies_join``) and how much they read besides (``cold_bytes``, ``cold_reads``), so the planner places a
-copy when the base copies would still be busy with the file when it lands
-(:func:`~foresight.replication.replica_plan.paying_replicas`). A hint costs time at worst, never a byte.
+Placement is over when every planned copy is listed (or the plan places none, or the node reports every task done or
+failed, or a failure: logged, the base copies serve); then every rank reads in its own order. The hint says the
+ranks are not held (``copies_join``) and how much they read besides (``cold_bytes``, ``cold_reads``), so the
+planner sizes the copies for the restore's finish (:func:`~foresight.replication.replica_plan.paying_replicas`).
+A hint costs time at worst, never a byte.
 
 Example::
 
@@ -46,9 +50,8 @@ import pyarrow.flight as flight
 from foresight.cluster.auth import connect
 from foresight.cluster.membership import Cluster
 from foresight.errors import NodeError
-from foresight.replication.hint_client import set_replication_hints, wait_for_replicas
+from foresight.replication.hint_client import replication_progress, set_replication_hints
 from foresight.replication.hints import METADATA, FileHint
-from foresight.replication.replica_plan import DEFAULT_BASE_REPLICAS
 
 log = logging.getLogger("foresight.replication.restore_schedule")
 
@@ -60,56 +63,58 @@ class HintedRestore:
         checkpoint: ``<job>/...``; etcd, job, token: as
             :func:`~foresight.replication.hint_client.set_replication_hints`.
         hints: the hot files (e.g. :func:`~foresight.replication.hints.derive_dcp_hints`); may be set before start.
-        reader: a :class:`~foresight.replication.hint_client.ReplicaReader` whose copy list is refreshed once the
-            copies are registered (the ranks are told).
+        reader: a :class:`~foresight.replication.hint_client.ReplicaReader` whose list of the hinted files' copies
+            is kept current while the copies are placed (the ranks are told of each one as it lands).
         ranks_per_host, cold_bytes, cold_reads, ttl_s: passed with the hint.
-        timeout: longest wait for the copies; past it (or on any failure) the ranks read the base copies.
-        depth: fetches in flight per copy of a hinted file while placement runs (see :meth:`order`).
+        timeout: longest wait for the copies; past it (or on any failure) the ranks read the copies that exist.
+        poll_s: how often the copies' list is re-read while placement runs; progress_s: how often the node is
+            asked for the tasks' progress meanwhile (failed copies end the wait).
         node: the node (location) to send the hint to and poll; default one live node at random. If it does not
             answer, the hint goes to the cluster (any live node).
-        expect_s: how long the schedule holds hot fetches for a plan that is not back yet; once it is back, for
-            its ``placement_cost_s`` (the cluster's measured placement time when longer than the configured).
+        depth: hot fetches in flight per listed copy while placement runs (:class:`ScheduledReader`).
 
-    Attributes after :meth:`join`: ``plan`` (the node's plan), ``placed`` (its progress at the end), ``place_s``
-    (hint sent -> ranks told), ``error`` (why the hint did not help, or None); ``stats``: ``fallbacks`` (the
-    chosen node did not answer: the hint went to the cluster) and ``failures`` (the hint did not help: base copies).
+    Attributes after :meth:`join`: ``plan`` (the node's plan), ``placed`` (its progress once every copy was
+    listed; asked after the ranks were told, it also folds the placement's time into the cluster's mean), ``place_s`` (hint sent -> every planned copy listed for the ranks), ``joined_s``
+    (hint sent -> each new copy first listed), ``error`` (why the hint did not help, or None); ``stats``:
+    ``fallbacks`` (the chosen node did not answer: the hint went to the cluster), ``failures`` (the hint did not
+    help: base copies), ``polls`` (list re-reads while placing).
     """
 
     def __init__(self, checkpoint: str, *, etcd: str, job: str, token: str, hints: Sequence[FileHint] = (),
                  reader: Any = None, ranks_per_host: int = 1, cold_bytes: int = 0, cold_reads: int = 0,
-                 ttl_s: float = 600.0, timeout: float = 600.0, poll_s: float = 0.05, depth: int = 4,
-                 node: str | None = None, expect_s: float = 1.0) -> None:
+                 ttl_s: float = 600.0, timeout: float = 600.0, poll_s: float = 0.05, progress_s: float = 0.5,
+                 node: str | None = None, depth: int = 4) -> None:
         self.checkpoint, self.etcd, self.job, self.token = checkpoint, etcd, job, token
         self.hints, self.reader, self.ranks_per_host = list(hints), reader, ranks_per_host
         self.cold_bytes, self.cold_reads, self.ttl_s = cold_bytes, cold_reads, ttl_s
-        self.timeout, self.poll_s, self.node, self.expect_s = timeout, poll_s, node, expect_s
-        self._plan_at: float | None = None
+        self.timeout, self.poll_s, self.progress_s, self.node = timeout, poll_s, progress_s, node
         self.planned = threading.Event()  # the plan is back (or the hint failed)
-        self.ready = threading.Event()  # the plan's copies are registered and the reader told (or none, or failed)
+        self.ready = threading.Event()  # every planned copy is listed for the ranks (or none, or failed)
         self.plan: dict | None = None
         self.placed: dict | None = None
         self.error: str | None = None
         self.place_s: float | None = None
+        self.joined_s: list[float] = []
         self.t0 = 0.0
-        self.held_s = 0.0  # fetch time spent waiting for a slot, all fetches together
-        self.depth = depth
-        self._lock = threading.Lock()
-        self._slots = threading.Condition(self._lock)
-        self._inflight: dict[str, int] = {}
-        self.peak: dict[str, int] = {}  # most fetches of each hinted file in flight at once through the slots
-        self._hot_first = 0
-        self._counts: dict[str, int] = {}
         self._thread: threading.Thread | None = None
-        self.stats = {"fallbacks": 0, "failures": 0}
+        self.stats = {"fallbacks": 0, "failures": 0, "polls": 0}
+        self.depth = depth
+        self._slots = threading.Condition()
+        self._inflight: dict[str, int] = {}
+        self._counts: dict[str, int] = {}  # listed copies of each hinted file (updated as copies join)
+        self.peak: dict[str, int] = {}  # most fetches of each hinted file in flight at once through the slots
+        self.held_s = 0.0  # fetch time spent waiting for a slot, all fetches together
 
     # -- placement -------------------------------------------------------------------------------------------
     def start(self) -> "HintedRestore":
         """Send the hint now (from a thread of its own); the ranks may start reading at once."""
         self.t0 = time.perf_counter()
-        try:
-            self._count_copies()
-        except NodeError as e:  # no list yet: the schedule assumes the base replication
-            log.warning("no copy list for the schedule", extra={"checkpoint": self.checkpoint, "error": str(e)[:200]})
+        if self.reader is not None:
+            try:
+                self._count(self.reader.copies(self.checkpoint))
+            except NodeError as e:  # no list yet: slots assume the base replication
+                log.warning("no copy list for the schedule",
+                            extra={"checkpoint": self.checkpoint, "error": str(e)[:200]})
         self._thread = threading.Thread(target=self._run, name="hinted-restore", daemon=True)
         self._thread.start()
         return self
@@ -154,27 +159,63 @@ class HintedRestore:
                     node, client = None, None
                     self.plan = set_replication_hints(self.checkpoint, **args, **hint)
             finally:
-                self._plan_at = time.perf_counter()
                 self.planned.set()
             if self.plan.get("new_replicas"):
-                self.placed = wait_for_replicas(self.checkpoint, **args, node=node, client=client,
-                                                timeout=self.timeout, poll_s=self.poll_s)
-                if self.reader is not None:
-                    self.reader.copies(self.checkpoint, force=True)  # the ranks see the new copies
-                    self._count_copies()
-            self.place_s = time.perf_counter() - self.t0
-        except Exception as e:  # the restart goes on from the base copies; said once, kept for the caller
+                self._join_copies(node, client, args)
+                self.place_s = time.perf_counter() - self.t0
+                self.ready.set()  # the ranks read in their own order now
+                with self._slots:
+                    self._slots.notify_all()
+                if self.placed is None:  # the node's account of it (and its placement time into the cluster's mean)
+                    self.placed = replication_progress(self.checkpoint, **args, node=node, client=client)
+            self.place_s = self.place_s if self.place_s is not None else time.perf_counter() - self.t0
+        except Exception as e:  # the restart goes on from the copies that exist; said once, kept for the caller
             self.error = str(e)[:300]
             self.stats["failures"] += 1
-            log.warning("replication hint did not help: reading the base copies",
+            log.warning("replication hint did not help: reading the copies that exist",
                         extra={"checkpoint": self.checkpoint, "error": self.error})
         finally:
             self.planned.set()
             self.ready.set()
             with self._slots:
-                self._slots.notify_all()  # placement over: every held fetch goes
+                self._slots.notify_all()  # placement over: every waiting fetch goes
             if client is not None:
                 client.close()
+
+    def _join_copies(self, node: str | None, client: Any, args: dict) -> None:
+        """Until every planned copy is listed: re-read the hinted files' copies every ``poll_s`` (each joins the
+        reads as it lands); every ``progress_s`` ask the node whether the tasks are over (failed copies never
+        appear) or the hint is gone."""
+        want = {(f["path"], n) for f in self.plan.get("files", []) for n in f.get("new_nodes", [])}
+        files = sorted({f for f, _ in want})
+        seen: set[tuple[str, str]] = set()
+        deadline = time.monotonic() + self.timeout
+        asked = time.monotonic()
+        while True:
+            if self.reader is not None:
+                listed = self.reader.refresh_files(self.checkpoint, files)
+                self.stats["polls"] += 1
+                self._count(listed)
+                new = {(f, n) for f, n in want if n in listed.get(f, {})} - seen
+                self.joined_s += [time.perf_counter() - self.t0] * len(new)
+                seen |= new
+                if seen == want:
+                    return
+            if self.reader is None or time.monotonic() - asked >= self.progress_s:
+                asked = time.monotonic()
+                p = replication_progress(self.checkpoint, **args, node=node, client=client)
+                if p["complete"]:
+                    self.placed = p
+                    if self.reader is not None:  # the last copies registered since the list was read
+                        self.reader.refresh_files(self.checkpoint, files)
+                    return
+                if not p["hint_live"]:
+                    raise NodeError("no live hint for the checkpoint (expired or released before its copies were "
+                                    "placed)", checkpoint=self.checkpoint, done=p["done"])
+            if time.monotonic() > deadline:
+                raise NodeError("replicas not placed in time", checkpoint=self.checkpoint, timeout=self.timeout,
+                                listed=len(seen), planned=len(want))
+            time.sleep(self.poll_s)
 
     def join(self) -> None:
         if self._thread is not None:
@@ -183,66 +224,41 @@ class HintedRestore:
     # -- the ranks' side -------------------------------------------------------------------------------------
     def order(self, files: Sequence[str], *, local_rank: int | None = None) -> list[str]:
         """``files`` in the schedule's order: ``.metadata`` first; then, while the hint's copies are being placed,
-        the hinted files only for the ranks the existing copies have fetch slots for (``depth`` per copy, one
-        fetch per ``ranks_per_host`` ranks), the cold files first for the others (by the time they reach the
-        hinted files, the new copies take them). Once placement is over: the order given.
+        the cold files before the hinted ones (placement runs behind the cold reads). Once placement is over: the
+        order given.
 
         With per-host sharing, give ``local_rank`` (the rank's index on its host): the host's one fetch of each hot
-        file is local rank 0's (the budget then counts hosts), and the other ranks read their own cold files while
-        it runs, instead of waiting for it, whether placement is over or not."""
+        file is local rank 0's, and the other ranks read their own cold files while it runs, instead of waiting
+        for it, whether placement is over or not."""
         hinted = {h.path for h in self.hints}
         meta = [f for f in files if f == METADATA]
         hot = [f for f in files if f != METADATA and f in hinted]
         cold = [f for f in files if f != METADATA and f not in hinted]
         shared = local_rank is not None and self.ranks_per_host > 1
-        if hot and shared and local_rank > 0:
+        if hot and (self.placing or (shared and local_rank > 0)):
             return meta + cold + hot
-        if not hot or not self._placing():
-            return meta + [f for f in files if f != METADATA]
-        budget = self.depth * (1 if shared else self.ranks_per_host) * min(self._copies_now(f) for f in hot)
-        with self._lock:
-            first = self._hot_first < budget
-            self._hot_first += first
-        return meta + (hot + cold if first else cold + hot)
+        return meta + [f for f in files if f != METADATA]
 
     def scheduled(self, reader: Any) -> "ScheduledReader":
-        """``reader`` (a ReplicaReader) with the hinted files' fetches through this schedule's slots."""
+        """``reader`` (a ReplicaReader) with the hinted files' fetches admitted through this schedule's slots."""
         return ScheduledReader(self, reader)
 
-    def _placing(self) -> bool:
-        return self._gate_left() > 0
-
-    def _gate_left(self) -> float:
-        """Seconds the schedule still holds hot fetches for placement: until the copies are registered, but never
-        past when they were expected (the plan's placement cost after the plan came back; ``expect_s`` after the
-        hint was sent, while it is out): copies that run late do not hold the readers of the base copies."""
-        if self._thread is None or self.ready.is_set():
-            return 0.0
-        plan, at = self.plan, self._plan_at
-        if plan is None or at is None:
-            return max(0.0, self.t0 + self.expect_s - time.perf_counter())
-        return max(0.0, at + float(plan.get("placement_cost_s", self.expect_s)) - time.perf_counter())
-
-    def _copies_now(self, file: str) -> int:
-        return max(1, self._counts.get(file, DEFAULT_BASE_REPLICAS))
-
-    def _count_copies(self) -> None:
-        """The hinted files' copies in the reader's list (at the start, and once the new ones are registered)."""
-        if self.reader is not None:
-            listed = self.reader.copies(self.checkpoint)
+    def _count(self, listed: dict) -> None:
+        """The hinted files' listed copies (the slots per file), waking fetches a new copy has room for."""
+        with self._slots:
             self._counts = {h.path: len(listed.get(h.path, {})) for h in self.hints}
+            self._slots.notify_all()
 
     def _acquire(self, file: str) -> None:
-        """A fetch slot for ``file``: at most ``depth`` fetches in flight per copy while placement runs (a deeper
-        queue at the base copies would hold reads the new copies serve sooner); copies registered add slots."""
+        """A fetch slot for ``file``: at most ``depth`` fetches in flight per listed copy while placement runs."""
         t = time.perf_counter()
         deadline = time.monotonic() + self.timeout
-        with self._slots:  # woken by a release, or by the end of placement (notify_all)
-            while self._placing() and self._inflight.get(file, 0) >= self.depth * self._copies_now(file):
-                left = min(deadline - time.monotonic(), self._gate_left())
+        with self._slots:
+            while self.placing and self._inflight.get(file, 0) >= self.depth * max(1, self._counts.get(file, 1)):
+                left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._slots.wait(left)
+                self._slots.wait(min(left, self.poll_s * 4))
             self._inflight[file] = self._inflight.get(file, 0) + 1
             self.peak[file] = max(self.peak.get(file, 0), self._inflight[file])
             self.held_s += time.perf_counter() - t
@@ -250,13 +266,18 @@ class HintedRestore:
     def _release(self, file: str) -> None:
         with self._slots:
             self._inflight[file] -= 1
-            self._slots.notify_all()  # waiters of other files share the condition
+            self._slots.notify_all()
+
+    @property
+    def placing(self) -> bool:
+        """The hint was sent and its copies are not all listed yet (nor has it failed)."""
+        return self._thread is not None and not self.ready.is_set()
 
 
 class ScheduledReader:
-    """A ReplicaReader front whose hinted files (not ``.metadata``) are fetched through the schedule's slots;
-    other reads and the copy list pass straight through (so a :class:`~foresight.replication.host_share.
-    SharedReplicaReader` can sit on it: the host's one fetch takes the slot)."""
+    """A ReplicaReader front whose hinted files (not ``.metadata``) are fetched through the schedule's slots while
+    placement runs; other reads and the copy list pass straight through (a :class:`~foresight.replication.
+    host_share.SharedReplicaReader` can sit on it: the host's one fetch takes the slot)."""
 
     def __init__(self, restore: HintedRestore, reader: Any) -> None:
         self.restore, self.reader = restore, reader
@@ -266,7 +287,7 @@ class ScheduledReader:
 
     def read(self, checkpoint: str, file: str) -> bytes:
         r = self.restore
-        if checkpoint != r.checkpoint or file == METADATA or not r._placing() or \
+        if checkpoint != r.checkpoint or file == METADATA or not r.placing or \
                 file not in {h.path for h in r.hints}:
             return self.reader.read(checkpoint, file)
         r._acquire(file)
