@@ -115,8 +115,9 @@ def object_store(payload: dict) -> Section:
                      [[h["dataset"], f"{100 * h['budget_fraction']:g}%", h["epochs"], h["foresight_live"],
                        h["foresight_replay"], h["lru"], h["optimum"], h.get("mosaic_shards")]
                       for h in payload["hit_rates"]]))
-    s.tables.append(("targets (issue 22)", ["target", "where", "value", "met"],
-                     [[t["target"], t["where"], t["value"], t["met"]] for t in payload["targets"]]))
+    s.tables.append(("targets (issue 22; ceiling: the most any method can reach over that anchor on this link, "
+                     "its epoch over the link floor)", ["target", "where", "value", "met", "ceiling"],
+                     [[t["target"], t["where"], t["value"], t["met"], t.get("ceiling")] for t in payload["targets"]]))
     return s
 
 
