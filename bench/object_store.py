@@ -662,10 +662,18 @@ def main(argv: list[str] | None = None) -> int:
                                    for p in cfg["mosaic_predownload"]]
                         best_c, best = configs[0], -1.0
                         for c in configs if len(configs) > 1 else []:
-                            r = run_mosaic(case, rtt, env, work, *c)
+                            point = {"dataset": case.kind, "rtt_ms": rtt, "method": "mosaic", "workers": c[0],
+                                     "predownload": c[1]}
+                            try:
+                                r = run_mosaic(case, rtt, env, work, *c)
+                            except Exception as e:  # noqa: BLE001 - a config that fails is reported, not fatal
+                                point["failed"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
+                                print(f"   mosaic sweep: workers={c[0]} predownload={c[1]}: failed "
+                                      f"({point['failed']})", flush=True)
+                                sweep.append(point)
+                                continue
                             print(f"   mosaic sweep: {r['config']}: {r['samples_per_s']:,.1f} samples/s", flush=True)
-                            sweep.append({"dataset": case.kind, "rtt_ms": rtt, "method": "mosaic", "workers": c[0],
-                                          "predownload": c[1], "samples_per_s": r["samples_per_s"]})
+                            sweep.append(dict(point, samples_per_s=r["samples_per_s"]))
                             if r["samples_per_s"] > best:
                                 best_c, best = c, r["samples_per_s"]
                         methods["mosaic"] = lambda c=best_c: run_mosaic(case, rtt, env, work, *c)
