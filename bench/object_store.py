@@ -376,6 +376,12 @@ def run_mosaic(case: Case, rtt: float, env: dict, work: Path, workers: int, pred
         meter = start_meter()
         ds = StreamingDataset(remote=case.mds_url, local=local, batch_size=case.batch, shuffle=True, shuffle_seed=1,
                               predownload=predownload, cache_limit=limit)
+        # Drop the S3 client the dataset made here (it fetched index.json) before the workers fork: forked, they
+        # would share its pooled keep-alive connections with this process and each other, and a response read by
+        # the wrong process left the right one waiting out its 60 s read timeout (epochs of 3 s or 61 s on the
+        # bed; once an IndexError on a shard). Each worker makes its own client, as after a pickle (spawn).
+        for stream in ds.streams:
+            stream._downloader.clean_up()
         dl = tud.DataLoader(ds, batch_size=case.batch, num_workers=workers, collate_fn=pack_mds,
                             persistent_workers=False)
         it = iter(dl)
