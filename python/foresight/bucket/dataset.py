@@ -43,7 +43,7 @@ from foresight.io.durable import fsync_dir
 
 from .cache import INDEX_DIR, SampleCache
 from .config import open_store
-from .fetch import ObjectRef, RangedFetcher, RetryPolicy
+from .fetch import DEFAULT_CONCURRENCY, ObjectRef, RangedFetcher, RetryPolicy
 from .url import BucketURL
 
 log = logging.getLogger("foresight.bucket")
@@ -236,14 +236,15 @@ def _scrub_after_reboot(ds: "BucketDataset | BucketMegatronDataset", local: str)
 
 
 def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, fingerprint: str = "index",
-                        options: dict[str, Any] | None = None, concurrency: int = 16, max_gap: int | None = None,
+                        options: dict[str, Any] | None = None, concurrency: int = DEFAULT_CONCURRENCY,
+                        max_gap: int | None = None,
                         max_transfer: int | None = None,
                         retry: RetryPolicy = RetryPolicy()) -> "BucketDataset | BucketMegatronDataset":
     """Open the foresight dataset at ``url`` (``s3://bucket/prefix``) through a cache under ``cache_dir``.
 
     The prefix holds a foresight dataset (``manifest.json``) or names a Megatron-LM pair (``url + ".idx"``,
     ``url + ".bin"``). ``options`` are obstore S3 config keys (``endpoint``, ``access_key_id``, ...) over the
-    standard places (:mod:`foresight.bucket.config`); ``concurrency`` the GETs in flight; ``max_gap``/
+    standard places (:mod:`foresight.bucket.config`); ``concurrency`` the GETs in flight (64); ``max_gap``/
     ``max_transfer`` the coalescer's caps for object storage (1 MiB / 16 MiB by default); ``retry`` the requests'
     timeouts and the budget of retries of transient failures (:class:`RetryPolicy`). ``fingerprint="content"``
     (hash every byte of a Megatron ``.bin``) is refused for a Megatron pair here: it would fetch the whole object.
