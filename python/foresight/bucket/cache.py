@@ -177,15 +177,22 @@ class SampleCache:
         ids = np.flatnonzero(self.present)
         return int(self.lookup(ids).length.sum()) if ids.size else 0
 
-    def ensure(self, ids: np.ndarray, *, max_gap: int | None = None, span_present: bool = False) -> int:
+    def ensure(self, ids: np.ndarray, *, max_gap: int | None = None, span_present: bool = False,
+               order: np.ndarray | None = None) -> int:
         """Make every sample of ``ids`` present (fetching the missing ones in coalesced GETs; ``max_gap`` overrides
         the cache's and the fetcher's for this call); returns how many were fetched. ``span_present``: a transfer
         may run across present samples (fetched, checked and written again, identical bytes) instead of being cut
-        at each of them (a block fill around a few present samples stays a few GETs). Raises :class:`BucketError`
-        naming the object when a fetched sample's xxh3 differs from the map's (the object changed under the same
-        ETag, or the store returned wrong bytes): nothing of that fetch is marked."""
-        ids = np.unique(np.asarray(ids, dtype=np.int64))
-        missing = ids[self.present[ids] == 0]
+        at each of them (a block fill around a few present samples stays a few GETs). ``order`` (a rank per id of
+        ``ids``): the missing samples are fetched rank by rank, lowest first, each rank its own coalesced fetch, so
+        a waiter for an early rank's samples returns when they land, not when the whole call ends (a prefetcher's
+        fill in the order the plan first needs its blocks). Raises :class:`BucketError` naming the object when a
+        fetched sample's xxh3 differs from the map's (the object changed under the same ETag, or the store
+        returned wrong bytes): nothing of that fetch is marked."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids, first = np.unique(ids, return_index=True)
+        rank = np.zeros(ids.size, np.int64) if order is None else np.asarray(order, dtype=np.int64)[first]
+        absent = self.present[ids] == 0
+        missing, rank = ids[absent], rank[absent]
         with self._stats_lock:
             self.stats.hits += int(ids.size - missing.size)
         if not missing.size:  # the common case, without waiting for another thread's fetch of other samples
@@ -193,21 +200,28 @@ class SampleCache:
         with self._cv:
             while self._busy:
                 self._cv.wait()
-                missing = missing[self.present[missing] == 0]
+                absent = self.present[missing] == 0
+                missing, rank = missing[absent], rank[absent]
                 if not missing.size:
                     return 0
             self._busy = True
         try:
             held = self._lock_runs(missing)
             try:
-                missing = missing[self.present[missing] == 0]  # another thread or process may have fetched them
-                ext = self.lookup(missing)
-                # chunks of at most FETCH_CHUNK bytes: one fetch's bytes are held in memory until written
-                chunk = np.cumsum(ext.length) // FETCH_CHUNK
-                for part in np.split(missing, np.flatnonzero(np.diff(chunk)) + 1) if missing.size else []:
-                    self._fetch(part, self.max_gap if max_gap is None else max_gap, span_present)
-                    with self._cv:
-                        self._cv.notify_all()  # waiters whose samples this chunk held return now
+                absent = self.present[missing] == 0  # another thread or process may have fetched them
+                missing, rank = missing[absent], rank[absent]
+                for r in np.unique(rank).tolist():  # a loop over the caller's ranks (a few), not samples
+                    piece = missing[rank == r]
+                    piece = piece[self.present[piece] == 0]  # an earlier rank's transfers may have held some whole
+                    if not piece.size:
+                        continue
+                    ext = self.lookup(piece)
+                    # chunks of at most FETCH_CHUNK bytes: one fetch's bytes are held in memory until written
+                    chunk = np.cumsum(ext.length) // FETCH_CHUNK
+                    for part in np.split(piece, np.flatnonzero(np.diff(chunk)) + 1):
+                        self._fetch(part, self.max_gap if max_gap is None else max_gap, span_present)
+                        with self._cv:
+                            self._cv.notify_all()  # waiters whose samples this chunk held return now
                 return int(missing.size)
             finally:
                 self._unlock(held)
