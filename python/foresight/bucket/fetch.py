@@ -366,11 +366,14 @@ class RangedFetcher:
 
     # -- many extents ----------------------------------------------------------------------------------------------
     def fetch(self, refs: Sequence[ObjectRef], file: np.ndarray, offset: np.ndarray, length: np.ndarray, *,
-              ref_of_file: np.ndarray | None = None, max_gap: int | None = None) -> Fetched:
+              ref_of_file: np.ndarray | None = None, max_gap: int | None = None,
+              on_transfer: Callable[[Transfers, np.ndarray, int], None] | None = None) -> Fetched:
         """The bytes of every extent, in coalesced ranged GETs run concurrently. ``file[i]`` indexes ``refs``, or
         with ``ref_of_file`` a group of extents (``ref_of_file[file[i]]`` indexes ``refs``) that is coalesced on
         its own: extents of different groups are never merged, even in one object. ``max_gap`` overrides the
-        fetcher's for this call."""
+        fetcher's for this call. ``on_transfer(transfers, region, k)`` runs on the fetcher's thread as soon as
+        transfer ``k``'s bytes are in the region (to check and store them while the other GETs are in flight); what
+        it raises fails the call as a failed GET does."""
         sizes = np.array([r.size for r in refs], dtype=np.int64)
         ref_of_file = np.arange(len(refs)) if ref_of_file is None else np.asarray(ref_of_file, dtype=np.int64)
         gap = self.max_gap if max_gap is None else int(max_gap)
@@ -383,6 +386,8 @@ class RangedFetcher:
             data = self._get_range(refs[int(ref_of_file[tr.t_file[k]])], start, start + n)
             dest = int(tr.t_dest[k])
             region[dest:dest + n] = np.frombuffer(data, dtype=np.uint8)
+            if on_transfer is not None:
+                on_transfer(tr, region, k)
 
         futures = [self._pool.submit(one, k) for k in range(tr.io_count)]
         errors = [f.exception() for f in futures]  # waits for all: no request outlives the call
