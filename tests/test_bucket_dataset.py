@@ -234,6 +234,34 @@ def test_a_waiting_lookup_returns_when_its_samples_land_not_when_the_whole_fetch
         assert cache.present.all()
 
 
+def test_each_get_of_a_fetch_is_marked_as_it_lands(s3_env, tmp_path):
+    """One fetch of many GETs (a block fill's): each GET's samples are checked, written and marked as it lands, so
+    a lookup of a sample an early GET brought returns while the fetch's later GETs are still to come (before, the
+    whole fetch was marked once its last GET landed). One GET at a time here, 20 ms apart."""
+    import threading
+
+    from foresight.testing.wan import WanLink
+
+    local = _bytes_dataset(tmp_path / "local", n=60, shard_bytes=1 << 30)
+    upload_dataset(local.path, "s3://wait/gets")
+    with WanLink(("127.0.0.1", s3_env.ports["s3.port"]), rtt_ms=20) as link, \
+            open_dataset("s3://wait/gets", cache_dir=tmp_path / "cache", concurrency=1,
+                         options={"endpoint": f"http://127.0.0.1:{link.port}"}) as ds:
+        cache = ds.cache
+        every_other = np.arange(0, 60, 2)  # never neighbours: one GET each with no gap merged
+        whole = threading.Thread(target=cache.ensure, args=(every_other,), kwargs={"max_gap": 0})
+        whole.start()
+        deadline = time.monotonic() + 60
+        while not cache.present[0] and time.monotonic() < deadline:  # the fetch's first GET landed
+            time.sleep(0.001)
+        assert cache.present[0] and not cache.present[58]
+        cache.ensure(np.array([30]))  # waits for sample 30's GET: 14 more are still to go after it
+        assert cache.present[30] and whole.is_alive() and not cache.present[58]
+        whole.join(60)
+        assert cache.present[every_other].all() and not cache.present[1::2].any()
+        assert all(ds.read(int(i)) == local.read(int(i)) for i in every_other)
+
+
 def test_the_loader_hands_out_a_read_step_before_waiting_on_the_next_steps_fetch(s3_env, tmp_path):
     """The loader looks up the steps it prefetches before it hands out the one it has read; over a bucket a lookup
     waits on a fetch, so batch 0 waited on steps 1..prefetch's fetches too (the first batch behind 30 MB of other

@@ -161,6 +161,43 @@ def test_block_fill_makes_a_sparse_random_plan_few_requests(s3_env, tmp_path):
         assert pf.stats["filled_samples"] > 0
 
 
+def test_media_fills_fetch_whole_blocks_not_a_get_per_sample(s3_env, tmp_path):
+    """Media-like samples (a shard holds ~15 of them, a step reads 8 from as many shards): past the first step,
+    every sample the plan reads comes in a whole-block ranged GET, the step's own samples included (before, each
+    own sample outside the one-block first fill was a GET of its own: 0.54 GETs per sample on the bench's media
+    plan). At most one GET per block past step 0, bytes within 1.25x the plan's, the same batches."""
+    rng = np.random.default_rng(11)
+    with DatasetWriter(str(tmp_path / "media"), align=4096, shard_bytes=512 << 10) as w:
+        for _ in range(158):
+            w.add(rng.integers(0, 256, size=int(rng.integers(8 << 10, 64 << 10)), dtype=np.uint8).tobytes(),
+                  modality="bytes")
+    local = open_dataset(str(tmp_path / "media"))
+    plan = build_plan([(local, 1.0)], seed=1, global_batch_size=8, epochs=1)  # 19 steps, 6 samples never read
+    acc = plan_accesses(plan)
+    block = 512 << 10  # the bench's 16 MiB blocks and transfers, scaled with the samples
+    ext = local.lookup(np.arange(local.num_samples))
+    blocks = np.unique((ext.shard.astype(np.int64) << 40) | (ext.offset // block)).size
+    upload_dataset(local.path, "s3://policy/media")
+
+    def samples(batch):
+        return [batch["data"].numpy()[o:o + n].tobytes() for o, n in zip(batch["offsets"].numpy(),
+                                                                         batch["lengths"].numpy())]
+
+    with Loader(local, plan) as loader:
+        want = [samples(b) for b in loader]
+    with open_dataset("s3://policy/media", cache_dir=tmp_path / "cache", max_transfer=block) as ds:
+        base = ds.fetcher.stats.as_dict()
+        with PlanPrefetcher(ds, plan, lookahead=8, fill_block=block) as pf, \
+                Loader(ds, plan, prefetch=2, on_step=pf.on_step) as loader:
+            got = [samples(b) for b in loader]
+        stats = {k: v - base[k] for k, v in ds.fetcher.stats.as_dict().items()}
+    assert pf.error is None and got == want
+    step0 = acc.of(0).size  # the first step's own samples: at most a GET each (its batch waits on nothing else)
+    assert stats["requests"] <= step0 + blocks, (stats, blocks)
+    needed = int(local.sample_bytes()[np.unique(acc.ids)].sum())
+    assert needed <= stats["bytes"] <= needed * 1.25, (stats, needed)
+
+
 def test_the_first_step_is_fetched_alone_with_its_own_bytes_only(s3_env, tmp_path):
     """The first batch waits on the prefetcher's first fetch: it must hold step 0's samples, not the megabytes a
     1 MiB gap cap merges around them on a random plan (16x step 0's bytes on the bench's token plan), nor a fill.
@@ -194,30 +231,50 @@ def test_the_first_step_is_fetched_alone_with_its_own_bytes_only(s3_env, tmp_pat
 
 
 def test_fills_start_at_one_block_and_double(s3_env, tmp_path):
-    """The steps right after the first must not wait behind a fill of the whole dataset: the first fill takes one
-    block's worth of the plan's later samples, each next fill at most twice the last (up to fill_bytes).
-    ``lookahead=1`` and ``group_steps=1`` park the prefetcher after each group, so each fill is counted alone."""
+    """The steps right after the first must not wait behind a fill of the whole dataset. A group's blocks come
+    whole (a GET per block, not per sample) in pieces, each marked as it lands before the next one's GETs go out,
+    in the order the group's steps first need them: the first piece the blocks of the group's first step alone,
+    each next one whole steps' blocks, at least twice the last (the ramp goes on across groups), at most
+    fill_bytes. Before, a group's own samples outside its one-block first fill were a GET each. ``lookahead`` =
+    ``group_steps`` = 4 parks the prefetcher after each group; the fetcher's calls are the pieces."""
     rng = np.random.default_rng(7)
     with DatasetWriter(str(tmp_path / "fill"), align=4096) as w:
         for _ in range(512):
             w.add(rng.integers(0, 256, size=16 << 10, dtype=np.uint8).tobytes(), modality="bytes")
     local = open_dataset(str(tmp_path / "fill"))
-    plan = build_plan([(local, 1.0)], seed=3, global_batch_size=16, epochs=1)
+    plan = build_plan([(local, 1.0)], seed=3, global_batch_size=4, epochs=1)
+    acc = plan_accesses(plan)
     block = 128 << 10  # 8 samples of 16 KiB: a fill of the whole 8 MiB dataset would be 64 blocks
+    cap = 1 << 20  # fill_bytes: 8 blocks
+
+    def block_of(shard, offset):
+        return (np.asarray(shard, np.int64) << 40) | (np.asarray(offset) // block)
+
     upload_dataset(local.path, "s3://policy/fill")
-    with open_dataset("s3://policy/fill", cache_dir=tmp_path / "cache") as ds, \
-            PlanPrefetcher(ds, plan, lookahead=1, group_steps=1, fill_block=block, fill_bytes=4 << 20) as pf:
-        filled = []
-        for step in range(6):
-            for _ in range(1200):  # an event: this group's fetch landed (bounded wait, not a duration)
-                if pf.stats["prefetched_steps"] > step or pf.error is not None:
-                    break
-                time.sleep(0.05)
-            assert pf.error is None and pf.stats["prefetched_steps"] == step + 1
-            filled.append(pf.stats["filled_samples"] - sum(filled))
-            pf.on_step(step)
-    per_fill = [n * (16 << 10) for n in filled[1:]]
-    assert filled[0] == 0 and all(n > 0 for n in filled[1:]), filled
-    limits = [block << i for i in range(len(per_fill))]  # one block's worth, then doubling
-    assert all(got <= lim + block for got, lim in zip(per_fill, limits)), (per_fill, limits)  # whole blocks: +1
-    assert per_fill[-1] > per_fill[0]
+    with open_dataset("s3://policy/fill", cache_dir=tmp_path / "cache") as ds:
+        pieces = []  # (blocks, sample bytes) of each coalesced fetch, in order
+        fetch = ds.fetcher.fetch
+
+        def recorded(refs, file, offset, length, *, ref_of_file, **kw):
+            pieces.append((set(block_of(np.asarray(ref_of_file)[file], offset).tolist()), int(np.sum(length))))
+            return fetch(refs, file, offset, length, ref_of_file=ref_of_file, **kw)
+
+        ds.fetcher.fetch = recorded
+        with PlanPrefetcher(ds, plan, lookahead=4, group_steps=4, fill_block=block, fill_bytes=cap) as pf:
+            per_group = []
+            for done in (1, 5):  # step 0 alone, then steps 1-4
+                for _ in range(1200):  # an event: this group's fetch landed (bounded wait, not a duration)
+                    if pf.stats["prefetched_steps"] >= done or pf.error is not None:
+                        break
+                    time.sleep(0.05)
+                assert pf.error is None and pf.stats["prefetched_steps"] == done
+                per_group.append(len(pieces) - sum(per_group))
+                pf.on_step(done)  # lets the next group into the window
+    assert per_group[0] == 1 and per_group[1] > 1 and pf.stats["fill_pieces"] >= per_group[1], (per_group, pf.stats)
+    step1 = acc.of(1)
+    ext = local.lookup(step1[~np.isin(step1, acc.of(0))])  # absent when the fill starts
+    fills = pieces[1:1 + per_group[1]]
+    assert fills[0][0] == set(block_of(ext.shard, ext.offset).tolist()), fills[0]  # step 1's blocks, first
+    assert all(n <= cap + block for _, n in fills), fills  # at most fill_bytes (whole blocks: +1)
+    # each piece but the group's last at least twice the last one (or fill_bytes, less a block it could not take)
+    assert all(b[1] >= min(cap - block, 2 * a[1]) for a, b in zip(fills[:-2], fills[1:-1])), fills

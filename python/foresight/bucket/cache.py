@@ -177,15 +177,22 @@ class SampleCache:
         ids = np.flatnonzero(self.present)
         return int(self.lookup(ids).length.sum()) if ids.size else 0
 
-    def ensure(self, ids: np.ndarray, *, max_gap: int | None = None, span_present: bool = False) -> int:
+    def ensure(self, ids: np.ndarray, *, max_gap: int | None = None, span_present: bool = False,
+               order: np.ndarray | None = None) -> int:
         """Make every sample of ``ids`` present (fetching the missing ones in coalesced GETs; ``max_gap`` overrides
         the cache's and the fetcher's for this call); returns how many were fetched. ``span_present``: a transfer
         may run across present samples (fetched, checked and written again, identical bytes) instead of being cut
-        at each of them (a block fill around a few present samples stays a few GETs). Raises :class:`BucketError`
-        naming the object when a fetched sample's xxh3 differs from the map's (the object changed under the same
-        ETag, or the store returned wrong bytes): nothing of that fetch is marked."""
-        ids = np.unique(np.asarray(ids, dtype=np.int64))
-        missing = ids[self.present[ids] == 0]
+        at each of them (a block fill around a few present samples stays a few GETs). ``order`` (a rank per id of
+        ``ids``): the missing samples are fetched rank by rank, lowest first, each rank its own coalesced fetch, so
+        a waiter for an early rank's samples returns when they land, not when the whole call ends (a prefetcher's
+        fill in the order the plan first needs its blocks). Raises :class:`BucketError` naming the object when a
+        fetched sample's xxh3 differs from the map's (the object changed under the same ETag, or the store
+        returned wrong bytes): nothing of that GET is marked (the checked samples of the call's other GETs are)."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids, first = np.unique(ids, return_index=True)
+        rank = np.zeros(ids.size, np.int64) if order is None else np.asarray(order, dtype=np.int64)[first]
+        absent = self.present[ids] == 0
+        missing, rank = ids[absent], rank[absent]
         with self._stats_lock:
             self.stats.hits += int(ids.size - missing.size)
         if not missing.size:  # the common case, without waiting for another thread's fetch of other samples
@@ -193,21 +200,28 @@ class SampleCache:
         with self._cv:
             while self._busy:
                 self._cv.wait()
-                missing = missing[self.present[missing] == 0]
+                absent = self.present[missing] == 0
+                missing, rank = missing[absent], rank[absent]
                 if not missing.size:
                     return 0
             self._busy = True
         try:
             held = self._lock_runs(missing)
             try:
-                missing = missing[self.present[missing] == 0]  # another thread or process may have fetched them
-                ext = self.lookup(missing)
-                # chunks of at most FETCH_CHUNK bytes: one fetch's bytes are held in memory until written
-                chunk = np.cumsum(ext.length) // FETCH_CHUNK
-                for part in np.split(missing, np.flatnonzero(np.diff(chunk)) + 1) if missing.size else []:
-                    self._fetch(part, self.max_gap if max_gap is None else max_gap, span_present)
-                    with self._cv:
-                        self._cv.notify_all()  # waiters whose samples this chunk held return now
+                absent = self.present[missing] == 0  # another thread or process may have fetched them
+                missing, rank = missing[absent], rank[absent]
+                for r in np.unique(rank).tolist():  # a loop over the caller's ranks (a few), not samples
+                    piece = missing[rank == r]
+                    piece = piece[self.present[piece] == 0]  # an earlier rank's transfers may have held some whole
+                    if not piece.size:
+                        continue
+                    ext = self.lookup(piece)
+                    # chunks of at most FETCH_CHUNK bytes: one fetch's bytes are held in memory until written
+                    chunk = np.cumsum(ext.length) // FETCH_CHUNK
+                    for part in np.split(piece, np.flatnonzero(np.diff(chunk)) + 1):
+                        self._fetch(part, self.max_gap if max_gap is None else max_gap, span_present, missing)
+                        with self._cv:
+                            self._cv.notify_all()  # waiters whose samples this chunk held return now
                 return int(missing.size)
             finally:
                 self._unlock(held)
@@ -275,57 +289,94 @@ class SampleCache:
             got[at:at + n] = True
         return ids[got], held
 
-    def _fetch(self, ids: np.ndarray, max_gap: int | None = None, span_present: bool = False) -> None:
+    def _fetch(self, ids: np.ndarray, max_gap: int | None = None, span_present: bool = False,
+               held: np.ndarray | None = None) -> None:
+        """Fetch ``ids`` (sorted, missing, their index bytes locked by the caller, as are those of ``held``): each
+        GET's samples, and the absent ones it holds whole as a gap, are checked, written and marked on the
+        fetcher's thread as it lands, while the other GETs are in flight (so a waiter for them returns then)."""
         ext = self.lookup(ids)
         seg = self._segments(ids, ext.shard, span_present)
         seg_shard = ext.shard[np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])]
-        got = self.fetcher.fetch(self.refs, seg, ext.offset, ext.length, ref_of_file=seg_shard, max_gap=max_gap)
-        tr = got.transfers
-        gap, gap_k = self._gaps_inside(ids, seg, ext.length, tr)
-        gap_ext = self.lookup(gap)
-        check = np.concatenate((ids, gap))
-        where = np.concatenate((tr.x_dest, tr.t_dest[gap_k] + gap_ext.offset - tr.t_offset[gap_k]))
-        lengths = np.concatenate((ext.length, gap_ext.length))
-        if self.checksums is not None:
-            self._check(got.region, where, lengths, check, ids, ext, gap_ext)
-        # present gap samples (span_present) are written again, identical and checked above, but not re-marked
-        extra, extra_held = self._lock_free_runs(gap[self.present[gap] == 0])
-        try:
+        held = ids if held is None else held
+        plan: dict[str, np.ndarray] = {}
+        plan_lock = threading.Lock()
+
+        def samples_by_transfer(tr) -> dict[str, np.ndarray]:
+            """Every sample the transfers hold (``ids``, then the gap samples), grouped by transfer: made once."""
+            with plan_lock:
+                if not plan:
+                    gap, gap_k = self._gaps_inside(ids, seg, ext.length, tr)
+                    gap_ext = self.lookup(gap)
+                    k = np.concatenate((np.searchsorted(tr.t_dest, tr.x_dest, side="right") - 1, gap_k))
+                    by = np.argsort(k, kind="stable")
+                    plan.update(
+                        by=by, bounds=np.searchsorted(k[by], np.arange(tr.io_count + 1)),
+                        id=np.concatenate((ids, gap)), gap=np.arange(k.size) >= ids.size,
+                        where=np.concatenate((tr.x_dest, tr.t_dest[gap_k] + gap_ext.offset - tr.t_offset[gap_k])),
+                        length=np.concatenate((ext.length, gap_ext.length)),
+                        shard=np.concatenate((ext.shard, gap_ext.shard)),
+                        offset=np.concatenate((ext.offset, gap_ext.offset)))
+            return plan
+
+        def landed(tr, data: np.ndarray, k: int) -> None:
+            p = samples_by_transfer(tr)
+            sel = p["by"][p["bounds"][k]:p["bounds"][k + 1]]
+            if self.checksums is not None:
+                self._check(data, p["where"][sel] - tr.t_dest[k], p["length"][sel], p["id"][sel], p["shard"][sel],
+                            p["offset"][sel])
+            mine, gap = p["id"][sel[~p["gap"][sel]]], p["id"][sel[p["gap"][sel]]]
+            # present gap samples (span_present) are written again, identical and checked above, but not re-marked;
+            # absent ones are marked too when this process holds their lock (the caller's) or can take it now
+            gap = gap[self.present[gap] == 0]
+            ours = np.isin(gap, held)
+            extra, extra_held = self._lock_free_runs(gap[~ours])
+            extra = np.concatenate((gap[ours], extra))
             try:
-                for k in range(tr.io_count):  # a loop over coalesced transfers (MiB each), not samples
-                    dest = int(tr.t_dest[k])
-                    os.pwrite(self._fds[int(seg_shard[tr.t_file[k]])],
-                              memoryview(got.region[dest:dest + int(tr.t_length[k])]), int(tr.t_offset[k]))
-            except OSError as e:  # a full or failing cache disk: give back what this fetch allocated, mark nothing
-                mine = np.concatenate((ids, extra))
-                back = self.lookup(mine[self.present[mine] == 0])
-                for s, off, n in zip(back.shard.tolist(), back.offset.tolist(), back.length.tolist()):
-                    punch_hole(self._fds[s], off, n)
-                full = e.errno == errno.ENOSPC
-                raise BucketError(f"cannot write the cache: {e.strerror}" + (" (lower the prefetcher's "
-                                  "budget_bytes or free the disk)" if full else ""), "cache_full" if full else "cache",
-                                  path=self.local_dir) from None
-            self.present[ids] = 1
-            self.present[extra] = 1  # fetched whole as gaps, checked: present too (the plan uses them later)
-        finally:
-            self._unlock(extra_held)
-        with self._stats_lock:
-            self.stats.misses += int(ids.size)
-            self.stats.gap_samples += int(extra.size)
-            self.stats.fetched_bytes += int(tr.read_bytes)
+                n = int(tr.t_length[k])
+                try:
+                    wrote = os.pwrite(self._fds[int(seg_shard[tr.t_file[k]])], memoryview(data), int(tr.t_offset[k]))
+                    if wrote != n:  # a short write is a full disk that took part of it: never marked
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                except OSError as e:  # a full or failing cache disk: give back what this GET allocated, mark nothing
+                    back = self.lookup(np.concatenate((mine, extra)))
+                    for s, off, length in zip(back.shard.tolist(), back.offset.tolist(), back.length.tolist()):
+                        punch_hole(self._fds[s], off, length)
+                    full = e.errno == errno.ENOSPC
+                    raise BucketError(f"cannot write the cache: {e.strerror}" + (" (lower the prefetcher's "
+                                      "budget_bytes or free the disk)" if full else ""),
+                                      "cache_full" if full else "cache", path=self.local_dir) from None
+                self.present[mine] = 1
+                self.present[extra] = 1  # fetched whole as gaps, checked: present too (the plan uses them later)
+            finally:
+                self._unlock(extra_held)
+            with self._stats_lock:
+                self.stats.misses += int(mine.size)
+                self.stats.gap_samples += int(extra.size)
+                self.stats.fetched_bytes += n
+            with self._cv:
+                self._cv.notify_all()  # waiters whose samples this GET held return now
+
+        self.fetcher.fetch(self.refs, seg, ext.offset, ext.length, ref_of_file=seg_shard, max_gap=max_gap,
+                           on_transfer=landed)
+        left = self.present[ids] == 0
+        if left.any():  # empty samples: no GET holds them (their xxh3 is still the map's)
+            if self.checksums is not None:
+                self._check(np.zeros(1, np.uint8), np.zeros(int(left.sum()), np.int64), ext.length[left], ids[left],
+                            ext.shard[left], ext.offset[left])
+            self.present[ids[left]] = 1
+            with self._stats_lock:
+                self.stats.misses += int(left.sum())
 
     def _check(self, region: np.ndarray, where: np.ndarray, lengths: np.ndarray, check: np.ndarray,
-               ids: np.ndarray, ext: Extents, gap_ext: Extents) -> None:
+               shard: np.ndarray, offset: np.ndarray) -> None:
         """Every fetched sample's xxh3 against the map's (one native call); raises naming the first that differs."""
         sums = xxh3_many(region, where, lengths)
         bad = np.flatnonzero(sums != self.checksums[check])
         if bad.size:
             i = int(bad[0])
-            shard = int(ext.shard[i] if i < ids.size else gap_ext.shard[i - ids.size])
-            offset = int(ext.offset[i] if i < ids.size else gap_ext.offset[i - ids.size])
             raise BucketError(f"sample {int(check[i])} fetched with xxh3 {int(sums[i]):016x}, the map says "
                               f"{int(self.checksums[check[i]]):016x} ({bad.size} samples differ)", "checksum",
-                              object=str(self.refs[shard].url), offset=offset)
+                              object=str(self.refs[int(shard[i])].url), offset=int(offset[i]))
 
     def evict(self, ids: np.ndarray, *, keep: Callable[[], np.ndarray] | None = None) -> int:
         """Unmark ``ids`` and punch their blocks out of the sparse files; returns the sample bytes evicted.

@@ -372,23 +372,30 @@ class RangedFetcher:
 
     # -- many extents ----------------------------------------------------------------------------------------------
     def fetch(self, refs: Sequence[ObjectRef], file: np.ndarray, offset: np.ndarray, length: np.ndarray, *,
-              ref_of_file: np.ndarray | None = None, max_gap: int | None = None) -> Fetched:
+              ref_of_file: np.ndarray | None = None, max_gap: int | None = None,
+              on_transfer: Callable[[Transfers, np.ndarray, int], None] | None = None) -> Fetched:
         """The bytes of every extent, in coalesced ranged GETs run concurrently. ``file[i]`` indexes ``refs``, or
         with ``ref_of_file`` a group of extents (``ref_of_file[file[i]]`` indexes ``refs``) that is coalesced on
         its own: extents of different groups are never merged, even in one object. ``max_gap`` overrides the
-        fetcher's for this call."""
+        fetcher's for this call. ``on_transfer(transfers, data, k)`` runs on the fetcher's thread as soon as
+        transfer ``k``'s bytes have come (``data``: those bytes alone, read-only), to check and store them while the
+        other GETs are in flight; they are then not copied into the returned region (which is empty). What it
+        raises fails the call as a failed GET does."""
         sizes = np.array([r.size for r in refs], dtype=np.int64)
         ref_of_file = np.arange(len(refs)) if ref_of_file is None else np.asarray(ref_of_file, dtype=np.int64)
         gap = self.max_gap if max_gap is None else int(max_gap)
         tr = coalesce(file, offset, length, max_gap=gap, max_transfer=self.max_transfer, align=1,
                       file_sizes=sizes[ref_of_file])
-        region = np.empty(tr.total_bytes, dtype=np.uint8)
+        region = np.empty(0 if on_transfer is not None else tr.total_bytes, dtype=np.uint8)
 
         def one(k: int) -> None:
             start, n = int(tr.t_offset[k]), int(tr.t_length[k])
             data = self._get_range(refs[int(ref_of_file[tr.t_file[k]])], start, start + n)
             dest = int(tr.t_dest[k])
-            region[dest:dest + n] = np.frombuffer(data, dtype=np.uint8)
+            if on_transfer is not None:  # handed over as it came: no copy into a region held until the end
+                on_transfer(tr, np.frombuffer(data, dtype=np.uint8), k)
+            else:
+                region[dest:dest + n] = np.frombuffer(data, dtype=np.uint8)
 
         futures = [self._pool.submit(one, k) for k in range(tr.io_count)]
         errors = [f.exception() for f in futures]  # waits for all: no request outlives the call

@@ -12,13 +12,16 @@ them too; the pins move with the consumer (:meth:`PlanPrefetcher.on_step`: the n
 one is let go) and vanish with the process.
 
 Block fill (no budget): a random plan's steps are sparse in the objects (64 samples of 16 KiB out of thousands
-are ~1 sample per ranged GET however many steps are grouped). Knowing the whole plan, a fetch also takes every
-absent sample the plan still reads that lies in the same ``fill_block``-aligned block of an object as a sample it
-fetches: those bytes are the plan's future, not waste, so the block is fetched in one run, once, and the samples
-of later steps are already there (blocks in the order the group first needs them). The fills grow: the first takes
-one block's worth, each next one twice the last, up to ``fill_bytes`` per fetch, so the steps right after the
-first never wait behind a fill of the whole dataset (a fill's samples are marked as its chunks land, in object
-order, not plan order).
+are ~1 sample per ranged GET however many steps are grouped; 8 media samples of ~1 MiB from as many objects are 8).
+Knowing the whole plan, a group's fetch takes every ``fill_block``-aligned block of an object that holds one of its
+absent samples whole: the block's absent samples the plan still reads, the group's own among them. Those bytes are
+the plan's future, not waste, so a block is one ranged GET, once, and the samples of later steps are already there.
+The runs may cross bytes the plan does not read (a sample it never reads, a present one, padding) up to
+``FILL_SLACK`` of the fill's own bytes. A group's blocks come in pieces, fetched in order: blocks in the order the
+group's steps first need them, the first piece the blocks of the group's first step, each next one whole steps'
+blocks, at least twice the last (the ramp goes on across groups), at most ``fill_bytes``; so the steps right after
+the first wait on their own blocks, never behind a fill of the whole dataset (and each GET's samples are marked
+as it lands).
 The first step is fetched alone, without fill and without merged gaps: the first batch waits on that fetch (the
 loader hands out a step it has read before it waits on the lookup of a later one), so it waits on its own samples'
 bytes only. The fills from the next group on take their blocks whole, present samples included (a present sample
@@ -57,8 +60,9 @@ log = logging.getLogger("foresight.bucket")
 __all__ = ["PlanPrefetcher", "FILL_BLOCK", "FILL_BYTES"]
 
 FILL_BLOCK = 16 << 20  # a block is fetched whole (its samples the plan still reads): one GET per block, not per sample
-FILL_GAP = 64 << 10  # bytes the plan does not read that a fill run may carry (alignment padding, a stray sample)
-FILL_BYTES = 256 << 20  # at most this much fill per fetch (what one fetch holds in memory; the first batch's wait)
+FILL_GAP = 64 << 10  # a gap a run may always cross (alignment padding; the first step's own fetch takes no more)
+FILL_BYTES = 256 << 20  # at most this much per fill piece (what one fetch holds in memory)
+FILL_SLACK = 0.10  # bytes a fill's runs may carry between its samples, as a share of the samples' own bytes
 
 
 class PlanPrefetcher(Closing):
@@ -67,7 +71,8 @@ class PlanPrefetcher(Closing):
     ``group_steps`` (``lookahead // 2``) steps are fetched together, once all of them are inside the window: more
     samples per coalesced fetch, so more of them share a GET. ``max_gap`` is the coalescer's gap for these fetches
     (None: 0 under a budget, where gap bytes would mostly be evicted unused; the fetcher's own otherwise).
-    ``fill_block``/``fill_bytes``: the block fill of the module doc (0: off; only without a budget). ``keep`` (bool
+    ``fill_block``/``fill_bytes``: the block fill of the module doc (0: off; only without a budget; ``fill_bytes``
+    bounds a fill piece). ``keep`` (bool
     per sample): only those samples of the plan are fetched and pinned (a storage node's share of them)."""
 
     def __init__(self, ds: BucketDataset, plan: Any, *, dataset: int = 0, rank: int = 0, world_size: int = 1,
@@ -107,7 +112,7 @@ class PlanPrefetcher(Closing):
         self._pins = self.cache.pins()  # the window, pinned for every process sharing the cache
         self._pins.hold(self._window(-1))
         self.error: BaseException | None = None
-        self.stats = {"prefetched_steps": 0, "fetched_samples": 0, "filled_samples": 0, "evicted_samples": 0,
+        self.stats = {"prefetched_steps": 0, "fetched_samples": 0, "filled_samples": 0, "fill_pieces": 0, "evicted_samples": 0,
                       "evicted_bytes": 0, "over_budget": 0, "max_cached_bytes": 0}
         self._thread = threading.Thread(target=self._run, name="foresight-bucket-prefetch", daemon=True)
         self._thread.start()
@@ -168,17 +173,20 @@ class PlanPrefetcher(Closing):
                 ids = np.unique(uses)
                 if self.budget_bytes is not None:
                     self._make_room(k, consumed, ids)
-                gap, span = self.max_gap, False
+                order = None
                 if self.fill_block and k == 0:  # the first batch waits on this fetch: its own bytes only
-                    gap = FILL_GAP
+                    gap, span = FILL_GAP, False
                 elif self.fill_block:
-                    filled = self._fill(k, uses)
-                    self.stats["filled_samples"] += filled.size
-                    ids = np.union1d(ids, filled)
-                    # a fill run takes its block whole, the first step's samples in it again (a few percent):
-                    # cut at every present sample, it would be one GET per sample again
-                    gap, span = FILL_GAP, True
-                fetched = self.cache.ensure(ids, max_gap=gap, span_present=span)  # one coalesced fetch per group
+                    # the group's blocks whole, in pieces in the order the plan first needs them (a present
+                    # sample inside a fill run is fetched, checked and written again: a run cut at every present
+                    # sample would be one GET per sample again)
+                    ids, order, gap = self._fill(k, uses)
+                    self.stats["filled_samples"] += int(np.count_nonzero(~np.isin(ids, uses)))
+                    self.stats["fill_pieces"] += int(np.unique(order).size)
+                    span = True
+                else:
+                    gap, span = self.max_gap, False
+                fetched = self.cache.ensure(ids, max_gap=gap, span_present=span, order=order)
                 self._last_use[uses] = np.repeat(np.arange(k, end), np.diff(acc.ptr[k:end + 1]))
                 self.stats["prefetched_steps"] += end - k
                 self.stats["fetched_samples"] += fetched
@@ -195,23 +203,32 @@ class PlanPrefetcher(Closing):
         of the plan that reads each sample (-1: never)."""
         n = self.ds.num_samples
         ext = self.cache.lookup(np.arange(n, dtype=np.int64))  # the maps only: no fetch
+        self._shard, self._offset = ext.shard.astype(np.int64), ext.offset.astype(np.int64)
         self._block = (ext.shard.astype(np.int64) << 40) | (ext.offset // self.fill_block)
         self._by_block = np.argsort(self._block, kind="stable")
         self._sorted_blocks = self._block[self._by_block]
         self._last_pos = np.full(n, -1, dtype=np.int64)
         np.maximum.at(self._last_pos, self.acc.ids, np.repeat(np.arange(len(self.acc)), np.diff(self.acc.ptr)))
 
-    def _fill(self, k: int, uses: np.ndarray) -> np.ndarray:
-        """The absent samples the plan reads at position ``k`` or later that share a block with an absent sample of
-        ``uses`` (blocks in the order ``uses`` first needs them, at most the current fill limit in all: one block's
-        worth for the first fill, doubling with each one up to ``fill_bytes``)."""
+    def _fill(self, k: int, uses: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """The fill of the group at position ``k`` reading ``uses``: every block holding an absent sample of
+        ``uses``, whole (its absent samples the plan reads at ``k`` or later). Returns those samples, a piece number
+        for each, and the coalescer's gap for them. Pieces are fetched in order: blocks in the order the group's
+        steps first need them, a piece the blocks of whole steps (the first at least one block's worth: the blocks
+        of the group's first step; each next one at least twice the last, the ramp going on across groups), at most
+        ``fill_bytes``. The gap is the widest that keeps the bytes between a piece's samples (samples the plan never
+        reads, present ones a run crosses) within ``FILL_SLACK`` of the samples' own (at least ``FILL_GAP``)."""
         present = self.cache.present
-        wanted = uses[present[uses] == 0]
-        if not wanted.size:
-            return wanted
+        at_use = np.flatnonzero(present[uses] == 0)
+        if not at_use.size:
+            return at_use, np.zeros(0, np.int64), FILL_GAP
+        wanted = uses[at_use]
         keys = self._block[wanted]
         _, first = np.unique(keys, return_index=True)
-        blocks = keys[np.sort(first)]
+        first = np.sort(first)
+        blocks = keys[first]
+        # the position of the step that first needs each block (uses lists the group's steps in order)
+        block_step = np.searchsorted(self.acc.ptr, self.acc.ptr[k] + at_use[first], side="right") - 1
         lo = np.searchsorted(self._sorted_blocks, blocks, side="left")
         hi = np.searchsorted(self._sorted_blocks, blocks, side="right")
         counts = hi - lo
@@ -220,10 +237,35 @@ class PlanPrefetcher(Closing):
         block_of = np.repeat(np.arange(blocks.size), counts)
         keep = (present[cand] == 0) & (self._last_pos[cand] >= k)
         cand, block_of = cand[keep], block_of[keep]
-        per_block = np.bincount(block_of, weights=self._sizes[cand], minlength=blocks.size)
-        n_blocks = max(1, int(np.searchsorted(np.cumsum(per_block), self._fill_limit, side="right")))
-        self._fill_limit = min(self.fill_bytes, 2 * self._fill_limit)
-        return cand[block_of < n_blocks]
+        cum = np.cumsum(np.bincount(block_of, weights=self._sizes[cand], minlength=blocks.size))
+        piece_of_block = np.empty(blocks.size, dtype=np.int64)
+        start, piece = 0, 0
+        while start < blocks.size:  # a loop over pieces (doubling: a few per group), not blocks or samples
+            base = cum[start - 1] if start else 0.0
+            reach = start + int(np.searchsorted(cum[start:] - base, self._fill_limit, side="left"))
+            end = blocks.size if reach >= blocks.size else \
+                int(np.searchsorted(block_step, block_step[reach], side="right"))  # whole steps' blocks
+            cap = start + int(np.searchsorted(cum[start:] - base, self.fill_bytes, side="right"))
+            end = max(start + 1, min(end, cap))
+            piece_of_block[start:end] = piece
+            self._fill_limit = min(self.fill_bytes, 2 * max(self._fill_limit, int(cum[end - 1] - base)))
+            start, piece = end, piece + 1
+        order = piece_of_block[block_of]
+        return cand, order, self._fill_gap(cand, order)
+
+    def _fill_gap(self, ids: np.ndarray, order: np.ndarray) -> int:
+        """The largest gap between neighbours of one piece (same object) whose gaps up to it sum to at most
+        ``FILL_SLACK`` of the pieces' bytes: bytes bounded to (1 + FILL_SLACK)x, runs as long as that allows."""
+        if ids.size < 2:
+            return FILL_GAP
+        by = np.lexsort((ids, order))
+        ids, order = ids[by], order[by]
+        end = self._offset[ids] + self._sizes[ids]
+        same = (order[1:] == order[:-1]) & (self._shard[ids[1:]] == self._shard[ids[:-1]])
+        gaps = np.sort((self._offset[ids[1:]] - end[:-1])[same])
+        fits = np.cumsum(gaps) <= FILL_SLACK * float(self._sizes[ids].sum())
+        widest = int(gaps[fits][-1]) if fits.any() else 0
+        return max(FILL_GAP, min(widest, self.cache.fetcher.max_transfer))
 
     def _window(self, consumed: int) -> np.ndarray:
         """Samples of the steps the loader may be reading while the consumer is at ``consumed``: the next
