@@ -100,12 +100,12 @@ def paced_writer(base: type, mbps: float) -> type:
         def _write_file(self, fio: Any, fd: int, view: memoryview, path: str) -> None:
             real, t0 = fio.write_reporting, time.perf_counter()
 
-            def paced(fd: int, view: memoryview, piece: int, on_written: Any, *, path: str | None = None) -> None:
+            def paced(fd: int, view: memoryview, ends: Any, on_written: Any, *, path: str | None = None) -> None:
                 def report(end: int) -> None:
                     time.sleep(max(0.0, t0 + end / (mbps * 1e6) - time.perf_counter()))
                     on_written(end)
 
-                real(fd, view, piece, report, path=path)
+                real(fd, view, ends, report, path=path)
 
             fio.write_reporting = paced
             super()._write_file(fio, fd, view, path)
