@@ -100,12 +100,12 @@ def paced_writer(base: type, mbps: float) -> type:
         def _write_file(self, fio: Any, fd: int, view: memoryview, path: str) -> None:
             real, t0 = fio.write_reporting, time.perf_counter()
 
-            def paced(fd: int, view: memoryview, piece: int, on_written: Any, *, path: str | None = None) -> None:
+            def paced(fd: int, view: memoryview, ends: Any, on_written: Any, *, path: str | None = None) -> None:
                 def report(end: int) -> None:
                     time.sleep(max(0.0, t0 + end / (mbps * 1e6) - time.perf_counter()))
                     on_written(end)
 
-                real(fd, view, piece, report, path=path)
+                real(fd, view, ends, report, path=path)
 
             fio.write_reporting = paced
             super()._write_file(fio, fd, view, path)
@@ -178,7 +178,9 @@ def jobs_run(work: str, tr: Any, ev: Any, sizes: tuple[int, int, int], n: int, l
     """``n`` jobs save (as fast as the disk) and replicate at once over the one shared link (the bed's token
     bucket carries every connection of ``to_eval``), each merged as its units arrive; beside them the best
     alternative on the same kind of link: after the commits, ``n`` bulk copies at once (``streams`` TCP streams
-    each) through one shared-link proxy, each followed by its merge. Commit -> merged per job."""
+    each) through one shared-link proxy, each followed by its merge. Commit -> merged per job, and each job's save
+    (call -> commit; as fast as the disk, not instantaneous) beside the transfer of all jobs' bytes at the link
+    rate."""
     from foresight.replication.source import LocalSource
     from foresight.testing.wan import WanLink
 
@@ -201,7 +203,10 @@ def jobs_run(work: str, tr: Any, ev: Any, sizes: tuple[int, int, int], n: int, l
         check_merged(written, state)
         bulk.append(copies[k] + merge_s)
     arrival = [r["commit_to_merged_arrival_s"] for r in rows]
+    transfer_all = sum(r["transfer_s_at_link_rate"] for r in rows)  # the jobs share the one link
     return {"jobs": n, "bulk_streams_per_job": streams,
+            "save_s": [r["save_s"] for r in rows], "transfer_s_at_link_rate": transfer_all,
+            "save_longer_than_transfer": min(r["save_s"] for r in rows) >= transfer_all,
             "commit_to_merged_arrival_s": arrival, "commit_to_merged_bulk_copy_s": bulk,
             "arrival_max_s": max(arrival), "bulk_copy_max_s": max(bulk),
             "arrival_vs_bulk_copy": max(arrival) / max(bulk),
@@ -423,8 +428,9 @@ def unit_sweep(tr: Any, work: str, sizes_mib: list[float], total_mib: int) -> li
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     """Issue 20's targets, each case with its measured value, its bound and whether it holds: commit -> merged
     <= 0.5x the best alternative when the save lasts at least as long as the transfer, <= 1.05x when the save is
-    as fast as the disk (one job, and each concurrent-jobs run against its bulk copies), and merge latency >= 90%
-    below the per-tensor baseline."""
+    as fast as the disk (one job, and each concurrent-jobs run against its bulk copies; a run whose saves, timed,
+    lasted at least as long as all jobs' transfer gets the 0.5x target), and merge latency >= 90% below the
+    per-tensor baseline."""
     out = []
     for r in res.get("arrival", []):
         if r["save_longer_than_transfer"]:
@@ -438,11 +444,17 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                                             f"{r['transfer_s_at_link_rate']:.2f} s",
                     "value": r["arrival_vs_best_alternative"], "bound": f"<= {bound}",
                     "met": r["arrival_vs_best_alternative"] <= bound})
-    for j in res.get("jobs", []):
-        out.append({"target": "commit -> merged vs best alternative, instantaneous save",
+    for j in res.get("jobs", []):  # saves as fast as the disk: the 0.5x target when they outlast the transfer
+        saves = ", ".join(f"{x:.2f}" for x in j["save_s"]) if "save_s" in j else "not recorded"
+        longer = bool(j.get("save_longer_than_transfer"))
+        bound = 0.5 if longer else 1.05
+        out.append({"target": "commit -> merged vs best alternative, " +
+                              ("save >= transfer" if longer else "instantaneous save"),
                     "case": f"{j['jobs']} concurrent job(s) on one link vs bulk copies ({j['bulk_streams_per_job']} "
-                            "streams each)",
-                    "value": j["arrival_vs_bulk_copy"], "bound": "<= 1.05", "met": j["arrival_vs_bulk_copy"] <= 1.05})
+                            f"streams each); saves as fast as the disk: {saves} s, all jobs' transfer at link rate "
+                            f"{j.get('transfer_s_at_link_rate', float('nan')):.2f} s",
+                    "value": j["arrival_vs_bulk_copy"], "bound": f"<= {bound}",
+                    "met": j["arrival_vs_bulk_copy"] <= bound})
     red = res["merge"]["reduction"]
     out.append({"target": "merge latency vs the per-tensor baseline", "case": "1 job, replica merged locally",
                 "value": red, "bound": ">= 0.90 lower (paper 0.761)", "met": red >= 0.9})
@@ -621,8 +633,8 @@ def main() -> int:
                                  "arrival_vs_best_alternative"],
                 "commit -> merged: foresight merging as units arrive vs the replica then a merge; best alternative: "
                 "coalesced remote reads or a bulk copy then the merge")
-    print_table(res["jobs"], ["jobs", "bulk_streams_per_job", "arrival_max_s", "bulk_copy_max_s",
-                              "arrival_vs_bulk_copy"],
+    print_table(res["jobs"], ["jobs", "bulk_streams_per_job", "save_s", "transfer_s_at_link_rate", "arrival_max_s",
+                              "bulk_copy_max_s", "arrival_vs_bulk_copy"],
                 "concurrent jobs on the one link: slowest job's commit -> merged, merging on arrival vs a bulk copy "
                 "after the commit (N streams per job) then the merge")
     res["targets"] = targets(res)

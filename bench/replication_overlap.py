@@ -4,9 +4,18 @@ Two sites as real processes (replication nodes, foresight's WAN bed between them
 connections). The training site saves a checkpoint with ``Checkpointer(..., replicate=Replication(...))``; the
 data file is written at a simulated disk speed (each completed write waits ``bytes / speed``: a page-cache write
 on this machine is far faster than any real checkpoint disk, so the transfer would have nothing to overlap).
-Reported per write speed: the save's duration (call -> commit), the bytes the evaluation site had not acknowledged
-at the commit, and commit -> replica ready. The issue's target: bytes left at the commit <= what the link carries
-in 10% of the save's duration, whenever the save lasts at least as long as the transfer.
+Reported per write speed: the save's duration (call -> commit), the bytes left at the commit, and commit ->
+replica ready. "Left at the commit" is what had not crossed the link when the source committed: the bytes of the
+units the evaluation site had not received whole by then (its arrival times, same clock), so bytes still queued
+in the sender, its socket or the link count as left; beside it, the bytes the site had not yet acknowledged
+(verified, synced and journaled: that trails arrival by the return half of the round trip and the site's sync).
+
+The issue's target: bytes left at the commit <= what the link carries in 10% of the save's duration. It is
+reachable only when the save lasts at least as long as the transfer: during a shorter save the link cannot carry
+more than its rate x the save, so at least ``floor = total - link rate x save`` (>= 0) is left whatever the sender
+does. Each row prints that physical floor and the bytes left over it, and is judged by
+``left <= floor + 10% of the save at the link rate`` (the floor is 0 for saves at least as long as the transfer,
+so that is the issue's target as written there).
 
 Then, in the same run and on the same bed (a second proxy with the same delay and cap, or ``--background`` flows
 sharing each), how fast replication moves a committed checkpoint against what a practitioner does without it:
@@ -16,7 +25,7 @@ plain streams (N = the sender's streams, each a slice of the file). Replication 
 connect -> the receiver's acknowledgement after its sync. Target: replication >= 0.9x one plain stream, and
 >= 0.9x N plain streams when the link is shared.
 
-    python bench/replication_overlap.py            # 256 MiB, 8 MiB units, write speeds 100 and 400 MB/s
+    python bench/replication_overlap.py            # 256 MiB, 8 MiB units, write speeds 50, 100 and 400 MB/s
     python bench/replication_overlap.py --smoke    # 16 MiB over a 100 Mbit/s link; what the smoke test runs
     python bench/replication_overlap.py --write-mb-s "" --repeats 3 --background 0,1   # the link comparison alone
 """
@@ -73,13 +82,25 @@ def run(work: str, *, mib: int, unit_mib: float, write_mb_s: float, rtt_ms: floa
             t0 = time.time()
             ck.save(state, 2).wait()
             info = rep.wait(2, timeout=3600)
+            arrived = ev.call("replicate.log", {"name": rep.name(2)})["arrived"]
         rep.close()
+    return save_row(write_mb_s, mib, mbit, t0, info, arrived)
+
+
+def save_row(write_mb_s: float, mib: float, mbit: float, t0: float, info: dict[str, Any],
+             arrived: list[list[Any]]) -> dict[str, Any]:
+    """One write speed's row: the save, what was left at its commit (not yet received at the site; not yet
+    acknowledged), the physical floor of what is left (the link cannot carry more than rate x save during the
+    save) and the target it is judged by (floor + 10% of the save at the link rate)."""
     save_s = info["committed_at"] - t0
-    link_bytes_per_s = mbit * 1e6 / 8
-    return {"write_MB_s": write_mb_s, "save_s": save_s, "MiB": mib,
-            "transfer_s_at_link_rate": mib * (1 << 20) / link_bytes_per_s,
-            "MiB_left_at_commit": info["bytes_left_at_commit"] / (1 << 20),
-            "target_MiB_left": 0.1 * save_s * link_bytes_per_s / (1 << 20),
+    link_MiB_s = mbit * 1e6 / 8 / (1 << 20)
+    crossed = sum(n for _, n, at in arrived if at <= info["committed_at"])
+    left = mib - crossed / (1 << 20)
+    floor = max(0.0, mib - link_MiB_s * save_s)
+    target = floor + 0.1 * save_s * link_MiB_s
+    return {"write_MB_s": write_mb_s, "save_s": save_s, "MiB": mib, "transfer_s_at_link_rate": mib / link_MiB_s,
+            "MiB_left_at_commit": left, "MiB_unacked_at_commit": info["bytes_left_at_commit"] / (1 << 20),
+            "floor_MiB": floor, "MiB_over_floor": left - floor, "target_MiB_left": target, "met": left <= target,
             "commit_to_ready_s": info["ready_at"] - info["committed_at"],
             "save_start_to_ready_s": info["ready_at"] - t0}
 
@@ -183,7 +204,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--unit-mib", type=float, default=8)
-    ap.add_argument("--write-mb-s", default="100,400", help="simulated disk write speeds (MB/s); empty: skip")
+    ap.add_argument("--write-mb-s", default="50,100,400", help="simulated disk write speeds (MB/s); empty: skip")
     ap.add_argument("--rtt-ms", type=float, default=100.0)
     ap.add_argument("--mbit", type=float, default=1000.0)
     ap.add_argument("--background", default="0,1", help="background flows on the link for the link comparison "
@@ -205,7 +226,8 @@ def main() -> int:
         shutil.rmtree(a.dir, ignore_errors=True)
     title = f"{a.mib} MiB, {a.unit_mib:g} MiB units, link {a.rtt_ms:g} ms / {a.mbit:g} Mbit/s (WAN bed, one shared pipe)"
     if rows:
-        print_table(rows, ["write_MB_s", "save_s", "transfer_s_at_link_rate", "MiB_left_at_commit", "target_MiB_left",
+        print_table(rows, ["write_MB_s", "save_s", "transfer_s_at_link_rate", "MiB_left_at_commit",
+                           "MiB_unacked_at_commit", "floor_MiB", "MiB_over_floor", "target_MiB_left", "met",
                            "commit_to_ready_s", "save_start_to_ready_s"], f"send while saving: {title}")
     n = a.streams
     if links:

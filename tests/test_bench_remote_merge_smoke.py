@@ -48,6 +48,8 @@ def test_remote_merge_bench_smoke(tmp_path):
     for j in data["jobs"]:
         assert j["outputs_match_saved_state"] and j["bulk_streams_per_job"] == 2
         assert len(j["commit_to_merged_arrival_s"]) == len(j["commit_to_merged_bulk_copy_s"]) == j["jobs"]
+        assert len(j["save_s"]) == j["jobs"] and min(j["save_s"]) > 0  # timed, not assumed instantaneous
+        assert j["transfer_s_at_link_rate"] > 0 and isinstance(j["save_longer_than_transfer"], bool)
     # the targets table: the save longer than the transfer, the instantaneous ones, the merge latency
     cases = [(t["target"], t["case"]) for t in data["targets"]]
     assert len(cases) == 2 + 2 + 1 and all(isinstance(t["met"], bool) for t in data["targets"])

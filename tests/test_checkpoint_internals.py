@@ -51,6 +51,25 @@ def test_fileio_round_trip_both_backends(tmp_path, backend):
         fio.close()
 
 
+def test_fileio_write_reporting_reports_each_piece_end_in_order_and_refuses_bad_ends(tmp_path):
+    fio = FileIO(chunk_bytes=1 << 20, backend="pread")
+    try:
+        n = 3 * (1 << 20) + 3 * 4096
+        src = mmap.mmap(-1, n)  # page-aligned (direct I/O)
+        src[:] = np.random.default_rng(2).integers(0, 256, n, dtype=np.uint8).tobytes()
+        path = str(tmp_path / "f.bin")
+        fd, _ = fio.open(path, write=True)
+        ends, seen = [1 << 20, (2 << 20) + 4096, n], []
+        fio.write_reporting(fd, memoryview(src), ends, seen.append, path=path)
+        for bad in ([1 << 20], [4096, 4096, n], [8192, 4096, n], []):  # short, repeated, decreasing, none
+            with pytest.raises(ValueError, match="piece ends"):
+                fio.write_reporting(fd, memoryview(src), bad, seen.append, path=path)
+        os.close(fd)
+        assert seen == ends and open(path, "rb").read() == src[:]
+    finally:
+        fio.close()
+
+
 def test_checksums_match_xxhash():
     buf = np.random.default_rng(1).integers(0, 256, 9 << 20, dtype=np.uint8)
     offsets = np.array([0, 10, 4096, 1 << 20, 0], dtype=np.int64)

@@ -14,6 +14,7 @@ from foresight.replication.units import (
     meta_files,
     plan_units,
     read_unit,
+    unit_ends,
     verify_checkpoint,
 )
 from foresight.testing.wan import measure_rtt
@@ -51,10 +52,86 @@ def send(src, rb, units, only=None):
         os.close(fd)
 
 
+def test_a_files_last_units_are_small_so_little_is_left_when_its_last_byte_lands():
+    """A file sent while it is written has its last unit complete just before the commit: units are whole until
+    the last four units' worth, then a quarter of what is left (aligned), down to unit/16."""
+    unit = 8 << 20
+    for size in (100 << 20, (100 << 20) + 12345, 3 * unit, unit // 3):
+        ends = unit_ends(size, unit)
+        lengths = np.diff([0, *ends])
+        assert ends[-1] == size and (lengths > 0).all()
+        whole = int(np.argmax(lengths < unit)) if (lengths < unit).any() else len(lengths)
+        assert (lengths[:whole] == unit).all() and size - whole * unit < 4 * unit
+        tail = lengths[whole:]
+        assert (np.diff(tail[:-1]) <= 0).all()  # shrinking toward the end
+        assert tail[-1] <= unit // 16 and all(e % 4096 == 0 for e in ends[:-1])  # direct I/O cuts
+    units = plan_units([("a.bin", 100 << 20), ("b.bin", 5000)], unit)
+    assert [u.offset + u.length for u in units if u.file == "a.bin"] == unit_ends(100 << 20, unit)
+    assert [(u.file, u.offset, u.length) for u in units[-1:]] == [("b.bin", 0, 5000)]
+
+
+def test_a_replicated_checkpointer_save_reports_each_unit_as_it_lands(tmp_path):
+    """The writer reports progress where the transfer units end, so the last unit (small) leaves as soon as its
+    bytes land, and the commit comes after the last report. A recording policy: no node needed."""
+    import torch
+
+    from foresight.checkpoint import Checkpointer
+    from foresight.replication.policy import Replication
+
+    class Recording(Replication):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.events = []
+
+        def data_started(self, step, directory, files, **kw):
+            self.events.append(("started", files))
+
+        def data_progress(self, step, written):
+            self.events.append(("progress", written["data-00000.bin"]))
+
+        def data_written(self, step, directory, **kw):
+            self.events.append(("written", kw.get("nbytes")))
+
+        def committed(self, step, path):
+            self.events.append(("committed", step))
+
+    unit = 1 << 20
+    rep = Recording(every=1, site="eval-b", node="grpc://127.0.0.1:1", job="job", unit_bytes=unit)
+    with Checkpointer(str(tmp_path / "ck"), replicate=rep) as ck:
+        ck.save({f"w{i}": torch.randn(1 << 16) for i in range(40)}, 1).wait()  # 10 MiB
+    (kind, files), *rest = rep.events
+    total = files[0][1]
+    reported = [n for k, n in rest if k == "progress"]
+    assert kind == "started" and reported == rep.progress_ends(total) == unit_ends(total, unit)
+    assert reported[-1] - reported[-2] <= unit // 16  # the last piece, written just before the commit, is small
+    assert [k for k, _ in rest[len(reported):]] == ["written", "committed"]
+
+
+def test_a_sender_bounds_the_bytes_in_flight_not_the_windows():
+    """Full windows: two unacknowledged per sending thread, as before. The small windows of a save in progress
+    (units released one by one as they are written) go without waiting for the previous ones' acknowledgements,
+    up to a count that still bounds the site's concurrent calls."""
+    from foresight.replication.send_windows import MAX_WINDOWS_IN_FLIGHT, WINDOW_BYTES, InFlight
+
+    full = InFlight()
+    full.add(WINDOW_BYTES)
+    assert full.room(timeout=0)
+    full.add(WINDOW_BYTES)
+    assert not full.room(timeout=0)  # two full windows fill the budget
+    full.done(WINDOW_BYTES)
+    assert full.room(timeout=0)
+    small = InFlight()
+    for i in range(MAX_WINDOWS_IN_FLIGHT):
+        assert small.room(timeout=0), i  # was: the third one waited for the first one's acknowledgement
+        small.add(1 << 20)
+    assert not small.room(timeout=0) and small.bytes < small.max_bytes  # the count binds
+
+
 def test_units_rebuild_a_bit_identical_replica(tmp_path):
     src = make_source(tmp_path)
     units = plan_units([("data-00000.bin", 300_000)], unit_bytes=64 << 10)
-    assert len(units) == 5 and sum(u.length for u in units) == 300_000
+    assert units[0].length == 64 << 10 and len(units) == len(unit_ends(300_000, 64 << 10)) > 5
+    assert sum(u.length for u in units) == 300_000
     rb = ReplicaBuilder(str(tmp_path / "dst"), "job/step-00000007")
     send(src, rb, units)
     final = rb.finalize(meta_files(src), len(units))

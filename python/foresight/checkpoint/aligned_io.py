@@ -18,7 +18,7 @@ import errno
 import mmap
 import os
 import shutil
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -70,15 +70,18 @@ class FileIO:
         """Write all of ``view`` at ``file_offset``."""
         self._run(fd, view, file_offset, write=True, path=path)
 
-    def write_reporting(self, fd: int, view: memoryview, piece: int, on_written: Callable[[int], None], *,
+    def write_reporting(self, fd: int, view: memoryview, ends: Sequence[int], on_written: Callable[[int], None], *,
                         path: str | None = None) -> None:
-        """Write all of ``view`` at offset 0 in pieces of ``piece`` bytes, all submitted at once, calling
-        ``on_written(end)`` as each lands, in file order (``end``: bytes written from the start): what a
-        replicated save reports so its units leave while the rest is written. A failure waits for the writes
-        still in flight (the buffer may be reused) and raises the first."""
+        """Write all of ``view`` at offset 0 in pieces ending at ``ends`` (increasing, the last ``len(view)``;
+        4 KiB-aligned for direct I/O), all submitted at once, calling ``on_written(end)`` as each lands, in file
+        order: what a replicated save reports so its units leave while the rest is written. A failure waits for
+        the writes still in flight (the buffer may be reused) and raises the first."""
         total = len(view)
-        tokens = [(min(off + piece, total), self.submit_write(fd, view[off:off + piece], file_offset=off, path=path))
-                  for off in range(0, total, piece)]
+        if not ends or ends[-1] != total or any(b <= a for a, b in zip([0, *ends], ends)):
+            raise ValueError(f"piece ends must increase from 0 to the {total} bytes written, got {list(ends)[:8]}...")
+        starts = [0, *ends[:-1]]
+        tokens = [(end, self.submit_write(fd, view[off:end], file_offset=off, path=path))
+                  for off, end in zip(starts, ends)]
         for i, (end, token) in enumerate(tokens):
             try:
                 self.wait(token)

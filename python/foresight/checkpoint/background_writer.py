@@ -158,15 +158,16 @@ class BackgroundWriter:
                     CheckpointError(f"checkpoint write failed: {e}", step=h.step, tier=root))
 
     def _write_data(self, fd: int, view: memoryview, total: int, path: str, step: int, tmp: str) -> None:
-        """Write the data file; for a step being replicated, in pieces of a transfer unit (all submitted at once),
-        reporting each piece as it lands so its unit leaves while the rest is written (send while saving)."""
-        piece = getattr(self.replicate, "progress_bytes", 0) if self.replicate is not None else 0
-        piece -= piece % 4096  # direct I/O: pieces start aligned
-        if piece <= 0 or total <= piece or not self.replicate.wants(step):
+        """Write the data file; for a step being replicated, in pieces ending where its transfer units end (all
+        submitted at once), reporting each piece as it lands so its unit leaves while the rest is written (send
+        while saving; the last units are small, so little is left to send at the commit)."""
+        wanted = self.replicate is not None and self.replicate.wants(step)
+        ends = self.replicate.progress_ends(total) if wanted else []
+        if len(ends) <= 1:
             self._fio.write(fd, view, path=path)
             return
         self._replication_hook("data_started", step, tmp, [(DATA_FILE, total)])
-        self._fio.write_reporting(fd, view, piece, lambda end: self._replication_hook(
+        self._fio.write_reporting(fd, view, ends, lambda end: self._replication_hook(
             "data_progress", step, {DATA_FILE: end}), path=path)
 
     def _replication_hook(self, name: str, *args: Any, **kwargs: Any) -> None:

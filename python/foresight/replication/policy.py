@@ -48,7 +48,7 @@ from foresight.checkpoint.dcp import ForesightStorageWriter
 from foresight.errors import CheckpointError
 from foresight.replication.scheduler import priority_of
 from foresight.replication.flight_calls import call, put_body
-from foresight.replication.units import UNIT_BYTES, check_name
+from foresight.replication.units import UNIT_BYTES, check_name, unit_ends
 
 log = logging.getLogger("foresight.replicate")
 RETRY_EVERY_S = 30.0  # a save whose replication could not be started is retried this often (in the background)
@@ -93,10 +93,12 @@ class Replication:
     def wants(self, step: int) -> bool:
         return step % self.every == 0
 
-    @property
-    def progress_bytes(self) -> int:
-        """How often a writer reports progress (:meth:`data_progress`): one transfer unit."""
-        return int(self.unit_bytes or UNIT_BYTES)
+    def progress_ends(self, size: int) -> list[int]:
+        """Where a writer of a ``size``-byte data file reports progress (:meth:`data_progress`): at each transfer
+        unit's end (:func:`~foresight.replication.units.unit_ends`: small units near the file's end), each
+        4 KiB-aligned (direct I/O writes pieces that start aligned; a unit then leaves at the next report)."""
+        ends = sorted({e - e % 4096 for e in unit_ends(size, int(self.unit_bytes or UNIT_BYTES))[:-1]} - {0})
+        return [*ends, size] if size else []
 
     def _call(self, action: str, body: dict[str, Any], *, put: bytes | None = None) -> dict[str, Any]:
         """One action on the node (``put``: a ``DoPut action`` with this body instead, for a body of any size)."""
@@ -336,13 +338,12 @@ def _dcp_writer_class() -> type:
             self.replicate, self.step = replicate, step
 
         def _write_file(self, fio: Any, fd: int, view: memoryview, path: str) -> None:
-            """This rank's data file in pieces of a transfer unit, each reported as it lands: its units leave
+            """This rank's data file in pieces ending where its units end, each reported as it lands: its units leave
             while the rest is written and while the other ranks write theirs (send while saving). The hooks
             never raise and return at once (the node calls go on the policy's background lane)."""
-            piece = self.replicate.progress_bytes
-            piece -= piece % 4096  # direct I/O: pieces start aligned
             total = len(view)
-            if piece <= 0 or not self.replicate.wants(self.step):
+            ends = self.replicate.progress_ends(total) if self.replicate.wants(self.step) else []
+            if not ends:
                 super()._write_file(fio, fd, view, path)
                 return
             name, leaf = os.path.basename(path), os.path.basename(os.path.normpath(self.path))
@@ -353,7 +354,7 @@ def _dcp_writer_class() -> type:
                 layout = {"rows": self._layout_rows, "files_expected": world, "meta": {"source_format": "dcp"}}
             self.replicate.data_started(self.step, self.path, [(name, total)], leaf=leaf, shared=True,
                                         layout=layout)
-            fio.write_reporting(fd, view, piece, lambda end: self.replicate.data_progress(self.step, {name: end}),
+            fio.write_reporting(fd, view, ends, lambda end: self.replicate.data_progress(self.step, {name: end}),
                                 path=path)
 
         def finish(self, metadata: Any, results: Any) -> None:

@@ -1,7 +1,9 @@
 """The training site's sending threads: windows of units in flight, their acknowledgements, retries, status.
 
 Each sending thread takes a transfer's next units from the lane as one window (a ``DoPut replica.units``), keeps
-up to :data:`WINDOWS_IN_FLIGHT` of them unacknowledged (a companion thread collects the answers), asks the site
+windows unacknowledged up to :class:`InFlight`'s bounds (:data:`WINDOWS_IN_FLIGHT` full windows' bytes; a save in
+progress releases its units a few at a time, and those small windows go without waiting for the acknowledgements
+of the previous ones; a companion thread collects the answers), asks the site
 once which units it holds already, and waits (with back-off, up to ``retry_s``) for a site that is down or
 restarting, resending a dropped window by unit. A mixin of
 :class:`~foresight.replication.service.ReplicationService`, whose constructor starts the threads.
@@ -36,7 +38,9 @@ RETRY_S = 60.0  # how long a sender waits for a site that is down or restarting 
 BACKOFF = (0.25, 4.0)  # first and longest pause between attempts (doubling)
 WINDOW_BYTES = 64 << 20  # a sender's window: units sent back to back under one acknowledgement (one sync per file)
 WINDOW_UNITS = 64
-WINDOWS_IN_FLIGHT = 2  # per sending thread: the next window streams while the previous one is synced and acked
+WINDOWS_IN_FLIGHT = 2  # per sending thread, full windows' bytes unacknowledged: the next one streams while the
+# previous one is synced and acknowledged
+MAX_WINDOWS_IN_FLIGHT = 16  # per sending thread, however small (units released one by one while a save writes them)
 # a site whose node answers but has not mounted replication yet (it is starting): wait for it like for one down
 _NOT_MOUNTED = ("no DoPut for 'replica.", "unknown action")
 # a unit whose bytes changed on the way (the site checks each against the xxh3 the sender computed): sent again,
@@ -45,12 +49,50 @@ _CORRUPT = "unit checksum mismatch"
 CORRUPT_RESENDS = 3
 
 
+class InFlight:
+    """What one sending thread has unacknowledged: it may put another window while fewer than ``windows`` are
+    unacknowledged and their bytes are under ``nbytes``. A bound on bytes, not on windows alone: a save in progress
+    releases its units as they are written, each leaving in a small window of its own, and a count of windows would
+    hold the next ones back for a round trip and the site's sync (the units then pile up behind the acknowledgements
+    and are still to send at the commit); full windows of a committed checkpoint stay ``nbytes / WINDOW_BYTES``.
+
+    >>> f = InFlight(windows=3, nbytes=100)
+    >>> f.add(60); f.room(timeout=0), f.add(50), f.room(timeout=0)
+    (True, None, False)
+    >>> f.done(60); f.room(timeout=0)
+    True
+    """
+
+    def __init__(self, *, windows: int = MAX_WINDOWS_IN_FLIGHT, nbytes: int = WINDOWS_IN_FLIGHT * WINDOW_BYTES) -> None:
+        self.max_windows, self.max_bytes = windows, nbytes
+        self.windows = self.bytes = 0
+        self._cv = threading.Condition()
+
+    def room(self, timeout: float | None = None) -> bool:
+        """Wait until another window may go (``timeout``: at most that long); returns whether it may."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self.windows < self.max_windows and self.bytes < self.max_bytes,
+                                     timeout)
+
+    def add(self, nbytes: int) -> None:
+        with self._cv:
+            self.windows += 1
+            self.bytes += nbytes
+
+    def done(self, nbytes: int) -> None:
+        with self._cv:
+            self.windows -= 1
+            self.bytes -= nbytes
+            self._cv.notify_all()
+
+
 @dataclass
 class _Window:
     """Units of one transfer sent under one acknowledgement; ``stream`` is its open DoPut awaiting the answer."""
 
     t: Transfer
     units: list[Unit]
+    nbytes: int = 0
     todo: list[Unit] = field(default_factory=list)  # those the site did not hold already
     client: Any = None
     stream: tuple[Any, Any] | None = None
@@ -116,11 +158,10 @@ class WindowSender:
         return json.loads(res[0].body.to_pybytes()) if res else {}
 
     def _send_loop(self) -> None:
-        """One sending thread: windows of a transfer's units, up to ``WINDOWS_IN_FLIGHT`` of them unacknowledged. A
+        """One sending thread: windows of a transfer's units, unacknowledged within :class:`InFlight`'s bounds. A
         companion thread collects the acknowledgements, so the next window streams while the site syncs and
         acknowledges the previous one, and a unit released meanwhile (a save in progress) leaves at once."""
-        slots = threading.Semaphore(WINDOWS_IN_FLIGHT)
-        unacked = [0]
+        in_flight = InFlight()
         acks: queue.Queue[_Window | None] = queue.Queue()
 
         def collect() -> None:
@@ -128,15 +169,13 @@ class WindowSender:
                 try:
                     self._settle(w)
                 finally:
-                    with self._lock:
-                        unacked[0] -= 1
-                    slots.release()
+                    in_flight.done(w.nbytes)
 
         collector = threading.Thread(target=collect, name=f"{threading.current_thread().name}-acks", daemon=True)
         collector.start()
         try:
             while True:
-                slots.acquire()  # at most WINDOWS_IN_FLIGHT unacknowledged: the other threads take the next units
+                in_flight.room()  # the other threads take the next units meanwhile
                 item = self.lane.pop()
                 if item is None:
                     return  # the lane is closed
@@ -146,13 +185,12 @@ class WindowSender:
                 with self._lock:
                     t = self.transfers.get(name)
                 if t is None or t.done.is_set():
-                    slots.release()
                     continue
-                w = _Window(t, units)
+                w = _Window(t, units, nbytes=sum(u.length for u in units))
+                in_flight.add(w.nbytes)
                 with self._lock:
-                    unacked[0] += 1
                     self.sending["windows"] += 1
-                    self.sending["in_flight_max"] = max(self.sending["in_flight_max"], unacked[0])
+                    self.sending["in_flight_max"] = max(self.sending["in_flight_max"], in_flight.windows)
                 try:
                     self._ask_status(t)
                     w.todo = [u for u in units if u.id not in (t.skip or ())]

@@ -9,11 +9,13 @@ The same handlers run on every site's node; which role they play depends on the 
   progress: the units it completed leave now), ``replicate.commit`` (the source committed: the replica may now
   be published), ``replicate.abort``, ``replicate.urgent`` (raise a transfer's priority), ``replicate.wait``,
   ``replicate.pause``/``replicate.resume`` (``{"units": n}`` lets exactly n more units go: throttling, and a
-  deterministic order for tests), ``replicate.log`` (units in the order they went on the wire);
+  deterministic order for tests), ``replicate.log`` (units in the order they were acknowledged; with ``name``,
+  also ``arrived``: when each unit of that checkpoint arrived, as the receiving site);
 - evaluation site (receiver): ``DoPut`` of ``replica.units`` (a window of units back to back, each opened by its
   JSON header in the batch metadata; verified, synced once per file, journaled and acknowledged together; a unit
-  journaled already is drained; each sending thread keeps two windows unacknowledged; the older ``replica.unit``
-  takes one), ``replica.status`` (units already journaled, with their extents: a resumed transfer skips them),
+  journaled already is drained; each sending thread keeps two full windows' bytes unacknowledged; the older
+  ``replica.unit`` takes one), ``replica.status`` (units already journaled, with their extents: a resumed
+  transfer skips them),
   ``DoPut`` of ``replica.commit`` (the source's index and COMMIT or ``.metadata``, sent as soon as every unit is on
   the wire; wait while windows of it are being received, check every unit is journaled, verify every tensor,
   rename, register in etcd under the replica TTL);
@@ -84,6 +86,7 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
         self.layout_failures = 0  # replica.layout calls that failed (the site then does not merge on arrival)
         self.received = {"windows": 0, "units": 0, "syncs": 0}  # as a receiving site
         self._receiving: dict[str, int] = {}  # windows being received per checkpoint
+        self._arrivals: dict[str, list[tuple[int, int, float]]] = {}  # per checkpoint: (unit, length, arrived at)
         self._merges: dict[str, Any] = {}  # checkpoints merged here as their units arrive (ArrivalMerge)
         # as a sender: windows put, most unacknowledged at once, windows sent again after a unit arrived damaged
         self.sending = {"windows": 0, "in_flight_max": 0, "resent_corrupt": 0}
@@ -114,7 +117,8 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
             "replicate.urgent": self.urgent, "replicate.wait": self.wait, "replicate.pause": self.pause,
             "replicate.resume": self.resume,
             "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received, "sending": self.sending,
-                                        "layout_failures": self.layout_failures},
+                                        "layout_failures": self.layout_failures,
+                                        **({"arrived": self.arrivals(b["name"])} if b.get("name") else {})},
             "replica.status": self.replica_status, "replica.merged": self.replica_merged,
         }
         out: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"replication.ping": lambda b: {"site": self.site}}

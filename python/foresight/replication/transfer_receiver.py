@@ -29,7 +29,8 @@ from foresight.replication.flight_calls import _chunks, _command, _unit_parts, j
 from foresight.replication.units import DCP_METADATA, JOURNAL, ReplicaBuilder, check_file_name, check_name
 
 MERGED = ".merged"  # merged outputs live in <root>/.merged/<job>/<step> (no checkpoint name starts with a dot)
-KEEP_MERGES = 64  # finished merges whose events replica.merged still reports (their files stay either way)
+KEEP_MERGES = 64  # finished merges whose events replica.merged still reports (their files stay either way), and
+# checkpoints whose unit arrival times replicate.log reports
 
 
 class TransferReceiver:
@@ -65,10 +66,21 @@ class TransferReceiver:
             self.received["windows"] += 1
             self.received["units"] += len(done)
             self.received["syncs"] += syncs
+            arrivals = self._arrivals.pop(rb.name, [])  # re-inserted: the most recent checkpoints are kept
+            arrivals.extend(rb.arrived)
+            self._arrivals[rb.name] = arrivals
+            for old in list(self._arrivals)[:max(0, len(self._arrivals) - KEEP_MERGES)]:
+                del self._arrivals[old]
             merge = self._merges.get(rb.name)
         if merge is not None:  # verified and durable: the merge may read them back
             merge.arrived(rb.journaled)
         writer.write(pa.py_buffer(json.dumps({"units": done}).encode()))
+
+    def arrivals(self, name: str) -> list[list[Any]]:
+        """``[[unit id, length, time its last byte arrived], ...]`` of the units of ``name`` received here (of
+        the last :data:`KEEP_MERGES` checkpoints): how much had crossed the link at a given moment."""
+        with self._lock:
+            return [list(a) for a in self._arrivals.get(check_name(name), [])]
 
     def _put_commit(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
         """The source committed and every unit arrived: verify, publish by rename, register under the TTL."""

@@ -22,6 +22,7 @@ import mmap
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ from foresight.io.durable import fsync_dir
 # Measured (bench/remote_merge.py --unit-sweep; 256 MiB over a 100 ms, 1 Gbit/s link, 2 units in flight):
 # 1 MiB 12.8 MB/s, 4 MiB 34, 16 MiB 87, 32 MiB 100, 64 MiB 76 (too few units left to keep both streams busy).
 UNIT_BYTES = 32 << 20
+TAIL_SHARE = 4  # a file's units shrink to a quarter of what is left once under 4 units are left (unit_ends)
 DCP_METADATA = ".metadata"
 _NAME_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 JOURNAL = ".units"
@@ -94,15 +96,37 @@ class Unit:
                 "file_size": self.file_size, "xxh3": f"{xxh3:016x}"}
 
 
-def plan_units(files: Sequence[tuple[str, int]], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
-    """Cut each data file into units of at most ``unit_bytes`` (a file's tail shares no unit with the next file)."""
+def unit_ends(size: int, unit_bytes: int = UNIT_BYTES) -> list[int]:
+    """Where a file of ``size`` bytes is cut into units: the end offset of each, in order.
+
+    Units are ``unit_bytes`` long until the file's last ``TAIL_SHARE * unit_bytes`` bytes, which shrink with what
+    is left (a quarter of it, 4 KiB-aligned, down to ``unit_bytes / 16``): a file written while it is sent has
+    its last unit complete moments before the commit, so a small last unit leaves little to send after it.
+
+    >>> ends = unit_ends(32 << 20, 8 << 20)   # unit sizes in MiB: 8, 6, 4.5, 3.4, ..., 0.5, 0.5, 0.5, 0.3
+    >>> [round((b - a) / 2**20, 1) for a, b in zip([0] + ends[:4], ends[:4])], len(ends)
+    ([8.0, 6.0, 4.5, 3.4], 14)
+    """
     if unit_bytes < 4096:
         raise ValueError(f"unit_bytes must be >= 4096, got {unit_bytes}")
+    smallest = max(4096, unit_bytes // 16 // 4096 * 4096)
+    ends, off = [], 0
+    while off < size:
+        left = size - off
+        off += min(left, unit_bytes, max(smallest, left // TAIL_SHARE // 4096 * 4096))
+        ends.append(off)
+    return ends
+
+
+def plan_units(files: Sequence[tuple[str, int]], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
+    """Cut each data file into units (:func:`unit_ends`; a file's tail shares no unit with the next file)."""
     units: list[Unit] = []
     for name, size in files:
         check_file_name(name)
-        for off in range(0, size, unit_bytes):
-            units.append(Unit(len(units), name, off, min(unit_bytes, size - off), size))
+        off = 0
+        for end in unit_ends(size, unit_bytes):
+            units.append(Unit(len(units), name, off, end - off, size))
+            off = end
     return units
 
 
@@ -229,6 +253,7 @@ class ReplicaBuilder:
         self.tmp = os.path.join(parent, f".replica-{leaf}")
         os.makedirs(self.tmp, exist_ok=True)
         self.journaled: list[tuple[int, str, int, int]] = []  # the units the last write_units journaled
+        self.arrived: list[tuple[int, int, float]] = []  # and (id, length, time its last byte arrived) of each
 
     def done_units(self) -> set[int]:
         """Units already journaled (their bytes verified and fsynced): a resumed transfer skips them."""
@@ -264,13 +289,14 @@ class ReplicaBuilder:
         journal append (durability batched per window, never a unit journaled before its bytes are on disk). A unit
         journaled already for the same extent is drained and acknowledged, not written again.
         Returns the unit ids journaled and the syncs made; ``self.journaled`` lists them as
-        ``(id, file, offset, length)``."""
+        ``(id, file, offset, length)``, ``self.arrived`` as ``(id, length, time.time() its last byte came)``."""
         fds: dict[str, int] = {}
         done: list[int] = []
         cur: _UnitSink | None = None
         lines: list[str] = []
         held = self.done_extents()  # a unit journaled already (same id, same extent) is drained, not rewritten
         extents: list[tuple[int, str, int, int]] = []
+        arrived: list[tuple[int, int, float]] = []
         try:
             for header, chunk in parts:
                 if header is not None:
@@ -278,6 +304,7 @@ class ReplicaBuilder:
                         done.append(cur.finish())
                         lines += [] if cur.held else [cur.journal_line()]
                         extents.append((done[-1], cur.file, cur.offset, cur.length))
+                        arrived.append((done[-1], cur.length, time.time()))
                     cur = _UnitSink(self.tmp, header, fds, held=held)
                 elif cur is None:
                     raise CheckpointError("unit body before its header", name=self.name)
@@ -286,6 +313,7 @@ class ReplicaBuilder:
                 done.append(cur.finish())
                 lines += [] if cur.held else [cur.journal_line()]
                 extents.append((done[-1], cur.file, cur.offset, cur.length))
+                arrived.append((done[-1], cur.length, time.time()))
             for fd in fds.values():
                 os.fdatasync(fd)
         finally:
@@ -298,7 +326,7 @@ class ReplicaBuilder:
                 os.fdatasync(jfd)
             finally:
                 os.close(jfd)
-        self.journaled = extents
+        self.journaled, self.arrived = extents, arrived
         return done, len(fds) + (1 if done else 0)
 
     def finalize(self, meta: dict[str, bytes], expected_units: int) -> str:
