@@ -34,6 +34,12 @@ def multi_epoch(tmp_path_factory):
     return ds, plan
 
 
+def batch_samples(batch) -> list[bytes]:
+    """A packed batch's samples, each as bytes."""
+    return [batch["data"].numpy()[o:o + n].tobytes() for o, n in zip(batch["offsets"].numpy(),
+                                                                     batch["lengths"].numpy())]
+
+
 def test_next_use_is_the_first_later_step():
     acc = Accesses(np.arange(4), np.array([0, 2, 3, 5, 6]), np.array([1, 2, 2, 1, 3, 1]))
     nxt = NextUse(acc)
@@ -143,16 +149,12 @@ def test_block_fill_makes_a_sparse_random_plan_few_requests(s3_env, tmp_path):
     local = open_dataset(str(tmp_path / "tok"))
     plan = build_plan([(local, 1.0)], seed=9, global_batch_size=4, epochs=1)  # 256 steps, 2 MiB between samples
     upload_dataset(local.path, "s3://policy/fill")
-    def samples(batch):
-        return [batch["data"].numpy()[o:o + n].tobytes() for o, n in zip(batch["offsets"].numpy(),
-                                                                         batch["lengths"].numpy())]
-
     with Loader(local, plan) as loader:
-        want = [samples(b) for b in loader]
+        want = [batch_samples(b) for b in loader]
     with open_dataset("s3://policy/fill", cache_dir=tmp_path / "cache") as ds:
         base = ds.fetcher.stats.as_dict()
         with PlanPrefetcher(ds, plan, lookahead=4) as pf, Loader(ds, plan, prefetch=2, on_step=pf.on_step) as loader:
-            got = [samples(b) for b in loader]
+            got = [batch_samples(b) for b in loader]
         stats = ds.fetcher.stats.as_dict()
         assert pf.error is None and got == want
         requests = stats["requests"] - base["requests"]
@@ -179,17 +181,13 @@ def test_media_fills_fetch_whole_blocks_not_a_get_per_sample(s3_env, tmp_path):
     blocks = np.unique((ext.shard.astype(np.int64) << 40) | (ext.offset // block)).size
     upload_dataset(local.path, "s3://policy/media")
 
-    def samples(batch):
-        return [batch["data"].numpy()[o:o + n].tobytes() for o, n in zip(batch["offsets"].numpy(),
-                                                                         batch["lengths"].numpy())]
-
     with Loader(local, plan) as loader:
-        want = [samples(b) for b in loader]
+        want = [batch_samples(b) for b in loader]
     with open_dataset("s3://policy/media", cache_dir=tmp_path / "cache", max_transfer=block) as ds:
         base = ds.fetcher.stats.as_dict()
         with PlanPrefetcher(ds, plan, lookahead=8, fill_block=block) as pf, \
                 Loader(ds, plan, prefetch=2, on_step=pf.on_step) as loader:
-            got = [samples(b) for b in loader]
+            got = [batch_samples(b) for b in loader]
         stats = {k: v - base[k] for k, v in ds.fetcher.stats.as_dict().items()}
     assert pf.error is None and got == want
     step0 = acc.of(0).size  # the first step's own samples: at most a GET each (its batch waits on nothing else)

@@ -112,8 +112,8 @@ class PlanPrefetcher(Closing):
         self._pins = self.cache.pins()  # the window, pinned for every process sharing the cache
         self._pins.hold(self._window(-1))
         self.error: BaseException | None = None
-        self.stats = {"prefetched_steps": 0, "fetched_samples": 0, "filled_samples": 0, "fill_pieces": 0, "evicted_samples": 0,
-                      "evicted_bytes": 0, "over_budget": 0, "max_cached_bytes": 0}
+        self.stats = {"prefetched_steps": 0, "fetched_samples": 0, "filled_samples": 0, "fill_pieces": 0,
+                      "evicted_samples": 0, "evicted_bytes": 0, "over_budget": 0, "max_cached_bytes": 0}
         self._thread = threading.Thread(target=self._run, name="foresight-bucket-prefetch", daemon=True)
         self._thread.start()
 

@@ -471,26 +471,26 @@ class IOEngine(Closing):
         check(lib.fs_engine_info(self._ptr, info), "fs_engine_info")
         return info
 
-    def page_cache_counts(self) -> tuple[int, int]:
-        """``(requests, nowait_hits)`` so far: requests completed, and those the page-cache pass served whole (a
-        cheap pair for a caller deciding per batch, where :attr:`stats` builds the whole dict)."""
+    def _live_info(self):
+        """The engine's counters read while it is open (``_info`` is for the constructor, before any use)."""
         ptr = self._enter()
         try:
             info = ffi.new("struct fs_engine_info *")
             check(lib.fs_engine_info(ptr, info), "fs_engine_info")
         finally:
             self._leave()
+        return info
+
+    def page_cache_counts(self) -> tuple[int, int]:
+        """``(requests, nowait_hits)`` so far: requests completed, and those the page-cache pass served whole (a
+        cheap pair for a caller deciding per batch, where :attr:`stats` builds the whole dict)."""
+        info = self._live_info()
         return int(info.requests), int(info.nowait_hits)
 
     @property
     def stats(self) -> dict[str, Any]:
         """Backend, settings and counters (requests, bytes, nowait hits, fixed ops, requeues...)."""
-        ptr = self._enter()
-        try:
-            info = ffi.new("struct fs_engine_info *")
-            check(lib.fs_engine_info(ptr, info), "fs_engine_info")
-        finally:
-            self._leave()
+        info = self._live_info()
         out: dict[str, Any] = {name: int(getattr(info, name)) for name, _ in ffi.typeof(info[0]).fields}
         out["backend"] = _BACKEND_NAMES[info.backend]
         return out
