@@ -80,11 +80,21 @@ def _rank(rank: int, init: str, path: str, node: str, sizes: tuple[int, int, int
         state = {k: distribute_tensor(v, mesh, [Shard(0)]) if v.dim() == 2 else v for k, v in state.items()}
         rep = Replication(every=100, site="eval-b", node=node, job=job, merge=merge, unit_bytes=unit)
         writer_class = paced_writer(ReplicatingStorageWriter, write_mbps) if write_mbps else ReplicatingStorageWriter
+        committed: dict[str, float] = {}
+        tell_node = rep.committed
+
+        def stamp_commit(step_: int, path_: str) -> None:
+            # the commit is the moment the .metadata is in place, just before the node is told (telling it waits on
+            # the node, and dcp.save returns only after a collective: either can outlast the site's publish)
+            committed["at"] = time.time()
+            tell_node(step_, path_)
+
+        rep.committed = stamp_commit
         t0 = time.time()
         dcp.save(state, storage_writer=writer_class(path, replicate=rep, step=step))
-        if rank == 0:
+        if rank == 0:  # the coordinator: the rank that ran finish
             with open(out, "w") as f:
-                json.dump({"save_started": t0, "committed": time.time()}, f)
+                json.dump({"save_started": t0, "committed": committed["at"]}, f)
         rep.close()
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
