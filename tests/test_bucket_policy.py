@@ -185,9 +185,16 @@ def test_media_fills_fetch_whole_blocks_not_a_get_per_sample(s3_env, tmp_path):
         want = [batch_samples(b) for b in loader]
     with open_dataset("s3://policy/media", cache_dir=tmp_path / "cache", max_transfer=block) as ds:
         base = ds.fetcher.stats.as_dict()
-        with PlanPrefetcher(ds, plan, lookahead=8, fill_block=block) as pf, \
-                Loader(ds, plan, prefetch=2, on_step=pf.on_step) as loader:
-            got = [batch_samples(b) for b in loader]
+        with PlanPrefetcher(ds, plan, lookahead=len(acc), fill_block=block) as pf:
+            # the prefetcher's fetches alone first: they are what this test counts (a loader's lookup that finds
+            # its step absent fetches it itself, a GET per scattered sample, when it overtakes the prefetcher on a
+            # loaded machine); a bounded wait for the event, then the loader reads it all from the cache
+            deadline = time.monotonic() + 300
+            while pf.stats["prefetched_steps"] < len(acc) and pf.error is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert pf.stats["prefetched_steps"] == len(acc), pf.stats
+            with Loader(ds, plan, prefetch=2, on_step=pf.on_step) as loader:
+                got = [batch_samples(b) for b in loader]
         stats = {k: v - base[k] for k, v in ds.fetcher.stats.as_dict().items()}
     assert pf.error is None and got == want
     step0 = acc.of(0).size  # the first step's own samples: at most a GET each (its batch waits on nothing else)
