@@ -7,6 +7,7 @@ import select
 import shutil
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -207,6 +208,9 @@ def _replicating_worker(rank: int, init_file: str, path: str, node: str) -> None
         state = sharded_state()
         rep = Replication(every=10, site="eval-b", node=node, job="dcpmerge", unit_bytes=UNIT,
                           merge={"groups": GROUPS, "reshard": 2})
+        if rank == 1:  # a rank whose node calls lag (a loaded host): they must still precede the commit
+            start = rep._start
+            rep._start = lambda *a, **k: (time.sleep(1.5), start(*a, **k))[1]
         dcp.save(state, storage_writer=ReplicatingStorageWriter(path, replicate=rep, step=10))
         rep.close()
         assert rep.stats["hook_failures"] == 0, rep.stats

@@ -184,6 +184,12 @@ class Replication:
         if self._lane is not None:
             self._ops.join()
 
+    def flush(self) -> None:
+        """Wait until the calls the hooks queued are made. A rank of a DCP save calls it before handing its write
+        results to the coordinator: its start, layout and progress then reach the node before the coordinator's
+        commit can (else the commit could publish, and the site merge, without this rank's layout)."""
+        self._drain()
+
     def data_written(self, step: int, directory: str, *, nbytes: int = 0, leaf: str | None = None) -> None:
         """The data files of ``step`` are written in ``directory`` (not yet committed)."""
         if step in self._streamed:
@@ -356,6 +362,7 @@ def _dcp_writer_class() -> type:
                                         layout=layout)
             fio.write_reporting(fd, view, ends, lambda end: self.replicate.data_progress(self.step, {name: end}),
                                 path=path)
+            self.replicate.flush()  # before the results go to the coordinator, whose commit must follow our calls
 
         def finish(self, metadata: Any, results: Any) -> None:
             # the hooks never raise: a replication node that is down never fails the save (see Replication)
