@@ -166,7 +166,8 @@ class BackgroundWriter:
         if len(ends) <= 1:
             self._fio.write(fd, view, path=path)
             return
-        self._replication_hook("data_started", step, tmp, [(DATA_FILE, total)])
+        # the sequence this save gets if it commits (only this thread assigns them): a bucket site names it so
+        self._replication_hook("data_started", step, tmp, [(DATA_FILE, total)], seq=self._next_seq)
         self._fio.write_reporting(fd, view, ends, lambda end: self._replication_hook(
             "data_progress", step, {DATA_FILE: end}), path=path)
 

@@ -24,9 +24,16 @@ declares its data file to the node as it creates it and reports its bytes as the
 during ``write_data``, as with the Checkpointer); the coordinator commits the replica once ``.metadata`` is in
 place (``finish``), and the node adds any data file whose rank's call has not arrived by then.
 
+The evaluation site may be a bucket (``site="s3://eval/replicas"``, no ``node``): the same hooks, the same units
+and the same send-while-saving, but this process uploads each data file as a multipart upload whose parts end at
+unit ends and publishes the checkpoint under ``<site>/<job>/`` with its marker last, after the commit
+(:mod:`foresight.replication.bucket_site`). ``site`` names where the replica goes in both cases; a bucket needs no
+node to send from, so ``node`` is left out rather than a second option added.
+
 Example::
 
     rep = Replication(every=1000, site="eval-b", node="grpc://train-node:8815", job="llm-7b", importance=2.0)
+    rep = Replication(every=1000, site="s3://eval/replicas", job="llm-7b")   # or: an evaluation site in a bucket
     ckpt = Checkpointer("/data/ckpt/llm-7b", replicate=rep)
     ...
     rep.urgent(step, severity=0.8)          # a loss spike: this step's evaluation jumps the queue
@@ -43,9 +50,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from foresight.bucket.url import BucketURL, is_bucket_url
 from foresight.checkpoint import store
 from foresight.checkpoint.dcp import ForesightStorageWriter
 from foresight.errors import CheckpointError
+from foresight.replication.bucket_site import RANK_WAIT_S, BucketSite
 from foresight.replication.scheduler import priority_of
 from foresight.replication.flight_calls import call, put_body
 from foresight.replication.units import UNIT_BYTES, check_name, unit_ends
@@ -56,17 +65,22 @@ RETRY_EVERY_S = 30.0  # a save whose replication could not be started is retried
 
 @dataclass
 class Replication:
-    """Replicate every ``every``-th step to ``site`` through the training site's node at ``node``."""
+    """Replicate every ``every``-th step to ``site`` through the training site's node at ``node``, or, when
+    ``site`` is a bucket URL (``s3://bucket/prefix``), straight from this process into ``<site>/<job>/``
+    (:mod:`~foresight.replication.bucket_site`; no node: ``bucket_options`` go to its client,
+    :class:`~foresight.bucket.objects.BucketPrefix`)."""
 
     every: int
     site: str
-    node: str
-    job: str
+    node: str = ""
+    job: str = ""
     importance: float = 1.0
     token: str = ""
     unit_bytes: int | None = None
     retry_every_s: float = RETRY_EVERY_S
     merge: dict[str, Any] | None = None  # the site merges units as they arrive: {"groups", "depth", "reshard"}
+    bucket_options: dict[str, Any] | None = None  # a bucket site: BucketPrefix's options, retry, part_concurrency
+    rank_wait_s: float = RANK_WAIT_S  # a bucket site: how long a DCP coordinator waits for another rank's parts
     stats: dict[str, int] = field(default_factory=lambda: {"hook_failures": 0, "retried": 0}, repr=False)
     _pending: dict[int, str] = field(default_factory=dict, repr=False)  # step -> what the node still lacks
     _retry_thread: Any = field(default=None, repr=False)
@@ -81,11 +95,32 @@ class Replication:
     _sizes: dict[int, int] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _client: Any = field(default=None, repr=False)
+    _site: Any = field(default=None, repr=False)  # the BucketSite of a bucket site (made on first use)
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ValueError(f"every must be >= 1, got {self.every}")
         check_name(self.job)
+        if self.to_bucket:
+            BucketURL.parse(self.site)  # a typo fails here, before any save
+            if self.merge is not None:
+                raise ValueError("merge= needs an evaluation site's node; a bucket site keeps the checkpoint as saved")
+        elif not self.node:
+            raise ValueError(f"site {self.site!r} is reached through the training site's node: pass node=, or give "
+                             "the site as a bucket URL (s3://bucket/prefix)")
+
+    @property
+    def to_bucket(self) -> bool:
+        """Whether the evaluation site is a bucket (replicas sent from this process, no node)."""
+        return is_bucket_url(self.site)
+
+    def bucket_site(self) -> BucketSite:
+        """The bucket site's sender (``<site>/<job>``), made on first use."""
+        with self._lock:
+            if self._site is None:
+                self._site = BucketSite(f"{self.site.rstrip('/')}/{self.job}", unit_bytes=self.unit_bytes,
+                                        bucket_options=self.bucket_options, rank_wait_s=self.rank_wait_s)
+            return self._site
 
     def name(self, step: int, leaf: str | None = None) -> str:
         return f"{self.job}/{leaf or store.step_name(step)}"
@@ -125,12 +160,14 @@ class Replication:
 
     # -- hooks called by the writer (never raise: a replica is an extra) --------------------------------
     def data_started(self, step: int, directory: str, files: list[tuple[str, int]], *,
-                     leaf: str | None = None, shared: bool = False, layout: dict[str, Any] | None = None) -> None:
+                     leaf: str | None = None, shared: bool = False, layout: dict[str, Any] | None = None,
+                     seq: int | None = None) -> None:
         """The writer created ``files`` (``[(name, size)]``) in ``directory`` and is writing them: their units
         leave as :meth:`data_progress` reports their bytes written (send while saving). Returns at once: the
         node calls go on a background lane, in order. ``shared``: other writers (the ranks of a DCP save) add
         their own files to the same checkpoint's transfer. ``layout`` (``rows``: the files' tensor chunks,
-        ``files_expected``, ``meta``) lets a site asked to :attr:`merge` merge the units as they arrive."""
+        ``files_expected``, ``meta``) lets a site asked to :attr:`merge` merge the units as they arrive.
+        ``seq``: the commit sequence the save gets if it commits (a bucket site names the objects by it)."""
         self._sizes[step] = sum(int(n) for _, n in files)
         if not self.wants(step):
             return
@@ -139,6 +176,12 @@ class Replication:
         self._streamed.add(step)
         for old in sorted(self._streamed)[:-8]:
             self._streamed.discard(old)
+        if self.to_bucket:  # no node calls: the parts leave on the site's own threads as bytes are reported
+            try:
+                self.bucket_site().start(step, directory, files, seq=seq)
+            except (OSError, ValueError) as e:  # the commit sends the committed directory whole
+                self._failed("data_started", step, None, e)
+            return
         self._submit("data_started", step, self._start, step, os.path.abspath(directory),
                      [[f, int(n)] for f, n in files], shared, layout)
 
@@ -146,6 +189,9 @@ class Replication:
         """``written`` (``{file: bytes}``) of ``step``'s files are written: their units may leave. Returns at once;
         reports not yet sent are merged (only the latest counts)."""
         if step not in self._started:
+            return
+        if self.to_bucket:
+            self.bucket_site().written(step, written)
             return
         with self._lock:
             first = step not in self._progress
@@ -187,7 +233,10 @@ class Replication:
     def flush(self) -> None:
         """Wait until the calls the hooks queued are made. A rank of a DCP save calls it before handing its write
         results to the coordinator: its start, layout and progress then reach the node before the coordinator's
-        commit can (else the commit could publish, and the site merge, without this rank's layout)."""
+        commit can (else the commit could publish, and the site merge, without this rank's layout). A bucket
+        site has no calls to wait for: the coordinator finds each rank's parts in the bucket."""
+        if self.to_bucket:
+            return
         self._drain()
 
     def data_written(self, step: int, directory: str, *, nbytes: int = 0, leaf: str | None = None) -> None:
@@ -200,6 +249,8 @@ class Replication:
         self.retry_pending()
         name = self.name(step, leaf)
         self._started[step] = name
+        if self.to_bucket:
+            return  # the commit sends the committed directory
         try:
             self._start(step, os.path.abspath(directory))
         except CheckpointError as e:
@@ -213,6 +264,11 @@ class Replication:
             del self._paths[old]
         with self._hook_lock:
             if step not in self._started:
+                return
+            if self.to_bucket:  # published on the site's thread; a failure comes back to _failed (then retried)
+                self._pending.pop(step, None)
+                self.bucket_site().publish(step, self._paths[step], on_error=functools.partial(
+                    self._failed, "committed", step, "start"))
                 return
             need = self._pending.get(step, "commit")
             try:
@@ -231,7 +287,9 @@ class Replication:
         self._drain()
         name = self._started.pop(step, None)
         self._pending.pop(step, None)
-        if name is not None:
+        if name is not None and self.to_bucket:
+            self.bucket_site().abort(step)  # its uploads aborted: nothing of it is ever visible
+        elif name is not None:
             try:
                 self._call("replicate.abort", {"name": name})
             except CheckpointError as e:  # the node never heard of it, or is down: nothing will be published
@@ -257,7 +315,7 @@ class Replication:
             if need is not None:
                 self._pending[step] = need
         log.warning("replication hook failed; the save goes on, the replica will be retried",
-                    extra={"hook": hook, "step": step, "node": self.node, "error": str(e)[:300]})
+                    extra={"hook": hook, "step": step, "node": self.node or self.site, "error": str(e)[:300]})
         if need is not None:
             self._ensure_retry_thread()
 
@@ -293,6 +351,14 @@ class Replication:
         """Evaluate ``step`` now: raise its transfer's priority, or start one for an unscheduled committed step."""
         prio = self._priority(step, severity)
         name = self._started.get(step)
+        if self.to_bucket:  # one publisher, in order: nothing to reorder; an unscheduled step is sent whole
+            if name is None:
+                path = self._paths.get(step)
+                if path is None:
+                    raise CheckpointError("step is not committed here (or too old to evaluate urgently)", step=step)
+                name = self._started[step] = self.name(step, os.path.basename(path))
+                self.committed(step, path)
+            return name
         if name is not None:
             self._call("replicate.urgent", {"name": name, "priority": prio})
             return name
@@ -314,6 +380,8 @@ class Replication:
             raise CheckpointError("step is not being replicated", step=step)
         if step in self._pending:
             self.retry_pending()
+        if self.to_bucket:
+            return self.bucket_site().wait(step, timeout)
         return self._call("replicate.wait", {"name": name, "timeout": timeout})
 
     def close(self) -> None:
@@ -325,6 +393,9 @@ class Replication:
             if self._client is not None:
                 self._client.close()
                 self._client = None
+            site, self._site = self._site, None
+        if site is not None:  # after the parts reported and the publishes queued
+            site.close()
 
 
 @functools.cache

@@ -1,0 +1,368 @@
+"""An evaluation site that is a bucket: a job's checkpoints sent as multipart uploads while they are saved.
+
+``Replication(site="s3://eval/replicas", job="llm")`` hands its hooks here instead of to a node (the training
+process sends; no node is involved). Each data file is cut into the same units as on the node path
+(:func:`~foresight.replication.units.unit_ends`) and each part of its multipart upload ends at a unit's end, units
+under S3's 5 MiB part minimum coalesced (:func:`~foresight.bucket.multipart.part_ends`). A part leaves, on this
+site's own threads, as soon as the writer reports its bytes written (read back from the data file through a
+descriptor opened when the file was announced, so the commit's rename does not matter). Every request goes through
+the bucket layer's retries (:class:`~foresight.bucket.fetch.RetryPolicy`); a part is sent with its MD5, which the
+server checks.
+
+Publish, after the source commit only, on one publisher thread: every part of every data file sent (what the
+writer did not report is sent now), the stored parts listed and checked (number, size, ETag), each upload
+completed and its object checked by a HEAD, the small files uploaded, and the checkpoint's marker written last:
+
+* a Checkpointer save: ``<site>/<job>/step-00000100.seq-00000007/`` holding ``data.bin``, ``index.json`` and
+  ``COMMIT`` (the commit's marker plus each object's size and ETag), the bucket tier's layout
+  (:mod:`foresight.checkpoint.bucket_tier`): ``load(root="s3://eval/replicas/llm")`` restores it. The objects'
+  names need the commit's sequence before the commit: the writer passes the one this save gets if it commits.
+* a DCP save: ``<site>/<job>/<directory name>/`` holding each rank's data file and ``.metadata`` last
+  (``ForesightStorageReader("s3://eval/replicas/llm/step-100")``). Each rank sends its own file; the
+  coordinator completes them all at the commit: a rank's upload counts once the server lists every part its plan
+  has, with the planned sizes (it waits up to ``rank_wait_s``, then sends the file itself from the checkpoint
+  directory, which the node path also requires to be shared).
+
+Nothing is visible before the marker but completed objects of the publish in progress; an upload that is never
+completed is invisible. A save that aborts, or a publish that fails, aborts every multipart upload open under its
+prefix. A failure is reported to the policy (which logs it, counts it and retries the publish from the committed
+directory, whole); it never reaches the save.
+
+Example::
+
+    site = BucketSite("s3://eval/replicas/llm")
+    site.start(100, "/ckpt/.tmp-step-100", [("data.bin", size)], seq=7)
+    site.written(100, {"data.bin": 64 << 20})           # the parts ending by then leave
+    site.publish(100, "/ckpt/step-00000100", on_error=print)
+    site.wait(100)                                     # {"path": "s3://eval/replicas/llm/step-...", "ready_at": ...}
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from foresight.bucket.fetch import ObjectRef
+from foresight.bucket.multipart import MultipartClient, Part, Upload, part_ends
+from foresight.bucket.objects import BucketPrefix
+from foresight.checkpoint import store
+from foresight.checkpoint.bucket_tier import commit_name
+from foresight.errors import BucketError, CheckpointError
+from foresight.replication.units import DCP_METADATA, UNIT_BYTES, is_data_file, unit_ends
+
+log = logging.getLogger("foresight.replicate")
+
+RANK_WAIT_S = 120.0  # how long a DCP coordinator waits for another rank's parts before sending its file itself
+
+
+def plan_parts(size: int, unit_bytes: int) -> list[int]:
+    """The part ends of a ``size``-byte data file: unit ends, coalesced to S3's part minimum."""
+    return part_ends(unit_ends(size, unit_bytes)) if size else []
+
+
+@dataclass
+class _FileSend:
+    """One data file's multipart upload: parts leave as their bytes are written."""
+
+    name: str  # the object's name under the site's prefix
+    path: str
+    fd: int
+    size: int
+    ends: list[int]
+    upload: Upload | None = None
+    parts: dict[int, Part] = field(default_factory=dict)
+    futures: list[Future] = field(default_factory=list)
+    submitted: int = 0  # parts handed to the pool (in order)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def bounds(self, k: int) -> tuple[int, int]:
+        return (self.ends[k - 1] if k else 0), self.ends[k]
+
+
+@dataclass
+class _Transfer:
+    step: int
+    prefix: str  # the checkpoint's key prefix under the site ("step-00000100.seq-00000007" or the DCP directory)
+    files: dict[str, _FileSend] = field(default_factory=dict)
+    error: BaseException | None = None
+    aborted: bool = False
+
+
+class BucketSite:
+    """Replicas of one job's checkpoints under ``url`` (``s3://bucket/prefix/job``); see the module doc.
+    ``bucket_options``: keyword arguments of :class:`~foresight.bucket.objects.BucketPrefix` (``options``,
+    ``retry``, ``part_concurrency``: parts in flight, default 8)."""
+
+    def __init__(self, url: str, *, unit_bytes: int | None = None, bucket_options: dict[str, Any] | None = None,
+                 rank_wait_s: float = RANK_WAIT_S) -> None:
+        opts = dict(bucket_options or {})
+        self.objects = BucketPrefix(url, **opts)
+        self.url = self.objects.url
+        self.unit_bytes = int(unit_bytes or UNIT_BYTES)
+        self.rank_wait_s = rank_wait_s
+        self.multipart = MultipartClient(self.objects.fetcher, opts.get("options"),
+                                         max_connections=2 * self.objects.part_concurrency + 4)
+        self._parts = ThreadPoolExecutor(self.objects.part_concurrency, thread_name_prefix="foresight-replica-part")
+        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="foresight-replica-publish")
+        self._transfers: dict[int, _Transfer] = {}
+        self._state: dict[int, tuple[str, Any]] = {}  # step -> ("publishing" | "done" | "failed", info)
+        self._cond = threading.Condition()
+        # parts_while_saving: parts handed out as the writer reported their bytes (before the commit);
+        # parts_at_publish: parts the commit found unsent; files_sent_whole: data files sent whole at the publish
+        # (not streamed, or sent again after a failed part)
+        self.stats = {"parts_while_saving": 0, "parts_at_publish": 0, "parts_sent": 0, "files_sent_whole": 0,
+                      "published": 0}
+
+    # -- while the save writes -----------------------------------------------------------------------------------
+    def start(self, step: int, directory: str, files: list[tuple[str, int]], *, seq: int | None = None) -> None:
+        """``files`` (``[(name, size)]``) are being written in ``directory``; ``seq``: the commit sequence this
+        save gets if it commits (a Checkpointer save), None for a DCP save (named by its directory). Opens each
+        file to read its parts back; sends nothing yet."""
+        prefix = commit_name(step, seq) if seq is not None else os.path.basename(os.path.normpath(directory))
+        with self._cond:
+            t = self._transfers.get(step)
+            if t is None or t.prefix != prefix or t.aborted:
+                t = self._transfers[step] = _Transfer(step, prefix)
+            self._state.pop(step, None)
+        for fname, size in files:
+            path = os.path.join(directory, fname)
+            t.files[fname] = _FileSend(f"{prefix}/{fname}", path, os.open(path, os.O_RDONLY | os.O_CLOEXEC),
+                                       int(size), plan_parts(int(size), self.unit_bytes))
+
+    def written(self, step: int, written: dict[str, int]) -> None:
+        """``written`` (``{file: bytes}``) of the files are on disk: the parts that end by then leave. Returns at
+        once (the parts go to this site's threads)."""
+        t = self._transfers.get(step)
+        if t is None or t.aborted:
+            return
+        for fname, nbytes in written.items():
+            fs = t.files.get(fname)
+            if fs is not None:
+                self._count("parts_while_saving", self._submit_parts(t, fs, int(nbytes)))
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._cond:
+            self.stats[name] += n
+
+    def _submit_parts(self, t: _Transfer, fs: _FileSend, nbytes: int) -> int:
+        with fs.lock:
+            first = fs.submitted
+            while fs.submitted < len(fs.ends) and fs.ends[fs.submitted] <= nbytes:
+                fs.futures.append(self._parts.submit(self._send_part, t, fs, fs.submitted))
+                fs.submitted += 1
+            return fs.submitted - first
+
+    def _send_part(self, t: _Transfer, fs: _FileSend, k: int) -> None:
+        if t.aborted or t.error is not None:
+            return
+        try:
+            with fs.lock:
+                if fs.upload is None:
+                    fs.upload = self.multipart.create(fs.name)
+            start, end = fs.bounds(k)
+            data = _pread(fs.fd, start, end - start, fs.path)
+            fs.parts[k + 1] = self.multipart.upload_part(fs.upload, k + 1, data)
+            self._count("parts_sent")
+        except BaseException as e:  # noqa: BLE001 - kept on the transfer: its publish resends the file whole
+            if t.error is None:
+                t.error = e
+            log.warning("replication to a bucket: part %d of %s failed: %s", k + 1, self.url.child(fs.name), e)
+
+    # -- after the source commit -----------------------------------------------------------------------------------
+    def publish(self, step: int, path: str, *, on_error: Callable[[BaseException], None]) -> None:
+        """Publish committed checkpoint ``path`` once every part is in (on the publisher thread; returns at once).
+        ``on_error`` gets what failed (the uploads under its prefix are aborted first)."""
+        with self._cond:
+            self._state[step] = ("publishing", None)
+        self._publisher.submit(self._publish, step, os.path.abspath(path), on_error)
+
+    def _publish(self, step: int, path: str, on_error: Callable[[BaseException], None]) -> None:
+        t = self._transfers.pop(step, None)
+        prefix = ""
+        try:
+            marker = store.read_marker(path) if os.path.exists(os.path.join(path, store.COMMIT)) else None
+            if marker is None and not os.path.exists(os.path.join(path, DCP_METADATA)):
+                raise CheckpointError("checkpoint is not committed (no COMMIT or .metadata)", path=path)
+            prefix = commit_name(step, marker.get("seq")) if marker else os.path.basename(path)
+            if t is not None and t.prefix != prefix:  # named for another commit: never publish it under this one
+                self._abandon(t)
+                t = None
+            objects = self._send_data(t, prefix, path, ranks=marker is None and t is not None)
+            meta = sorted(n for n in os.listdir(path) if not is_data_file(n) and not n.endswith(".tmp")
+                          and n not in (store.COMMIT, DCP_METADATA) and not n.startswith("."))
+            for n in meta:  # index.json: small, whole
+                ref = self.objects.put(f"{prefix}/{n}", os.path.join(path, n))
+                objects[n] = {"size": ref.size, "etag": ref.etag}
+            if marker is not None:  # last: the marker makes the set a commit (bucket_tier's layout)
+                self.objects.put(f"{prefix}/{store.COMMIT}", store.sealed_marker(marker, objects=objects))
+            else:
+                self.objects.put(f"{prefix}/{DCP_METADATA}", os.path.join(path, DCP_METADATA))
+            info = {"path": str(self.url.child(prefix)), "ready_at": time.time()}
+            with self._cond:
+                self._state[step] = ("done", info)
+                self.stats["published"] += 1
+                self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - reported through on_error (log line, count, retry)
+            if prefix:
+                self._abort_open(prefix)
+            with self._cond:
+                self._state[step] = ("failed", e)
+                self._cond.notify_all()
+            on_error(e)
+        finally:
+            if t is not None:
+                _close_files(t)
+
+    def _send_data(self, t: _Transfer | None, prefix: str, path: str, *, ranks: bool) -> dict[str, dict[str, Any]]:
+        """Every data file of ``path`` in the bucket, completed and checked: ``{name: {size, etag}}``. ``ranks``:
+        files this process did not announce are other DCP ranks' uploads, completed here once whole."""
+        names = sorted(n for n in os.listdir(path) if is_data_file(n))
+        refs: dict[str, ObjectRef] = {}
+        for fname in names:
+            fs = t.files.get(fname) if t is not None else None
+            if fs is not None and t.error is None:  # ours: what the writer did not report leaves now
+                self._count("parts_at_publish", self._submit_parts(t, fs, fs.size))
+                for f in list(fs.futures):
+                    f.result()
+                if t.error is None:
+                    parts = [fs.parts[k] for k in sorted(fs.parts)]
+                    refs[fname] = self._complete(fs.upload, parts) if fs.size else self.objects.put(fs.name, b"")
+                    continue
+            if fs is not None:
+                log.warning("replication to a bucket: resending %s whole after %s", self.url.child(fs.name),
+                            t.error)
+            size = os.path.getsize(os.path.join(path, fname))
+            other = self._rank_upload(f"{prefix}/{fname}", size) if ranks and fs is None and size else None
+            if other is not None:
+                refs[fname] = self._complete(*other)
+            else:
+                refs[fname] = self._send_whole(f"{prefix}/{fname}", os.path.join(path, fname), size)
+        return {n: {"size": r.size, "etag": r.etag} for n, r in refs.items()}
+
+    def _complete(self, up: Upload, parts: list[Part]) -> ObjectRef:
+        self.multipart.verify_parts(up, parts)
+        return self.multipart.complete(up, parts)
+
+    def _send_whole(self, name: str, path: str, size: int) -> ObjectRef:
+        """Send a committed data file as a fresh multipart upload (its unit-aligned parts concurrently)."""
+        self._count("files_sent_whole")
+        for up in self.multipart.open_uploads(name):
+            if up.name == name:
+                self.multipart.abort(up)
+        if not size:
+            return self.objects.put(name, b"")
+        t = _Transfer(-1, name)
+        fs = _FileSend(name, path, os.open(path, os.O_RDONLY | os.O_CLOEXEC), size, plan_parts(size, self.unit_bytes))
+        t.files[name] = fs
+        try:
+            self._submit_parts(t, fs, size)
+            for f in fs.futures:
+                f.result()
+            if t.error is not None:
+                raise t.error
+            return self._complete(fs.upload, [fs.parts[k] for k in sorted(fs.parts)])
+        finally:
+            _close_files(t)
+
+    def _rank_upload(self, name: str, size: int) -> tuple[Upload, list[Part]] | None:
+        """Another rank's upload of ``name`` once the server lists every part of its plan (waits up to
+        ``rank_wait_s``); None when it does not come (the caller sends the file itself)."""
+        ends = plan_parts(size, self.unit_bytes)
+        want = [(k + 1, e - (ends[k - 1] if k else 0)) for k, e in enumerate(ends)]
+        deadline = time.monotonic() + self.rank_wait_s
+        pause = 0.05
+        while True:
+            for up in self.multipart.open_uploads(name):
+                if up.name != name:
+                    continue
+                parts = self.multipart.list_parts(up)
+                if [(p.number, p.size) for p in parts] == want:
+                    return up, parts
+            if time.monotonic() + pause > deadline:
+                log.warning("replication to a bucket: no complete upload of %s from its rank after %.0f s; "
+                            "sending it from here", self.url.child(name), self.rank_wait_s)
+                return None
+            time.sleep(pause)
+            pause = min(1.0, pause * 2)
+
+    # -- an aborted save -------------------------------------------------------------------------------------------
+    def abort(self, step: int) -> None:
+        """The save of ``step`` failed: stop its parts and abort every upload open under its prefix (on the
+        publisher thread, after the parts in flight)."""
+        t = self._transfers.pop(step, None)
+        if t is None:
+            return
+        t.aborted = True
+        self._publisher.submit(self._abandon, t)
+
+    def _abandon(self, t: _Transfer) -> None:
+        t.aborted = True
+        for fs in t.files.values():
+            for f in list(fs.futures):
+                f.exception()
+        _close_files(t)
+        self._abort_open(t.prefix)
+
+    def _abort_open(self, prefix: str) -> None:
+        try:
+            self.multipart.abort_all(f"{prefix}/")
+        except BucketError as e:  # nothing was completed: an upload left open stays invisible
+            log.warning("replication to a bucket: cannot abort the uploads under %s: %s", self.url.child(prefix), e)
+
+    # -- waiting, closing ------------------------------------------------------------------------------------------
+    def wait(self, step: int, timeout: float | None = None) -> dict[str, Any]:
+        """Block until ``step``'s publish ends: its ``{"path", "ready_at"}``, or the failure (CheckpointError)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                kind, info = self._state.get(step, ("sending", None))
+                if kind == "done":
+                    return info
+                if kind == "failed":
+                    raise CheckpointError(f"replica not published in {self.url} (retried in the background): "
+                                          f"{info}", step=step) from info
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise CheckpointError(f"replica not published in {self.url} within {timeout} s", step=step)
+                self._cond.wait(left)
+
+    def failed(self, step: int) -> bool:
+        with self._cond:
+            return self._state.get(step, ("", None))[0] == "failed"
+
+    def close(self) -> None:
+        """Send what was reported, finish the publishes queued, then close the clients."""
+        self._parts.shutdown(wait=True)
+        self._publisher.shutdown(wait=True)
+        for t in list(self._transfers.values()):
+            _close_files(t)
+        self.multipart.close()
+        self.objects.close()
+
+
+def _pread(fd: int, offset: int, length: int, path: str) -> bytearray:
+    buf = bytearray(length)
+    view = memoryview(buf)
+    got = 0
+    while got < length:
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n <= 0:
+            raise CheckpointError(f"data file ended at {offset + got} bytes, a part needs {offset + length}",
+                                  path=path)
+        got += n
+    return buf
+
+
+def _close_files(t: _Transfer) -> None:
+    for fs in t.files.values():
+        if fs.fd >= 0:
+            try:
+                os.close(fs.fd)
+            except OSError:
+                pass
+            fs.fd = -1

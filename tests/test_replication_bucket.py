@@ -1,0 +1,241 @@
+"""Predictive replication to an evaluation site that is a bucket, against the real SeaweedFS of the test session:
+a Checkpointer save and a 2-rank DCP save sent as multipart uploads while they are written, published (marker last)
+after the commit and read back equal; an aborted save leaves nothing; the server killed mid-transfer; wrong keys."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as tmp_mp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import foresight.checkpoint as fc
+from foresight.bucket import RetryPolicy
+from foresight.bucket.multipart import MIN_PART_BYTES, MultipartClient, part_ends
+from foresight.bucket.objects import BucketPrefix
+from foresight.checkpoint import ForesightStorageReader, store
+from foresight.checkpoint.bucket_tier import BucketTier
+from foresight.checkpoint.background_writer import DATA_FILE
+from foresight.errors import CheckpointError
+from foresight.replication.bucket_site import plan_parts
+from foresight.replication.policy import Replication, ReplicatingStorageWriter
+from foresight.replication.units import unit_ends
+
+from replication_helpers import wait_until
+from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
+from test_checkpoint_bucket import assert_state_equal, make_bucket, objects_under, state
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+UNIT = 2 << 20  # units of 2 MiB: the 12 MiB tensor of state() is cut into several, coalesced into 5 MiB parts
+PATIENT = {"retry": RetryPolicy(attempts=400, budget_s=120, base_s=0.05, max_backoff_s=0.5)}
+QUICK = {"retry": RetryPolicy(attempts=2, budget_s=5, base_s=0.01, max_backoff_s=0.05)}
+
+
+def open_uploads(url: str) -> list:
+    with BucketPrefix(url) as b:
+        mp = MultipartClient(b.fetcher)
+        try:
+            return mp.open_uploads()
+        finally:
+            mp.close()
+
+
+def test_parts_end_at_unit_ends_and_small_units_are_coalesced():
+    size = (200 << 20) + 12345
+    units = unit_ends(size, 32 << 20)
+    parts = plan_parts(size, 32 << 20)
+    assert set(parts) <= set(units) and parts[-1] == size
+    assert parts[:5] == units[:5]  # full units: one part each
+    assert all(b - a >= MIN_PART_BYTES for a, b in zip([0] + parts[:-2], parts[:-1]))  # all but the last
+    assert len(parts) < len(units)  # the small tail units travel together
+    assert part_ends([1 << 20, 2 << 20]) == [2 << 20]  # a file under 5 MiB: one part
+
+
+def test_a_checkpointer_save_is_sent_while_saving_and_published_after_the_commit(s3_env, tmp_path):
+    site = make_bucket("repl-ckpt") + "/eval"
+    rep = Replication(every=5, site=site, job="llm", unit_bytes=UNIT, bucket_options=PATIENT)
+    want = state(3)
+    try:
+        with fc.Checkpointer(str(tmp_path / "ckpt"), replicate=rep) as ck:
+            ck.save(want, 5).wait()
+            got = rep.wait(5, timeout=120)
+            ck.save(state(4), 6).wait()  # not on the schedule: not sent
+        assert got["path"].startswith(f"{site}/llm/step-00000005.seq-")
+        stats = rep.bucket_site().stats
+        assert stats["parts_while_saving"] >= 2 and stats["parts_at_publish"] == 0
+        assert stats["files_sent_whole"] == 0 and stats["published"] == 1
+    finally:
+        rep.close()
+    loaded = fc.load(root=f"{site}/llm")
+    assert loaded.step == 5
+    assert_state_equal(loaded.state_dict, want)
+    names = objects_under(f"{site}/llm")
+    assert sorted(n.split("/", 1)[1] for n in names) == [store.COMMIT, DATA_FILE, store.INDEX]
+    with BucketTier(f"{site}/llm") as tier:
+        assert [c.error for c in tier.commits()] == [None]
+    assert open_uploads(site) == []
+
+
+def test_the_marker_is_absent_until_the_source_commit(s3_env, tmp_path):
+    """Hooks driven by hand around a real committed directory: every part is in the bucket before the commit,
+    yet nothing is published until ``committed``."""
+    site = make_bucket("repl-marker") + "/eval"
+    src = tmp_path / "ckpt"
+    with fc.Checkpointer(str(src)) as ck:
+        path = ck.save(state(7), 9).wait().path
+    marker = store.read_marker(path)
+    size = os.path.getsize(os.path.join(path, DATA_FILE))
+    rep = Replication(every=1, site=site, job="j", unit_bytes=UNIT, bucket_options=PATIENT)
+    try:
+        rep.data_started(9, path, [(DATA_FILE, size)], seq=marker["seq"])
+        rep.data_progress(9, {DATA_FILE: size})
+        n_parts = len(plan_parts(size, UNIT))
+        mp = MultipartClient(rep.bucket_site().objects.fetcher)
+        wait_until(lambda: [len(mp.list_parts(u)) for u in mp.open_uploads()] == [n_parts], "every part stored")
+        assert not any(n.endswith(store.COMMIT) for n in objects_under(site))  # complete data, no replica yet
+        assert BucketTier(f"{site}/j").commits() == []
+        rep.committed(9, path)
+        rep.wait(9, timeout=120)
+        mp.close()
+    finally:
+        rep.close()
+    assert_state_equal(fc.load(root=f"{site}/j").state_dict, state(7))
+    assert open_uploads(site) == []
+
+
+def test_an_aborted_save_leaves_no_marker_and_no_open_upload(s3_env, tmp_path):
+    """A DCP save whose commit fails (its .metadata cannot be put in place): the parts already sent are aborted."""
+    site = make_bucket("repl-abort") + "/eval"
+    path = tmp_path / "dcp"
+    (path / ".metadata").mkdir(parents=True)  # the commit's rename onto it fails: the save aborts
+    (path / ".metadata" / "x").write_bytes(b"x")
+    rep = Replication(every=1, site=site, job="j", unit_bytes=UNIT, bucket_options=PATIENT)
+    try:
+        with pytest.raises(CheckpointException, match="Is a directory"):
+            dcp.save(state(1), storage_writer=ReplicatingStorageWriter(str(path), replicate=rep, step=4))
+        assert rep.bucket_site().stats["parts_while_saving"] >= 2  # parts had left before the abort
+    finally:
+        rep.close()  # waits for the parts in flight and the abort
+    assert objects_under(site) == {}
+    assert open_uploads(site) == []
+
+
+def test_the_server_killed_mid_transfer_is_retried_then_published_never_torn(s3_env, tmp_path):
+    site = make_bucket("repl-kill") + "/eval"
+    killed = threading.Event()
+    restarted = threading.Event()
+
+    class KillAfterFirstPart(Replication):
+        def data_progress(self, step, written):
+            super().data_progress(step, written)
+            if killed.is_set() or self.bucket_site().stats["parts_while_saving"] == 0:
+                return
+            sent = self.bucket_site().stats
+            wait_until(lambda: sent["parts_sent"] >= 1, "a part stored before the kill")
+            s3_env.stop()  # SIGKILL: the other parts' requests now fail and are retried
+            killed.set()
+            threading.Thread(target=lambda: (s3_env.start(), restarted.set()), daemon=True).start()
+
+    rep = KillAfterFirstPart(every=1, site=site, job="j", unit_bytes=UNIT, bucket_options=PATIENT)
+    want = {"w": torch.randn(6 << 20, generator=torch.Generator().manual_seed(5))}  # 24 MiB: several parts
+    try:
+        with fc.Checkpointer(str(tmp_path / "ckpt"), replicate=rep) as ck:
+            ck.save(want, 2).wait()
+        assert killed.is_set()
+        got = rep.wait(2, timeout=240)
+        assert restarted.is_set()
+        assert rep.bucket_site().objects.fetcher.stats.retries >= 1
+    finally:
+        restarted.wait(120)
+        rep.close()
+    with BucketTier(f"{site}/j") as tier:
+        assert [(c.step, c.error) for c in tier.commits()] == [(2, None)]
+        assert tier.commits()[0].path == got["path"]
+    assert torch.equal(fc.load(root=f"{site}/j").state_dict["w"], want["w"])
+    assert open_uploads(site) == []
+
+
+def test_wrong_keys_fail_the_replica_in_one_line_and_the_save_still_commits(s3_env, tmp_path, monkeypatch, caplog):
+    site = make_bucket("repl-keys") + "/eval"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-right-secret-42")
+    rep = Replication(every=1, site=site, job="j", unit_bytes=UNIT, bucket_options=QUICK, retry_every_s=3600)
+    try:
+        with caplog.at_level(logging.WARNING, logger="foresight.replicate"):
+            with fc.Checkpointer(str(tmp_path / "ckpt"), replicate=rep) as ck:
+                path = ck.save(state(2), 3).wait().path  # committed all the same
+            assert store.read_marker(path)["step"] == 3
+            with pytest.raises(CheckpointError) as e:
+                rep.wait(3, timeout=120)
+        text = str(e.value)
+        assert "repl-keys" in text and "access denied" in text and "\n" not in text
+        assert "not-the-right-secret-42" not in text and s3_env.secret_key not in text
+        assert rep.stats["hook_failures"] >= 1
+        logged = " ".join(f"{r.getMessage()} {getattr(r, 'error', '')}" for r in caplog.records)
+        assert "access denied" in logged and "not-the-right-secret-42" not in logged
+    finally:
+        rep.close()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_env.secret_key)
+    assert objects_under(site) == {} and open_uploads(site) == []
+
+
+WORLD = 2
+
+
+def _sharded(full: dict[str, torch.Tensor]) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh  # lazy: inside the spawned rank only
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    return {"big": distribute_tensor(full["big"], mesh, [Shard(0)]),
+            "cols": distribute_tensor(full["cols"], mesh, [Shard(1)]),
+            "small": distribute_tensor(full["small"], mesh, [Replicate()])}
+
+
+def _full() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(21)
+    return {"big": torch.randn(4096, 1024, generator=g),  # 16 MiB: 8 MiB per rank, 2 parts each
+            "cols": torch.randn(64, 512, generator=g).to(torch.bfloat16), "small": torch.arange(10)}
+
+
+def _dcp_rank(rank: int, init_file: str, path: str, site: str, env: dict) -> None:
+    import torch.distributed as dist
+
+    from foresight.distributed import run_then_end
+
+    os.environ.update(env)
+    rep = Replication(every=10, site=site, job="dcp", unit_bytes=UNIT, bucket_options=PATIENT)
+
+    def save() -> None:
+        dcp.save(_sharded(_full()), storage_writer=ReplicatingStorageWriter(path, replicate=rep, step=10))
+        stats = rep.bucket_site().stats
+        if rank == 0:
+            rep.wait(10, timeout=240)
+            assert stats["files_sent_whole"] == 0  # rank 1's own upload, completed by the coordinator
+        assert stats["parts_while_saving"] >= 2
+        rep.close()  # a rank's parts are sent before it exits
+        assert rep.stats["hook_failures"] == 0
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    run_then_end(save)
+
+
+def test_a_two_rank_dcp_save_is_replicated_to_a_bucket_and_loads_equal(s3_env, tmp_path):
+    site = make_bucket("repl-dcp") + "/eval"
+    path = str(tmp_path / "step-10")
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    tmp_mp.spawn(_dcp_rank, args=(str(tmp_path / "init"), path, site, env), nprocs=WORLD, join=True)
+    names = objects_under(f"{site}/dcp/step-10")
+    assert sorted(names) == [".metadata", "__0_data.bin", "__1_data.bin"]
+    assert all(names[n] == os.path.getsize(os.path.join(path, n)) for n in names)
+    from_bucket = {k: torch.empty_like(v) for k, v in _full().items()}
+    dcp.load(from_bucket, storage_reader=ForesightStorageReader(f"{site}/dcp/step-10"))
+    from_disk = {k: torch.empty_like(v) for k, v in _full().items()}
+    dcp.load(from_disk, storage_reader=ForesightStorageReader(path))
+    for k, v in _full().items():
+        assert torch.equal(from_bucket[k], v) and torch.equal(from_disk[k], v), k
+    assert open_uploads(site) == []
