@@ -81,6 +81,25 @@ def test_a_checkpointer_save_is_sent_while_saving_and_published_after_the_commit
     assert open_uploads(site) == []
 
 
+def test_a_save_under_one_unit_is_sent_whole_at_the_commit_and_survives_retention(s3_env, tmp_path):
+    """A data file of one unit is announced only by ``data_written``: the commit sends it; with ``keep=1`` the next
+    save deletes the local directory while that publish may still run (it reads what it opened)."""
+    site = make_bucket("repl-small") + "/eval"
+    rep = Replication(every=1, site=site, job="j", bucket_options=PATIENT)
+    small = [{"a": torch.arange(1000) + s} for s in range(3)]
+    try:
+        with fc.Checkpointer(str(tmp_path / "ckpt"), keep=1, replicate=rep) as ck:
+            for s, sd in enumerate(small):
+                ck.save(sd, s + 1).wait()
+        for s in range(3):
+            rep.wait(s + 1, timeout=120)
+        assert rep.bucket_site().stats["files_sent_whole"] == 3
+    finally:
+        rep.close()
+    for s, sd in enumerate(small):
+        assert torch.equal(fc.load(s + 1, root=f"{site}/j").state_dict["a"], sd["a"])
+
+
 def test_the_marker_is_absent_until_the_source_commit(s3_env, tmp_path):
     """Hooks driven by hand around a real committed directory: every part is in the bucket before the commit,
     yet nothing is published until ``committed``."""

@@ -92,6 +92,10 @@ class _Transfer:
     error: BaseException | None = None
     aborted: bool = False
 
+    def settled(self) -> bool:
+        """Every part handed out and finished (sent or failed)."""
+        return all(fs.submitted == len(fs.ends) and all(f.done() for f in fs.futures) for fs in self.files.values())
+
 
 class BucketSite:
     """Replicas of one job's checkpoints under ``url`` (``s3://bucket/prefix/job``); see the module doc.
@@ -125,6 +129,10 @@ class BucketSite:
         file to read its parts back; sends nothing yet."""
         prefix = commit_name(step, seq) if seq is not None else os.path.basename(os.path.normpath(directory))
         with self._cond:
+            for old, ot in list(self._transfers.items()):  # a DCP rank's sent files: no publish here closes them
+                if old != step and self._state.get(old, ("",))[0] != "publishing" and ot.settled():
+                    del self._transfers[old]
+                    _close_files(ot)
             t = self._transfers.get(step)
             if t is None or t.prefix != prefix or t.aborted:
                 t = self._transfers[step] = _Transfer(step, prefix)
@@ -176,54 +184,62 @@ class BucketSite:
     # -- after the source commit -----------------------------------------------------------------------------------
     def publish(self, step: int, path: str, *, on_error: Callable[[BaseException], None]) -> None:
         """Publish committed checkpoint ``path`` once every part is in (on the publisher thread; returns at once).
-        ``on_error`` gets what failed (the uploads under its prefix are aborted first)."""
+        Its small files are read and its data files opened here, on the caller's thread: retention may delete
+        the directory once this returns. ``on_error`` gets what failed (the uploads under its prefix aborted)."""
         with self._cond:
             self._state[step] = ("publishing", None)
-        self._publisher.submit(self._publish, step, os.path.abspath(path), on_error)
-
-    def _publish(self, step: int, path: str, on_error: Callable[[BaseException], None]) -> None:
-        t = self._transfers.pop(step, None)
-        prefix = ""
         try:
-            marker = store.read_marker(path) if os.path.exists(os.path.join(path, store.COMMIT)) else None
-            if marker is None and not os.path.exists(os.path.join(path, DCP_METADATA)):
-                raise CheckpointError("checkpoint is not committed (no COMMIT or .metadata)", path=path)
-            prefix = commit_name(step, marker.get("seq")) if marker else os.path.basename(path)
+            snap = _Committed.of(os.path.abspath(path))
+        except (OSError, CheckpointError) as e:
+            self._failed(step, "", None, e, on_error)
+            return
+        self._publisher.submit(self._publish, step, snap, on_error)
+
+    def _publish(self, step: int, snap: "_Committed", on_error: Callable[[BaseException], None]) -> None:
+        t = self._transfers.pop(step, None)
+        marker = snap.marker
+        prefix = commit_name(step, marker.get("seq")) if marker is not None else os.path.basename(snap.path)
+        try:
             if t is not None and t.prefix != prefix:  # named for another commit: never publish it under this one
                 self._abandon(t)
                 t = None
-            objects = self._send_data(t, prefix, path, ranks=marker is None and t is not None)
-            meta = sorted(n for n in os.listdir(path) if not is_data_file(n) and not n.endswith(".tmp")
-                          and n not in (store.COMMIT, DCP_METADATA) and not n.startswith("."))
-            for n in meta:  # index.json: small, whole
-                ref = self.objects.put(f"{prefix}/{n}", os.path.join(path, n))
+            if marker is None:  # a DCP directory saved again: its old marker must never list new objects
+                self.objects.delete([f"{prefix}/{DCP_METADATA}"])
+            objects = self._send_data(t, prefix, snap, ranks=marker is None and t is not None)
+            for n, body in snap.small.items():  # index.json: small, whole
+                ref = self.objects.put(f"{prefix}/{n}", body)
                 objects[n] = {"size": ref.size, "etag": ref.etag}
             if marker is not None:  # last: the marker makes the set a commit (bucket_tier's layout)
                 self.objects.put(f"{prefix}/{store.COMMIT}", store.sealed_marker(marker, objects=objects))
             else:
-                self.objects.put(f"{prefix}/{DCP_METADATA}", os.path.join(path, DCP_METADATA))
+                self.objects.put(f"{prefix}/{DCP_METADATA}", snap.dcp_metadata)
             info = {"path": str(self.url.child(prefix)), "ready_at": time.time()}
             with self._cond:
                 self._state[step] = ("done", info)
                 self.stats["published"] += 1
                 self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - reported through on_error (log line, count, retry)
-            if prefix:
-                self._abort_open(prefix)
-            with self._cond:
-                self._state[step] = ("failed", e)
-                self._cond.notify_all()
-            on_error(e)
+            self._failed(step, prefix, t, e, on_error)
         finally:
+            snap.close()
             if t is not None:
                 _close_files(t)
 
-    def _send_data(self, t: _Transfer | None, prefix: str, path: str, *, ranks: bool) -> dict[str, dict[str, Any]]:
-        """Every data file of ``path`` in the bucket, completed and checked: ``{name: {size, etag}}``. ``ranks``:
-        files this process did not announce are other DCP ranks' uploads, completed here once whole."""
-        names = sorted(n for n in os.listdir(path) if is_data_file(n))
+    def _failed(self, step: int, prefix: str, t: _Transfer | None, e: BaseException,
+                on_error: Callable[[BaseException], None]) -> None:
+        if prefix:
+            self._abort_open(prefix)
+        with self._cond:
+            self._state[step] = ("failed", e)
+            self._cond.notify_all()
+        on_error(e)
+
+    def _send_data(self, t: _Transfer | None, prefix: str, snap: "_Committed", *,
+                   ranks: bool) -> dict[str, dict[str, Any]]:
+        """Every data file of the commit in the bucket, completed and checked: ``{name: {size, etag}}``.
+        ``ranks``: files this process did not announce are other DCP ranks' uploads, completed here once whole."""
         refs: dict[str, ObjectRef] = {}
-        for fname in names:
+        for fname, (fd, size) in snap.data.items():
             fs = t.files.get(fname) if t is not None else None
             if fs is not None and t.error is None:  # ours: what the writer did not report leaves now
                 self._count("parts_at_publish", self._submit_parts(t, fs, fs.size))
@@ -236,20 +252,20 @@ class BucketSite:
             if fs is not None:
                 log.warning("replication to a bucket: resending %s whole after %s", self.url.child(fs.name),
                             t.error)
-            size = os.path.getsize(os.path.join(path, fname))
             other = self._rank_upload(f"{prefix}/{fname}", size) if ranks and fs is None and size else None
             if other is not None:
                 refs[fname] = self._complete(*other)
             else:
-                refs[fname] = self._send_whole(f"{prefix}/{fname}", os.path.join(path, fname), size)
+                refs[fname] = self._send_whole(f"{prefix}/{fname}", fd, size, os.path.join(snap.path, fname))
         return {n: {"size": r.size, "etag": r.etag} for n, r in refs.items()}
 
     def _complete(self, up: Upload, parts: list[Part]) -> ObjectRef:
         self.multipart.verify_parts(up, parts)
         return self.multipart.complete(up, parts)
 
-    def _send_whole(self, name: str, path: str, size: int) -> ObjectRef:
-        """Send a committed data file as a fresh multipart upload (its unit-aligned parts concurrently)."""
+    def _send_whole(self, name: str, fd: int, size: int, path: str) -> ObjectRef:
+        """Send a committed data file (open as ``fd``) as a fresh multipart upload, its unit-aligned parts
+        concurrently (an upload of it left open is aborted first)."""
         self._count("files_sent_whole")
         for up in self.multipart.open_uploads(name):
             if up.name == name:
@@ -257,17 +273,13 @@ class BucketSite:
         if not size:
             return self.objects.put(name, b"")
         t = _Transfer(-1, name)
-        fs = _FileSend(name, path, os.open(path, os.O_RDONLY | os.O_CLOEXEC), size, plan_parts(size, self.unit_bytes))
-        t.files[name] = fs
-        try:
-            self._submit_parts(t, fs, size)
-            for f in fs.futures:
-                f.result()
-            if t.error is not None:
-                raise t.error
-            return self._complete(fs.upload, [fs.parts[k] for k in sorted(fs.parts)])
-        finally:
-            _close_files(t)
+        fs = t.files[name] = _FileSend(name, path, fd, size, plan_parts(size, self.unit_bytes))
+        self._submit_parts(t, fs, size)
+        for f in fs.futures:
+            f.result()
+        if t.error is not None:
+            raise t.error
+        return self._complete(fs.upload, [fs.parts[k] for k in sorted(fs.parts)])
 
     def _rank_upload(self, name: str, size: int) -> tuple[Upload, list[Part]] | None:
         """Another rank's upload of ``name`` once the server lists every part of its plan (waits up to
@@ -336,13 +348,52 @@ class BucketSite:
             return self._state.get(step, ("", None))[0] == "failed"
 
     def close(self) -> None:
-        """Send what was reported, finish the publishes queued, then close the clients."""
+        """Finish the publishes queued, send the parts reported, then close the clients."""
+        self._publisher.shutdown(wait=True)  # first: a publish still hands parts to the pool
         self._parts.shutdown(wait=True)
-        self._publisher.shutdown(wait=True)
         for t in list(self._transfers.values()):
             _close_files(t)
         self.multipart.close()
         self.objects.close()
+
+
+@dataclass
+class _Committed:
+    """A committed checkpoint directory as :meth:`BucketSite.publish` found it: its marker, small files in memory,
+    data files open (read from the descriptors even once retention deletes the directory)."""
+
+    path: str
+    marker: dict[str, Any] | None  # a Checkpointer commit's COMMIT; None for DCP
+    dcp_metadata: bytes
+    small: dict[str, bytes]
+    data: dict[str, tuple[int, int]]  # name -> (fd, size)
+
+    @classmethod
+    def of(cls, path: str) -> "_Committed":
+        names = sorted(n for n in os.listdir(path) if not n.endswith(".tmp"))
+        if store.COMMIT not in names and DCP_METADATA not in names:
+            raise CheckpointError("checkpoint is not committed (no COMMIT or .metadata)", path=path)
+        marker = store.read_marker(path) if store.COMMIT in names else None
+        small, data = {}, {}
+        try:
+            for n in names:
+                full = os.path.join(path, n)
+                if is_data_file(n):
+                    fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
+                    data[n] = (fd, os.fstat(fd).st_size)
+                elif n == DCP_METADATA or (n != store.COMMIT and not n.startswith(".")):
+                    with open(full, "rb") as f:
+                        small[n] = f.read()
+        except BaseException:
+            for fd, _ in data.values():
+                os.close(fd)
+            raise
+        return cls(path, marker, small.pop(DCP_METADATA, b""), small, data)
+
+    def close(self) -> None:
+        for fd, _ in self.data.values():
+            os.close(fd)
+        self.data = {}
 
 
 def _pread(fd: int, offset: int, length: int, path: str) -> bytearray:
