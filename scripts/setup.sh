@@ -40,6 +40,7 @@ PIP_PKGS=(
   "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3" "matplotlib>=3.8"
   "etcd3gw==2.4.2" "prometheus-client>=0.20" "cryptography>=42" "tokenizers>=0.20"
   "obstore==0.12.1"  # the bucket tier's S3 client (docs/buckets.md: chosen by measurement)
+  "boto3==1.44.5"  # replication to a bucket: multipart parts one by one (bucket/multipart.py); bench anchor too
 )
 stamp=$VENV/.deps-$(echo "${PIP_PKGS[*]}" | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
@@ -55,10 +56,8 @@ if [ ! -f "$stamp" ]; then
     $PY -m pip install -q --disable-pip-version-check --no-deps "$anchor" >/dev/null 2>&1 \
       || echo "foresight setup: $anchor unavailable (what uses it skips)"
   done
-  # bench/object_store.py's anchors: boto3 (per-sample ranged GETs; with its own small dependencies, none of them
-  # torch's) and s3torchconnector (the AWS CRT client; --no-deps like the others).
-  $PY -m pip install -q --disable-pip-version-check "boto3==1.44.5" >/dev/null 2>&1 \
-    || echo "foresight setup: boto3 unavailable (bench/object_store.py skips its anchor)"
+  # bench/object_store.py's other anchor (boto3, its per-sample GETs, is installed above): s3torchconnector (the
+  # AWS CRT client; --no-deps like the others).
   for anchor in "s3torchconnector==1.5.0" "s3torchconnectorclient==1.5.0"; do
     $PY -m pip install -q --disable-pip-version-check --no-deps "$anchor" >/dev/null 2>&1 \
       || echo "foresight setup: $anchor unavailable (bench/object_store.py skips it)"

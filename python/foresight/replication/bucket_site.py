@@ -78,7 +78,8 @@ class _FileSend:
     parts: dict[int, Part] = field(default_factory=dict)
     futures: list[Future] = field(default_factory=list)
     submitted: int = 0  # parts handed to the pool (in order)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # submitting parts (the writer's thread)
+    create_lock: threading.Lock = field(default_factory=threading.Lock)  # the upload, made by the first part
 
     def bounds(self, k: int) -> tuple[int, int]:
         return (self.ends[k - 1] if k else 0), self.ends[k]
@@ -169,7 +170,7 @@ class BucketSite:
         if t.aborted or t.error is not None:
             return
         try:
-            with fs.lock:
+            with fs.create_lock:  # not fs.lock: a report never waits on this request
                 if fs.upload is None:
                     fs.upload = self.multipart.create(fs.name)
             start, end = fs.bounds(k)
