@@ -158,7 +158,16 @@ def test_the_server_killed_mid_transfer_is_retried_then_published_never_torn(s3_
             wait_until(lambda: sent["parts_sent"] >= 1, "a part stored before the kill")
             s3_env.stop()  # SIGKILL: the other parts' requests now fail and are retried
             killed.set()
-            threading.Thread(target=lambda: (s3_env.start(), restarted.set()), daemon=True).start()
+            fetcher = self.bucket_site().objects.fetcher
+
+            def restart() -> None:
+                try:
+                    wait_until(lambda: fetcher.stats.retries >= 1, "a request retried while the server is down")
+                finally:  # the session's server comes back whatever happened
+                    s3_env.start()
+                    restarted.set()
+
+            threading.Thread(target=restart, daemon=True).start()
 
     rep = KillAfterFirstPart(every=1, site=site, job="j", unit_bytes=UNIT, bucket_options=PATIENT)
     want = {"w": torch.randn(6 << 20, generator=torch.Generator().manual_seed(5))}  # 24 MiB: several parts
