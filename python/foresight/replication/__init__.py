@@ -12,7 +12,8 @@ its handlers, never the other way round):
   hooks), :mod:`.units` (32 MiB checksummed units), :mod:`.scheduler` (:class:`PriorityLane`: urgent first, bulk
   never starved), :mod:`.service` (the node-side sender and receiver), :mod:`.resolver` (nearest complete copy),
   :mod:`.source` (local or remote coalesced reads), :mod:`.merge` (``foresight ckpt merge``: safetensors per module
-  group), :mod:`.node_options` (``foresight node serve --site``), :mod:`.cli`.
+  group), :mod:`.node_options` (``foresight node serve --site``), :mod:`.cli`; :mod:`.bucket_site` when the site is
+  a bucket (``Replication(site="s3://...")``: multipart parts sent while saving, the marker last after the commit).
 
 Each name loads its module on first use: the modules need torch, safetensors and pyarrow.flight.
 
