@@ -51,6 +51,7 @@ from foresight.checksum import xxh3_many
 from foresight.errors import BucketError
 from foresight.format.types import Extents
 
+from .claims import Claims, FetchClaim
 from .fetch import ObjectRef, RangedFetcher
 from .pins import SamplePins, claim_unpinned, id_runs, open_pin_file
 from foresight.io import IOEngine
@@ -85,7 +86,8 @@ def punch_hole(fd: int, offset: int, length: int) -> int:
 class CacheStats:
     """What the cache did since it was opened: samples found present (hits) or fetched (misses), samples fetched
     whole inside a coalesced gap and kept (``gap_samples``), corrupt entries found, evictions, and samples an
-    eviction left because a reader (of any process) pinned them (``pinned_skips``)."""
+    eviction left because a reader (of any process) pinned them (``pinned_skips``), and samples a lookup waited for
+    because a prefetcher had claimed them (``claim_waits``)."""
 
     hits: int = 0
     misses: int = 0
@@ -95,6 +97,7 @@ class CacheStats:
     evicted: int = 0
     evicted_bytes: int = 0
     pinned_skips: int = 0
+    claim_waits: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -126,6 +129,8 @@ class SampleCache:
         self._cv = threading.Condition()
         self._busy = False
         self._stats_lock = threading.Lock()
+        self._claims = Claims(self._cv, lambda: self.present,
+                              lambda i: str(self.refs[int(self.lookup(np.array([i])).shard[0])].url))
         index_path = os.path.join(local_dir, INDEX_DIR, "present")
         self._index_fd = os.open(index_path, os.O_RDWR)
         entries = os.fstat(self._index_fd).st_size
@@ -142,6 +147,11 @@ class SampleCache:
         """A new reader's pins on this cache's samples (:mod:`foresight.bucket.pins`): what it holds, no process's
         :meth:`evict` punches."""
         return SamplePins(os.path.join(self.local_dir, INDEX_DIR))
+
+    def claim(self, on_wanted: Callable[[], None], wait_s: float) -> FetchClaim:
+        """A new claim (:mod:`foresight.bucket.claims`): the absent samples it holds, other callers of
+        :meth:`ensure` in this process wait for instead of fetching them."""
+        return self._claims.claim(on_wanted, wait_s)
 
     def close(self) -> None:
         for fd in self._fds:
@@ -178,7 +188,7 @@ class SampleCache:
         return int(self.lookup(ids).length.sum()) if ids.size else 0
 
     def ensure(self, ids: np.ndarray, *, max_gap: int | None = None, span_present: bool = False,
-               order: np.ndarray | None = None) -> int:
+               order: np.ndarray | None = None, claim: FetchClaim | None = None) -> int:
         """Make every sample of ``ids`` present (fetching the missing ones in coalesced GETs; ``max_gap`` overrides
         the cache's and the fetcher's for this call); returns how many were fetched. ``span_present``: a transfer
         may run across present samples (fetched, checked and written again, identical bytes) instead of being cut
@@ -187,7 +197,9 @@ class SampleCache:
         a waiter for an early rank's samples returns when they land, not when the whole call ends (a prefetcher's
         fill in the order the plan first needs its blocks). Raises :class:`BucketError` naming the object when a
         fetched sample's xxh3 differs from the map's (the object changed under the same ETag, or the store
-        returned wrong bytes): nothing of that GET is marked (the checked samples of the call's other GETs are)."""
+        returned wrong bytes): nothing of that GET is marked (the checked samples of the call's other GETs are).
+        Without ``claim`` (a lookup), absent samples that a claim holds are waited for, not fetched
+        (:mod:`foresight.bucket.claims`; ``stats.claim_waits``); with it (a claim's owner fetching), none is."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         ids, first = np.unique(ids, return_index=True)
         rank = np.zeros(ids.size, np.int64) if order is None else np.asarray(order, dtype=np.int64)[first]
@@ -197,6 +209,11 @@ class SampleCache:
             self.stats.hits += int(ids.size - missing.size)
         if not missing.size:  # the common case, without waiting for another thread's fetch of other samples
             return 0
+        if claim is None:  # what a prefetcher is fetching or about to is waited for, not fetched here
+            left = self._claims.wait(missing, self._count_claim_waits)
+            missing, rank = missing[left], rank[left]
+            if not missing.size:
+                return 0
         with self._cv:
             while self._busy:
                 self._cv.wait()
@@ -227,6 +244,10 @@ class SampleCache:
                 self._unlock(held)
         finally:
             self._release()
+
+    def _count_claim_waits(self, n: int) -> None:
+        with self._stats_lock:
+            self.stats.claim_waits += n
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -354,6 +375,7 @@ class SampleCache:
                 self.stats.gap_samples += int(extra.size)
                 self.stats.fetched_bytes += n
             with self._cv:
+                self._claims.landed += 1
                 self._cv.notify_all()  # waiters whose samples this GET held return now
 
         self.fetcher.fetch(self.refs, seg, ext.offset, ext.length, ref_of_file=seg_shard, max_gap=max_gap,
