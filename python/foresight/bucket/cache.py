@@ -18,6 +18,8 @@ Safety under concurrent processes (ranks of one host, restarts):
   the page cache, which outlives any process; only a machine crash can lose bytes whose mark reached the disk, so
   instead of an ``fdatasync`` per fetch the first open after a reboot re-hashes the marked samples
   (:meth:`SampleCache.scrub`; the boot id is recorded next to the index);
+- a GET of at least 1 MiB is written past the page cache (:mod:`foresight.bucket.direct_write`: ``O_DIRECT``, no
+  CPU copy into new page-cache pages, which was most of the cache tier's CPU per byte);
 - eviction clears a sample's mark first, then punches the whole 4 KiB blocks inside its extent out of the file
   (``fallocate(PUNCH_HOLE)``: blocks shared with a neighbour stay, so a neighbour's bytes never change);
 - eviction never punches a sample that a reader of any process pins (:mod:`foresight.bucket.pins`: a shared lock
@@ -52,6 +54,7 @@ from foresight.errors import BucketError
 from foresight.format.types import Extents
 
 from .claims import Claims, FetchClaim
+from .direct_write import CacheWriter
 from .fetch import ObjectRef, RangedFetcher
 from .pins import SamplePins, claim_unpinned, id_runs, open_pin_file
 from foresight.io import IOEngine
@@ -141,6 +144,7 @@ class SampleCache:
         self.present = np.memmap(index_path, dtype=np.uint8, mode="r+", shape=(self.num_samples,)) \
             if self.num_samples else np.zeros(0, np.uint8)
         self._fds = [os.open(p, os.O_RDWR) for p in shard_paths]
+        self.writer = CacheWriter(shard_paths, self._fds)  # large writes past the page cache (less CPU per byte)
         self._pin_fd = open_pin_file(os.path.join(local_dir, INDEX_DIR))  # this evictor's own open of the pin file
 
     def pins(self) -> SamplePins:
@@ -154,6 +158,7 @@ class SampleCache:
         return self._claims.claim(on_wanted, wait_s)
 
     def close(self) -> None:
+        self.writer.close()
         for fd in self._fds:
             os.close(fd)
         self._fds = []
@@ -355,7 +360,7 @@ class SampleCache:
             try:
                 n = int(tr.t_length[k])
                 try:
-                    wrote = os.pwrite(self._fds[int(seg_shard[tr.t_file[k]])], memoryview(data), int(tr.t_offset[k]))
+                    wrote = self.writer.pwrite(int(seg_shard[tr.t_file[k]]), data, int(tr.t_offset[k]))
                     if wrote != n:  # a short write is a full disk that took part of it: never marked
                         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 except OSError as e:  # a full or failing cache disk: give back what this GET allocated, mark nothing
