@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 
 import numpy as np
@@ -163,44 +164,108 @@ def test_block_fill_makes_a_sparse_random_plan_few_requests(s3_env, tmp_path):
         assert pf.stats["filled_samples"] > 0
 
 
-def test_media_fills_fetch_whole_blocks_not_a_get_per_sample(s3_env, tmp_path):
-    """Media-like samples (a shard holds ~15 of them, a step reads 8 from as many shards): past the first step,
-    every sample the plan reads comes in a whole-block ranged GET, the step's own samples included (before, each
-    own sample outside the one-block first fill was a GET of its own: 0.54 GETs per sample on the bench's media
-    plan). At most one GET per block past step 0, bytes within 1.25x the plan's, the same batches."""
+def _media(tmp_path, url):
+    """Media-like samples (a shard holds ~15 of them, a step reads 8 from as many shards) uploaded to ``url``: the
+    local dataset, its plan (19 steps, 6 samples never read), the plan's accesses, the fill block (the bench's 16
+    MiB blocks and transfers, scaled with the samples) and how many blocks the dataset spans."""
     rng = np.random.default_rng(11)
     with DatasetWriter(str(tmp_path / "media"), align=4096, shard_bytes=512 << 10) as w:
         for _ in range(158):
             w.add(rng.integers(0, 256, size=int(rng.integers(8 << 10, 64 << 10)), dtype=np.uint8).tobytes(),
                   modality="bytes")
     local = open_dataset(str(tmp_path / "media"))
-    plan = build_plan([(local, 1.0)], seed=1, global_batch_size=8, epochs=1)  # 19 steps, 6 samples never read
-    acc = plan_accesses(plan)
-    block = 512 << 10  # the bench's 16 MiB blocks and transfers, scaled with the samples
+    plan = build_plan([(local, 1.0)], seed=1, global_batch_size=8, epochs=1)
+    block = 512 << 10
     ext = local.lookup(np.arange(local.num_samples))
     blocks = np.unique((ext.shard.astype(np.int64) << 40) | (ext.offset // block)).size
-    upload_dataset(local.path, "s3://policy/media")
+    upload_dataset(local.path, url)
+    return local, plan, plan_accesses(plan), block, blocks
 
+
+def _wait_for(done, what):
+    """A bounded wait for an event (not a duration: the bound only keeps a broken run from hanging)."""
+    for _ in range(6000):
+        if done():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_media_fills_fetch_whole_blocks_not_a_get_per_sample(s3_env, tmp_path):
+    """Past the first step, every sample the plan reads comes in a whole-block ranged GET, the step's own samples
+    included (before, each own sample outside the one-block first fill was a GET of its own: 0.54 GETs per sample
+    on the bench's media plan), the loader running beside the prefetcher (its lookups wait for the prefetcher's
+    claimed fetches, never fetch a step themselves). At most one GET per block past step 0, bytes within 1.25x the
+    plan's, the same batches."""
+    local, plan, acc, block, blocks = _media(tmp_path, "s3://policy/media")
     with Loader(local, plan) as loader:
         want = [batch_samples(b) for b in loader]
     with open_dataset("s3://policy/media", cache_dir=tmp_path / "cache", max_transfer=block) as ds:
         base = ds.fetcher.stats.as_dict()
-        with PlanPrefetcher(ds, plan, lookahead=len(acc), fill_block=block) as pf:
-            # the prefetcher's fetches alone first: they are what this test counts (a loader's lookup that finds
-            # its step absent fetches it itself, a GET per scattered sample, when it overtakes the prefetcher on a
-            # loaded machine); a bounded wait for the event, then the loader reads it all from the cache
-            deadline = time.monotonic() + 300
-            while pf.stats["prefetched_steps"] < len(acc) and pf.error is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert pf.stats["prefetched_steps"] == len(acc), pf.stats
-            with Loader(ds, plan, prefetch=2, on_step=pf.on_step) as loader:
-                got = [batch_samples(b) for b in loader]
+        with PlanPrefetcher(ds, plan, lookahead=len(acc), fill_block=block) as pf, \
+                Loader(ds, plan, prefetch=2, on_step=pf.on_step) as loader:
+            got = [batch_samples(b) for b in loader]
         stats = {k: v - base[k] for k, v in ds.fetcher.stats.as_dict().items()}
     assert pf.error is None and got == want
     step0 = acc.of(0).size  # the first step's own samples: at most a GET each (its batch waits on nothing else)
     assert stats["requests"] <= step0 + blocks, (stats, blocks)
     needed = int(local.sample_bytes()[np.unique(acc.ids)].sum())
     assert needed <= stats["bytes"] <= needed * 1.25, (stats, needed)
+
+
+def test_a_lookup_that_overtakes_the_prefetcher_waits_for_its_fetch(s3_env, tmp_path, monkeypatch):
+    """A loader's lookup of a step whose group the prefetcher has planned but not yet fetched (made certain here:
+    the prefetcher is held before that group's fetch until the lookup has come) waits for the prefetcher's whole-
+    block GETs instead of fetching the step itself, a GET per scattered sample (before: 8 more GETs than blocks,
+    and the fill fetched those bytes again). Held past ``wait_s`` with no GET landing, the lookup raises naming
+    the sample."""
+    from foresight.errors import BucketError
+
+    local, plan, acc, block, blocks = _media(tmp_path, "s3://policy/overtake")
+    step1 = acc.of(1)
+    results = {}
+
+    def lookup(ds):
+        try:
+            results["ext"] = ds.lookup(step1)
+        except BaseException as e:  # noqa: BLE001 - checked by the test
+            results["error"] = e
+
+    def overtake(pf, k):  # on the prefetch thread, before group k's fetch
+        if k == 1:
+            reader = threading.Thread(target=lookup, args=(pf.ds,))
+            reader.start()
+            _wait_for(lambda: not reader.is_alive() or pf.cache.stats.claim_waits, "the lookup to wait or end")
+            results["reader"] = reader
+
+    monkeypatch.setattr(PlanPrefetcher, "before_fetch", overtake)
+    with open_dataset("s3://policy/overtake", cache_dir=tmp_path / "cache", max_transfer=block) as ds:
+        base = ds.fetcher.stats.as_dict()
+        with PlanPrefetcher(ds, plan, lookahead=len(acc), fill_block=block) as pf:
+            _wait_for(lambda: pf.stats["prefetched_steps"] == len(acc) or pf.error is not None, "the prefetcher")
+            results["reader"].join()
+        stats = {k: v - base[k] for k, v in ds.fetcher.stats.as_dict().items()}
+        assert pf.error is None and "error" not in results, results
+        assert stats["requests"] <= acc.of(0).size + blocks, (stats, blocks)  # as the prefetcher alone
+        assert ds.cache.stats.claim_waits == step1.size
+        mine = local.lookup(step1)
+        for i in range(step1.size):
+            a, b = results["ext"], mine
+            with open(ds.shard_paths[a.shard[i]], "rb") as f, open(local.shard_paths[b.shard[i]], "rb") as g:
+                f.seek(int(a.offset[i]))
+                g.seek(int(b.offset[i]))
+                assert f.read(int(a.length[i])) == g.read(int(b.length[i]))
+
+    # a prefetcher held there for good: the lookup gives up after wait_s with no GET landing, naming the sample
+    held = threading.Event()
+    monkeypatch.setattr(PlanPrefetcher, "before_fetch", lambda pf, k: k == 1 and held.wait(600))
+    with open_dataset("s3://policy/overtake", cache_dir=tmp_path / "cache2", max_transfer=block) as ds:
+        with PlanPrefetcher(ds, plan, lookahead=len(acc), fill_block=block, wait_s=0.5) as pf:
+            _wait_for(lambda: pf.stats["prefetched_steps"] >= 1, "step 0's fetch")
+            with pytest.raises(BucketError, match=r"sample \d+: waited 0.5 s for the prefetcher") as got:
+                ds.lookup(step1)
+            assert got.value.reason == "unavailable" and "s3://policy/overtake/" in str(got.value.context)
+            held.set()
 
 
 def test_the_first_step_is_fetched_alone_with_its_own_bytes_only(s3_env, tmp_path):

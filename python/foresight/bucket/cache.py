@@ -18,6 +18,8 @@ Safety under concurrent processes (ranks of one host, restarts):
   the page cache, which outlives any process; only a machine crash can lose bytes whose mark reached the disk, so
   instead of an ``fdatasync`` per fetch the first open after a reboot re-hashes the marked samples
   (:meth:`SampleCache.scrub`; the boot id is recorded next to the index);
+- a GET of at least 1 MiB is written past the page cache (:mod:`foresight.bucket.direct_write`: ``O_DIRECT``, no
+  CPU copy into new page-cache pages, which was most of the cache tier's CPU per byte);
 - eviction clears a sample's mark first, then punches the whole 4 KiB blocks inside its extent out of the file
   (``fallocate(PUNCH_HOLE)``: blocks shared with a neighbour stay, so a neighbour's bytes never change);
 - eviction never punches a sample that a reader of any process pins (:mod:`foresight.bucket.pins`: a shared lock
@@ -51,6 +53,8 @@ from foresight.checksum import xxh3_many
 from foresight.errors import BucketError
 from foresight.format.types import Extents
 
+from .claims import Claims, FetchClaim
+from .direct_write import CacheWriter
 from .fetch import ObjectRef, RangedFetcher
 from .pins import SamplePins, claim_unpinned, id_runs, open_pin_file
 from foresight.io import IOEngine
@@ -85,7 +89,8 @@ def punch_hole(fd: int, offset: int, length: int) -> int:
 class CacheStats:
     """What the cache did since it was opened: samples found present (hits) or fetched (misses), samples fetched
     whole inside a coalesced gap and kept (``gap_samples``), corrupt entries found, evictions, and samples an
-    eviction left because a reader (of any process) pinned them (``pinned_skips``)."""
+    eviction left because a reader (of any process) pinned them (``pinned_skips``), and samples a lookup waited for
+    because a prefetcher had claimed them (``claim_waits``)."""
 
     hits: int = 0
     misses: int = 0
@@ -95,6 +100,7 @@ class CacheStats:
     evicted: int = 0
     evicted_bytes: int = 0
     pinned_skips: int = 0
+    claim_waits: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -126,6 +132,8 @@ class SampleCache:
         self._cv = threading.Condition()
         self._busy = False
         self._stats_lock = threading.Lock()
+        self._claims = Claims(self._cv, lambda: self.present,
+                              lambda i: str(self.refs[int(self.lookup(np.array([i])).shard[0])].url))
         index_path = os.path.join(local_dir, INDEX_DIR, "present")
         self._index_fd = os.open(index_path, os.O_RDWR)
         entries = os.fstat(self._index_fd).st_size
@@ -136,6 +144,7 @@ class SampleCache:
         self.present = np.memmap(index_path, dtype=np.uint8, mode="r+", shape=(self.num_samples,)) \
             if self.num_samples else np.zeros(0, np.uint8)
         self._fds = [os.open(p, os.O_RDWR) for p in shard_paths]
+        self.writer = CacheWriter(shard_paths, self._fds)  # large writes past the page cache (less CPU per byte)
         self._pin_fd = open_pin_file(os.path.join(local_dir, INDEX_DIR))  # this evictor's own open of the pin file
 
     def pins(self) -> SamplePins:
@@ -143,7 +152,13 @@ class SampleCache:
         :meth:`evict` punches."""
         return SamplePins(os.path.join(self.local_dir, INDEX_DIR))
 
+    def claim(self, on_wanted: Callable[[], None], wait_s: float) -> FetchClaim:
+        """A new claim (:mod:`foresight.bucket.claims`): the absent samples it holds, other callers of
+        :meth:`ensure` in this process wait for instead of fetching them."""
+        return self._claims.claim(on_wanted, wait_s)
+
     def close(self) -> None:
+        self.writer.close()
         for fd in self._fds:
             os.close(fd)
         self._fds = []
@@ -178,7 +193,7 @@ class SampleCache:
         return int(self.lookup(ids).length.sum()) if ids.size else 0
 
     def ensure(self, ids: np.ndarray, *, max_gap: int | None = None, span_present: bool = False,
-               order: np.ndarray | None = None) -> int:
+               order: np.ndarray | None = None, claim: FetchClaim | None = None) -> int:
         """Make every sample of ``ids`` present (fetching the missing ones in coalesced GETs; ``max_gap`` overrides
         the cache's and the fetcher's for this call); returns how many were fetched. ``span_present``: a transfer
         may run across present samples (fetched, checked and written again, identical bytes) instead of being cut
@@ -187,7 +202,9 @@ class SampleCache:
         a waiter for an early rank's samples returns when they land, not when the whole call ends (a prefetcher's
         fill in the order the plan first needs its blocks). Raises :class:`BucketError` naming the object when a
         fetched sample's xxh3 differs from the map's (the object changed under the same ETag, or the store
-        returned wrong bytes): nothing of that GET is marked (the checked samples of the call's other GETs are)."""
+        returned wrong bytes): nothing of that GET is marked (the checked samples of the call's other GETs are).
+        Without ``claim`` (a lookup), absent samples that a claim holds are waited for, not fetched
+        (:mod:`foresight.bucket.claims`; ``stats.claim_waits``); with it (a claim's owner fetching), none is."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         ids, first = np.unique(ids, return_index=True)
         rank = np.zeros(ids.size, np.int64) if order is None else np.asarray(order, dtype=np.int64)[first]
@@ -197,6 +214,11 @@ class SampleCache:
             self.stats.hits += int(ids.size - missing.size)
         if not missing.size:  # the common case, without waiting for another thread's fetch of other samples
             return 0
+        if claim is None:  # what a prefetcher is fetching or about to is waited for, not fetched here
+            left = self._claims.wait(missing, self._count_claim_waits)
+            missing, rank = missing[left], rank[left]
+            if not missing.size:
+                return 0
         with self._cv:
             while self._busy:
                 self._cv.wait()
@@ -227,6 +249,10 @@ class SampleCache:
                 self._unlock(held)
         finally:
             self._release()
+
+    def _count_claim_waits(self, n: int) -> None:
+        with self._stats_lock:
+            self.stats.claim_waits += n
 
     @contextlib.contextmanager
     def _exclusive(self) -> Iterator[None]:
@@ -334,7 +360,7 @@ class SampleCache:
             try:
                 n = int(tr.t_length[k])
                 try:
-                    wrote = os.pwrite(self._fds[int(seg_shard[tr.t_file[k]])], memoryview(data), int(tr.t_offset[k]))
+                    wrote = self.writer.pwrite(int(seg_shard[tr.t_file[k]]), data, int(tr.t_offset[k]))
                     if wrote != n:  # a short write is a full disk that took part of it: never marked
                         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 except OSError as e:  # a full or failing cache disk: give back what this GET allocated, mark nothing
@@ -354,6 +380,7 @@ class SampleCache:
                 self.stats.gap_samples += int(extra.size)
                 self.stats.fetched_bytes += n
             with self._cv:
+                self._claims.landed += 1
                 self._cv.notify_all()  # waiters whose samples this GET held return now
 
         self.fetcher.fetch(self.refs, seg, ext.offset, ext.length, ref_of_file=seg_shard, max_gap=max_gap,

@@ -30,8 +30,13 @@ make the fill one GET per sample again). Under a budget there is no fill: a fill
 its use.
 
 The consumer's position comes from the loader's ``on_step`` hook (called when a batch is handed out: its reads are
-done). The loader's own ``lookup`` still fetches anything the prefetcher has not (a demand miss), so a slow
-prefetcher costs time, never bytes; the budget is a target the demand path may pass until the next eviction.
+done). The prefetcher claims (:mod:`foresight.bucket.claims`) the samples of the group it is fetching (its fill
+included) and of the next group: a lookup that overtakes it (the loader reaching those steps before their fetch
+landed) waits for that fetch, and tells the prefetcher to start it at once if it was holding back for its window,
+instead of fetching the step itself (one GET per scattered sample, the block fill fetching the same bytes again).
+A wait with no GET landing for ``wait_s`` raises, naming the sample. Anything outside the claims (a prefetcher
+stopped by an error or closed) the loader's own ``lookup`` fetches (a demand miss); the budget is a target the
+demand path may pass until the next eviction.
 
 Example::
 
@@ -46,7 +51,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -73,13 +78,20 @@ class PlanPrefetcher(Closing):
     (None: 0 under a budget, where gap bytes would mostly be evicted unused; the fetcher's own otherwise).
     ``fill_block``/``fill_bytes``: the block fill of the module doc (0: off; only without a budget; ``fill_bytes``
     bounds a fill piece). ``keep`` (bool
-    per sample): only those samples of the plan are fetched and pinned (a storage node's share of them)."""
+    per sample): only those samples of the plan are fetched and pinned (a storage node's share of them).
+    ``wait_s``: how long a lookup of a claimed sample waits with no GET landing before it raises (None: the
+    fetcher's retry budget plus one request's timeout, by when a stuck GET has failed)."""
+
+    # Tests only: called as ``before_fetch(prefetcher, k)`` on the prefetch thread once the group at position
+    # ``k`` is claimed, before its fetch (to let a lookup overtake the prefetcher deterministically).
+    before_fetch: Callable[["PlanPrefetcher", int], None] | None = None
 
     def __init__(self, ds: BucketDataset, plan: Any, *, dataset: int = 0, rank: int = 0, world_size: int = 1,
                  start_step: int = 0, end_step: int | None = None, step_stride: int = 1, lookahead: int = 8,
                  budget_bytes: int | None = None, horizon: int | None = None,
                  group_steps: int | None = None, max_gap: int | None = None, fill_block: int = FILL_BLOCK,
-                 fill_bytes: int = FILL_BYTES, keep: np.ndarray | None = None) -> None:
+                 fill_bytes: int = FILL_BYTES, keep: np.ndarray | None = None,
+                 wait_s: float | None = None) -> None:
         if lookahead < 1:
             raise ValueError(f"lookahead must be >= 1, got {lookahead}")
         group_steps = max(1, lookahead // 2) if group_steps is None else int(group_steps)
@@ -114,6 +126,11 @@ class PlanPrefetcher(Closing):
         self.error: BaseException | None = None
         self.stats = {"prefetched_steps": 0, "fetched_samples": 0, "filled_samples": 0, "fill_pieces": 0,
                       "evicted_samples": 0, "evicted_bytes": 0, "over_budget": 0, "max_cached_bytes": 0}
+        retry = ds.fetcher.retry
+        self._claim = self.cache.claim(self._wake, retry.budget_s + retry.request_timeout_s
+                                       if wait_s is None else float(wait_s))
+        self._group_list = self._groups()
+        self._claim.set(self._group_uses(0, 2))  # before the loader's first lookup: it waits, never fetches
         self._thread = threading.Thread(target=self._run, name="foresight-bucket-prefetch", daemon=True)
         self._thread.start()
 
@@ -140,9 +157,18 @@ class PlanPrefetcher(Closing):
                 self._consumed = pos
                 self._cv.notify_all()
 
+    def _wake(self) -> None:
+        """A lookup waits on a claimed sample (:mod:`foresight.bucket.claims`): fetch it without waiting for the
+        window."""
+        with self._cv:
+            self._cv.notify_all()
+
     def close(self) -> None:
         thread = self.__dict__.get("_thread")
         if thread is None:
+            claim = self.__dict__.get("_claim")
+            if claim is not None:
+                claim.release()
             return
         with self._cv:
             self._stop = True
@@ -159,43 +185,62 @@ class PlanPrefetcher(Closing):
         first = min(1, n) if self.fill_block else 0
         return ([(0, first)] if first else []) + [(k, min(k + g, n)) for k in range(first, n, g)]
 
+    def _group_uses(self, i: int, n: int) -> np.ndarray:
+        """The samples groups ``i`` to ``i + n - 1`` read (what the claim holds)."""
+        groups = self._group_list[i:i + n]
+        if not groups:
+            return np.zeros(0, dtype=np.int64)
+        return self.acc.ids[self.acc.ptr[groups[0][0]]:self.acc.ptr[groups[-1][1]]]
+
     def _run(self) -> None:
-        acc = self.acc
         try:
-            for k, end in self._groups():
-                with self._cv:  # the whole group inside the window: the consumer is at end - 1 - lookahead or later
-                    while not self._stop and end - 1 > self._consumed + self.lookahead:
-                        self._cv.wait()
-                    if self._stop:
-                        return
-                    consumed = self._consumed
-                uses = acc.ids[acc.ptr[k]:acc.ptr[end]]
-                ids = np.unique(uses)
-                if self.budget_bytes is not None:
-                    self._make_room(k, consumed, ids)
-                order = None
-                if self.fill_block and k == 0:  # the first batch waits on this fetch: its own bytes only
-                    gap, span = FILL_GAP, False
-                elif self.fill_block:
-                    # the group's blocks whole, in pieces in the order the plan first needs them (a present
-                    # sample inside a fill run is fetched, checked and written again: a run cut at every present
-                    # sample would be one GET per sample again)
-                    ids, order, gap = self._fill(k, uses)
-                    self.stats["filled_samples"] += int(np.count_nonzero(~np.isin(ids, uses)))
-                    self.stats["fill_pieces"] += int(np.unique(order).size)
-                    span = True
-                else:
-                    gap, span = self.max_gap, False
-                fetched = self.cache.ensure(ids, max_gap=gap, span_present=span, order=order)
-                self._last_use[uses] = np.repeat(np.arange(k, end), np.diff(acc.ptr[k:end + 1]))
-                self.stats["prefetched_steps"] += end - k
-                self.stats["fetched_samples"] += fetched
-                if self.budget_bytes is not None:
-                    used = self.cache.cached_bytes()
-                    self.stats["max_cached_bytes"] = max(self.stats["max_cached_bytes"], used)
+            self._prefetch()
         except BaseException as e:  # noqa: BLE001 - handed to the consumer by on_step; the loader's own fetch goes on
             log.warning("bucket prefetch stopped: %s (the loader fetches on demand from here)", e)
             self.error = e
+        finally:
+            self._claim.release()  # waiters on what was claimed fetch it themselves
+
+    def _prefetch(self) -> None:
+        acc = self.acc
+        for i, (k, end) in enumerate(self._group_list):
+            # this group and the next: a lookup of either waits for this thread (and wakes it: see _wake)
+            claimed = self._group_uses(i, 2)
+            self._claim.set(claimed)
+            with self._cv:  # the whole group inside the window (the consumer at end - 1 - lookahead or later),
+                # or a lookup waiting on the claim
+                while not self._stop and not self._claim.wanted and end - 1 > self._consumed + self.lookahead:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                consumed = self._consumed
+            uses = acc.ids[acc.ptr[k]:acc.ptr[end]]
+            ids = np.unique(uses)
+            if self.budget_bytes is not None:
+                self._make_room(k, consumed, ids)
+            order = None
+            if self.fill_block and k == 0:  # the first batch waits on this fetch: its own bytes only
+                gap, span = FILL_GAP, False
+            elif self.fill_block:
+                # the group's blocks whole, in pieces in the order the plan first needs them (a present
+                # sample inside a fill run is fetched, checked and written again: a run cut at every present
+                # sample would be one GET per sample again)
+                ids, order, gap = self._fill(k, uses)
+                self._claim.set(np.concatenate((claimed, ids)))  # the fill's samples too
+                self.stats["filled_samples"] += int(np.count_nonzero(~np.isin(ids, uses)))
+                self.stats["fill_pieces"] += int(np.unique(order).size)
+                span = True
+            else:
+                gap, span = self.max_gap, False
+            if self.before_fetch is not None:
+                self.before_fetch(k)
+            fetched = self.cache.ensure(ids, max_gap=gap, span_present=span, order=order, claim=self._claim)
+            self._last_use[uses] = np.repeat(np.arange(k, end), np.diff(acc.ptr[k:end + 1]))
+            self.stats["prefetched_steps"] += end - k
+            self.stats["fetched_samples"] += fetched
+            if self.budget_bytes is not None:
+                used = self.cache.cached_bytes()
+                self.stats["max_cached_bytes"] = max(self.stats["max_cached_bytes"], used)
 
     # -- block fill ----------------------------------------------------------------------------------------------
     def _init_fill(self) -> None:

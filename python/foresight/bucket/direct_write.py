@@ -1,0 +1,133 @@
+"""Writes of fetched bytes into a cache's sparse files, large ones past the page cache (O_DIRECT).
+
+A buffered write of a GET's bytes copies them into new page-cache pages: on the bench's VM that copy was most of
+foresight's CPU on media (160 MB written: 0.25-0.95 CPU-s, against 0.01 CPU-s for the same bytes written
+O_DIRECT, whose DMA takes no CPU copy; the host's first touch of fresh guest pages is what costs), more than
+``obstore.get_ranges`` spends on the whole epoch. So the 4 KiB-aligned middle of a write of at least
+``DIRECT_MIN`` bytes goes through an O_DIRECT descriptor, copied first into one of a few reused aligned bounce
+buffers (O_DIRECT needs an aligned source; the client's buffers are not), and the unaligned head and tail (at
+most 4 KiB each) are written buffered. Small writes (a token sample's GET) stay buffered: a synchronous disk
+write each would cost more than the copy. The kernel keeps the two paths coherent (a direct write flushes and
+drops the page-cache pages it covers), and every byte written is the object's own, so a neighbour sharing a
+page is rewritten with its own bytes. A file system that refuses O_DIRECT (tmpfs) falls back to buffered writes
+(one WARNING line, ``stats["fallbacks"]``).
+
+Example::
+
+    writer = CacheWriter(paths, fds)
+    wrote = writer.pwrite(shard, data, offset)   # data: uint8 array; returns the bytes written
+    writer.stats                                 # {"direct_bytes", "buffered_bytes", "fallbacks"}
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import threading
+from typing import Iterator, Sequence
+
+import numpy as np
+
+log = logging.getLogger("foresight.bucket")
+
+__all__ = ["CacheWriter", "DIRECT_MIN", "ALIGN"]
+
+ALIGN = 4096
+DIRECT_MIN = 1 << 20  # writes this large go O_DIRECT (their aligned middle)
+BOUNCE_BYTES = 4 << 20  # one aligned bounce buffer; a write is copied and written through it piece by piece
+BOUNCE_COUNT = 8  # direct writes at once (the fetcher's other threads wait for a buffer)
+
+
+class CacheWriter:
+    """Writes into the files ``paths`` (``fds``: their buffered descriptors, owned by the caller); see the module
+    doc. ``direct=False`` writes everything buffered."""
+
+    def __init__(self, paths: Sequence[str], fds: Sequence[int], *, direct: bool = True) -> None:
+        self._paths = list(paths)
+        self._fds = fds
+        self._direct_fds: dict[int, int] = {}
+        self.direct = direct
+        self._lock = threading.Lock()
+        self._free: list[mmap.mmap] = []
+        self._made = 0
+        self._cv = threading.Condition(self._lock)
+        self.stats = {"direct_bytes": 0, "buffered_bytes": 0, "fallbacks": 0}
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._direct_fds.values():
+                os.close(fd)
+            self._direct_fds.clear()
+            for buf in self._free:
+                buf.close()
+            self._free.clear()
+
+    def pwrite(self, shard: int, data: np.ndarray, offset: int) -> int:
+        """Write ``data`` (uint8, contiguous) at ``offset`` of file ``shard``; returns the bytes written (fewer
+        than ``data.size`` only when the disk took part of it: full)."""
+        n = int(data.size)
+        lo = -(-offset // ALIGN) * ALIGN
+        hi = (offset + n) // ALIGN * ALIGN
+        fd = self._direct_fd(shard) if self.direct and hi - lo >= DIRECT_MIN else None
+        if fd is None:
+            wrote = os.pwrite(self._fds[shard], memoryview(data), offset)
+            self._count("buffered_bytes", wrote)
+            return wrote
+        wrote = 0
+        if lo > offset:  # the unaligned head, buffered
+            wrote += os.pwrite(self._fds[shard], memoryview(data[:lo - offset]), offset)
+        with self._bounce() as buf:
+            view = np.frombuffer(buf, dtype=np.uint8)
+            for pos in range(lo, hi, BOUNCE_BYTES):  # a loop over 4 MiB pieces of one GET, not samples
+                m = min(BOUNCE_BYTES, hi - pos)
+                view[:m] = data[pos - offset:pos - offset + m]
+                got = os.pwrite(fd, memoryview(buf)[:m], pos)
+                wrote += got
+                if got != m:
+                    return wrote
+        if offset + n > hi:  # the unaligned tail, buffered
+            wrote += os.pwrite(self._fds[shard], memoryview(data[hi - offset:]), hi)
+        self._count("direct_bytes", hi - lo)
+        self._count("buffered_bytes", n - (hi - lo))
+        return wrote
+
+    def _count(self, key: str, n: int) -> None:
+        with self._lock:
+            self.stats[key] += n
+
+    def _direct_fd(self, shard: int) -> int | None:
+        with self._lock:
+            fd = self._direct_fds.get(shard)
+            if fd is not None or not self.direct:
+                return fd
+            try:
+                fd = os.open(self._paths[shard], os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+                self.stats["fallbacks"] += 1
+                log.warning("bucket cache: %s refuses O_DIRECT: fetched bytes are written through the page cache "
+                            "(more CPU per byte)", os.path.dirname(self._paths[shard]))
+                return None
+            self._direct_fds[shard] = fd
+            return fd
+
+    @contextlib.contextmanager
+    def _bounce(self) -> Iterator[mmap.mmap]:
+        with self._cv:
+            while not self._free and self._made >= BOUNCE_COUNT:
+                self._cv.wait()
+            if self._free:
+                buf = self._free.pop()
+            else:
+                buf = mmap.mmap(-1, BOUNCE_BYTES)  # page-aligned, as O_DIRECT needs
+                self._made += 1
+        try:
+            yield buf
+        finally:
+            with self._cv:
+                self._free.append(buf)
+                self._cv.notify()
