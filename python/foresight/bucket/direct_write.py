@@ -9,7 +9,7 @@ buffers (O_DIRECT needs an aligned source; the client's buffers are not), and th
 most 4 KiB each) are written buffered. Small writes (a token sample's GET) stay buffered: a synchronous disk
 write each would cost more than the copy. The kernel keeps the two paths coherent (a direct write flushes and
 drops the page-cache pages it covers), and every byte written is the object's own, so a neighbour sharing a
-page is rewritten with its own bytes. A file system that refuses O_DIRECT (tmpfs) falls back to buffered writes
+page is rewritten with its own bytes. A file system that refuses O_DIRECT (at the open or at the first write) falls back to buffered writes
 (one WARNING line, ``stats["fallbacks"]``).
 
 Example::
@@ -83,7 +83,15 @@ class CacheWriter:
             for pos in range(lo, hi, BOUNCE_BYTES):  # a loop over 4 MiB pieces of one GET, not samples
                 m = min(BOUNCE_BYTES, hi - pos)
                 view[:m] = data[pos - offset:pos - offset + m]
-                got = os.pwrite(fd, memoryview(buf)[:m], pos)
+                try:
+                    got = os.pwrite(fd, memoryview(buf)[:m], pos)
+                except OSError as e:  # opened, but the write refused (some FUSE and network file systems)
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self._refused(shard)
+                    self._count("direct_bytes", pos - lo)
+                    self._count("buffered_bytes", lo - offset)
+                    return wrote + self.pwrite(shard, data[pos - offset:], pos)  # the rest, buffered
                 wrote += got
                 if got != m:
                     return wrote
@@ -107,13 +115,22 @@ class CacheWriter:
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                self.direct = False
-                self.stats["fallbacks"] += 1
-                log.warning("bucket cache: %s refuses O_DIRECT: fetched bytes are written through the page cache "
-                            "(more CPU per byte)", os.path.dirname(self._paths[shard]))
+                self._refused_locked(shard)
                 return None
             self._direct_fds[shard] = fd
             return fd
+
+    def _refused(self, shard: int) -> None:
+        with self._lock:
+            self._refused_locked(shard)
+
+    def _refused_locked(self, shard: int) -> None:
+        """The file system refused O_DIRECT: every later write goes buffered (one warning, counted)."""
+        if self.direct:
+            self.direct = False
+            self.stats["fallbacks"] += 1
+            log.warning("bucket cache: %s refuses O_DIRECT: fetched bytes are written through the page cache "
+                        "(more CPU per byte)", os.path.dirname(self._paths[shard]))
 
     @contextlib.contextmanager
     def _bounce(self) -> Iterator[mmap.mmap]:
