@@ -3,11 +3,13 @@ random read (in each asked for) on the same page-cached file, run after run, med
 
 read_path.py's warm row is one of many methods in a long run; on a shared machine a drift of load between its fio
 and Loader rows moves the ratio by more than a change under test. Here every round runs every variant once, in
-order, on the same warm file, so drift hits all alike, and the ratio is computed per round.
+order, on the same warm file, so drift hits all alike, and the ratio to fio's best configuration (the highest
+median) is computed per round. CPU-seconds per GB are printed too: a busy machine's share of its cores moves MB/s,
+while CPU per byte shows what each method costs.
 
 Usage::
 
-    python bench/warm_ab.py --rounds 7                                  # Loader prefetch 1 and 2 vs fio's best two
+    python bench/warm_ab.py --rounds 7                                  # Loader prefetch 1 and 2 vs two fio configs
     python bench/warm_ab.py --prefetch 1,2,4 --fio 2x32batch,1x128plain --run-mib 1024
 """
 from __future__ import annotations
@@ -52,21 +54,27 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{case.path}: batch {case.batch}, {case.steps} steps per run, {args.rounds} rounds, "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
     mbs: dict[str, list[float]] = {name: [] for name in variants}
+    cpu: dict[str, list[float]] = {name: [] for name in variants}  # CPU-s/GB: what a busy machine's share hides
     for r in range(args.rounds):
         for name, fn in variants.items():
             warm_file(case.path)
-            mbs[name].append(fn(case)["mb_per_s"])
+            res = fn(case)
+            mbs[name].append(res["mb_per_s"])
+            cpu[name].append(res["cpu_s_per_gb"])
         print(f"  round {r + 1}: " + "  ".join(f"{n} {v[-1]:.0f}" for n, v in mbs.items()), flush=True)
     ours = [n for n in variants if n.startswith("loader")]
     fios = [n for n in variants if n.startswith("fio")]
-    print(f"\nMB/s, median (min-max) over {args.rounds} rounds; load {os.getloadavg()[0]:.1f}")
+    print(f"\nMB/s, median (min-max), and CPU-s/GB, median, over {args.rounds} rounds; load {os.getloadavg()[0]:.1f}")
     for name, v in mbs.items():
-        print(f"  {name:28s} {statistics.median(v):7.0f} ({min(v):.0f}-{max(v):.0f})")
-    best_fio = [max(mbs[f][r] for f in fios) for r in range(args.rounds)] if fios else []
-    for name in ours if best_fio else []:
-        ratio = [mbs[name][r] / best_fio[r] for r in range(args.rounds)]
-        print(f"  {name} / fio's best of the round: median {statistics.median(ratio):.2f}x "
-              f"({min(ratio):.2f}-{max(ratio):.2f})")
+        print(f"  {name:28s} {statistics.median(v):7.0f} ({min(v):.0f}-{max(v):.0f})  "
+              f"{statistics.median(cpu[name]):.3f} CPU-s/GB")
+    if fios:  # fio's best: its configuration with the highest median, as read_path.py picks an anchor
+        best = max(fios, key=lambda f: statistics.median(mbs[f]))
+        for name in ours:
+            ratio = [mbs[name][r] / mbs[best][r] for r in range(args.rounds)]
+            print(f"  {name} / {best}, round by round: median {statistics.median(ratio):.2f}x "
+                  f"({min(ratio):.2f}-{max(ratio):.2f}); CPU-s/GB {statistics.median(cpu[name]):.3f} vs "
+                  f"{statistics.median(cpu[best]):.3f}")
     return 0
 
 
