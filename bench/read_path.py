@@ -6,7 +6,9 @@ One command runs everything over a random plan on a >= 4 GiB dataset per sample 
 * ``fs-uring`` / ``fs-uring-nocoal`` / ``fs-pread``: :class:`foresight.Loader` with io_uring and coalescing on,
   io_uring with coalescing off (``max_gap=-1``), and the pread thread-pool backend; each over the global plan and
   over a block-local plan (``shuffle="block"``, ``-block`` suffix), where neighbouring samples share a step and
-  coalescing pays (``ios/sample`` shows it).
+  coalescing pays (``ios/sample`` shows it). The Loader's ``prefetch`` (steps in flight: the arena holds
+  ``prefetch + 2`` slots) is swept like an anchor's knobs, per size and cache state (:data:`PREFETCH_SWEEP`), and
+  every ``fs-*`` row runs at the best one (its ``config`` says which).
 * anchors (``bench/read_anchors.py``), each in the configuration an expert would pick, chosen per size and cache
   state by a sweep printed beside the results: ``torch-dl`` is ``torch.utils.data.DataLoader`` over a map-style
   dataset that preads samples (workers 2-16, per-sample or batched ``__getitems__``, prefetch factor, pin_memory
@@ -56,7 +58,9 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 SIZES = {"4K": 4 * KiB, "16K": 16 * KiB, "64K": 64 * KiB, "1M": 1 * MiB}
 DEFAULT_DATA_DIR = "/tmp/foresight-bench"
 QUEUE_DEPTH = 128  # the Loader's default; fio runs at the same depth
-PREFETCH = 2
+PREFETCH = 2  # the Loader's default
+# Steps in flight, swept: fewer slots keep the arena's destination lines cached, more hide a slow step
+PREFETCH_SWEEP = (1, 2, 4)
 SWEEP_GAPS = (0, 16 * KiB, 64 * KiB, 256 * KiB)
 SWEEP_TRANSFERS = (256 * KiB, 1 * MiB, 4 * MiB)
 # Large samples: does a transfer limit that grows with the sample (the loader's max_transfer=None) pay?
@@ -195,11 +199,11 @@ def result(samples: int, nbytes: int, wall: float, cpu: float, **extra) -> dict:
 
 
 def run_foresight(case: Case, cold: bool, *, shuffle: str = "global", backend: str = "uring",
-                  max_gap: int | None = None, max_transfer: int | None = None) -> dict:
+                  max_gap: int | None = None, max_transfer: int | None = None, prefetch: int = PREFETCH) -> dict:
     from foresight.loader import DEFAULT_MAX_GAP, Loader
 
     loader = Loader(
-        case.plans[shuffle], datasets=case.ds, backend=backend, direct=cold, queue_depth=QUEUE_DEPTH, prefetch=PREFETCH,
+        case.plans[shuffle], datasets=case.ds, backend=backend, direct=cold, queue_depth=QUEUE_DEPTH, prefetch=prefetch,
         max_gap=DEFAULT_MAX_GAP if max_gap is None else max_gap,
         max_transfer=max_transfer,
         end_step=case.steps,
@@ -217,7 +221,7 @@ def run_foresight(case: Case, cold: bool, *, shuffle: str = "global", backend: s
         stats = loader.stats.as_dict()
         io = loader._engine.stats  # the knobs the engine runs with, printed beside fio's
         engine_config = (f"{io['backend']} queue_depth={io['queue_depth']} io_threads={io['threads']} "
-                         f"prefetch={PREFETCH} max_gap={loader.max_gap}")
+                         f"prefetch={prefetch} max_gap={loader.max_gap}")
     finally:
         loader.close()
     return result(samples, samples * case.size, wall, cpu, backend=stats["backend"],
@@ -309,16 +313,19 @@ METHODS = ("fs-uring", "fs-uring-nocoal", "fs-pread", "fs-uring-block", "fs-urin
            "torch-dl", "torch-dl-block", "memmap", "memmap-block", "fio")
 
 
-def methods(fio: bool, dl_cfg: dict | None, fio_cfg: dict | None, only: set[str] | None = None) -> dict:
-    """Name -> runner(case, cold). Anchors run in the configuration their sweep picked; ``-block`` rows (ours and
-    the anchors') read the block-local plan's order, the others the global plan's. ``only``: these names alone."""
+def methods(fio: bool, dl_cfg: dict | None, fio_cfg: dict | None, only: set[str] | None = None,
+            fs_cfg: dict | None = None) -> dict:
+    """Name -> runner(case, cold). Anchors run in the configuration their sweep picked, the Loader's rows at the
+    ``prefetch`` its sweep picked (``fs_cfg``; None: the default); ``-block`` rows (ours and the anchors') read the
+    block-local plan's order, the others the global plan's. ``only``: these names alone."""
+    pf = (fs_cfg or {}).get("prefetch", PREFETCH)
     m = {
-        "fs-uring": lambda c, cold: run_foresight(c, cold),
-        "fs-uring-nocoal": lambda c, cold: run_foresight(c, cold, max_gap=-1),
-        "fs-pread": lambda c, cold: run_foresight(c, cold, backend="pread"),
-        "fs-uring-block": lambda c, cold: run_foresight(c, cold, shuffle="block"),
-        "fs-uring-nocoal-block": lambda c, cold: run_foresight(c, cold, shuffle="block", max_gap=-1),
-        "fs-pread-block": lambda c, cold: run_foresight(c, cold, shuffle="block", backend="pread"),
+        "fs-uring": lambda c, cold: run_foresight(c, cold, prefetch=pf),
+        "fs-uring-nocoal": lambda c, cold: run_foresight(c, cold, max_gap=-1, prefetch=pf),
+        "fs-pread": lambda c, cold: run_foresight(c, cold, backend="pread", prefetch=pf),
+        "fs-uring-block": lambda c, cold: run_foresight(c, cold, shuffle="block", prefetch=pf),
+        "fs-uring-nocoal-block": lambda c, cold: run_foresight(c, cold, shuffle="block", max_gap=-1, prefetch=pf),
+        "fs-pread-block": lambda c, cold: run_foresight(c, cold, shuffle="block", backend="pread", prefetch=pf),
         "torch-dl": lambda c, cold: anchors.run_dataloader(c, cold, c.order("global"), **dl_cfg),
         "torch-dl-block": lambda c, cold: anchors.run_dataloader(c, cold, c.order("block"), **dl_cfg),
         "memmap": lambda c, cold: anchors.run_memmap(c, cold, c.order("global")),
@@ -332,12 +339,15 @@ def methods(fio: bool, dl_cfg: dict | None, fio_cfg: dict | None, only: set[str]
 
 
 def pick_anchors(case: Case, cold: bool, runs: int, cache: "CacheControl", fio: bool, smoke: bool,
-                 dataloader: bool = True):
-    """Sweep the DataLoader's (unless not ``dataloader``) and fio's knobs on the global plan; the best (median MB/s)
-    of each is the anchor (None: not swept)."""
+                 dataloader: bool = True, loader: bool = True):
+    """Sweep the DataLoader's (unless not ``dataloader``), fio's and the Loader's (``prefetch``, unless not
+    ``loader``) knobs on the global plan; the best (median MB/s) of each is its configuration (None: not swept).
+    Returns ``(dataloader config, fio config, Loader config, sweep rows)``."""
     rows, best = [], {}
-    sweeps = [("torch-dl", cfg, lambda c, cold, cfg=cfg: anchors.run_dataloader(c, cold, c.order("global"), **cfg))
-              for cfg in (anchors.dataloader_configs(cold, smoke=smoke) if dataloader else [])]
+    sweeps = [("fs-uring", {"prefetch": p}, lambda c, cold, p=p: run_foresight(c, cold, prefetch=p))
+              for p in ((PREFETCH,) if smoke else PREFETCH_SWEEP) if loader]
+    sweeps += [("torch-dl", cfg, lambda c, cold, cfg=cfg: anchors.run_dataloader(c, cold, c.order("global"), **cfg))
+               for cfg in (anchors.dataloader_configs(cold, smoke=smoke) if dataloader else [])]
     if fio:
         sweeps += [("fio", cfg, lambda c, cold, cfg=cfg: anchors.run_fio(c, cold, **cfg))
                    for cfg in anchors.fio_configs(smoke=smoke)]
@@ -364,7 +374,7 @@ def pick_anchors(case: Case, cold: bool, runs: int, cache: "CacheControl", fio: 
         if r.get("mb_per_s") and r["anchor"] in best:
             r["x_best"] = r["mb_per_s"] / best[r["anchor"]][1]
     pick = {k: v[0] for k, v in best.items()}
-    return pick.get("torch-dl"), pick.get("fio"), rows
+    return pick.get("torch-dl"), pick.get("fio"), pick.get("fs-uring"), rows
 
 
 # -- running ------------------------------------------------------------------------------------------------------
@@ -394,13 +404,16 @@ def run_case(case: Case, runs: int, sweep_runs: int, cache: CacheControl, modes:
     anchor_rows: list[dict] = []
     for mode in modes:
         cold = mode == "cold"
-        dl_cfg, fio_cfg, swept = pick_anchors(case, cold, sweep_runs, cache, fio and (only is None or "fio" in only),
-                                              smoke, dataloader=only is None or bool(only & {"torch-dl", "torch-dl-block"}))
+        dl_cfg, fio_cfg, fs_cfg, swept = pick_anchors(
+            case, cold, sweep_runs, cache, fio and (only is None or "fio" in only), smoke,
+            dataloader=only is None or bool(only & {"torch-dl", "torch-dl-block"}),
+            loader=only is None or any(m.startswith("fs-") for m in only))
         anchor_rows += swept
         print(f"  {case.label} {mode}: anchors"
               + (f" DataLoader [{anchors.config_label(dl_cfg)}]" if dl_cfg else "")
-              + (f" fio [{fio_cfg}]" if fio_cfg else ""), flush=True)
-        runners = methods(fio, dl_cfg, fio_cfg, only)
+              + (f" fio [{fio_cfg}]" if fio_cfg else "")
+              + (f"; Loader prefetch={fs_cfg['prefetch']}" if fs_cfg else ""), flush=True)
+        runners = methods(fio, dl_cfg, fio_cfg, only, fs_cfg)
         for r in range(runs):
             for name, fn in runners.items():
                 cache.prepare(case.path, cold)
@@ -747,7 +760,8 @@ def report(payload: dict, name: str) -> None:
         print()
         print_table(anchor_rows, ["size", "mode", "anchor", "config", "samples_per_s", "mb_per_s", "cpu_s_per_gb",
                                   "x_best", "error"],
-                    title=f"anchor sweep (medians of {payload.get('anchor_runs')} run(s); the best of each is the anchor)")
+                    title=f"knob sweep (medians of {payload.get('anchor_runs')} run(s); the best of each anchor is the "
+                          "anchor, the Loader's best prefetch runs its rows)")
     print()
     print_table(rows, columns, title=f"read path (medians of {runs} run(s); x_* = ratio to that anchor)")
     if sweep_rows:

@@ -68,7 +68,7 @@ def read_path(payload: dict) -> Section:
         key = (r["size"], r["mode"], r["anchor"])
         if r.get("mb_per_s") and r["mb_per_s"] > best.get(key, {}).get("mb_per_s", -1):
             best[key] = r
-    s.tables.append(("anchor sweeps: the best configuration of each anchor",
+    s.tables.append(("knob sweeps: the best configuration of each anchor, and the Loader's (prefetch)",
                      ["size", "cache", "anchor", "best config", "MB/s", "configs tried"],
                      [[k[0], k[1], k[2], v["config"], v["mb_per_s"],
                        sum(1 for r in payload["anchor_sweep"] if (r["size"], r["mode"], r["anchor"]) == k)]

@@ -21,6 +21,10 @@ def test_read_path_smoke(tmp_path):
     # every anchor comes from a printed sweep of its knobs; block-local rows are only compared with block anchors
     sweep = result["anchor_sweep"]
     assert any(r["anchor"] == "fio" for r in sweep)
+    # the Loader's prefetch is swept like an anchor's knobs, and its rows run at the best one
+    loader_sweep = [r for r in sweep if r["anchor"] == "fs-uring"]
+    assert {r["mode"] for r in loader_sweep} == {"cold", "warm"} and all(r["prefetch"] >= 1 for r in loader_sweep)
+    assert all("prefetch=" in r["config"] for r in result["rows"] if r["method"].startswith("fs-"))
     assert {"batched", "workers", "prefetch_factor"} <= set(next(r for r in sweep if r["anchor"] == "torch-dl"))
     assert any(r["direct"] for r in sweep if r["anchor"] == "torch-dl" and r["mode"] == "cold")
     assert all(r["config"] for r in result["rows"] if r["method"].startswith(("torch-dl", "memmap")))

@@ -78,8 +78,8 @@ class Loader(StepPipeline, Closing):
             extents (128 beat 64 by 9-10% and matched 256 at 4-64 KiB random reads, bench/read_path.py).
         max_gap, max_transfer: coalescing: merge extents across holes up to ``max_gap`` bytes into transfers of
             at most ``max_transfer`` bytes. ``max_gap=-1`` turns coalescing off (one read per extent). While the
-            page cache serves every read (io_uring), steps are coalesced without holes (``stats.page_cache_steps``):
-            there a hole is a wasted copy, not a saved device read.
+            page cache serves every read (io_uring), steps are coalesced without holes or 4 KiB alignment pads
+            (``stats.page_cache_steps``): there a hole or a pad is a wasted copy, not a saved device read.
             ``max_transfer=None`` sizes it from the plan's mean piece (4 MiB, more for samples over 256 KiB:
             :func:`foresight.io.coalesce.transfer_limit_for`).
         verify: check the xxh3 checksum (recorded at pack time) of every sample a step uses, in one native call

@@ -38,8 +38,9 @@ class LoaderStats:
         bytes_requested: bytes of the extents (what the samples need).
         bytes_read: bytes of the reads, with alignment and the holes coalescing read across (>= requested).
         slot_overflows: steps larger than the arena slot sized at start-up, read into a one-off buffer instead.
-        page_cache_steps: steps coalesced without reading holes (``max_gap`` 0) because every read completed since
-            the step before was served from the page cache, where a hole costs a copy and saves no device read.
+        page_cache_steps: steps coalesced without reading holes (``max_gap`` 0) or O_DIRECT's 4 KiB pads (aligned
+            to 8 bytes only) because every read completed since the step before was served from the page cache,
+            where a hole or a pad costs a copy and saves no device read.
         plan_s: turning the plan's items into file extents.
         slot_wait_s: waiting for a free arena slot: the consumer holds every other slot (prefetch is full, or
             batches are kept with ``auto_release=False``) or CUDA copies out of them have not finished.
