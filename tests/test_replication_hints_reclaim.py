@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pyarrow.flight as flight
@@ -118,6 +119,14 @@ def test_the_planning_node_wakes_the_target_instead_of_waiting_for_its_poll(clus
     # c: a target that would look for tasks only once an hour; the hint reaches it through replicas.wake
     (tmp_path / "c").mkdir()
     c = _Node(str(tmp_path / "c"), cluster["etcd"], "c", ServiceLimit(), poll_s=3600, lease_ttl=600)
+    put = c.manager._put
+
+    def lagging_put(key, value, lease=None):  # c's copy thread lags once its task reads done (a loaded host)
+        put(key, value, lease=lease)
+        if value.get("state") == "done":
+            time.sleep(0.5)
+
+    c.manager._put = lagging_put
     try:
         wait_for(lambda: "c" in cluster["a"].cluster.nodes(), timeout=30, what="c registered")
         set_replication_hints(NAME, node=cluster["a"].location, job=JOB, token=TOKEN, ttl_s=600,

@@ -131,13 +131,13 @@ class ReplicaCopies:
                        "xxh3": task["xxh3"], "base": False}
                 with self._lock:
                     self._copies[(name, f)] = LocalCopy(path, hinted=True)
+                self.stats["copies_made"] += 1  # before the task reads done: whoever sees it done sees it counted
                 try:
                     self._put(self._k("replicas", ckpt_key(name), f, self.node_id), rec, lease=lease)
                     self._put(key, dict(task, state="done", picked_at=picked_at, pulled_at=pulled_at,
                                         done_at=time.time(), source=src["node"]), lease=lease)
                 except NodeError:  # the hint expired while copying: the copy is reclaimed next round
                     pass
-                self.stats["copies_made"] += 1
                 return
             self.stats["copies_failed"] += 1
             self._put(key, dict(task, state="failed", error="; ".join(errors) or "no live holder"), lease=lease)
