@@ -99,7 +99,7 @@ def test_reclaim_waits_for_a_read_in_progress(cluster):
     assert b.manager.inflight == 0
 
 
-def test_a_corrupt_copy_is_never_served_to_a_reader(cluster):
+def test_a_corrupt_copy_is_never_served_to_a_reader(cluster, monkeypatch):
     c = cluster
     _hint(c)
     with open(c["copy"], "r+b") as f:  # same size, other bytes: only the checksum can tell
@@ -111,8 +111,17 @@ def test_a_corrupt_copy_is_never_served_to_a_reader(cluster):
             if reader.stats["verify_failures"]:
                 break
         assert reader.stats["verify_failures"] >= 1 and reader.stats["by_node"].get("a", 0) >= 1
+    b = c["b"].manager
+    reclaimed, unlink = b.stats["reclaimed"], b._unlink
+
+    def lagging_unlink(path):  # b's reclaim lags once the copy is deleted (a loaded host)
+        unlink(path)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(b, "_unlink", lagging_unlink)
     release_replication_hints(NAME, node=c["a"].location, job=JOB, token=TOKEN)
     wait_for(lambda: not os.path.exists(c["copy"]), timeout=60, what="the corrupt copy reclaimed")
+    assert b.stats["reclaimed"] == reclaimed + 1  # counted by the time the copy is gone
 
 
 def test_the_planning_node_wakes_the_target_instead_of_waiting_for_its_poll(cluster, tmp_path):

@@ -190,10 +190,10 @@ class ReplicaCopies:
                     del self._copies[(name, f)]
                 local.doomed = True
                 delete = local.refs == 0
+            self.stats["reclaimed"] += 1  # before the delete: whoever sees the copy gone sees it counted
             if delete:
                 self._unlink(local.path)
             gone.append((name, f))
-            self.stats["reclaimed"] += 1
             log.info("replica reclaimed", extra={"checkpoint": name, "file": f, "deferred": not delete})
         return gone
 
