@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import time
+import threading
 
 import numpy as np
 import pyarrow.flight as flight
@@ -112,28 +112,32 @@ def test_a_corrupt_copy_is_never_served_to_a_reader(cluster, monkeypatch):
                 break
         assert reader.stats["verify_failures"] >= 1 and reader.stats["by_node"].get("a", 0) >= 1
     b = c["b"].manager
-    reclaimed, unlink = b.stats["reclaimed"], b._unlink
+    reclaimed, unlink, counted = b.stats["reclaimed"], b._unlink, threading.Event()
 
-    def lagging_unlink(path):  # b's reclaim lags once the copy is deleted (a loaded host)
+    def lagging_unlink(path):  # b's reclaim lags once the copy is deleted (a loaded host), until it is counted
         unlink(path)
-        time.sleep(0.5)
+        counted.wait(60)
 
     monkeypatch.setattr(b, "_unlink", lagging_unlink)
-    release_replication_hints(NAME, node=c["a"].location, job=JOB, token=TOKEN)
-    wait_for(lambda: not os.path.exists(c["copy"]), timeout=60, what="the corrupt copy reclaimed")
-    assert b.stats["reclaimed"] == reclaimed + 1  # counted by the time the copy is gone
+    try:
+        release_replication_hints(NAME, node=c["a"].location, job=JOB, token=TOKEN)
+        wait_for(lambda: not os.path.exists(c["copy"]), timeout=60, what="the corrupt copy reclaimed")
+        now = b.stats["reclaimed"]
+    finally:
+        counted.set()
+    assert now == reclaimed + 1  # counted by the time the copy is gone
 
 
 def test_the_planning_node_wakes_the_target_instead_of_waiting_for_its_poll(cluster, tmp_path):
     # c: a target that would look for tasks only once an hour; the hint reaches it through replicas.wake
     (tmp_path / "c").mkdir()
     c = _Node(str(tmp_path / "c"), cluster["etcd"], "c", ServiceLimit(), poll_s=3600, lease_ttl=600)
-    put = c.manager._put
+    put, counted = c.manager._put, threading.Event()
 
     def lagging_put(key, value, lease=None):  # c's copy thread lags once its task reads done (a loaded host)
         put(key, value, lease=lease)
         if value.get("state") == "done":
-            time.sleep(0.5)
+            counted.wait(60)  # ... until the test has read its count
 
     c.manager._put = lagging_put
     try:
@@ -141,11 +145,14 @@ def test_the_planning_node_wakes_the_target_instead_of_waiting_for_its_poll(clus
         set_replication_hints(NAME, node=cluster["a"].location, job=JOB, token=TOKEN, ttl_s=600,
                               hints=[FileHint(FILE, len(cluster["data"]), 1024, len(cluster["data"]))])
         done = wait_for_replicas(NAME, node=cluster["a"].location, job=JOB, token=TOKEN, timeout=120)
-        assert set(done["files"][FILE]["copies"]) == {"a", "b", "c"} and c.manager.stats["copies_made"] == 1
+        made = c.manager.stats["copies_made"]
+        counted.set()
+        assert set(done["files"][FILE]["copies"]) == {"a", "b", "c"} and made == 1
         assert cluster["a"].manager.stats["wake_failures"] == 0
         steps = done["steps_s"]  # where placement's time went, per step
         assert set(steps) == {"pickup", "pull", "register"} and all(v >= 0 for v in steps.values())
     finally:
+        counted.set()
         release_replication_hints(NAME, node=cluster["a"].location, job=JOB, token=TOKEN)
         c.close()
     wait_for(lambda: cluster["b"].manager.describe()["hinted_copies"] == 0, timeout=60, what="b's copy reclaimed")
