@@ -280,8 +280,20 @@ def test_a_hinted_restore_reads_at_once_and_its_copies_join_the_reads(etcd, node
         with ReplicaReader(etcd, job=job, token=TOKEN, refresh_s=3600) as replicas:
             replicas.copies(name)
             refreshes = replicas.stats["copy_refreshes"]
+            # the restore's thread lags after its first re-read of the list until every copy is placed (a loaded
+            # host), then asks the node at once: the copies are first seen when the node says placement is
+            # complete, and must still join the ranks' reads
+            refresh_files, lagged = replicas.refresh_files, []
+
+            def lagging_refresh(*a, **k):
+                listed = refresh_files(*a, **k)
+                if not lagged:
+                    lagged.append(wait_for_replicas(name, etcd=etcd, job=job, token=TOKEN, timeout=120))
+                return listed
+
+            replicas.refresh_files = lagging_refresh
             restore = HintedRestore(name, etcd=etcd, job=job, token=TOKEN, hints=hints, reader=replicas,
-                                    cold_bytes=16 << 10, cold_reads=16).start()
+                                    cold_bytes=16 << 10, cold_reads=16, progress_s=0).start()
             with cf.ThreadPoolExecutor(16) as pool:
                 got = list(pool.map(lambda r: {f: bytes(replicas.read(name, f)) for f in restore.order(files)},
                                     range(16)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import numpy as np
 import pyarrow.flight as flight
@@ -98,7 +99,7 @@ def test_reclaim_waits_for_a_read_in_progress(cluster):
     assert b.manager.inflight == 0
 
 
-def test_a_corrupt_copy_is_never_served_to_a_reader(cluster):
+def test_a_corrupt_copy_is_never_served_to_a_reader(cluster, monkeypatch):
     c = cluster
     _hint(c)
     with open(c["copy"], "r+b") as f:  # same size, other bytes: only the checksum can tell
@@ -110,24 +111,48 @@ def test_a_corrupt_copy_is_never_served_to_a_reader(cluster):
             if reader.stats["verify_failures"]:
                 break
         assert reader.stats["verify_failures"] >= 1 and reader.stats["by_node"].get("a", 0) >= 1
-    release_replication_hints(NAME, node=c["a"].location, job=JOB, token=TOKEN)
-    wait_for(lambda: not os.path.exists(c["copy"]), timeout=60, what="the corrupt copy reclaimed")
+    b = c["b"].manager
+    reclaimed, unlink, counted = b.stats["reclaimed"], b._unlink, threading.Event()
+
+    def lagging_unlink(path):  # b's reclaim lags once the copy is deleted (a loaded host), until it is counted
+        unlink(path)
+        counted.wait(60)
+
+    monkeypatch.setattr(b, "_unlink", lagging_unlink)
+    try:
+        release_replication_hints(NAME, node=c["a"].location, job=JOB, token=TOKEN)
+        wait_for(lambda: not os.path.exists(c["copy"]), timeout=60, what="the corrupt copy reclaimed")
+        now = b.stats["reclaimed"]
+    finally:
+        counted.set()
+    assert now == reclaimed + 1  # counted by the time the copy is gone
 
 
 def test_the_planning_node_wakes_the_target_instead_of_waiting_for_its_poll(cluster, tmp_path):
     # c: a target that would look for tasks only once an hour; the hint reaches it through replicas.wake
     (tmp_path / "c").mkdir()
     c = _Node(str(tmp_path / "c"), cluster["etcd"], "c", ServiceLimit(), poll_s=3600, lease_ttl=600)
+    put, counted = c.manager._put, threading.Event()
+
+    def lagging_put(key, value, lease=None):  # c's copy thread lags once its task reads done (a loaded host)
+        put(key, value, lease=lease)
+        if value.get("state") == "done":
+            counted.wait(60)  # ... until the test has read its count
+
+    c.manager._put = lagging_put
     try:
         wait_for(lambda: "c" in cluster["a"].cluster.nodes(), timeout=30, what="c registered")
         set_replication_hints(NAME, node=cluster["a"].location, job=JOB, token=TOKEN, ttl_s=600,
                               hints=[FileHint(FILE, len(cluster["data"]), 1024, len(cluster["data"]))])
         done = wait_for_replicas(NAME, node=cluster["a"].location, job=JOB, token=TOKEN, timeout=120)
-        assert set(done["files"][FILE]["copies"]) == {"a", "b", "c"} and c.manager.stats["copies_made"] == 1
+        made = c.manager.stats["copies_made"]
+        counted.set()
+        assert set(done["files"][FILE]["copies"]) == {"a", "b", "c"} and made == 1
         assert cluster["a"].manager.stats["wake_failures"] == 0
         steps = done["steps_s"]  # where placement's time went, per step
         assert set(steps) == {"pickup", "pull", "register"} and all(v >= 0 for v in steps.values())
     finally:
+        counted.set()
         release_replication_hints(NAME, node=cluster["a"].location, job=JOB, token=TOKEN)
         c.close()
     wait_for(lambda: cluster["b"].manager.describe()["hinted_copies"] == 0, timeout=60, what="b's copy reclaimed")

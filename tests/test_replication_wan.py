@@ -13,15 +13,18 @@ EACH = 2 << 20
 
 
 class Sink:
-    """A TCP server that counts the bytes it receives."""
+    """A TCP server that counts the bytes it receives and the connections it is reading."""
 
     def __init__(self) -> None:
-        self.received = 0
+        self.received = self.reading = 0
         self._cv = threading.Condition()
         self._rx = TcpReceiver(self._drain)
         self.port = self._rx.port
 
     def _drain(self, conn: socket.socket, _: int) -> None:
+        with self._cv:
+            self.reading += 1
+            self._cv.notify_all()
         with conn:
             while data := conn.recv(1 << 20):
                 with self._cv:
@@ -35,16 +38,31 @@ class Sink:
         with self._cv:
             assert self._cv.wait_for(lambda: self.received >= n, timeout), (self.received, n)
 
+    def wait_reading(self, n: int, timeout: float = 120.0) -> None:
+        """Until ``n`` connections in all are being read (the link's far ends are open)."""
+        with self._cv:
+            assert self._cv.wait_for(lambda: self.reading >= n, timeout), (self.reading, n)
+
 
 def aggregate_rate(link: WanLink, sink: Sink, streams: int) -> float:
     """Bytes per second that ``streams`` parallel connections move together through ``link``."""
+    reading = sink.reading
     socks = [socket.create_connection(("127.0.0.1", link.port)) for _ in range(streams)]
     start = sink.received
     payload = b"x" * EACH
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=s.sendall, args=(payload,)) for s in socks]
+    go = threading.Barrier(streams + 1)  # the clock starts once every sender runs (a thread that started late
+    # on a loaded host would count its start-up as link time, and 4 threads have more of it than 1)
+
+    def send(s: socket.socket) -> None:
+        go.wait()
+        s.sendall(payload)
+
+    threads = [threading.Thread(target=send, args=(s,)) for s in socks]
     for t in threads:
         t.start()
+    sink.wait_reading(reading + streams)
+    go.wait(timeout=60)
+    t0 = time.perf_counter()
     sink.wait_for(start + streams * EACH)
     secs = time.perf_counter() - t0
     for t in threads:

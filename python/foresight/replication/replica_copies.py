@@ -131,13 +131,13 @@ class ReplicaCopies:
                        "xxh3": task["xxh3"], "base": False}
                 with self._lock:
                     self._copies[(name, f)] = LocalCopy(path, hinted=True)
+                self.stats["copies_made"] += 1  # before the task reads done: whoever sees it done sees it counted
                 try:
                     self._put(self._k("replicas", ckpt_key(name), f, self.node_id), rec, lease=lease)
                     self._put(key, dict(task, state="done", picked_at=picked_at, pulled_at=pulled_at,
                                         done_at=time.time(), source=src["node"]), lease=lease)
                 except NodeError:  # the hint expired while copying: the copy is reclaimed next round
                     pass
-                self.stats["copies_made"] += 1
                 return
             self.stats["copies_failed"] += 1
             self._put(key, dict(task, state="failed", error="; ".join(errors) or "no live holder"), lease=lease)
@@ -190,10 +190,10 @@ class ReplicaCopies:
                     del self._copies[(name, f)]
                 local.doomed = True
                 delete = local.refs == 0
+            self.stats["reclaimed"] += 1  # before the delete: whoever sees the copy gone sees it counted
             if delete:
                 self._unlink(local.path)
             gone.append((name, f))
-            self.stats["reclaimed"] += 1
             log.info("replica reclaimed", extra={"checkpoint": name, "file": f, "deferred": not delete})
         return gone
 

@@ -192,22 +192,15 @@ class HintedRestore:
         deadline = time.monotonic() + self.timeout
         asked = time.monotonic()
         while True:
-            if self.reader is not None:
-                listed = self.reader.refresh_files(self.checkpoint, files)
-                self.stats["polls"] += 1
-                self._count(listed)
-                new = {(f, n) for f, n in want if n in listed.get(f, {})} - seen
-                self.joined_s += [time.perf_counter() - self.t0] * len(new)
-                seen |= new
-                if seen == want:
-                    return
+            if self.reader is not None and self._poll(files, want, seen) == want:
+                return
             if self.reader is None or time.monotonic() - asked >= self.progress_s:
                 asked = time.monotonic()
                 p = replication_progress(self.checkpoint, **args, node=node, client=client)
                 if p["complete"]:
                     self.placed = p
-                    if self.reader is not None:  # the last copies registered since the list was read
-                        self.reader.refresh_files(self.checkpoint, files)
+                    if self.reader is not None:  # the last copies registered since the list was read join too
+                        self._poll(files, want, seen)
                     return
                 if not p["hint_live"]:
                     raise NodeError("no live hint for the checkpoint (expired or released before its copies were "
@@ -216,6 +209,17 @@ class HintedRestore:
                 raise NodeError("replicas not placed in time", checkpoint=self.checkpoint, timeout=self.timeout,
                                 listed=len(seen), planned=len(want))
             time.sleep(self.poll_s)
+
+    def _poll(self, files: list[str], want: set[tuple[str, str]], seen: set[tuple[str, str]]) -> set:
+        """Re-read the hinted files' copies: the slots follow them, each planned copy first listed now is timed
+        into ``joined_s`` and added to ``seen`` (returned)."""
+        listed = self.reader.refresh_files(self.checkpoint, files)
+        self.stats["polls"] += 1
+        self._count(listed)
+        new = {(f, n) for f, n in want if n in listed.get(f, {})} - seen
+        self.joined_s += [time.perf_counter() - self.t0] * len(new)
+        seen |= new
+        return seen
 
     def join(self) -> None:
         if self._thread is not None:
