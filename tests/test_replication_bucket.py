@@ -404,3 +404,72 @@ def test_a_rank_upload_created_after_the_coordinators_abort_is_aborted_too(s3_en
                  nprocs=WORLD, join=True)
     assert open_uploads(site) == []
     assert [n for n in objects_under(site) if "/.aborted/" not in n] == []
+
+
+def test_an_urgent_step_is_published_ahead_of_the_steps_queued_before_it(s3_env, tmp_path):
+    """Step 1's publish is held at its marker while steps 2 and 3 commit (their publishes queue behind it); step 3
+    turned urgent is published before step 2."""
+    site = make_bucket("repl-urgent") + "/eval"
+    rep = Replication(every=1, site=site, job="j", bucket_options=PATIENT)
+    objects = rep.bucket_site().objects
+    put, markers, release = objects.put, [], threading.Event()
+
+    def held_put(name, data):
+        if name.endswith(f"/{store.COMMIT}"):
+            if not markers:
+                release.wait(120)
+            markers.append(int(name.split("step-")[1][:8]))
+        return put(name, data)
+
+    objects.put = held_put
+    try:
+        with fc.Checkpointer(str(tmp_path / "ckpt"), replicate=rep) as ck:
+            for s in (1, 2, 3):
+                ck.save({"a": torch.arange(100) + s}, s).wait()
+            rep.urgent(3)
+            release.set()
+            for s in (1, 2, 3):
+                rep.wait(s, timeout=120)
+    finally:
+        release.set()
+        rep.close()
+    assert markers == [1, 3, 2]
+    assert committed_steps(f"{site}/j") == [1, 2, 3]
+
+
+def test_an_urgent_steps_parts_go_ahead_of_the_parts_queued_before_them(s3_env, tmp_path):
+    """One part in flight at a time, held at the first: the rest of step 10's parts and then step 20's queue behind
+    it; step 20 turned urgent has all its parts sent before step 10's next one."""
+    site = make_bucket("repl-urgent-parts") + "/eval"
+    with fc.Checkpointer(str(tmp_path / "other")) as ck:
+        paths = {s: ck.save(state(s), s).wait().path for s in (10, 20)}
+    rep = Replication(every=10, site=site, job="j", unit_bytes=UNIT,
+                      bucket_options={**PATIENT, "part_concurrency": 1})
+    mp = rep.bucket_site().multipart
+    upload_part, sent, release = mp.upload_part, [], threading.Event()
+
+    def held_part(up, number, data):
+        if not sent:
+            sent.append(None)
+            release.wait(120)
+        sent.append(int(up.name.split("step-")[1][:8]))
+        return upload_part(up, number, data)
+
+    mp.upload_part = held_part
+    try:
+        for s, path in paths.items():
+            size = os.path.getsize(os.path.join(path, DATA_FILE))
+            rep.data_started(s, path, [(DATA_FILE, size)], seq=store.read_marker(path)["seq"])
+            rep.data_progress(s, {DATA_FILE: size})
+        n = len(plan_parts(size, UNIT))
+        assert n >= 3
+        rep.urgent(20)
+        release.set()
+        for s, path in paths.items():
+            rep.committed(s, path)
+        for s in paths:
+            rep.wait(s, timeout=120)
+    finally:
+        release.set()
+        rep.close()
+    assert sent[1:] == [10] + [20] * n + [10] * (n - 1)  # the held part first, then step 20's, then step 10's

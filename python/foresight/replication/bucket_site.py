@@ -31,6 +31,9 @@ created after the coordinator listed the open ones finds the record and aborts i
 failure is reported to the policy (which logs it, counts it and retries the publish from the committed directory,
 whole); it never reaches the save.
 
+Work is picked urgent steps first (:meth:`BucketSite.urgent`), else in the order queued, by the parts pool and the
+publisher alike.
+
 Retention (``keep``, ``replica_ttl``), after each publish on the publisher thread: the committed replicas beyond the
 newest ``keep`` and those whose marker is ``replica_ttl`` seconds old are deleted, marker first (a reader never
 finds a marker whose objects are going), never the newest committed one, never a set without a marker unless it is
@@ -133,8 +136,11 @@ class BucketSite:
         self.multipart = MultipartClient(self.objects.fetcher, opts.get("options"),
                                          max_connections=2 * self.objects.part_concurrency + 4)
         self._tier = BucketTier(str(self.url), objects=self.objects)  # the Checkpointer layout's retention
-        self._parts = ThreadPoolExecutor(self.objects.part_concurrency, thread_name_prefix="foresight-replica-part")
-        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="foresight-replica-publish")
+        self._urgent: set[int] = set()  # steps whose parts and publish go ahead of the others' (see urgent)
+        self._parts = _UrgentFirst(ThreadPoolExecutor(self.objects.part_concurrency,
+                                                      thread_name_prefix="foresight-replica-part"), self._urgent)
+        self._publisher = _UrgentFirst(ThreadPoolExecutor(1, thread_name_prefix="foresight-replica-publish"),
+                                       self._urgent)
         self._transfers: dict[int, _Transfer] = {}
         self._state: dict[int, tuple[str, Any]] = {}  # step -> ("publishing" | "done" | "failed", info)
         self._cond = threading.Condition()
@@ -186,7 +192,7 @@ class BucketSite:
         with fs.lock:
             first = fs.submitted
             while fs.submitted < len(fs.ends) and fs.ends[fs.submitted] <= nbytes:
-                fs.futures.append(self._parts.submit(self._send_part, t, fs, fs.submitted))
+                fs.futures.append(self._parts.submit(t.step, self._send_part, t, fs, fs.submitted))
                 fs.submitted += 1
             return fs.submitted - first
 
@@ -233,7 +239,7 @@ class BucketSite:
         except (OSError, CheckpointError) as e:
             self._failed(step, "", None, e, on_error)
             return
-        self._publisher.submit(self._publish, step, snap, on_error)
+        self._publisher.submit(step, self._publish, step, snap, on_error)
 
     def _publish(self, step: int, snap: "_Committed", on_error: Callable[[BaseException], None]) -> None:
         t = self._transfers.pop(step, None)
@@ -245,7 +251,7 @@ class BucketSite:
                 t = None
             if marker is None:  # a DCP directory saved again: its old marker must never list new objects
                 self.objects.delete([f"{prefix}/{DCP_METADATA}"])
-            objects = self._send_data(t, prefix, snap, ranks=marker is None and t is not None)
+            objects = self._send_data(step, t, prefix, snap, ranks=marker is None and t is not None)
             for n, body in snap.small.items():  # index.json: small, whole
                 ref = self.objects.put(f"{prefix}/{n}", body)
                 objects[n] = {"size": ref.size, "etag": ref.etag}
@@ -323,7 +329,7 @@ class BucketSite:
             self._cond.notify_all()
         on_error(e)
 
-    def _send_data(self, t: _Transfer | None, prefix: str, snap: "_Committed", *,
+    def _send_data(self, step: int, t: _Transfer | None, prefix: str, snap: "_Committed", *,
                    ranks: bool) -> dict[str, dict[str, Any]]:
         """Every data file of the commit in the bucket, completed and checked: ``{name: {size, etag}}``.
         ``ranks``: files this process did not announce are other DCP ranks' uploads, completed here once whole."""
@@ -345,14 +351,15 @@ class BucketSite:
             if other is not None:
                 refs[fname] = self._complete(*other)
             else:
-                refs[fname] = self._send_whole(f"{prefix}/{fname}", fd, size, os.path.join(snap.path, fname))
+                refs[fname] = self._send_whole(f"{prefix}/{fname}", fd, size, os.path.join(snap.path, fname),
+                                               step=step)
         return {n: {"size": r.size, "etag": r.etag} for n, r in refs.items()}
 
     def _complete(self, up: Upload, parts: list[Part]) -> ObjectRef:
         self.multipart.verify_parts(up, parts)
         return self.multipart.complete(up, parts)
 
-    def _send_whole(self, name: str, fd: int, size: int, path: str) -> ObjectRef:
+    def _send_whole(self, name: str, fd: int, size: int, path: str, *, step: int = -1) -> ObjectRef:
         """Send a committed data file (open as ``fd``) as a fresh multipart upload, its unit-aligned parts
         concurrently (an upload of it left open is aborted first)."""
         self._count("files_sent_whole")
@@ -361,7 +368,7 @@ class BucketSite:
                 self.multipart.abort(up)
         if not size:
             return self.objects.put(name, b"")
-        t = _Transfer(-1, name)
+        t = _Transfer(step, name)
         fs = t.files[name] = _FileSend(name, path, fd, size, plan_parts(size, self.unit_bytes))
         self._submit_parts(t, fs, size)
         for f in fs.futures:
@@ -399,7 +406,7 @@ class BucketSite:
         if t is None:
             return
         t.aborted = True
-        self._publisher.submit(self._abandon, t)
+        self._publisher.submit(step, self._abandon, t)
 
     def _abandon(self, t: _Transfer) -> None:
         t.aborted = True
@@ -420,6 +427,14 @@ class BucketSite:
             self.multipart.abort_all(f"{prefix}/")
         except BucketError as e:  # nothing was completed: an upload left open stays invisible
             log.warning("replication to a bucket: cannot abort the uploads under %s: %s", self.url.child(prefix), e)
+
+    def urgent(self, step: int) -> None:
+        """Send ``step`` first: its parts not yet started and its publish go ahead of every other step's (queued
+        work is picked when a thread frees up; what is already on the wire finishes)."""
+        with self._cond:
+            self._urgent.add(step)
+            for old in sorted(self._urgent)[:-8]:  # a few recent steps
+                self._urgent.discard(old)
 
     # -- waiting, closing ------------------------------------------------------------------------------------------
     def wait(self, step: int, timeout: float | None = None) -> dict[str, Any]:
@@ -444,12 +459,44 @@ class BucketSite:
 
     def close(self) -> None:
         """Finish the publishes queued, send the parts reported, then close the clients."""
-        self._publisher.shutdown(wait=True)  # first: a publish still hands parts to the pool
-        self._parts.shutdown(wait=True)
+        self._publisher.pool.shutdown(wait=True)  # first: a publish still hands parts to the pool
+        self._parts.pool.shutdown(wait=True)
         for t in list(self._transfers.values()):
             _close_files(t)
         self.multipart.close()
         self.objects.close()
+
+
+class _UrgentFirst:
+    """The work of one pool, urgent steps' first, else in the order submitted: each :meth:`submit` queues the call
+    and one run on the pool, which takes the best call queued when it starts (so the order is decided when a
+    thread frees up, and a step made urgent later still overtakes what is queued)."""
+
+    def __init__(self, pool: ThreadPoolExecutor, urgent: set[int]) -> None:
+        self.pool, self._urgent = pool, urgent
+        self._queued: list[tuple[int, int, Callable[..., Any], tuple[Any, ...], Future]] = []
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def submit(self, step: int, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            self._seq += 1
+            self._queued.append((self._seq, step, fn, args, fut))
+        self.pool.submit(self._run_one)
+        return fut
+
+    def _run_one(self) -> None:
+        with self._lock:
+            item = min(self._queued, key=lambda q: (q[1] not in self._urgent, q[0]))
+            self._queued.remove(item)
+        _, _, fn, args, fut = item
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(e)
 
 
 @dataclass

@@ -363,7 +363,8 @@ class Replication:
         """Evaluate ``step`` now: raise its transfer's priority, or start one for an unscheduled committed step."""
         prio = self._priority(step, severity)
         name = self._started.get(step)
-        if self.to_bucket:  # one publisher, in order: nothing to reorder; an unscheduled step is sent whole
+        if self.to_bucket:  # its parts and publish go ahead of the other steps'; an unscheduled step is sent whole
+            self.bucket_site().urgent(step)
             if name is None:
                 path = self._paths.get(step)
                 if path is None:
