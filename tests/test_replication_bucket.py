@@ -267,3 +267,209 @@ def test_a_two_rank_dcp_save_is_replicated_to_a_bucket_and_loads_equal(s3_env, t
     for k, v in _full().items():
         assert torch.equal(from_bucket[k], v) and torch.equal(from_disk[k], v), k
     assert open_uploads(site) == []
+
+
+def committed_steps(url: str) -> list[int]:
+    with BucketTier(url) as tier:
+        return [c.step for c in tier.commits() if c.error is None]
+
+
+def test_retention_keeps_the_newest_replicas_and_finishes_a_delete_cut_short(s3_env, tmp_path):
+    """``keep=2``: after each publish the oldest committed replicas beyond two are deleted, marker first; a delete
+    cut after the marker (the set left without COMMIT) is finished by the next publish's pass."""
+    site = make_bucket("repl-keep") + "/eval"
+    rep = Replication(every=1, site=site, job="j", keep=2, bucket_options=PATIENT)
+    small = [{"a": torch.arange(1000) + s} for s in range(5)]
+    try:
+        with fc.Checkpointer(str(tmp_path / "ckpt"), replicate=rep) as ck:
+            for s in (1, 2, 3):
+                ck.save(small[s], s).wait()
+                rep.wait(s, timeout=120)
+            wait_until(lambda: committed_steps(f"{site}/j") == [2, 3], "retention after the publish of 3")
+            cut = rep.wait(2)["path"].rsplit("/", 1)[1]
+            with BucketPrefix(f"{site}/j") as b:  # a pass cut right after its first request
+                b.delete([f"{cut}/{store.COMMIT}"])
+            assert any(n.startswith(cut) for n in objects_under(f"{site}/j"))
+            ck.save(small[4], 4).wait()
+            kept = [rep.wait(s, timeout=120)["path"].rsplit("/", 1)[1] for s in (3, 4)]
+        stats = rep.bucket_site().stats
+    finally:
+        rep.close()  # after the last publish's retention
+    assert committed_steps(f"{site}/j") == [3, 4]
+    assert sorted({n.split("/", 1)[0] for n in objects_under(f"{site}/j")}) == kept
+    assert stats["deleted"] == 1 and stats["retention_failures"] == 0  # step 1; step 2 was a leftover
+    assert torch.equal(fc.load(3, root=f"{site}/j").state_dict["a"], small[3]["a"])
+
+
+def test_a_replica_ttl_never_deletes_the_newest_nor_a_save_still_uploading(s3_env, tmp_path):
+    """``replica_ttl=0``: every replica but the newest is past its TTL at each pass; a save whose parts are in
+    the bucket but not yet committed (hooks driven by hand) keeps its open upload and every part through them."""
+    site = make_bucket("repl-ttl") + "/eval"
+    with fc.Checkpointer(str(tmp_path / "other")) as ck:
+        path = ck.save(state(7), 50).wait().path
+    size = os.path.getsize(os.path.join(path, DATA_FILE))
+    rep = Replication(every=1, site=site, job="j", unit_bytes=UNIT, replica_ttl=0, bucket_options=PATIENT)
+    try:
+        rep.data_started(50, path, [(DATA_FILE, size)], seq=store.read_marker(path)["seq"])
+        rep.data_progress(50, {DATA_FILE: size})
+        mp = MultipartClient(rep.bucket_site().objects.fetcher)
+        n_parts = len(plan_parts(size, UNIT))
+        wait_until(lambda: [len(mp.list_parts(u)) for u in mp.open_uploads()] == [n_parts], "every part stored")
+        with fc.Checkpointer(str(tmp_path / "ckpt"), replicate=rep) as ck:
+            for s in (1, 2, 3):
+                ck.save({"a": torch.arange(100) + s}, s).wait()
+                rep.wait(s, timeout=120)
+                wait_until(lambda: committed_steps(f"{site}/j") == [s], f"retention after the publish of {s}")
+        assert [len(mp.list_parts(u)) for u in mp.open_uploads()] == [n_parts]  # the save in flight: untouched
+        mp.close()
+        rep.aborted(50)
+        stats = rep.bucket_site().stats
+    finally:
+        rep.close()
+    assert stats["deleted"] == 2
+    assert open_uploads(site) == []
+
+
+def test_retention_of_dcp_replicas_deletes_by_publish_order_and_finishes_a_cut_delete(s3_env, tmp_path):
+    site = make_bucket("repl-keep-dcp") + "/eval"
+    rep = Replication(every=1, site=site, job="j", keep=2, bucket_options=PATIENT)
+    try:
+        for s in (1, 2, 3):
+            dcp.save({"a": torch.arange(1000) + s},
+                     storage_writer=ReplicatingStorageWriter(str(tmp_path / f"step-{s}"), replicate=rep, step=s))
+            rep.wait(s, timeout=120)
+            if s == 2:
+                with BucketPrefix(f"{site}/j") as b:  # a pass over step-1 cut right after its .metadata
+                    b.delete(["step-1/.metadata"])
+    finally:
+        rep.close()
+    assert sorted(objects_under(f"{site}/j")) == ["step-2/.metadata", "step-2/__0_data.bin",
+                                                  "step-3/.metadata", "step-3/__0_data.bin"]
+    got = {"a": torch.empty(1000, dtype=torch.int64)}
+    dcp.load(got, storage_reader=ForesightStorageReader(f"{site}/j/step-2"))
+    assert torch.equal(got["a"], torch.arange(1000) + 2)
+
+
+def test_keep_and_ttl_are_refused_for_a_node_site_and_out_of_range():
+    with pytest.raises(ValueError, match="bucket site's retention"):
+        Replication(every=1, site="eval-b", node="grpc://127.0.0.1:1", job="j", keep=2)
+    with pytest.raises(ValueError, match="keep must be"):
+        Replication(every=1, site="s3://eval/p", job="j", keep=0)
+    with pytest.raises(ValueError, match="replica_ttl must be"):
+        Replication(every=1, site="s3://eval/p", job="j", replica_ttl=-1)
+
+
+def _late_rank(rank: int, init_file: str, path: str, site: str, env: dict, flag: str) -> None:
+    """Rank 1 creates its upload only once rank 0 (the coordinator) has aborted the save and every upload it
+    listed: the upload comes after the abort's listing, deterministically."""
+    import torch.distributed as dist
+
+    from foresight.distributed import run_then_end
+
+    os.environ.update(env)
+    rep = Replication(every=10, site=site, job="dcp", unit_bytes=UNIT, bucket_options=PATIENT)
+    if rank == 1:
+        mp = rep.bucket_site().multipart
+        create = mp.create
+
+        def late_create(name):
+            wait_until(lambda: os.path.exists(flag), "the coordinator's abort", timeout=240)
+            return create(name)
+
+        mp.create = late_create
+
+    def save() -> None:
+        with pytest.raises(CheckpointException, match="Is a directory"):
+            dcp.save(_sharded(_full()), storage_writer=ReplicatingStorageWriter(path, replicate=rep, step=10))
+        sender = rep.bucket_site()
+        rep.close()  # rank 0: the abort done (record, then every listed upload aborted); rank 1: its parts sent
+        if rank == 0:
+            assert open_uploads(site) == []  # rank 1 has not created its upload yet
+            with open(flag, "w"):
+                pass
+        else:
+            assert sender.stats["uploads_aborted_late"] == 1
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    run_then_end(save)
+
+
+def test_a_rank_upload_created_after_the_coordinators_abort_is_aborted_too(s3_env, tmp_path):
+    site = make_bucket("repl-abort-late") + "/eval"
+    path = tmp_path / "step-10"
+    (path / ".metadata").mkdir(parents=True)  # the commit's rename onto it fails: the save aborts
+    (path / ".metadata" / "x").write_bytes(b"x")
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    tmp_mp.spawn(_late_rank, args=(str(tmp_path / "init"), str(path), site, env, str(tmp_path / "aborted")),
+                 nprocs=WORLD, join=True)
+    assert open_uploads(site) == []
+    assert [n for n in objects_under(site) if "/.aborted/" not in n] == []
+
+
+def test_an_urgent_step_is_published_ahead_of_the_steps_queued_before_it(s3_env, tmp_path):
+    """Step 1's publish is held at its marker while steps 2 and 3 commit (their publishes queue behind it); step 3
+    turned urgent is published before step 2."""
+    site = make_bucket("repl-urgent") + "/eval"
+    rep = Replication(every=1, site=site, job="j", bucket_options=PATIENT)
+    objects = rep.bucket_site().objects
+    put, markers, release = objects.put, [], threading.Event()
+
+    def held_put(name, data):
+        if name.endswith(f"/{store.COMMIT}"):
+            if not markers:
+                release.wait(120)
+            markers.append(int(name.split("step-")[1][:8]))
+        return put(name, data)
+
+    objects.put = held_put
+    try:
+        with fc.Checkpointer(str(tmp_path / "ckpt"), replicate=rep) as ck:
+            for s in (1, 2, 3):
+                ck.save({"a": torch.arange(100) + s}, s).wait()
+            rep.urgent(3)
+            release.set()
+            for s in (1, 2, 3):
+                rep.wait(s, timeout=120)
+    finally:
+        release.set()
+        rep.close()
+    assert markers == [1, 3, 2]
+    assert committed_steps(f"{site}/j") == [1, 2, 3]
+
+
+def test_an_urgent_steps_parts_go_ahead_of_the_parts_queued_before_them(s3_env, tmp_path):
+    """One part in flight at a time, held at the first: the rest of step 10's parts and then step 20's queue behind
+    it; step 20 turned urgent has all its parts sent before step 10's next one."""
+    site = make_bucket("repl-urgent-parts") + "/eval"
+    with fc.Checkpointer(str(tmp_path / "other")) as ck:
+        paths = {s: ck.save(state(s), s).wait().path for s in (10, 20)}
+    rep = Replication(every=10, site=site, job="j", unit_bytes=UNIT,
+                      bucket_options={**PATIENT, "part_concurrency": 1})
+    mp = rep.bucket_site().multipart
+    upload_part, sent, release = mp.upload_part, [], threading.Event()
+
+    def held_part(up, number, data):
+        if not sent:
+            sent.append(None)
+            release.wait(120)
+        sent.append(int(up.name.split("step-")[1][:8]))
+        return upload_part(up, number, data)
+
+    mp.upload_part = held_part
+    try:
+        for s, path in paths.items():
+            size = os.path.getsize(os.path.join(path, DATA_FILE))
+            rep.data_started(s, path, [(DATA_FILE, size)], seq=store.read_marker(path)["seq"])
+            rep.data_progress(s, {DATA_FILE: size})
+        n = len(plan_parts(size, UNIT))
+        assert n >= 3
+        rep.urgent(20)
+        release.set()
+        for s, path in paths.items():
+            rep.committed(s, path)
+        for s in paths:
+            rep.wait(s, timeout=120)
+    finally:
+        release.set()
+        rep.close()
+    assert sent[1:] == [10] + [20] * n + [10] * (n - 1)  # the held part first, then step 20's, then step 10's

@@ -65,6 +65,7 @@ class ObjectRef:
     url: BucketURL
     size: int
     etag: str | None
+    modified: float | None = field(default=None, compare=False)  # server time (epoch s) a listing reported
 
     @property
     def key(self) -> str:
@@ -357,8 +358,8 @@ class RangedFetcher:
         else:
             metas = self.call(url, obstore.list_with_delimiter, prefix)["objects"]
         self.stats.add(requests=1 + len(metas) // 1000)
-        return sorted((ObjectRef(BucketURL(url.bucket, m["path"]), int(m["size"]), m.get("e_tag")) for m in metas),
-                      key=lambda r: r.key)
+        return sorted((ObjectRef(BucketURL(url.bucket, m["path"]), int(m["size"]), m.get("e_tag"),
+                                 _epoch(m.get("last_modified"))) for m in metas), key=lambda r: r.key)
 
     def map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         """``[fn(x) for x in items]`` run on the fetcher's threads (each call its own requests, concurrently);
@@ -403,3 +404,8 @@ class RangedFetcher:
         if first is not None:
             raise first
         return Fetched(tr, region)
+
+
+def _epoch(when: Any) -> float | None:
+    """A listing's ``last_modified`` (a datetime) as epoch seconds."""
+    return when.timestamp() if when is not None else None

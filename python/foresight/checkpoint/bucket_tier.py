@@ -9,9 +9,12 @@ marker's fields plus ``objects`` (each object's size and ETag), under its own xx
 cut short) is never a commit; a COMMIT whose objects are missing or differ from what it records (a torn set) is
 listed with ``error`` set, so ``load("latest")`` passes over it with a warning and never restores it.
 
-Retention (:meth:`BucketTier.retain`) deletes the oldest commits beyond ``keep`` (commit order, as on disk),
-COMMIT first so that a crash mid-delete leaves an uncommitted set, never a torn commit; the newest commit is never
-deleted. Sets without COMMIT older than the newest commit (uploads a crash cut short) are deleted with it.
+Retention (:meth:`BucketTier.retain`) deletes the oldest commits beyond ``keep`` (commit order, as on disk) and,
+given ``max_age_s``, those whose COMMIT is older than that, COMMIT first so that a crash mid-delete leaves an
+uncommitted set, never a torn commit; the newest commit is never deleted. Sets without COMMIT older than the newest
+commit (uploads a crash cut short, deletes cut short) are deleted with it. :func:`expired` and :func:`delete_set`
+are that policy and that order, shared with the replicas of a bucket evaluation site
+(:mod:`foresight.replication.bucket_site`).
 Restore (:meth:`BucketTier.read_checkpoint`) reads the index and each data object through the ranged fetcher
 (coalesced, concurrent GETs pinned to the recorded ETags) and checks every tensor's xxh3, as from disk.
 
@@ -28,7 +31,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,7 +45,7 @@ from foresight.checkpoint import store
 from foresight.checkpoint.reader import index_columns, tensor_views, verify_and_copy
 from foresight.errors import BucketError, CheckpointError
 
-__all__ = ["BucketTier", "commit_name", "is_bucket_url"]
+__all__ = ["BucketTier", "commit_name", "delete_set", "is_commit_name", "expired", "is_bucket_url"]
 
 _COMMIT_RE = re.compile(r"^step-(\d+)\.(?:seq-(\d+)|unsequenced)$")
 
@@ -51,19 +55,55 @@ def commit_name(step: int, seq: int | None) -> str:
     return f"{store.step_name(step)}." + ("unsequenced" if seq is None else f"seq-{seq:08d}")
 
 
+def is_commit_name(name: str) -> bool:
+    """Whether ``name`` is a commit's key prefix (:func:`commit_name`'s form)."""
+    return _COMMIT_RE.match(name) is not None
+
+
+def expired(ordered: Sequence[Any], keep: int | None, max_age_s: float | None,
+            modified: Callable[[Any], float | None], now: float | None = None) -> list[Any]:
+    """The commits of ``ordered`` (oldest first) a retention policy deletes: those beyond the newest ``keep`` and,
+    given ``max_age_s``, those whose marker (``modified(c)``: the server's time, epoch s) is at least that old;
+    never the newest. ``keep`` and ``max_age_s`` None: none.
+
+    >>> expired(["a", "b", "c"], 1, None, lambda c: None)
+    ['a', 'b']
+    """
+    now = time.time() if now is None else now
+    cut = len(ordered) - max(1, keep) if keep is not None else 0
+    out = []
+    for i, c in enumerate(ordered[:-1]):
+        t = modified(c) if max_age_s is not None else None
+        if i < cut or (t is not None and now - t >= max_age_s):
+            out.append(c)
+    return out
+
+
+def delete_set(objects: BucketPrefix, name: str, objs: Sequence[str], marker: str) -> None:
+    """Delete the object set ``name/`` (``objs``: its object names), its ``marker`` first: a crash mid-delete
+    leaves an uncommitted set (deleted by the next retention), never a commit missing objects."""
+    if marker in objs:
+        objects.delete([f"{name}/{marker}"])
+    rest = [f"{name}/{n}" for n in objs if n != marker]
+    if rest:
+        objects.delete(rest)
+
+
 class BucketTier:
     """The checkpoints under one bucket URL; ``bucket_options`` go to
     :class:`~foresight.bucket.objects.BucketPrefix` (``options``, ``retry``, ``part_bytes``, ...)."""
 
-    def __init__(self, root: str, **bucket_options: Any) -> None:
+    def __init__(self, root: str, *, objects: BucketPrefix | None = None, **bucket_options: Any) -> None:
         self.root = root
-        self.objects = BucketPrefix(root, **bucket_options)
+        self._owned = objects is None  # ``objects``: a client of this very prefix, shared (closed by its owner)
+        self.objects = BucketPrefix(root, **bucket_options) if objects is None else objects
         # commit name -> its verified marker, as last listed; replaced whole, never mutated (the drain thread lists
         # while a load on another thread reads)
         self._markers: dict[str, dict[str, Any]] = {}
 
     def close(self) -> None:
-        self.objects.close()
+        if self._owned:
+            self.objects.close()
 
     def __enter__(self) -> "BucketTier":
         return self
@@ -90,6 +130,8 @@ class BucketTier:
         good, bad = [], []
         listed: dict[str, dict[str, Any]] = {}
         for name, got in zip(names, markers):
+            if got is None:  # deleted since the listing (retention): no longer a commit
+                continue
             m = _COMMIT_RE.match(name)
             step = int(m.group(1))
             path = str(self.objects.url.child(name))
@@ -101,13 +143,18 @@ class BucketTier:
         self._markers = listed
         return sorted(good, key=lambda c: c.order) + sorted(bad, key=lambda c: c.step)
 
-    def _read_marker(self, name: str, objs: dict[str, ObjectRef]) -> dict[str, Any] | CheckpointError:
-        """The verified marker of commit ``name``, or the CheckpointError saying why it is not a usable commit."""
+    def _read_marker(self, name: str, objs: dict[str, ObjectRef]) -> dict[str, Any] | CheckpointError | None:
+        """The verified marker of commit ``name``, the CheckpointError saying why it is not a usable commit, or
+        None when the marker is gone since the listing (a retention deleting the commit, marker first)."""
         marker_url = str(self.objects.url.child(f"{name}/{store.COMMIT}"))
         try:
             marker = store.parse_marker(self.objects.get(objs[store.COMMIT]), marker_url)
         except CheckpointError as e:
             return e
+        except BucketError as e:
+            if e.reason != "not_found":
+                raise
+            return None
         m = _COMMIT_RE.match(name)
         seq = None if m.group(2) is None else int(m.group(2))
         recorded = marker.get("objects")
@@ -150,18 +197,17 @@ class BucketTier:
         self._markers = {**self._markers, name: dict(marker, objects=objects)}
         return str(self.objects.url.child(name))
 
-    def retain(self, keep: int | None) -> list[int]:
-        """Delete the oldest commits beyond the newest ``keep`` (never the newest, never one whose marker is
-        unreadable) and the uncommitted sets older than the newest commit. Returns the steps deleted."""
+    def retain(self, keep: int | None, *, max_age_s: float | None = None, now: float | None = None) -> list[int]:
+        """Delete the oldest commits beyond the newest ``keep`` and those whose COMMIT is ``max_age_s`` old (never
+        the newest, never one whose marker is unreadable: :func:`expired`), and the uncommitted sets older than
+        the newest commit. Returns the steps deleted."""
         sets = self._sets()
         ordered = [c for c in self.commits(sets) if c.error is None]
-        doomed = ordered[:-max(1, keep)] if keep is not None else []
+        doomed = expired(ordered, keep, max_age_s, lambda c: sets[_leaf(c)][store.COMMIT].modified, now)
         newest_seq = ordered[-1].seq if ordered and ordered[-1].seq is not None else -1
         for c in doomed:
-            name = c.path.rsplit("/", 1)[1]
-            # COMMIT first: a crash mid-delete leaves an uncommitted set, which the next retention removes
-            self.objects.delete([f"{name}/{store.COMMIT}"])
-            self.objects.delete([f"{name}/{n}" for n in sets.get(name, {}) if n != store.COMMIT])
+            name = _leaf(c)
+            delete_set(self.objects, name, list(sets.get(name, {})), store.COMMIT)
             self._markers = {k: v for k, v in self._markers.items() if k != name}
         for name, objs in sets.items():
             m = _COMMIT_RE.match(name)
@@ -211,6 +257,10 @@ class BucketTier:
                 verify_and_copy(ids, memoryview(regions[fi]), offsets, nbytes, expected, tensors, wanted, verify,
                                 f"{commit.path}/{f['name']}", index["tensors"]["name"])
         return tensors, index
+
+
+def _leaf(c: store.Commit) -> str:
+    return c.path.rsplit("/", 1)[1]
 
 
 def open_tiers(roots: list[str], bucket_options: dict[str, Any] | None = None) -> dict[str, BucketTier]:

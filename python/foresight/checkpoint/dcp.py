@@ -105,6 +105,7 @@ class ForesightStorageInfo:
 @dataclass
 class _Prefix:
     prefix: str
+    save: str = ""  # the coordinator's save id, handed to every rank (a replicating writer names its aborts by it)
 
 
 def _bytes_tensor(raw: bytes) -> torch.Tensor:
@@ -251,7 +252,7 @@ class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageW
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(p, storage_data=_Prefix(f"__{i}_")) if p.storage_data is None else p
+        return [dataclasses.replace(p, storage_data=_Prefix(f"__{i}_", self.save_id)) if p.storage_data is None else p
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:

@@ -25,8 +25,21 @@ completed and its object checked by a HEAD, the small files uploaded, and the ch
 
 Nothing is visible before the marker but completed objects of the publish in progress; an upload that is never
 completed is invisible. A save that aborts, or a publish that fails, aborts every multipart upload open under its
-prefix. A failure is reported to the policy (which logs it, counts it and retries the publish from the committed
-directory, whole); it never reaches the save.
+prefix. A DCP save's abort first puts an abort record, ``<site>/<job>/.aborted/<save id>`` (the id the coordinator
+hands every rank in the global plan), and a rank that creates an upload checks that record right after: an upload
+created after the coordinator listed the open ones finds the record and aborts itself, so none stays open. A
+failure is reported to the policy (which logs it, counts it and retries the publish from the committed directory,
+whole); it never reaches the save.
+
+Work is picked urgent steps first (:meth:`BucketSite.urgent`), else in the order queued, by the parts pool and the
+publisher alike.
+
+Retention (``keep``, ``replica_ttl``), after each publish on the publisher thread: the committed replicas beyond the
+newest ``keep`` and those whose marker is ``replica_ttl`` seconds old are deleted, marker first (a reader never
+finds a marker whose objects are going), never the newest committed one, never a set without a marker unless it is
+older than the newest commit (a delete or publish cut short: the next pass finishes it); uploads still open are
+not objects and are never touched. The policy and the order are the bucket tier's
+(:func:`~foresight.checkpoint.bucket_tier.expired`, :func:`~foresight.checkpoint.bucket_tier.delete_set`).
 
 Example::
 
@@ -51,13 +64,15 @@ from foresight.bucket.fetch import ObjectRef
 from foresight.bucket.multipart import MultipartClient, Part, Upload, part_ends
 from foresight.bucket.objects import BucketPrefix
 from foresight.checkpoint import store
-from foresight.checkpoint.bucket_tier import commit_name
+from foresight.checkpoint.bucket_tier import BucketTier, commit_name, delete_set, expired, is_commit_name
 from foresight.errors import BucketError, CheckpointError
 from foresight.replication.units import DCP_METADATA, UNIT_BYTES, is_data_file, unit_ends
 
 log = logging.getLogger("foresight.replicate")
 
 RANK_WAIT_S = 120.0  # how long a DCP coordinator waits for another rank's parts before sending its file itself
+ABORTS = ".aborted"  # <site>/<job>/.aborted/<save id>: a DCP save the coordinator aborted (ranks check it)
+ABORT_RECORD_S = 24 * 3600.0  # an abort record is kept this long (a rank's upload created later than that leaks)
 
 
 def plan_parts(size: int, unit_bytes: int) -> list[int]:
@@ -89,6 +104,7 @@ class _FileSend:
 class _Transfer:
     step: int
     prefix: str  # the checkpoint's key prefix under the site ("step-00000100.seq-00000007" or the DCP directory)
+    save: str = ""  # a DCP save's id, the same on every rank (its abort record's name); "" for a Checkpointer save
     files: dict[str, _FileSend] = field(default_factory=dict)
     error: BaseException | None = None
     aborted: bool = False
@@ -101,10 +117,17 @@ class _Transfer:
 class BucketSite:
     """Replicas of one job's checkpoints under ``url`` (``s3://bucket/prefix/job``); see the module doc.
     ``bucket_options``: keyword arguments of :class:`~foresight.bucket.objects.BucketPrefix` (``options``,
-    ``retry``, ``part_concurrency``: parts in flight, default 8)."""
+    ``retry``, ``part_concurrency``: parts in flight, default 8). ``keep``, ``replica_ttl``: retention (see the
+    module doc; both None: replicas are kept)."""
 
     def __init__(self, url: str, *, unit_bytes: int | None = None, bucket_options: dict[str, Any] | None = None,
-                 rank_wait_s: float = RANK_WAIT_S) -> None:
+                 rank_wait_s: float = RANK_WAIT_S, keep: int | None = None,
+                 replica_ttl: float | None = None) -> None:
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be >= 1 or None, got {keep}")
+        if replica_ttl is not None and replica_ttl < 0:
+            raise ValueError(f"replica_ttl must be >= 0 seconds or None, got {replica_ttl}")
+        self.keep, self.replica_ttl = keep, replica_ttl
         opts = dict(bucket_options or {})
         self.objects = BucketPrefix(url, **opts)
         self.url = self.objects.url
@@ -112,22 +135,29 @@ class BucketSite:
         self.rank_wait_s = rank_wait_s
         self.multipart = MultipartClient(self.objects.fetcher, opts.get("options"),
                                          max_connections=2 * self.objects.part_concurrency + 4)
-        self._parts = ThreadPoolExecutor(self.objects.part_concurrency, thread_name_prefix="foresight-replica-part")
-        self._publisher = ThreadPoolExecutor(1, thread_name_prefix="foresight-replica-publish")
+        self._tier = BucketTier(str(self.url), objects=self.objects)  # the Checkpointer layout's retention
+        self._urgent: set[int] = set()  # steps whose parts and publish go ahead of the others' (see urgent)
+        self._parts = _UrgentFirst(ThreadPoolExecutor(self.objects.part_concurrency,
+                                                      thread_name_prefix="foresight-replica-part"), self._urgent)
+        self._publisher = _UrgentFirst(ThreadPoolExecutor(1, thread_name_prefix="foresight-replica-publish"),
+                                       self._urgent)
         self._transfers: dict[int, _Transfer] = {}
         self._state: dict[int, tuple[str, Any]] = {}  # step -> ("publishing" | "done" | "failed", info)
         self._cond = threading.Condition()
         # parts_while_saving: parts handed out as the writer reported their bytes (before the commit);
         # parts_at_publish: parts the commit found unsent; files_sent_whole: data files sent whole at the publish
-        # (not streamed, or sent again after a failed part)
+        # (not streamed, or sent again after a failed part); uploads_aborted_late: uploads created after their
+        # save's abort, aborted by their creator; deleted: replicas retention deleted
         self.stats = {"parts_while_saving": 0, "parts_at_publish": 0, "parts_sent": 0, "files_sent_whole": 0,
-                      "published": 0}
+                      "published": 0, "uploads_aborted_late": 0, "deleted": 0, "retention_failures": 0}
 
     # -- while the save writes -----------------------------------------------------------------------------------
-    def start(self, step: int, directory: str, files: list[tuple[str, int]], *, seq: int | None = None) -> None:
+    def start(self, step: int, directory: str, files: list[tuple[str, int]], *, seq: int | None = None,
+              save: str = "") -> None:
         """``files`` (``[(name, size)]``) are being written in ``directory``; ``seq``: the commit sequence this
-        save gets if it commits (a Checkpointer save), None for a DCP save (named by its directory). Opens each
-        file to read its parts back; sends nothing yet."""
+        save gets if it commits (a Checkpointer save), None for a DCP save (named by its directory). ``save``: a
+        DCP save's id, the same on every rank (an upload created after the save's abort finds its record). Opens
+        each file to read its parts back; sends nothing yet."""
         prefix = commit_name(step, seq) if seq is not None else os.path.basename(os.path.normpath(directory))
         with self._cond:
             for old, ot in list(self._transfers.items()):  # a DCP rank's sent files: no publish here closes them
@@ -135,8 +165,8 @@ class BucketSite:
                     del self._transfers[old]
                     _close_files(ot)
             t = self._transfers.get(step)
-            if t is None or t.prefix != prefix or t.aborted:
-                t = self._transfers[step] = _Transfer(step, prefix)
+            if t is None or t.prefix != prefix or t.aborted or t.save != save:
+                t = self._transfers[step] = _Transfer(step, prefix, save)
             self._state.pop(step, None)
         for fname, size in files:
             path = os.path.join(directory, fname)
@@ -162,7 +192,7 @@ class BucketSite:
         with fs.lock:
             first = fs.submitted
             while fs.submitted < len(fs.ends) and fs.ends[fs.submitted] <= nbytes:
-                fs.futures.append(self._parts.submit(self._send_part, t, fs, fs.submitted))
+                fs.futures.append(self._parts.submit(t.step, self._send_part, t, fs, fs.submitted))
                 fs.submitted += 1
             return fs.submitted - first
 
@@ -173,6 +203,13 @@ class BucketSite:
             with fs.create_lock:  # not fs.lock: a report never waits on this request
                 if fs.upload is None:
                     fs.upload = self.multipart.create(fs.name)
+                    if self._aborted_meanwhile(t):  # the abort's listing may have missed it: never leave it open
+                        self.multipart.abort(fs.upload)
+                        self._count("uploads_aborted_late")
+                        log.info("replication to a bucket: upload of %s created after its save was aborted; "
+                                 "aborted", self.url.child(fs.name))
+                if t.aborted:
+                    return
             start, end = fs.bounds(k)
             data = _pread(fs.fd, start, end - start, fs.path)
             fs.parts[k + 1] = self.multipart.upload_part(fs.upload, k + 1, data)
@@ -181,6 +218,14 @@ class BucketSite:
             if t.error is None:
                 t.error = e
             log.warning("replication to a bucket: part %d of %s failed: %s", k + 1, self.url.child(fs.name), e)
+
+    def _aborted_meanwhile(self, t: _Transfer) -> bool:
+        """Whether ``t``'s save was aborted: here (``t.aborted``, set before the abort lists the open uploads) or,
+        for a DCP save, by its coordinator (whose abort record is put before it lists them). Checked after an
+        upload is created: one created after that listing sees the flag or the record."""
+        if not t.aborted and t.save and self.objects.fetcher.exists(f"{ABORTS}/{t.save}"):
+            t.aborted = True
+        return t.aborted
 
     # -- after the source commit -----------------------------------------------------------------------------------
     def publish(self, step: int, path: str, *, on_error: Callable[[BaseException], None]) -> None:
@@ -194,7 +239,7 @@ class BucketSite:
         except (OSError, CheckpointError) as e:
             self._failed(step, "", None, e, on_error)
             return
-        self._publisher.submit(self._publish, step, snap, on_error)
+        self._publisher.submit(step, self._publish, step, snap, on_error)
 
     def _publish(self, step: int, snap: "_Committed", on_error: Callable[[BaseException], None]) -> None:
         t = self._transfers.pop(step, None)
@@ -206,7 +251,7 @@ class BucketSite:
                 t = None
             if marker is None:  # a DCP directory saved again: its old marker must never list new objects
                 self.objects.delete([f"{prefix}/{DCP_METADATA}"])
-            objects = self._send_data(t, prefix, snap, ranks=marker is None and t is not None)
+            objects = self._send_data(step, t, prefix, snap, ranks=marker is None and t is not None)
             for n, body in snap.small.items():  # index.json: small, whole
                 ref = self.objects.put(f"{prefix}/{n}", body)
                 objects[n] = {"size": ref.size, "etag": ref.etag}
@@ -221,10 +266,59 @@ class BucketSite:
                 self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - reported through on_error (log line, count, retry)
             self._failed(step, prefix, t, e, on_error)
+            return
         finally:
             snap.close()
             if t is not None:
                 _close_files(t)
+        self._retain_logged()
+
+    # -- retention -------------------------------------------------------------------------------------------------
+    def retain(self, now: float | None = None) -> list[str]:
+        """Apply ``keep`` and ``replica_ttl`` to the replicas under the site (see the module doc); returns the
+        names deleted. Runs after each publish (on the publisher thread, so never during one; :meth:`wait`
+        returns before it), and callable by hand."""
+        if self.keep is None and self.replica_ttl is None:
+            return []
+        deleted = [store.step_name(s) for s in self._tier.retain(self.keep, max_age_s=self.replica_ttl, now=now)]
+        sets: dict[str, dict[str, ObjectRef]] = {}
+        records: dict[str, ObjectRef] = {}
+        for name, ref in self.objects.list().items():
+            head, _, rest = name.partition("/")
+            if head == ABORTS:
+                records[name] = ref
+            elif rest and not head.startswith(".") and not is_commit_name(head):
+                sets.setdefault(head, {})[rest] = ref
+        # DCP replicas: committed by their .metadata, in the order the server stored those
+        dcp_done = sorted((n for n, objs in sets.items() if DCP_METADATA in objs),
+                          key=lambda n: (sets[n][DCP_METADATA].modified or 0.0, n))
+        doomed = expired(dcp_done, self.keep, self.replica_ttl, lambda n: sets[n][DCP_METADATA].modified, now)
+        for n in doomed:
+            delete_set(self.objects, n, list(sets[n]), DCP_METADATA)
+        newest = sets[dcp_done[-1]][DCP_METADATA].modified if dcp_done else None
+        for n, objs in sets.items():  # no publish runs now: a set without .metadata older than the newest is
+            #                            a delete or a failed publish cut short (its retry sends it whole)
+            if DCP_METADATA not in objs and newest is not None and \
+                    all(r.modified is not None and r.modified <= newest for r in objs.values()):
+                delete_set(self.objects, n, list(objs), DCP_METADATA)
+        old = (time.time() if now is None else now) - ABORT_RECORD_S
+        stale = [n for n, r in records.items() if r.modified is not None and r.modified < old]
+        if stale:
+            self.objects.delete(stale)
+        deleted += doomed
+        self._count("deleted", len(deleted))
+        return deleted
+
+    def _retain_logged(self) -> None:
+        try:
+            gone = self.retain()
+        except (BucketError, CheckpointError) as e:  # replicas kept one more round: logged, counted
+            self._count("retention_failures")
+            log.warning("replication to a bucket: retention under %s failed (retried after the next publish): %s",
+                        self.url, e)
+            return
+        if gone:
+            log.info("replication to a bucket: retention deleted %s under %s", gone, self.url)
 
     def _failed(self, step: int, prefix: str, t: _Transfer | None, e: BaseException,
                 on_error: Callable[[BaseException], None]) -> None:
@@ -235,7 +329,7 @@ class BucketSite:
             self._cond.notify_all()
         on_error(e)
 
-    def _send_data(self, t: _Transfer | None, prefix: str, snap: "_Committed", *,
+    def _send_data(self, step: int, t: _Transfer | None, prefix: str, snap: "_Committed", *,
                    ranks: bool) -> dict[str, dict[str, Any]]:
         """Every data file of the commit in the bucket, completed and checked: ``{name: {size, etag}}``.
         ``ranks``: files this process did not announce are other DCP ranks' uploads, completed here once whole."""
@@ -257,14 +351,15 @@ class BucketSite:
             if other is not None:
                 refs[fname] = self._complete(*other)
             else:
-                refs[fname] = self._send_whole(f"{prefix}/{fname}", fd, size, os.path.join(snap.path, fname))
+                refs[fname] = self._send_whole(f"{prefix}/{fname}", fd, size, os.path.join(snap.path, fname),
+                                               step=step)
         return {n: {"size": r.size, "etag": r.etag} for n, r in refs.items()}
 
     def _complete(self, up: Upload, parts: list[Part]) -> ObjectRef:
         self.multipart.verify_parts(up, parts)
         return self.multipart.complete(up, parts)
 
-    def _send_whole(self, name: str, fd: int, size: int, path: str) -> ObjectRef:
+    def _send_whole(self, name: str, fd: int, size: int, path: str, *, step: int = -1) -> ObjectRef:
         """Send a committed data file (open as ``fd``) as a fresh multipart upload, its unit-aligned parts
         concurrently (an upload of it left open is aborted first)."""
         self._count("files_sent_whole")
@@ -273,7 +368,7 @@ class BucketSite:
                 self.multipart.abort(up)
         if not size:
             return self.objects.put(name, b"")
-        t = _Transfer(-1, name)
+        t = _Transfer(step, name)
         fs = t.files[name] = _FileSend(name, path, fd, size, plan_parts(size, self.unit_bytes))
         self._submit_parts(t, fs, size)
         for f in fs.futures:
@@ -311,10 +406,16 @@ class BucketSite:
         if t is None:
             return
         t.aborted = True
-        self._publisher.submit(self._abandon, t)
+        self._publisher.submit(step, self._abandon, t)
 
     def _abandon(self, t: _Transfer) -> None:
         t.aborted = True
+        if t.save:  # before the listing below: a rank's upload that listing misses finds the record
+            try:
+                self.objects.put(f"{ABORTS}/{t.save}", b"")
+            except BucketError as e:
+                log.warning("replication to a bucket: cannot record the abort of %s (an upload another rank "
+                            "creates later may stay open): %s", self.url.child(t.prefix), e)
         for fs in t.files.values():
             for f in list(fs.futures):
                 f.exception()
@@ -326,6 +427,14 @@ class BucketSite:
             self.multipart.abort_all(f"{prefix}/")
         except BucketError as e:  # nothing was completed: an upload left open stays invisible
             log.warning("replication to a bucket: cannot abort the uploads under %s: %s", self.url.child(prefix), e)
+
+    def urgent(self, step: int) -> None:
+        """Send ``step`` first: its parts not yet started and its publish go ahead of every other step's (queued
+        work is picked when a thread frees up; what is already on the wire finishes)."""
+        with self._cond:
+            self._urgent.add(step)
+            for old in sorted(self._urgent)[:-8]:  # a few recent steps
+                self._urgent.discard(old)
 
     # -- waiting, closing ------------------------------------------------------------------------------------------
     def wait(self, step: int, timeout: float | None = None) -> dict[str, Any]:
@@ -350,12 +459,44 @@ class BucketSite:
 
     def close(self) -> None:
         """Finish the publishes queued, send the parts reported, then close the clients."""
-        self._publisher.shutdown(wait=True)  # first: a publish still hands parts to the pool
-        self._parts.shutdown(wait=True)
+        self._publisher.pool.shutdown(wait=True)  # first: a publish still hands parts to the pool
+        self._parts.pool.shutdown(wait=True)
         for t in list(self._transfers.values()):
             _close_files(t)
         self.multipart.close()
         self.objects.close()
+
+
+class _UrgentFirst:
+    """The work of one pool, urgent steps' first, else in the order submitted: each :meth:`submit` queues the call
+    and one run on the pool, which takes the best call queued when it starts (so the order is decided when a
+    thread frees up, and a step made urgent later still overtakes what is queued)."""
+
+    def __init__(self, pool: ThreadPoolExecutor, urgent: set[int]) -> None:
+        self.pool, self._urgent = pool, urgent
+        self._queued: list[tuple[int, int, Callable[..., Any], tuple[Any, ...], Future]] = []
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def submit(self, step: int, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        with self._lock:
+            self._seq += 1
+            self._queued.append((self._seq, step, fn, args, fut))
+        self.pool.submit(self._run_one)
+        return fut
+
+    def _run_one(self) -> None:
+        with self._lock:
+            item = min(self._queued, key=lambda q: (q[1] not in self._urgent, q[0]))
+            self._queued.remove(item)
+        _, _, fn, args, fut = item
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(e)
 
 
 @dataclass

@@ -28,7 +28,8 @@ The evaluation site may be a bucket (``site="s3://eval/replicas"``, no ``node``)
 and the same send-while-saving, but this process uploads each data file as a multipart upload whose parts end at
 unit ends and publishes the checkpoint under ``<site>/<job>/`` with its marker last, after the commit
 (:mod:`foresight.replication.bucket_site`). ``site`` names where the replica goes in both cases; a bucket needs no
-node to send from, so ``node`` is left out rather than a second option added.
+node to send from, so ``node`` is left out rather than a second option added. ``keep`` and ``replica_ttl`` are
+the bucket site's retention (a node site's replicas expire by its node's ``--replication-ttl``).
 
 Example::
 
@@ -81,6 +82,8 @@ class Replication:
     merge: dict[str, Any] | None = None  # the site merges units as they arrive: {"groups", "depth", "reshard"}
     bucket_options: dict[str, Any] | None = None  # a bucket site: BucketPrefix's options, retry, part_concurrency
     rank_wait_s: float = RANK_WAIT_S  # a bucket site: how long a DCP coordinator waits for another rank's parts
+    keep: int | None = None  # a bucket site: the newest committed replicas kept (older ones deleted, marker first)
+    replica_ttl: float | None = None  # a bucket site: seconds a replica is kept after its publish (never the newest)
     stats: dict[str, int] = field(default_factory=lambda: {"hook_failures": 0, "retried": 0}, repr=False)
     _pending: dict[int, str] = field(default_factory=dict, repr=False)  # step -> what the node still lacks
     _retry_thread: Any = field(default=None, repr=False)
@@ -105,6 +108,13 @@ class Replication:
             BucketURL.parse(self.site)  # a typo fails here, before any save
             if self.merge is not None:
                 raise ValueError("merge= needs an evaluation site's node; a bucket site keeps the checkpoint as saved")
+            if self.keep is not None and self.keep < 1:
+                raise ValueError(f"keep must be >= 1 or None, got {self.keep}")
+            if self.replica_ttl is not None and self.replica_ttl < 0:
+                raise ValueError(f"replica_ttl must be >= 0 seconds or None, got {self.replica_ttl}")
+        elif self.keep is not None or self.replica_ttl is not None:
+            raise ValueError("keep= and replica_ttl= are a bucket site's retention; a node site keeps its replicas "
+                             "for its node's --replication-ttl")
         elif not self.node:
             raise ValueError(f"site {self.site!r} is reached through the training site's node: pass node=, or give "
                              "the site as a bucket URL (s3://bucket/prefix)")
@@ -119,7 +129,8 @@ class Replication:
         with self._lock:
             if self._site is None:
                 self._site = BucketSite(f"{self.site.rstrip('/')}/{self.job}", unit_bytes=self.unit_bytes,
-                                        bucket_options=self.bucket_options, rank_wait_s=self.rank_wait_s)
+                                        bucket_options=self.bucket_options, rank_wait_s=self.rank_wait_s,
+                                        keep=self.keep, replica_ttl=self.replica_ttl)
             return self._site
 
     def name(self, step: int, leaf: str | None = None) -> str:
@@ -161,13 +172,14 @@ class Replication:
     # -- hooks called by the writer (never raise: a replica is an extra) --------------------------------
     def data_started(self, step: int, directory: str, files: list[tuple[str, int]], *,
                      leaf: str | None = None, shared: bool = False, layout: dict[str, Any] | None = None,
-                     seq: int | None = None) -> None:
+                     seq: int | None = None, save: str = "") -> None:
         """The writer created ``files`` (``[(name, size)]``) in ``directory`` and is writing them: their units
         leave as :meth:`data_progress` reports their bytes written (send while saving). Returns at once: the
         node calls go on a background lane, in order. ``shared``: other writers (the ranks of a DCP save) add
         their own files to the same checkpoint's transfer. ``layout`` (``rows``: the files' tensor chunks,
         ``files_expected``, ``meta``) lets a site asked to :attr:`merge` merge the units as they arrive.
-        ``seq``: the commit sequence the save gets if it commits (a bucket site names the objects by it)."""
+        ``seq``: the commit sequence the save gets if it commits (a bucket site names the objects by it).
+        ``save``: a DCP save's id, the same on every rank (a bucket site's abort record is named by it)."""
         self._sizes[step] = sum(int(n) for _, n in files)
         if not self.wants(step):
             return
@@ -178,7 +190,7 @@ class Replication:
             self._streamed.discard(old)
         if self.to_bucket:  # no node calls: the parts leave on the site's own threads as bytes are reported
             try:
-                self.bucket_site().start(step, directory, files, seq=seq)
+                self.bucket_site().start(step, directory, files, seq=seq, save=save)
             except (OSError, ValueError) as e:  # the commit sends the committed directory whole
                 self._failed("data_started", step, None, e)
             return
@@ -351,7 +363,8 @@ class Replication:
         """Evaluate ``step`` now: raise its transfer's priority, or start one for an unscheduled committed step."""
         prio = self._priority(step, severity)
         name = self._started.get(step)
-        if self.to_bucket:  # one publisher, in order: nothing to reorder; an unscheduled step is sent whole
+        if self.to_bucket:  # its parts and publish go ahead of the other steps'; an unscheduled step is sent whole
+            self.bucket_site().urgent(step)
             if name is None:
                 path = self._paths.get(step)
                 if path is None:
@@ -413,6 +426,16 @@ def _dcp_writer_class() -> type:
                 raise ValueError(f"a replicated DCP checkpoint is written to a local directory, not {self.path}: "
                                  "give the bucket as drain_to=")
             self.replicate, self.step = replicate, step
+            self._plan_save = ""  # the coordinator's id of this save, from the global plan (every rank's the same)
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            # ranks of one save share the coordinator's id: a bucket site's abort record (no other rank: none)
+            self._plan_save = (getattr(plan.storage_data, "save", "") or "") if (self._world() or 1) > 1 else ""
+            return super().write_data(plan, planner)
+
+        def _world(self) -> int | None:
+            return (torch.distributed.get_world_size() if self.use_collectives and
+                    torch.distributed.is_available() and torch.distributed.is_initialized() else None)
 
         def _write_file(self, fio: Any, fd: int, view: memoryview, path: str) -> None:
             """This rank's data file in pieces ending where its units end, each reported as it lands: its units leave
@@ -426,11 +449,10 @@ def _dcp_writer_class() -> type:
             name, leaf = os.path.basename(path), os.path.basename(os.path.normpath(self.path))
             layout = None
             if self.replicate.merge is not None:  # the site merges as units arrive: it needs the chunks first
-                world = (torch.distributed.get_world_size() if self.use_collectives and
-                         torch.distributed.is_available() and torch.distributed.is_initialized() else None)
-                layout = {"rows": self._layout_rows, "files_expected": world, "meta": {"source_format": "dcp"}}
+                layout = {"rows": self._layout_rows, "files_expected": self._world(),
+                          "meta": {"source_format": "dcp"}}
             self.replicate.data_started(self.step, self.path, [(name, total)], leaf=leaf, shared=True,
-                                        layout=layout)
+                                        layout=layout, save=self._plan_save)
             fio.write_reporting(fd, view, ends, lambda end: self.replicate.data_progress(self.step, {name: end}),
                                 path=path)
             self.replicate.flush()  # before the results go to the coordinator, whose commit must follow our calls
