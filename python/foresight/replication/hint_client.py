@@ -243,15 +243,17 @@ class ReplicaReader:
         return out
 
     def _fetch_copies(self, checkpoint: str, files: Sequence[str] = ()) -> dict[str, dict[str, dict]]:
-        """The live copies of ``checkpoint`` from etcd: every file's, or only those of ``files`` (one range each)."""
-        live = self.cluster.nodes()
+        """The live copies of ``checkpoint`` from etcd: every file's, or only those of ``files`` (a range each);
+        the live nodes and every range in one round trip (a restore polls this while its copies are placed)."""
+        nodes = self.cluster.key("nodes") + "/"
         base = self.cluster.key("replicas", ckpt_key(checkpoint)) + "/"
+        (listed, *ranges), _ = self.cluster.get_many([nodes, *([base + f"{f}/" for f in files] or [base])])
+        live = {k[len(nodes):] for k, _ in listed}
         out: dict[str, dict[str, dict]] = {}
-        for prefix in [base + f"{f}/" for f in files] or [base]:
-            for key, rec in self.cluster._get_prefix(prefix):
-                file, _, node = key[len(base):].partition("/")
-                if node in live:
-                    out.setdefault(file, {})[node] = rec
+        for key, rec in (kv for r in ranges for kv in r):
+            file, _, node = key[len(base):].partition("/")
+            if node in live:
+                out.setdefault(file, {})[node] = rec
         return out
 
     def refresh_files(self, checkpoint: str, files: Sequence[str]) -> dict[str, dict[str, dict]]:
