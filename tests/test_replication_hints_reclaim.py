@@ -13,6 +13,7 @@ from foresight.replication.hint_client import (
     ReplicaReader,
     publish_checkpoint,
     release_replication_hints,
+    replication_progress,
     set_replication_hints,
     wait_for_replicas,
 )
@@ -38,7 +39,8 @@ class _Node:
         self.cluster = Cluster(etcd, prefix=PREFIX)
         self.reg = self.cluster.register_node(node_id, lambda: {"node": node_id, "location": self.server.location,
                                                                   "instance": self.server.instance}, ttl=5)
-        self.manager = ReplicaManager(self.server, self.cluster, limit=limit, **{"lease_ttl": 5, **manager})
+        self.etcd = Cluster(etcd, prefix=PREFIX)  # the manager's own client: its calls counted apart
+        self.manager = ReplicaManager(self.server, self.etcd, limit=limit, **{"lease_ttl": 5, **manager})
         self.location, self.root = self.server.location, root
 
     def close(self) -> None:
@@ -130,6 +132,38 @@ def test_the_planning_node_wakes_the_target_instead_of_waiting_for_its_poll(clus
     finally:
         release_replication_hints(NAME, node=cluster["a"].location, job=JOB, token=TOKEN)
         c.close()
+    wait_for(lambda: cluster["b"].manager.describe()["hinted_copies"] == 0, timeout=60, what="b's copy reclaimed")
+
+
+def test_a_hinted_copy_costs_its_planner_and_its_target_a_few_etcd_round_trips(cluster, tmp_path):
+    # placement is on the restart's clock and every etcd write is a sync: the planner reads once and writes the hint
+    # with its tasks once; a target reads its tasks, pulls from the holders the task names and registers the copy
+    # with one write (earlier: a read per file, a write per task, and six calls per copy on the target)
+    nodes = {}
+    for name in ("p", "t"):  # poll once an hour: only the hint's wake makes them look for tasks
+        (tmp_path / name).mkdir()
+        nodes[name] = _Node(str(tmp_path / name), cluster["etcd"], name, ServiceLimit(), poll_s=3600, lease_ttl=600)
+    p, t = nodes["p"], nodes["t"]
+    try:
+        wait_for(lambda: {"p", "t"} <= set(cluster["a"].cluster.nodes()), timeout=30, what="p and t registered")
+        replication_progress(NAME, node=p.location, job=JOB, token=TOKEN)  # binds the job's token at p first
+        before = {n: x.etcd.calls for n, x in nodes.items()}
+        plan = set_replication_hints(NAME, node=p.location, job=JOB, token=TOKEN, ttl_s=600,
+                                     hints=[FileHint(FILE, len(cluster["data"]), 1024, len(cluster["data"]))])
+        planned = p.etcd.calls - before["p"]
+        # the plan's reads, the lease, the hint with its tasks (and p's read of its own tasks, if its wake came first)
+        assert planned <= 4, planned
+        wait_for(lambda: t.manager.stats["copies_made"] == 1 and p.manager.stats["copies_made"] == 1, timeout=120,
+                 what="p's and t's copies")
+        made = {n: x.etcd.calls - before[n] for n, x in nodes.items()}
+        # t: its tasks, its load record (its first round in an hour), a look for expired copies once its copy is
+        # registered, the copy and its task in one write; p: the same after its plan
+        assert made["t"] <= 4 and made["p"] <= 7, made
+        assert set(plan["files"][0]["new_nodes"]) >= {"p", "t"}
+    finally:
+        release_replication_hints(NAME, node=cluster["a"].location, job=JOB, token=TOKEN)
+        for x in nodes.values():
+            x.close()
     wait_for(lambda: cluster["b"].manager.describe()["hinted_copies"] == 0, timeout=60, what="b's copy reclaimed")
 
 
