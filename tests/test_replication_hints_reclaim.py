@@ -23,6 +23,7 @@ from foresight.cluster.auth import call_options
 from foresight.cluster.membership import Cluster
 from foresight.testing.etcd import EtcdProcess
 from foresight.replication.replica_manager import ReplicaManager
+from foresight.replication.replica_requests import ckpt_key
 from foresight.node.server import NodeServer
 from foresight.cluster.throttle import ServiceLimit, TokenBucket, parse_amounts
 from node_helpers import wait_for
@@ -165,6 +166,31 @@ def test_a_hinted_copy_costs_its_planner_and_its_target_a_few_etcd_round_trips(c
         for x in nodes.values():
             x.close()
     wait_for(lambda: cluster["b"].manager.describe()["hinted_copies"] == 0, timeout=60, what="b's copy reclaimed")
+
+
+def test_a_target_whose_named_holders_do_not_serve_looks_the_holders_up(cluster, tmp_path):
+    # the task's holders are the planner's view; one gone since (here: nothing listens there) costs a retry, then
+    # the target asks etcd for the live copies and pulls from one of them
+    (tmp_path / "t").mkdir()
+    t = _Node(str(tmp_path / "t"), cluster["etcd"], "t2", ServiceLimit(), poll_s=3600, lease_ttl=600)
+    etcd = Cluster(cluster["etcd"], prefix=PREFIX)
+    lease = etcd._call(lambda c: c.lease(ttl=60))
+    try:
+        key = etcd.key("replicas", ".tasks", "t2", ckpt_key(NAME), FILE)
+        with ReplicaReader(cluster["etcd"], job=JOB, token=TOKEN, prefix=PREFIX) as r:
+            xxh3 = r.copies(NAME)[FILE]["a"]["xxh3"]
+        task = {"job": JOB, "checkpoint": NAME, "file": FILE, "size": len(cluster["data"]), "xxh3": xxh3,
+                "grant": "g" * 32, "lease": lease.id, "state": "pending", "created": 0.0, "node": "t2",
+                "sources": [{"node": "gone", "location": "grpc://127.0.0.1:9"}]}
+        etcd._call(lambda c: c.put(key, json.dumps(task), lease=lease))
+        t.manager._copy(key, task)
+        done = json.loads(etcd._call(lambda c: c.get(key))[0])
+        assert done["state"] == "done" and done["source"] == "a" and t.manager.stats["copies_made"] == 1
+        with open(os.path.join(t.root, ".replicas", JOB, "step-1", FILE), "rb") as f:
+            assert f.read() == cluster["data"]
+    finally:
+        lease.revoke()
+        t.close()
 
 
 def test_service_limit_syntax_and_token_bucket_arithmetic():

@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import json
 import secrets
+from collections.abc import Sequence
 from typing import Any
 
 import pyarrow.flight as flight
@@ -61,16 +62,26 @@ class ReplicaEtcd:
     def _live_nodes(self) -> dict[str, dict]:
         return self.cluster.nodes()
 
-    def copies(self, name: str, live: dict[str, dict] | None = None, *,
-               file: str | None = None) -> dict[str, dict[str, dict]]:
-        """``{file: {node: record}}`` of a checkpoint's copies (of one ``file`` if given) on live nodes."""
+    def copies(self, name: str, live: dict[str, dict] | None = None, *, file: str | None = None,
+               files: Sequence[str] | None = None) -> dict[str, dict[str, dict]]:
+        """``{file: {node: record}}`` of a checkpoint's copies on live nodes: of one ``file``, of ``files`` (a range
+        each, one round trip), or of every file."""
         live = self._live_nodes() if live is None else live
+        files = [file] if file else files
+        if files is not None and not files:
+            return {}
         base = self._k("replicas", ckpt_key(name)) + "/"
+        ranges, _ = self.cluster.get_many([base + f"{f}/" for f in files] if files else [base])
+        return self._live_copies(base, ranges, live)
+
+    @staticmethod
+    def _live_copies(base: str, ranges: list[list[tuple[str, Any]]], live: Any) -> dict[str, dict[str, dict]]:
+        """``{file: {node: record}}`` from copy-record ranges under ``base``, the nodes in ``live`` only."""
         out: dict[str, dict[str, dict]] = {}
-        for key, rec in self.cluster._get_prefix(base + (f"{file}/" if file else "")):
-            file, _, node = key[len(base):].partition("/")
+        for key, rec in (kv for r in ranges for kv in r):
+            f, _, node = key[len(base):].partition("/")
             if node in live:
-                out.setdefault(file, {})[node] = rec
+                out.setdefault(f, {})[node] = rec
         return out
 
     def _loads(self, live: dict[str, dict], advertised: list[tuple[str, Any]] | None = None) -> dict[str, float]:
@@ -90,12 +101,8 @@ class ReplicaEtcd:
              *(base + f"{f}/" for f in files)],
             [self._k("hints", job, "ckpt", ckpt_key(name)), self._k("replicas", ".placement")])
         live = {k[len(nodes):]: v for k, v in listed}
-        copies: dict[str, dict[str, dict]] = {}
-        for key, rec in (kv for r in ranges for kv in r):
-            f, _, node = key[len(base):].partition("/")
-            if node in live:
-                copies.setdefault(f, {})[node] = rec
-        return {"hint": hint, "live": live, "copies": copies, "loads": self._loads(live, advertised),
+        return {"hint": hint, "live": live, "copies": self._live_copies(base, ranges, live),
+                "loads": self._loads(live, advertised),
                 "tasks": tasks, "placement": placement}
 
     def _create_with(self, key: str, value: dict, lease: Any, extra: dict[str, dict]) -> bool:

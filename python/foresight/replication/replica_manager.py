@@ -289,18 +289,16 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
     def _progress(self, context: Any, req: dict) -> dict:
         job, name = req["job"], req["checkpoint"]
         self._authorize(context, job)
-        hint = self._get1(self._k("hints", job, "ckpt", ckpt_key(name)))
-        live = self._live_nodes()
-        tasks = [t for _, t in self._tasks() if t.get("checkpoint") == name]
+        nodes = self._k("nodes") + "/"  # the hint, the live nodes and the tasks in one round trip
+        (listed, every_task), (hint,) = self.cluster.get_many([nodes, self._k("replicas", ".tasks") + "/"],
+                                                              [self._k("hints", job, "ckpt", ckpt_key(name))])
+        live = {k[len(nodes):]: v for k, v in listed}
+        tasks = [t for _, t in every_task if t.get("checkpoint") == name]
         for t in tasks:  # a target that died will never finish its copy: do not wait for it
             if t["state"] in ("pending", "copying") and t["node"] not in live:
                 t["state"], t["error"] = "failed", "target node left the cluster"
-        if hint is not None:  # polled during the restart: the hinted files' copies, not every shard's
-            copies = {}
-            for f in hint.get("files", []):
-                copies.update(self.copies(name, live, file=f["path"]))
-        else:
-            copies = self.copies(name, live)
+        # polled during the restart: the hinted files' copies (one more round trip), not every shard's
+        copies = self.copies(name, live, files=[f["path"] for f in hint.get("files", [])] if hint else None)
         counts = {s: sum(t["state"] == s for t in tasks) for s in ("pending", "copying", "done", "failed")}
         done = [t for t in tasks if t["state"] == "done"]
         done_at = [t["done_at"] for t in done]
