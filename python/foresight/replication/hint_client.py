@@ -127,7 +127,8 @@ def replication_progress(checkpoint: str, *, job: str, token: str, etcd: str | N
                          prefix: str | None = None, client: Any = None) -> dict:
     """Copies made, pending and failed for the checkpoint's live hint; ``complete`` once none is pending;
     ``place_s`` (hint accepted -> last copy registered) and ``steps_s``, the slowest copy's time per step
-    (``pickup`` by its target, ``pull`` from a holder, ``register``)."""
+    (``pickup`` by its target, ``pull`` from a holder, ``register``); ``records``: the hinted files' live copies,
+    ``{file: {node: record}}`` (what :meth:`ReplicaReader.merge_files` takes)."""
     return _cluster_action("replicas.progress", {"job": job, "checkpoint": checkpoint}, job=job, token=token,
                            etcd=etcd, node=node, prefix=prefix, client=client)
 
@@ -267,9 +268,19 @@ class ReplicaReader:
         if hit is None:
             return self.copies(checkpoint)
         fresh = self._fetch_copies(checkpoint, files)
+        return self.merge_files(checkpoint, {f: fresh.get(f, {}) for f in files})
+
+    def merge_files(self, checkpoint: str, listed: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict]]:
+        """Put ``listed`` (``{file: {node: record}}`` of some files' live copies: e.g. the hinted files' records a
+        node's ``replicas.progress`` reports) in place of those files' entries in the cached list, which keeps its
+        age (the whole list is fetched first when none is cached). Returns the updated list."""
         with self._lock:
-            at, listed = self._copies.get(checkpoint, hit)
-            merged = {**listed, **{f: fresh.get(f, {}) for f in files}}
+            hit = self._copies.get(checkpoint)
+        if hit is None:
+            self.copies(checkpoint)
+        with self._lock:
+            at, cached = self._copies[checkpoint]
+            merged = {**cached, **{f: dict(recs) for f, recs in listed.items()}}
             self._copies[checkpoint] = (at, merged)
             self.stats["file_refreshes"] += 1
         return merged

@@ -313,7 +313,7 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
                 "place_s": (max(done_at) - hint["created"]) if done_at and hint else None,
                 "steps_s": _placement_steps(done),
                 "errors": [f"{t['file']} on {t['node']}: {t.get('error')}" for t in tasks if t["state"] == "failed"],
-                "files": files}
+                "files": files, "records": copies if hint is not None else {}}  # the hinted files' copy records
 
     def _release(self, context: Any, req: dict) -> dict:
         """End a hint now: its lease is revoked, so its copies are reclaimed (after their reads)."""
