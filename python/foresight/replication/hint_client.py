@@ -33,6 +33,7 @@ from foresight.cluster.auth import call_options, connect
 from foresight.cluster.membership import DEFAULT_PREFIX, Cluster
 from foresight.errors import NodeError
 from foresight.replication.hints import FileHint, derive_dcp_hints
+from foresight.replication.replica_etcd import live_copies
 from foresight.replication.replica_requests import ckpt_key
 
 DEFAULT_TIMEOUT = 60.0
@@ -249,13 +250,7 @@ class ReplicaReader:
         nodes = self.cluster.key("nodes") + "/"
         base = self.cluster.key("replicas", ckpt_key(checkpoint)) + "/"
         (listed, *ranges), _ = self.cluster.get_many([nodes, *([base + f"{f}/" for f in files] or [base])])
-        live = {k[len(nodes):] for k, _ in listed}
-        out: dict[str, dict[str, dict]] = {}
-        for key, rec in (kv for r in ranges for kv in r):
-            file, _, node = key[len(base):].partition("/")
-            if node in live:
-                out.setdefault(file, {})[node] = rec
-        return out
+        return live_copies(base, ranges, {k[len(nodes):] for k, _ in listed})
 
     def refresh_files(self, checkpoint: str, files: Sequence[str]) -> dict[str, dict[str, dict]]:
         """Re-read the copies of ``files`` alone (a restart's hot files while their copies are placed: a range per

@@ -27,6 +27,17 @@ from foresight.errors import NodeError
 from foresight.replication.replica_requests import ckpt_key
 
 
+def live_copies(base: str, ranges: list[list[tuple[str, Any]]], live: Any) -> dict[str, dict[str, dict]]:
+    """``{file: {node: record}}`` from ranges of copy records under ``base`` (``{p}/replicas/{ckpt}/``), the nodes
+    in ``live`` only."""
+    out: dict[str, dict[str, dict]] = {}
+    for key, rec in (kv for r in ranges for kv in r):
+        f, _, node = key[len(base):].partition("/")
+        if node in live:
+            out.setdefault(f, {})[node] = rec
+    return out
+
+
 class ReplicaEtcd:
     """See the module docstring."""
 
@@ -72,17 +83,8 @@ class ReplicaEtcd:
             return {}
         base = self._k("replicas", ckpt_key(name)) + "/"
         ranges, _ = self.cluster.get_many([base + f"{f}/" for f in files] if files else [base])
-        return self._live_copies(base, ranges, live)
+        return live_copies(base, ranges, live)
 
-    @staticmethod
-    def _live_copies(base: str, ranges: list[list[tuple[str, Any]]], live: Any) -> dict[str, dict[str, dict]]:
-        """``{file: {node: record}}`` from copy-record ranges under ``base``, the nodes in ``live`` only."""
-        out: dict[str, dict[str, dict]] = {}
-        for key, rec in (kv for r in ranges for kv in r):
-            f, _, node = key[len(base):].partition("/")
-            if node in live:
-                out.setdefault(f, {})[node] = rec
-        return out
 
     def _loads(self, live: dict[str, dict], advertised: list[tuple[str, Any]] | None = None) -> dict[str, float]:
         """In-flight reads each live node advertises (``advertised``: the ``.load`` range, if already read)."""
@@ -101,7 +103,7 @@ class ReplicaEtcd:
              *(base + f"{f}/" for f in files)],
             [self._k("hints", job, "ckpt", ckpt_key(name)), self._k("replicas", ".placement")])
         live = {k[len(nodes):]: v for k, v in listed}
-        return {"hint": hint, "live": live, "copies": self._live_copies(base, ranges, live),
+        return {"hint": hint, "live": live, "copies": live_copies(base, ranges, live),
                 "loads": self._loads(live, advertised),
                 "tasks": tasks, "placement": placement}
 
@@ -151,4 +153,4 @@ class ReplicaEtcd:
             raise flight.FlightUnauthenticatedError(f"foresight: bad token for job {job!r}")
 
 
-__all__ = ["ReplicaEtcd"]
+__all__ = ["ReplicaEtcd", "live_copies"]

@@ -9,8 +9,9 @@ and one *task* per copy in one etcd transaction; each task names the file's hold
 target node picks up its tasks (at once: the planning node wakes it with ``replicas.wake``; else within
 ``poll_s``), pulls the file from a holder the task names over Flight (``DoGet ckpt.get`` with the task's grant),
 writes it under a temp name, checks its xxh3 against the base copy's, renames it into place, then registers it
-under the hint's lease and marks the task done in one write. Ranks read through :class:`~foresight.replication.hint_client.ReplicaReader`, which picks the least
-loaded live copy and verifies every file it reads.
+under the hint's lease and marks the task done in one write. Ranks read through
+:class:`~foresight.replication.hint_client.ReplicaReader`, which picks the least loaded live copy and verifies every
+file it reads.
 
 This module holds the actions (publish, hints, progress, release) and the node's round; its other parts:
 :mod:`.replica_requests` (request checks), :mod:`.replica_etcd` (keys, leases, token binding),
