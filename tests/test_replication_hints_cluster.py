@@ -277,21 +277,9 @@ def test_a_hinted_restore_reads_at_once_and_its_copies_join_the_reads(etcd, node
     publish_checkpoint(nodes[0].location, name, job=job, token=TOKEN)
     want["shard-0"] = b"cold bytes"
     try:
-        with ReplicaReader(etcd, job=job, token=TOKEN, refresh_s=3600) as replicas:
+        with ReplicaReader(etcd, job=job, token=TOKEN, refresh_s=3600, load_refresh_s=3600) as replicas:
             replicas.copies(name)
-            refreshes = replicas.stats["copy_refreshes"]
-            # the restore's thread lags after its first re-read of the list until every copy is placed (a loaded
-            # host), then asks the node at once: the copies are first seen when the node says placement is
-            # complete, and must still join the ranks' reads
-            refresh_files, lagged = replicas.refresh_files, []
-
-            def lagging_refresh(*a, **k):
-                listed = refresh_files(*a, **k)
-                if not lagged:
-                    lagged.append(wait_for_replicas(name, etcd=etcd, job=job, token=TOKEN, timeout=120))
-                return listed
-
-            replicas.refresh_files = lagging_refresh
+            refreshes, calls = replicas.stats["copy_refreshes"], replicas.cluster.calls
             restore = HintedRestore(name, etcd=etcd, job=job, token=TOKEN, hints=hints, reader=replicas,
                                     cold_bytes=16 << 10, cold_reads=16, progress_s=0).start()
             with cf.ThreadPoolExecutor(16) as pool:
@@ -304,6 +292,9 @@ def test_a_hinted_restore_reads_at_once_and_its_copies_join_the_reads(etcd, node
             assert len(restore.joined_s) == restore.plan["new_replicas"]  # each copy seen listed, once
             assert all(len(replicas.copies(name)[h.path]) == 4 for h in hints)  # the ranks were told
             assert replicas.stats["file_refreshes"] == restore.stats["polls"] >= 1
+            # the copies' records came with the node's progress, one Flight call per poll: the reader asked etcd
+            # for the nodes' loads once, the coordinator's pick asked for the live nodes once, and nothing else
+            assert replicas.cluster.calls - calls == 2
             assert replicas.stats["copy_refreshes"] == refreshes  # the whole list was never asked for again
             assert replicas.copies(name)["shard-0"]  # the cold file's records kept
             assert restore.order(files[::-1]) == [".metadata"] + [f for f in files[::-1] if f != ".metadata"]

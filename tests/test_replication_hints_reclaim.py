@@ -14,6 +14,7 @@ from foresight.replication.hint_client import (
     ReplicaReader,
     publish_checkpoint,
     release_replication_hints,
+    replication_progress,
     set_replication_hints,
     wait_for_replicas,
 )
@@ -23,6 +24,7 @@ from foresight.cluster.auth import call_options
 from foresight.cluster.membership import Cluster
 from foresight.testing.etcd import EtcdProcess
 from foresight.replication.replica_manager import ReplicaManager
+from foresight.replication.replica_requests import ckpt_key
 from foresight.node.server import NodeServer
 from foresight.cluster.throttle import ServiceLimit, TokenBucket, parse_amounts
 from node_helpers import wait_for
@@ -39,7 +41,8 @@ class _Node:
         self.cluster = Cluster(etcd, prefix=PREFIX)
         self.reg = self.cluster.register_node(node_id, lambda: {"node": node_id, "location": self.server.location,
                                                                   "instance": self.server.instance}, ttl=5)
-        self.manager = ReplicaManager(self.server, self.cluster, limit=limit, **{"lease_ttl": 5, **manager})
+        self.etcd = Cluster(etcd, prefix=PREFIX)  # the manager's own client: its calls counted apart
+        self.manager = ReplicaManager(self.server, self.etcd, limit=limit, **{"lease_ttl": 5, **manager})
         self.location, self.root = self.server.location, root
 
     def close(self) -> None:
@@ -156,6 +159,63 @@ def test_the_planning_node_wakes_the_target_instead_of_waiting_for_its_poll(clus
         release_replication_hints(NAME, node=cluster["a"].location, job=JOB, token=TOKEN)
         c.close()
     wait_for(lambda: cluster["b"].manager.describe()["hinted_copies"] == 0, timeout=60, what="b's copy reclaimed")
+
+
+def test_a_hinted_copy_costs_its_planner_and_its_target_a_few_etcd_round_trips(cluster, tmp_path):
+    # placement is on the restart's clock and every etcd write is a sync: the planner reads once and writes the hint
+    # with its tasks once; a target reads its tasks, pulls from the holders the task names and registers the copy
+    # with one write (earlier: a read per file, a write per task, and six calls per copy on the target)
+    nodes = {}
+    for name in ("p", "t"):  # poll once an hour: only the hint's wake makes them look for tasks
+        (tmp_path / name).mkdir()
+        nodes[name] = _Node(str(tmp_path / name), cluster["etcd"], name, ServiceLimit(), poll_s=3600, lease_ttl=600)
+    p, t = nodes["p"], nodes["t"]
+    try:
+        wait_for(lambda: {"p", "t"} <= set(cluster["a"].cluster.nodes()), timeout=30, what="p and t registered")
+        replication_progress(NAME, node=p.location, job=JOB, token=TOKEN)  # binds the job's token at p first
+        before = {n: x.etcd.calls for n, x in nodes.items()}
+        plan = set_replication_hints(NAME, node=p.location, job=JOB, token=TOKEN, ttl_s=600,
+                                     hints=[FileHint(FILE, len(cluster["data"]), 1024, len(cluster["data"]))])
+        planned = p.etcd.calls - before["p"]
+        # the plan's reads, the lease, the hint with its tasks (and p's read of its own tasks, if its wake came first)
+        assert planned <= 4, planned
+        wait_for(lambda: t.manager.stats["copies_made"] == 1 and p.manager.stats["copies_made"] == 1, timeout=120,
+                 what="p's and t's copies")
+        made = {n: x.etcd.calls - before[n] for n, x in nodes.items()}
+        # t: its tasks, its load record (its first round in an hour), a look for expired copies once its copy is
+        # registered, the copy and its task in one write; p: the same after its plan
+        assert made["t"] <= 4 and made["p"] <= 7, made
+        assert set(plan["files"][0]["new_nodes"]) >= {"p", "t"}
+    finally:
+        release_replication_hints(NAME, node=cluster["a"].location, job=JOB, token=TOKEN)
+        for x in nodes.values():
+            x.close()
+    wait_for(lambda: cluster["b"].manager.describe()["hinted_copies"] == 0, timeout=60, what="b's copy reclaimed")
+
+
+def test_a_target_whose_named_holders_do_not_serve_looks_the_holders_up(cluster, tmp_path):
+    # the task's holders are the planner's view; one gone since (here: nothing listens there) costs a retry, then
+    # the target asks etcd for the live copies and pulls from one of them
+    (tmp_path / "t").mkdir()
+    t = _Node(str(tmp_path / "t"), cluster["etcd"], "t2", ServiceLimit(), poll_s=3600, lease_ttl=600)
+    etcd = Cluster(cluster["etcd"], prefix=PREFIX)
+    lease = etcd._call(lambda c: c.lease(ttl=60))
+    try:
+        key = etcd.key("replicas", ".tasks", "t2", ckpt_key(NAME), FILE)
+        with ReplicaReader(cluster["etcd"], job=JOB, token=TOKEN, prefix=PREFIX) as r:
+            xxh3 = r.copies(NAME)[FILE]["a"]["xxh3"]
+        task = {"job": JOB, "checkpoint": NAME, "file": FILE, "size": len(cluster["data"]), "xxh3": xxh3,
+                "grant": "g" * 32, "lease": lease.id, "state": "pending", "created": 0.0, "node": "t2",
+                "sources": [{"node": "gone", "location": "grpc://127.0.0.1:9"}]}
+        etcd._call(lambda c: c.put(key, json.dumps(task), lease=lease))
+        t.manager._copy(key, task)
+        done = json.loads(etcd._call(lambda c: c.get(key))[0])
+        assert done["state"] == "done" and done["source"] == "a" and t.manager.stats["copies_made"] == 1
+        with open(os.path.join(t.root, ".replicas", JOB, "step-1", FILE), "rb") as f:
+            assert f.read() == cluster["data"]
+    finally:
+        lease.revoke()
+        t.close()
 
 
 def test_service_limit_syntax_and_token_bucket_arithmetic():

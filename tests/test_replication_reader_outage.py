@@ -77,3 +77,18 @@ def test_refreshes_are_single_flight_across_threads(bed):
             bed["etcd"].proc.send_signal(signal.SIGCONT)
         assert got == [want] * 8
         assert r.stats["copy_refreshes"] == 2  # one ask for eight readers; the others read the list they had
+
+
+def test_a_copy_list_refresh_is_one_etcd_round_trip(bed):
+    # a hinted restore re-reads its hot files' copies every 50 ms while they are placed: the live nodes and every
+    # file's range come back in one request, not one each
+    files = sorted(os.listdir(bed["ckpt"]))
+    with ReplicaReader(bed["etcd"].endpoint, job=JOB, token=TOKEN) as r:
+        calls = r.cluster.calls
+        whole = r.copies(NAME)
+        assert r.cluster.calls - calls == 1 and sorted(whole) == files
+        calls = r.cluster.calls
+        some = r.refresh_files(NAME, files[:2])
+        assert r.cluster.calls - calls == 1
+        assert {f: some[f] for f in files[:2]} == {f: whole[f] for f in files[:2]}
+        assert set(some[files[0]]) == {"o0"} and r.stats["file_refreshes"] == 1

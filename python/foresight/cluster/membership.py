@@ -38,6 +38,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Callable
 from urllib.parse import urlparse
 
@@ -46,6 +47,19 @@ from foresight.errors import NodeError
 
 log = logging.getLogger("foresight.cluster.membership")
 DEFAULT_PREFIX = "/foresight/v1"
+TXN_OPS = 100  # operations per etcd transaction (etcd's default limit is 128)
+
+
+def _parsed(items: Any) -> list[tuple[str, Any]]:
+    """``(key, raw value)`` pairs -> ``(key as str, JSON value)``; malformed values are skipped, logged."""
+    out = []
+    for key, value in items:
+        key = key.decode() if isinstance(key, bytes) else key
+        try:
+            out.append((key, json.loads(value)))
+        except ValueError:
+            log.warning("ignoring a malformed value in etcd", extra={"key": key})
+    return out
 
 
 def _client(endpoint: str, timeout: float):
@@ -77,8 +91,10 @@ class Cluster:
         self.timeout = timeout
         self._i = 0
         self._etcd = _client(self.endpoints[0], timeout)
+        self.calls = 0  # etcd requests made (round trips: what a batched read saves)
 
     def _call(self, fn: Callable[[Any], Any]) -> Any:
+        self.calls += 1
         last: Exception | None = None
         for _ in range(len(self.endpoints)):
             try:
@@ -94,14 +110,34 @@ class Cluster:
 
     def _get_prefix(self, prefix: str) -> list[tuple[str, Any]]:
         items = self._call(lambda c: c.get_prefix(prefix))
-        out = []
-        for value, meta in items:
-            key = meta["key"].decode() if isinstance(meta["key"], bytes) else meta["key"]
-            try:
-                out.append((key, json.loads(value)))
-            except ValueError:
-                log.warning("ignoring a malformed value in etcd", extra={"key": key})
-        return out
+        return _parsed((meta["key"], value) for value, meta in items)
+
+    def get_many(self, prefixes: Sequence[str] = (), keys: Sequence[str] = ()
+                 ) -> tuple[list[list[tuple[str, Any]]], list[Any]]:
+        """Several prefix reads and single-key reads in one etcd round trip (a read-only transaction: one
+        revision for all). Returns ``([[(key, value)] per prefix], [value or None per key])``, values decoded
+        from JSON as :meth:`_get_prefix` does.
+
+        Example::
+
+            (nodes, tasks), (hint,) = cluster.get_many([cluster.key("nodes") + "/", tasks_prefix], [hint_key])
+        """
+        from etcd3gw.utils import _decode, _encode, _increment_last_byte
+
+        ops = [{"request_range": {"key": _encode(p), "range_end": _encode(_increment_last_byte(p))}}
+               for p in prefixes] + [{"request_range": {"key": _encode(k)}} for k in keys]
+        answers: list[list[tuple[str, Any]]] = []
+        for i in range(0, len(ops), TXN_OPS):
+            txn = {"compare": [], "success": ops[i:i + TXN_OPS], "failure": []}
+            res = self._call(lambda c: c.transaction(txn))
+            for r in res.get("responses", []):
+                kvs = r.get("response_range", {}).get("kvs", [])
+                answers.append(_parsed((_decode(kv["key"]), _decode(kv.get("value", ""))) for kv in kvs))
+        if len(answers) != len(ops):
+            raise NodeError("etcd answered a batched read with the wrong number of ranges", asked=len(ops),
+                            got=len(answers))
+        n = len(prefixes)
+        return answers[:n], [a[0][1] if a else None for a in answers[n:]]
 
     # -- nodes ---------------------------------------------------------------------------------------------
     def nodes(self) -> dict[str, dict]:

@@ -33,6 +33,7 @@ from foresight.cluster.auth import call_options, connect
 from foresight.cluster.membership import DEFAULT_PREFIX, Cluster
 from foresight.errors import NodeError
 from foresight.replication.hints import FileHint, derive_dcp_hints
+from foresight.replication.replica_etcd import live_copies
 from foresight.replication.replica_requests import ckpt_key
 
 DEFAULT_TIMEOUT = 60.0
@@ -127,7 +128,8 @@ def replication_progress(checkpoint: str, *, job: str, token: str, etcd: str | N
                          prefix: str | None = None, client: Any = None) -> dict:
     """Copies made, pending and failed for the checkpoint's live hint; ``complete`` once none is pending;
     ``place_s`` (hint accepted -> last copy registered) and ``steps_s``, the slowest copy's time per step
-    (``pickup`` by its target, ``pull`` from a holder, ``register``)."""
+    (``pickup`` by its target, ``pull`` from a holder, ``register``); ``records``: the hinted files' live copies,
+    ``{file: {node: record}}`` (what :meth:`ReplicaReader.merge_files` takes)."""
     return _cluster_action("replicas.progress", {"job": job, "checkpoint": checkpoint}, job=job, token=token,
                            etcd=etcd, node=node, prefix=prefix, client=client)
 
@@ -243,16 +245,12 @@ class ReplicaReader:
         return out
 
     def _fetch_copies(self, checkpoint: str, files: Sequence[str] = ()) -> dict[str, dict[str, dict]]:
-        """The live copies of ``checkpoint`` from etcd: every file's, or only those of ``files`` (one range each)."""
-        live = self.cluster.nodes()
+        """The live copies of ``checkpoint`` from etcd: every file's, or only those of ``files`` (a range each);
+        the live nodes and every range in one round trip (a restore polls this while its copies are placed)."""
+        nodes = self.cluster.key("nodes") + "/"
         base = self.cluster.key("replicas", ckpt_key(checkpoint)) + "/"
-        out: dict[str, dict[str, dict]] = {}
-        for prefix in [base + f"{f}/" for f in files] or [base]:
-            for key, rec in self.cluster._get_prefix(prefix):
-                file, _, node = key[len(base):].partition("/")
-                if node in live:
-                    out.setdefault(file, {})[node] = rec
-        return out
+        (listed, *ranges), _ = self.cluster.get_many([nodes, *([base + f"{f}/" for f in files] or [base])])
+        return live_copies(base, ranges, {k[len(nodes):] for k, _ in listed})
 
     def refresh_files(self, checkpoint: str, files: Sequence[str]) -> dict[str, dict[str, dict]]:
         """Re-read the copies of ``files`` alone (a restart's hot files while their copies are placed: a range per
@@ -265,9 +263,19 @@ class ReplicaReader:
         if hit is None:
             return self.copies(checkpoint)
         fresh = self._fetch_copies(checkpoint, files)
+        return self.merge_files(checkpoint, {f: fresh.get(f, {}) for f in files})
+
+    def merge_files(self, checkpoint: str, listed: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict]]:
+        """Put ``listed`` (``{file: {node: record}}`` of some files' live copies: e.g. the hinted files' records a
+        node's ``replicas.progress`` reports) in place of those files' entries in the cached list, which keeps its
+        age (the whole list is fetched first when none is cached). Returns the updated list."""
         with self._lock:
-            at, listed = self._copies.get(checkpoint, hit)
-            merged = {**listed, **{f: fresh.get(f, {}) for f in files}}
+            hit = self._copies.get(checkpoint)
+        if hit is None:
+            self.copies(checkpoint)
+        with self._lock:
+            at, cached = self._copies[checkpoint]
+            merged = {**cached, **{f: dict(recs) for f, recs in listed.items()}}
             self._copies[checkpoint] = (at, merged)
             self.stats["file_refreshes"] += 1
         return merged

@@ -6,6 +6,9 @@ hinted copies whose hint expired, and adopting the copies found on disk after a 
 :class:`ReplicaCopies` is a base class of :class:`~foresight.replication.replica_manager.ReplicaManager`; the
 state lives on the manager (``_copies``, ``_lock``, ``_busy``, ``_pool``, ``limit``, ``stats``, ``inflight``).
 
+A task names the holders to pull from (the planner's view, least loaded first), so a target goes from its wake to
+its pull with one etcd read (the task) and registers the copy with one write.
+
 Example::
 
     manager._take_tasks()        # submit this node's pending copy tasks to the copy threads
@@ -110,41 +113,58 @@ class ReplicaCopies:
                 self._pool.submit(self._copy, key, task)
 
     def _copy(self, key: str, task: dict) -> None:
+        """Make one copy: pull it from the holders the task names (the planner's, least loaded first; from a
+        lookup of the live copies when it names none or none of them served), then register the copy and mark the
+        task done in one etcd write. The task stays ``pending`` while it is copied (no write between the wake and
+        the pull: each etcd write is a sync on placement's path); a failure marks it ``failed``."""
         lease = self._lease_of(task["lease"])
         name, f = task["checkpoint"], task["file"]
         try:
             picked_at = time.time()
-            self._put(key, dict(task, state="copying", picked_at=picked_at), lease=lease)
-            errors = []
-            live = self._live_nodes()
-            holders = [r for n, r in self.copies(name, live, file=f).get(f, {}).items() if n != self.node_id]
-            loads = self._loads(live)
-            holders.sort(key=lambda r: (loads.get(r["node"], 0), r["node"]))
-            for src in holders:
-                try:
-                    path = self._pull(task, src)
-                    pulled_at = time.time()
-                except Exception as e:  # another holder may serve it: the error is kept for progress
-                    errors.append(f"{src['node']}: {e}"[:300])
-                    continue
-                rec = {"node": self.node_id, "location": self.server.location, "size": task["size"],
-                       "xxh3": task["xxh3"], "base": False}
-                with self._lock:
-                    self._copies[(name, f)] = LocalCopy(path, hinted=True)
-                self.stats["copies_made"] += 1  # before the task reads done: whoever sees it done sees it counted
-                try:
-                    self._put(self._k("replicas", ckpt_key(name), f, self.node_id), rec, lease=lease)
-                    self._put(key, dict(task, state="done", picked_at=picked_at, pulled_at=pulled_at,
-                                        done_at=time.time(), source=src["node"]), lease=lease)
-                except NodeError:  # the hint expired while copying: the copy is reclaimed next round
-                    pass
-                return
+            errors: list[str] = []
+            tried = {self.node_id}
+            for holders in (lambda: task.get("sources") or [], lambda: self._holders(name, f)):
+                for src in holders():
+                    if src["node"] in tried:
+                        continue
+                    tried.add(src["node"])
+                    try:
+                        path = self._pull(task, src)
+                        pulled_at = time.time()
+                    except Exception as e:  # another holder may serve it: the error is kept for progress
+                        errors.append(f"{src['node']}: {e}"[:300])
+                        continue
+                    self._register(key, task, path, lease, picked_at=picked_at, pulled_at=pulled_at,
+                                   source=src["node"])
+                    return
             self.stats["copies_failed"] += 1
             self._put(key, dict(task, state="failed", error="; ".join(errors) or "no live holder"), lease=lease)
         except Exception as e:
             log.warning("copy task failed", extra={"task": key, "error": str(e)[:300]})
         finally:
             self._busy.discard(key)
+
+    def _holders(self, name: str, f: str) -> list[dict]:
+        """The live copies of ``f`` from etcd, least loaded first (when the task's own list did not serve)."""
+        live = self._live_nodes()
+        loads = self._loads(live)
+        return sorted(self.copies(name, live, file=f).get(f, {}).values(), key=lambda r: (loads.get(r["node"], 0),
+                                                                                            r["node"]))
+
+    def _register(self, key: str, task: dict, path: str, lease: Any, **done: Any) -> None:
+        """Serve the pulled copy, then list it for readers and mark its task done (one transaction)."""
+        name, f = task["checkpoint"], task["file"]
+        rec = {"node": self.node_id, "location": self.server.location, "size": task["size"], "xxh3": task["xxh3"],
+               "base": False}
+        with self._lock:
+            self._copies[(name, f)] = LocalCopy(path, hinted=True)
+        self.stats["copies_made"] += 1  # before the task reads done: whoever sees it done sees it counted
+        try:
+            self._put_many({self._k("replicas", ckpt_key(name), f, self.node_id): json.dumps(rec),
+                            key: json.dumps(dict(task, state="done", done_at=time.time(), **done), default=str)},
+                           lease)
+        except NodeError:  # the hint expired while copying: the copy is reclaimed next round
+            pass
 
     def _pull(self, task: dict, src: dict) -> str:
         name, f = task["checkpoint"], task["file"]

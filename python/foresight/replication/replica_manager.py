@@ -4,11 +4,14 @@ Mounted on a :class:`~foresight.node.server.NodeServer` that is part of a cluste
 A job publishes the checkpoint files a node holds (``replicas.publish``: the base copies), declares before a
 restart which files its ranks will read and how many at once (``set_replication_hints``, see
 :mod:`foresight.replication.hint_client`), and the node that receives the hint plans the extra copies
-(:func:`~foresight.replication.replica_plan.plan_replicas`) and writes one *task* per copy in etcd. Each target node
-picks up its tasks (at once: the planning node wakes it with ``replicas.wake``; else within ``poll_s``), pulls the file from a holder over Flight (``DoGet ckpt.get`` with the task's grant), writes it
-under a temp name, checks its xxh3 against the base copy's, renames it into place and registers it under the
-hint's lease. Ranks read through :class:`~foresight.replication.hint_client.ReplicaReader`, which picks the least
-loaded live copy and verifies every file it reads.
+(:func:`~foresight.replication.replica_plan.plan_replicas`: its reads in one etcd round trip) and writes the hint
+and one *task* per copy in one etcd transaction; each task names the file's holders, least loaded first. Each
+target node picks up its tasks (at once: the planning node wakes it with ``replicas.wake``; else within
+``poll_s``), pulls the file from a holder the task names over Flight (``DoGet ckpt.get`` with the task's grant),
+writes it under a temp name, checks its xxh3 against the base copy's, renames it into place, then registers it
+under the hint's lease and marks the task done in one write. Ranks read through
+:class:`~foresight.replication.hint_client.ReplicaReader`, which picks the least loaded live copy and verifies every
+file it reads.
 
 This module holds the actions (publish, hints, progress, release) and the node's round; its other parts:
 :mod:`.replica_requests` (request checks), :mod:`.replica_etcd` (keys, leases, token binding),
@@ -20,7 +23,8 @@ etcd keys (``{p}`` = the cluster prefix, ``{ckpt}`` = the checkpoint name URL-qu
 ``{p}/hints/{job}/ckpt/{ckpt}``                  the live hint (its lease = the hint's TTL)
 ``{p}/replicas/{ckpt}/{file}/{node}``            a copy: ``{node, location, size, xxh3, base}``; base copies live
                                                  under the node's lease, hinted ones under the hint's lease
-``{p}/replicas/.tasks/{node}/{ckpt}/{file}``     a copy to make: ``{state, grant, lease, ...}`` (hint's lease)
+``{p}/replicas/.tasks/{node}/{ckpt}/{file}``     a copy to make: ``{state, grant, lease, sources, ...}`` (hint's
+                                                 lease); ``pending`` until done or failed
 ``{p}/replicas/.load/{node}``                    ``{inflight, reads, bytes}`` (node's lease)
 ``{p}/replicas/.placement``                      ``{place_s, samples}``: recent placements' running mean (no lease)
 
@@ -170,23 +174,20 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
             raise HintError(f"hint TTL {req['ttl_s']} s is above this cluster's limit of {self.max_ttl_s} s",
                             checkpoint=name)
         hint_key = self._k("hints", job, "ckpt", ckpt_key(name))
-        if self._get1(hint_key) is not None:  # checked again atomically when the hint is written
+        # one etcd round trip for every read the plan needs; the hinted files' copies only: a restart's checkpoint
+        # holds thousands of per-rank shards, and the plan is on the restart's clock
+        state = self._hint_reads(job, name, [h.path for h in req["files"]])
+        if state["hint"] is not None:  # checked again atomically when the hint is written
             raise HintError("a hint for this checkpoint is live; release it first (replicas.release) or let it "
                             "expire", checkpoint=name)
-        live = self._live_nodes()
-        # the hinted files' copies only: a restart's checkpoint holds thousands of per-rank shards, and the plan
-        # is on the restart's clock
-        copies = {}
-        for h in req["files"]:
-            copies.update(self.copies(name, live, file=h.path))
+        live, copies, loads = state["live"], state["copies"], state["loads"]
         if not copies and not self.copies(name, live):  # which error: the slow look only when none was found
             raise HintError("no live node has published this checkpoint (replicas.publish)", checkpoint=name)
         known = {f: next(iter(recs.values()))["size"] for f, recs in copies.items()}
         hints = validate_hints(req["files"], known=known, max_readers=self.max_readers)
-        used_bytes, used_replicas = self._job_usage(job)
+        used_bytes, used_replicas = self._job_usage(job, state["tasks"])
         holders = {f: sorted(recs) for f, recs in copies.items()}
-        loads = self._loads(live)
-        cost_s = self._placement_cost()
+        cost_s = self._placement_cost(state["placement"])
         lead_s = cold_lead_s(req.get("cold_bytes", 0), req.get("cold_reads", 0), len(loads),
                              node_bytes_per_s=self.limit.bytes_per_s, node_requests_per_s=self.limit.requests_per_s)
         common = dict(nodes=loads, holders=holders, safe_readers=self.safe_readers, base_replicas=self.base_replicas,
@@ -212,17 +213,21 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
                   "placement_cost_s": cost_s, "lead_s": lead_s,
                   "copies_join": req.get("copies_join", False),
                   "coordinator": self.node_id}
-        if not self.cluster._call(lambda c: c.create(hint_key, json.dumps(record), lease=lease)):
+        tasks = {}
+        for f in plan.files:
+            recs = copies[f.path]
+            # the holders the target pulls from, least loaded first: no lookups between its wake and its pull
+            sources = [{"node": n, "location": recs[n]["location"]}
+                       for n in sorted(recs, key=lambda n: (loads.get(n, 0), n))]
+            for node in f.new_nodes:
+                tasks[self._k("replicas", ".tasks", node, ckpt_key(name), f.path)] = {
+                    "job": job, "checkpoint": name, "file": f.path, "size": f.size,
+                    "xxh3": next(iter(recs.values()))["xxh3"], "grant": secrets.token_hex(16), "lease": lease.id,
+                    "state": "pending", "created": now, "node": node, "sources": sources}
+        if not self._create_with(hint_key, record, lease, tasks):  # the hint and its tasks: one etcd write
             lease.revoke()  # another node accepted a hint for it a moment ago
             raise HintError("a hint for this checkpoint is live; release it first (replicas.release) or let it "
                             "expire", checkpoint=name)
-        for f in plan.files:
-            src = next(iter(copies[f.path].values()))
-            for node in f.new_nodes:
-                task = {"job": job, "checkpoint": name, "file": f.path, "size": f.size, "xxh3": src["xxh3"],
-                        "grant": secrets.token_hex(16), "lease": lease.id, "state": "pending", "created": now,
-                        "node": node}
-                self._put(self._k("replicas", ".tasks", node, ckpt_key(name), f.path), task, lease=lease)
         self._wake_targets({n for f in plan.files for n in f.new_nodes}, live)
         log.info("replication hint accepted", extra={"job": job, "checkpoint": name, "ttl_s": req["ttl_s"],
                                                      "copy_bytes": plan.copy_bytes, "new": plan.new_replicas})
@@ -254,11 +259,11 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         for node in sorted(nodes):
             threading.Thread(target=send, args=(node,), name="foresight-replica-wake", daemon=True).start()
 
-    def _placement_cost(self) -> float:
+    def _placement_cost(self, measured: dict | None) -> float:
         """What placement costs a restart here: the configured figure, or what the cluster's recent placements
-        took (hint received -> last copy registered, planning included; a running mean in etcd) when longer: a loaded
-        cluster places slower than its poll interval says, and a copy must pay for the time it really takes."""
-        measured = self._get1(self._k("replicas", ".placement"))
+        took (``measured``: the ``.placement`` record, hint received -> last copy registered, planning included; a
+        running mean in etcd) when longer: a loaded cluster places slower than its poll interval says, and a copy
+        must pay for the time it really takes."""
         return max(self.placement_cost_s, float(measured["place_s"])) if measured else self.placement_cost_s
 
     def _note_placement(self, hint: dict, place_s: float) -> None:
@@ -273,10 +278,10 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         mean = place_s if old is None else 0.5 * float(old["place_s"]) + 0.5 * place_s
         self._put(key, {"place_s": mean, "samples": (old or {}).get("samples", 0) + 1})
 
-    def _job_usage(self, job: str) -> tuple[int, int]:
-        """Bytes and copies this job's live hints hold or are making."""
+    def _job_usage(self, job: str, tasks: list[tuple[str, dict]]) -> tuple[int, int]:
+        """Bytes and copies this job's live hints hold or are making (``tasks``: every copy task)."""
         nbytes = copies = 0
-        for _, t in self._tasks():
+        for _, t in tasks:
             if t.get("job") == job and t.get("state") != "failed":
                 nbytes += int(t.get("size", 0))
                 copies += 1
@@ -285,18 +290,16 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
     def _progress(self, context: Any, req: dict) -> dict:
         job, name = req["job"], req["checkpoint"]
         self._authorize(context, job)
-        hint = self._get1(self._k("hints", job, "ckpt", ckpt_key(name)))
-        live = self._live_nodes()
-        tasks = [t for _, t in self._tasks() if t.get("checkpoint") == name]
+        nodes = self._k("nodes") + "/"  # the hint, the live nodes and the tasks in one round trip
+        (listed, every_task), (hint,) = self.cluster.get_many([nodes, self._k("replicas", ".tasks") + "/"],
+                                                              [self._k("hints", job, "ckpt", ckpt_key(name))])
+        live = {k[len(nodes):]: v for k, v in listed}
+        tasks = [t for _, t in every_task if t.get("checkpoint") == name]
         for t in tasks:  # a target that died will never finish its copy: do not wait for it
             if t["state"] in ("pending", "copying") and t["node"] not in live:
                 t["state"], t["error"] = "failed", "target node left the cluster"
-        if hint is not None:  # polled during the restart: the hinted files' copies, not every shard's
-            copies = {}
-            for f in hint.get("files", []):
-                copies.update(self.copies(name, live, file=f["path"]))
-        else:
-            copies = self.copies(name, live)
+        # polled during the restart: the hinted files' copies (one more round trip), not every shard's
+        copies = self.copies(name, live, files=[f["path"] for f in hint.get("files", [])] if hint else None)
         counts = {s: sum(t["state"] == s for t in tasks) for s in ("pending", "copying", "done", "failed")}
         done = [t for t in tasks if t["state"] == "done"]
         done_at = [t["done_at"] for t in done]
@@ -311,7 +314,7 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
                 "place_s": (max(done_at) - hint["created"]) if done_at and hint else None,
                 "steps_s": _placement_steps(done),
                 "errors": [f"{t['file']} on {t['node']}: {t.get('error')}" for t in tasks if t["state"] == "failed"],
-                "files": files}
+                "files": files, "records": copies if hint is not None else {}}  # the hinted files' copy records
 
     def _release(self, context: Any, req: dict) -> dict:
         """End a hint now: its lease is revoked, so its copies are reclaimed (after their reads)."""
@@ -333,7 +336,7 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
             self._round()
 
     def _round(self) -> None:
-        """One round: keep the lease, advertise the load, take copy tasks, reclaim expired copies."""
+        """One round: keep the lease, take copy tasks, advertise the load, reclaim expired copies."""
         now = time.monotonic()
         last = self._last
         try:
@@ -343,13 +346,13 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
             if not self._adopted:
                 self._adopt_existing()
                 self._adopted = True
+            self._take_tasks()  # first: a woken node's copies are on a restart's clock, the load record is not
             if self.inflight != last.get("inflight") or now - last["load"] > 2.0:  # readers pick by it: keep fresh
                 inflight = self.inflight
                 self._put(self._k("replicas", ".load", self.node_id),
                           {"inflight": inflight, "reads": self.stats["reads"], "bytes": self.stats["bytes"]},
                           lease=self._lease)
                 last["load"], last["inflight"] = now, inflight
-            self._take_tasks()
             if now - last["reclaim"] > 1.0:
                 self.reclaim()
                 last["reclaim"] = now

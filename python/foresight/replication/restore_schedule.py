@@ -15,9 +15,11 @@ restart is declared (one node, one connection for the hint and its progress poll
   end or a copy to join: a node serves its reads in arrival order, so a fetch sent to a base copy's full queue
   would wait there even after new copies land (with 512 ranks reading a file on 3 copies, each queue holds ~170
   reads); waiting here, it goes to whichever copy frees first, new ones included.
-* while placement runs, the reader's list of the hinted files' copies is re-read every ``poll_s`` (a range per hot
-  file: :meth:`~foresight.replication.hint_client.ReplicaReader.refresh_files`), so each copy takes readers the moment
-  it is registered, not when the last one is.
+* while placement runs, the node that took the hint is asked for its progress every ``poll_s`` over the hint's
+  connection; the reply carries the hinted files' copy records, which go into the reader's list
+  (:meth:`~foresight.replication.hint_client.ReplicaReader.merge_files`), so each copy takes readers the moment it is
+  registered, not when the last one is. (When the hint went to the cluster instead, the list is re-read from etcd:
+  a range per hot file, :meth:`~foresight.replication.hint_client.ReplicaReader.refresh_files`.)
 
 Placement is over when every planned copy is listed (or the plan places none, or the node reports every task done or
 failed, or a failure: logged, the base copies serve); then every rank reads in its own order. The hint says the
@@ -67,8 +69,9 @@ class HintedRestore:
             is kept current while the copies are placed (the ranks are told of each one as it lands).
         ranks_per_host, cold_bytes, cold_reads, ttl_s: passed with the hint.
         timeout: longest wait for the copies; past it (or on any failure) the ranks read the copies that exist.
-        poll_s: how often the copies' list is re-read while placement runs; progress_s: how often the node is
-            asked for the tasks' progress meanwhile (failed copies end the wait).
+        poll_s: how often the node is asked for its progress (the copies' records with it) while placement runs;
+            progress_s: without the hint's connection, how often a node is asked for the tasks' progress while the
+            copies' list is re-read from etcd every ``poll_s`` (failed copies end the wait).
         node: the node (location) to send the hint to and poll; default one live node at random. If it does not
             answer, the hint goes to the cluster (any live node).
         depth: hot fetches in flight per listed copy while placement runs (:class:`ScheduledReader`).
@@ -183,24 +186,37 @@ class HintedRestore:
                 client.close()
 
     def _join_copies(self, node: str | None, client: Any, args: dict) -> None:
-        """Until every planned copy is listed: re-read the hinted files' copies every ``poll_s`` (each joins the
-        reads as it lands); every ``progress_s`` ask the node whether the tasks are over (failed copies never
-        appear) or the hint is gone."""
+        """Until every planned copy is listed: every ``poll_s`` ask the node that took the hint for its progress,
+        which carries the hinted files' copy records (one Flight call on the connection the hint went over: the
+        restoring process's threads compete for its interpreter, and a Flight call runs in C++ where an etcd
+        request runs in Python), and give them to the reader (each copy joins the reads as it lands). Without that
+        connection (the hint went to the cluster) re-read the copies from etcd every ``poll_s`` and ask a node for
+        the progress every ``progress_s``. Over when the tasks are (failed copies never appear); an error when the
+        hint is gone."""
         want = {(f["path"], n) for f in self.plan.get("files", []) for n in f.get("new_nodes", [])}
         files = sorted({f for f, _ in want})
         seen: set[tuple[str, str]] = set()
         deadline = time.monotonic() + self.timeout
         asked = time.monotonic()
         while True:
-            if self.reader is not None and self._poll(files, want, seen) == want:
-                return
-            if self.reader is None or time.monotonic() - asked >= self.progress_s:
+            p = None
+            if self.reader is not None:
+                if client is not None:  # the node that took the hint lists the copies placed: no etcd reads here
+                    p = replication_progress(self.checkpoint, **args, node=node, client=client)
+                    records = p.get("records", {})
+                    listed = self.reader.merge_files(self.checkpoint, {f: records.get(f, {}) for f in files})
+                else:
+                    listed = self.reader.refresh_files(self.checkpoint, files)
+                if self._joined(listed, want, seen) == want:
+                    return
+            if p is None and (self.reader is None or time.monotonic() - asked >= self.progress_s):
                 asked = time.monotonic()
                 p = replication_progress(self.checkpoint, **args, node=node, client=client)
+                if p["complete"] and self.reader is not None:  # the last copies registered since the list was read
+                    self._joined(self.reader.refresh_files(self.checkpoint, files), want, seen)  # join too
+            if p is not None:
                 if p["complete"]:
                     self.placed = p
-                    if self.reader is not None:  # the last copies registered since the list was read join too
-                        self._poll(files, want, seen)
                     return
                 if not p["hint_live"]:
                     raise NodeError("no live hint for the checkpoint (expired or released before its copies were "
@@ -210,10 +226,9 @@ class HintedRestore:
                                 listed=len(seen), planned=len(want))
             time.sleep(self.poll_s)
 
-    def _poll(self, files: list[str], want: set[tuple[str, str]], seen: set[tuple[str, str]]) -> set:
-        """Re-read the hinted files' copies: the slots follow them, each planned copy first listed now is timed
-        into ``joined_s`` and added to ``seen`` (returned)."""
-        listed = self.reader.refresh_files(self.checkpoint, files)
+    def _joined(self, listed: dict, want: set[tuple[str, str]], seen: set[tuple[str, str]]) -> set:
+        """The hinted files' copies as just listed: the slots follow them, each planned copy first listed now is
+        timed into ``joined_s`` and added to ``seen`` (returned)."""
         self.stats["polls"] += 1
         self._count(listed)
         new = {(f, n) for f, n in want if n in listed.get(f, {})} - seen
