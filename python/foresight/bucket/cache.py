@@ -193,14 +193,17 @@ class SampleCache:
         return int(self.lookup(ids).length.sum()) if ids.size else 0
 
     def ensure(self, ids: np.ndarray, *, max_gap: int | None = None, span_present: bool = False,
-               order: np.ndarray | None = None, claim: FetchClaim | None = None) -> int:
+               order: np.ndarray | None = None, max_inflight: int | None = None,
+               claim: FetchClaim | None = None) -> int:
         """Make every sample of ``ids`` present (fetching the missing ones in coalesced GETs; ``max_gap`` overrides
         the cache's and the fetcher's for this call); returns how many were fetched. ``span_present``: a transfer
         may run across present samples (fetched, checked and written again, identical bytes) instead of being cut
         at each of them (a block fill around a few present samples stays a few GETs). ``order`` (a rank per id of
-        ``ids``): the missing samples are fetched rank by rank, lowest first, each rank its own coalesced fetch, so
-        a waiter for an early rank's samples returns when they land, not when the whole call ends (a prefetcher's
-        fill in the order the plan first needs its blocks). Raises :class:`BucketError` naming the object when a
+        ``ids``): the missing samples are fetched in one coalesced fetch whose GETs go out lowest rank first, at
+        most ``max_inflight`` bytes of them in flight (:meth:`RangedFetcher.fetch`), so they land in rank order at
+        the link's full rate and a waiter for an early rank's samples returns when they land, not when the whole
+        call ends (a prefetcher's fill, its blocks in the order the plan first needs them); ``max_inflight`` bounds
+        what the call holds in memory. Raises :class:`BucketError` naming the object when a
         fetched sample's xxh3 differs from the map's (the object changed under the same ETag, or the store
         returned wrong bytes): nothing of that GET is marked (the checked samples of the call's other GETs are).
         Without ``claim`` (a lookup), absent samples that a claim holds are waited for, not fetched
@@ -232,18 +235,18 @@ class SampleCache:
             try:
                 absent = self.present[missing] == 0  # another thread or process may have fetched them
                 missing, rank = missing[absent], rank[absent]
-                for r in np.unique(rank).tolist():  # a loop over the caller's ranks (a few), not samples
-                    piece = missing[rank == r]
-                    piece = piece[self.present[piece] == 0]  # an earlier rank's transfers may have held some whole
-                    if not piece.size:
-                        continue
-                    ext = self.lookup(piece)
-                    # chunks of at most FETCH_CHUNK bytes: one fetch's bytes are held in memory until written
-                    chunk = np.cumsum(ext.length) // FETCH_CHUNK
-                    for part in np.split(piece, np.flatnonzero(np.diff(chunk)) + 1):
-                        self._fetch(part, self.max_gap if max_gap is None else max_gap, span_present, missing)
-                        with self._cv:
-                            self._cv.notify_all()  # waiters whose samples this chunk held return now
+                gap = self.max_gap if max_gap is None else max_gap
+                if order is not None:  # one fetch, its GETs in rank order, max_inflight bytes held at once
+                    self._fetch(missing, gap, span_present, missing, priority=rank,
+                                max_inflight=FETCH_CHUNK if max_inflight is None else max_inflight)
+                    return int(missing.size)
+                ext = self.lookup(missing)
+                # chunks of at most FETCH_CHUNK bytes: one fetch's bytes are held in memory until written
+                chunk = np.cumsum(ext.length) // FETCH_CHUNK
+                for part in np.split(missing, np.flatnonzero(np.diff(chunk)) + 1):
+                    self._fetch(part, gap, span_present, missing)
+                    with self._cv:
+                        self._cv.notify_all()  # waiters whose samples this chunk held return now
                 return int(missing.size)
             finally:
                 self._unlock(held)
@@ -316,7 +319,8 @@ class SampleCache:
         return ids[got], held
 
     def _fetch(self, ids: np.ndarray, max_gap: int | None = None, span_present: bool = False,
-               held: np.ndarray | None = None) -> None:
+               held: np.ndarray | None = None, priority: np.ndarray | None = None,
+               max_inflight: int | None = None) -> None:
         """Fetch ``ids`` (sorted, missing, their index bytes locked by the caller, as are those of ``held``): each
         GET's samples, and the absent ones it holds whole as a gap, are checked, written and marked on the
         fetcher's thread as it lands, while the other GETs are in flight (so a waiter for them returns then)."""
@@ -384,7 +388,7 @@ class SampleCache:
                 self._cv.notify_all()  # waiters whose samples this GET held return now
 
         self.fetcher.fetch(self.refs, seg, ext.offset, ext.length, ref_of_file=seg_shard, max_gap=max_gap,
-                           on_transfer=landed)
+                           on_transfer=landed, priority=priority, max_inflight=max_inflight)
         left = self.present[ids] == 0
         if left.any():  # empty samples: no GET holds them (their xxh3 is still the map's)
             if self.checksums is not None:
