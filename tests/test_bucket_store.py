@@ -180,3 +180,38 @@ def test_fetch_sends_gets_by_priority_with_bounded_bytes_in_flight(s3_env, monke
     assert sent == offsets[np.argsort(rank)].tolist()  # lowest rank first
     assert state["most"] <= 200 << 10  # two 100 KiB GETs fit in 250 KiB, a third does not
     assert sorted(seen) == sorted(PAYLOAD[o:o + (100 << 10)] for o in offsets.tolist())
+
+
+def test_a_windowed_fetch_sends_the_next_get_while_the_last_ones_bytes_are_written(s3_env, monkeypatch):
+    """The window counts bytes on the link: a GET leaves it once its bytes have arrived, before ``on_transfer``
+    checks and writes them, so the link never waits on the disk. One GET's worth of window here: the first GET's
+    ``on_transfer`` waits (bounded) until the second GET has gone out; before, that second GET went out only after
+    it returned, so the wait timed out."""
+    import threading
+
+    url = BucketURL.parse("s3://smoke/window")
+    store = open_store(url)
+    obstore.put(store, url.key("blob.bin"), PAYLOAD)
+    sent: list[int] = []
+    second_sent = threading.Event()
+    real_get = RangedFetcher._get_range
+
+    def get_range(self, ref, start, end):
+        sent.append(start)
+        if len(sent) == 2:
+            second_sent.set()
+        return real_get(self, ref, start, end)
+
+    overlapped: list[bool] = []
+
+    def on_transfer(tr, data, k):
+        if not overlapped:
+            overlapped.append(second_sent.wait(20))
+
+    with RangedFetcher(store, url, max_gap=0) as fetcher:
+        ref = fetcher.head("blob.bin")
+        monkeypatch.setattr(RangedFetcher, "_get_range", get_range)
+        offsets = np.arange(3, dtype=np.int64) * (256 << 10)
+        fetcher.fetch([ref], np.zeros(3, np.int32), offsets, np.full(3, 100 << 10), priority=np.arange(3),
+                      max_inflight=100 << 10, on_transfer=on_transfer)
+    assert overlapped == [True] and len(sent) == 3

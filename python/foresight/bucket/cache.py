@@ -85,12 +85,24 @@ def punch_hole(fd: int, offset: int, length: int) -> int:
     return end - start
 
 
+def _around(starts: np.ndarray, lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pieces of ``[0, n)`` outside the extents ``[starts, starts + lengths)`` (sorted, disjoint): their starts
+    and ends (empty pieces dropped)."""
+    order = np.argsort(starts, kind="stable")
+    cut_lo, cut_hi = starts[order], starts[order] + lengths[order]
+    lo = np.concatenate(([0], cut_hi)).astype(np.int64)
+    hi = np.concatenate((cut_lo, [n])).astype(np.int64)
+    keep = hi > lo
+    return lo[keep], hi[keep]
+
+
 @dataclass
 class CacheStats:
     """What the cache did since it was opened: samples found present (hits) or fetched (misses), samples fetched
     whole inside a coalesced gap and kept (``gap_samples``), corrupt entries found, evictions, and samples an
-    eviction left because a reader (of any process) pinned them (``pinned_skips``), and samples a lookup waited for
-    because a prefetcher had claimed them (``claim_waits``)."""
+    eviction left because a reader (of any process) pinned them (``pinned_skips``), samples a lookup waited for
+    because a prefetcher had claimed them (``claim_waits``), and fetched bytes of samples already present that a
+    transfer crossed (a block fill's run), neither re-hashed nor written again (``skipped_bytes``)."""
 
     hits: int = 0
     misses: int = 0
@@ -101,6 +113,7 @@ class CacheStats:
     evicted_bytes: int = 0
     pinned_skips: int = 0
     claim_waits: int = 0
+    skipped_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -197,7 +210,7 @@ class SampleCache:
                claim: FetchClaim | None = None) -> int:
         """Make every sample of ``ids`` present (fetching the missing ones in coalesced GETs; ``max_gap`` overrides
         the cache's and the fetcher's for this call); returns how many were fetched. ``span_present``: a transfer
-        may run across present samples (fetched, checked and written again, identical bytes) instead of being cut
+        may run across present samples (fetched, but neither re-hashed nor written again) instead of being cut
         at each of them (a block fill around a few present samples stays a few GETs). ``order`` (a rank per id of
         ``ids``): the missing samples are fetched in one coalesced fetch whose GETs go out lowest rank first, at
         most ``max_inflight`` bytes of them in flight (:meth:`RangedFetcher.fetch`), so they land in rank order at
@@ -351,21 +364,26 @@ class SampleCache:
         def landed(tr, data: np.ndarray, k: int) -> None:
             p = samples_by_transfer(tr)
             sel = p["by"][p["bounds"][k]:p["bounds"][k + 1]]
+            # present gap samples (span_present: a fill's run crossing them) are neither re-hashed nor rewritten:
+            # their bytes are in place (and may be being read); the writes go around them
+            skip = p["gap"][sel] & (self.present[p["id"][sel]] != 0)
+            skipped, sel = sel[skip], sel[~skip]
             if self.checksums is not None:
                 self._check(data, p["where"][sel] - tr.t_dest[k], p["length"][sel], p["id"][sel], p["shard"][sel],
                             p["offset"][sel])
             mine, gap = p["id"][sel[~p["gap"][sel]]], p["id"][sel[p["gap"][sel]]]
-            # present gap samples (span_present) are written again, identical and checked above, but not re-marked;
-            # absent ones are marked too when this process holds their lock (the caller's) or can take it now
-            gap = gap[self.present[gap] == 0]
+            # absent gap samples are marked too when this process holds their lock (the caller's) or can take it now
             ours = np.isin(gap, held)
             extra, extra_held = self._lock_free_runs(gap[~ours])
             extra = np.concatenate((gap[ours], extra))
             try:
                 n = int(tr.t_length[k])
+                starts, ends = _around(p["where"][skipped] - tr.t_dest[k], p["length"][skipped], n)
                 try:
-                    wrote = self.writer.pwrite(int(seg_shard[tr.t_file[k]]), data, int(tr.t_offset[k]))
-                    if wrote != n:  # a short write is a full disk that took part of it: never marked
+                    shard, base = int(seg_shard[tr.t_file[k]]), int(tr.t_offset[k])
+                    wrote = sum(self.writer.pwrite(shard, data[a:b], base + a)  # a few pieces: one per skipped
+                                for a, b in zip(starts.tolist(), ends.tolist()))  # sample, most GETs one
+                    if wrote != int((ends - starts).sum()):  # a short write: a full disk took part of it, never marked
                         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 except OSError as e:  # a full or failing cache disk: give back what this GET allocated, mark nothing
                     back = self.lookup(np.concatenate((mine, extra)))
@@ -383,6 +401,7 @@ class SampleCache:
                 self.stats.misses += int(mine.size)
                 self.stats.gap_samples += int(extra.size)
                 self.stats.fetched_bytes += n
+                self.stats.skipped_bytes += n - int((ends - starts).sum())
             with self._cv:
                 self._claims.landed += 1
                 self._cv.notify_all()  # waiters whose samples this GET held return now

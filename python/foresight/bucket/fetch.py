@@ -393,9 +393,11 @@ class RangedFetcher:
                       file_sizes=sizes[ref_of_file])
         region = np.empty(0 if on_transfer is not None else tr.total_bytes, dtype=np.uint8)
 
-        def one(k: int) -> None:
+        def one(k: int, arrived: Callable[[], None] | None = None) -> None:
             start, n = int(tr.t_offset[k]), int(tr.t_length[k])
             data = self._get_range(refs[int(ref_of_file[tr.t_file[k]])], start, start + n)
+            if arrived is not None:
+                arrived()  # off the link: the next GET may go out while these bytes are checked and written
             dest = int(tr.t_dest[k])
             if on_transfer is not None:  # handed over as it came: no copy into a region held until the end
                 on_transfer(tr, np.frombuffer(data, dtype=np.uint8), k)
@@ -418,23 +420,32 @@ class RangedFetcher:
             raise first
         return Fetched(tr, region)
 
-    def _windowed(self, one: Callable[[int], None], sequence, lengths: np.ndarray, max_inflight: int) -> list:
-        """Submit ``one(k)`` for ``k`` in ``sequence`` with at most ``max_inflight`` bytes (``lengths[k]``) in
-        flight (one GET at least); stops submitting at the first failure. Returns the futures submitted."""
+    def _windowed(self, one: Callable[..., None], sequence, lengths: np.ndarray, max_inflight: int) -> list:
+        """Submit ``one(k, arrived)`` for ``k`` in ``sequence`` with at most ``max_inflight`` bytes
+        (``lengths[k]``) on the link at once (one GET at least): a GET's bytes leave the window when they have
+        arrived (``arrived()``), not when the callback that checks and writes them returns, so the link never
+        waits on the disk. Stops submitting at the first failure. Returns the futures submitted."""
         cv = threading.Condition()
         state = {"inflight": 0, "failed": False}
 
         def tracked(k: int, n: int) -> None:
+            done = []
+
+            def arrived() -> None:
+                with cv:
+                    if not done:
+                        done.append(True)
+                        state["inflight"] -= n
+                        cv.notify_all()
+
             try:
-                one(k)
+                one(k, arrived)
             except BaseException:
                 with cv:
                     state["failed"] = True
                 raise
             finally:
-                with cv:
-                    state["inflight"] -= n
-                    cv.notify_all()
+                arrived()
 
         futures = []
         for k in sequence:

@@ -25,8 +25,8 @@ and land together at the end).
 The first step is fetched alone, without fill and without merged gaps: the first batch waits on that fetch (the
 loader hands out a step it has read before it waits on the lookup of a later one), so it waits on its own samples'
 bytes only. The fills from the next group on take their blocks whole, present samples included (a present sample
-inside a fill run is fetched, checked and written again, identical: cutting runs at every present sample would
-make the fill one GET per sample again). Under a budget there is no fill: a filled sample could be evicted before
+inside a fill run is fetched, but neither re-hashed nor written again: cutting runs at every present sample
+would make the fill one GET per sample again). Under a budget there is no fill: a filled sample could be evicted before
 its use.
 
 The consumer's position comes from the loader's ``on_step`` hook (called when a batch is handed out: its reads are
@@ -66,7 +66,7 @@ __all__ = ["PlanPrefetcher", "FILL_BLOCK", "FILL_BYTES"]
 
 FILL_BLOCK = 16 << 20  # a block is fetched whole (its samples the plan still reads): one GET per block, not per sample
 FILL_GAP = 64 << 10  # a gap a run may always cross (alignment padding; the first step's own fetch takes no more)
-FILL_BYTES = 48 << 20  # at most this much of a fill in flight (a few block GETs: they land one after another)
+FILL_BYTES = 64 << 20  # at most this much of a fill in flight (a few block GETs: they land one after another)
 FILL_SLACK = 0.10  # bytes a fill's runs may carry between its samples, as a share of the samples' own bytes
 
 
@@ -222,8 +222,8 @@ class PlanPrefetcher(Closing):
                 gap, span = FILL_GAP, False
             elif self.fill_block:
                 # the group's blocks whole, their GETs sent in the order the plan first needs them (a present
-                # sample inside a fill run is fetched, checked and written again: a run cut at every present
-                # sample would be one GET per sample again)
+                # sample inside a fill run is fetched but not written again: a run cut at every present sample
+                # would be one GET per sample again)
                 ids, order, gap = self._fill(k, uses)
                 self._claim.set(np.concatenate((claimed, ids)))  # the fill's samples too
                 self.stats["filled_samples"] += int(np.count_nonzero(~np.isin(ids, uses)))
