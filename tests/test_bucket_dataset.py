@@ -340,3 +340,29 @@ def test_large_gets_are_written_past_the_page_cache_and_read_back_right(s3_env, 
             with open(path, "rb") as f, open(theirs, "rb") as g:
                 assert f.read() == g.read()  # every byte: all samples present, padding-free
         assert np.array_equal(ext.offset, mine.offset)
+
+
+def test_a_fill_writes_around_the_present_samples_it_crosses(s3_env, tmp_path):
+    """A block fill's run crosses samples already present (the first step's, fetched alone): their bytes come with
+    the GET but are neither re-hashed nor written again (they are in place, and a reader may be reading them); the
+    GET's other bytes are written around them. Before, every byte of the GET was hashed and written again. Sample
+    5's cached bytes are overwritten by hand while it stays marked: still so after the fill, so nothing wrote it."""
+    local = _bytes_dataset(tmp_path / "local", n=16, shard_bytes=1 << 30)
+    upload_dataset(local.path, "s3://around/fill")
+    with open_dataset("s3://around/fill", cache_dir=tmp_path / "cache") as ds:
+        cache = ds.cache
+        cache.ensure(np.array([5, 9]), max_gap=0)  # their own bytes only
+        ext = local.lookup(np.array([5, 9]))
+        marker = b"\xa5" * int(ext.length[0])
+        os.pwrite(cache._fds[int(ext.shard[0])], marker, int(ext.offset[0]))
+        written = dict(cache.writer.stats)
+        before = cache.stats.fetched_bytes
+        rest = np.setdiff1d(np.arange(16), [5, 9])
+        cache.ensure(rest, max_gap=1 << 20, span_present=True)  # one run over all 16, crossing 5 and 9
+        fetched = cache.stats.fetched_bytes - before
+        rewritten = sum(cache.writer.stats[k] - written[k] for k in ("direct_bytes", "buffered_bytes"))
+        assert cache.stats.skipped_bytes == int(ext.length.sum())
+        assert rewritten == fetched - int(ext.length.sum())
+        assert cache.present.all()
+        assert os.pread(cache._fds[int(ext.shard[0])], len(marker), int(ext.offset[0])) == marker
+        assert all(ds.read(int(i)) == local.read(int(i)) for i in rest.tolist() + [9])

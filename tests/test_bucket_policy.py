@@ -300,13 +300,13 @@ def test_the_first_step_is_fetched_alone_with_its_own_bytes_only(s3_env, tmp_pat
             assert pf.stats["filled_samples"] == 0
 
 
-def test_fills_start_at_one_block_and_double(s3_env, tmp_path):
-    """The steps right after the first must not wait behind a fill of the whole dataset. A group's blocks come
-    whole (a GET per block, not per sample) in pieces, each marked as it lands before the next one's GETs go out,
-    in the order the group's steps first need them: the first piece the blocks of the group's first step alone,
-    each next one whole steps' blocks, at least twice the last (the ramp goes on across groups), at most
-    fill_bytes. Before, a group's own samples outside its one-block first fill were a GET each. ``lookahead`` =
-    ``group_steps`` = 4 parks the prefetcher after each group; the fetcher's calls are the pieces."""
+def test_a_fill_sends_its_blocks_in_the_order_the_plan_needs_them(s3_env, tmp_path):
+    """The steps right after the first must not wait behind a fill of the whole dataset, nor its GETs share the
+    link and land together at the end. A group's fill is one fetch of whole blocks (a GET per block, not per
+    sample) whose GETs go out in the order the group's steps first need their blocks, at most ``fill_bytes`` of
+    them in flight, each marked as it lands. Before, a group's blocks came in pieces (each piece's GETs all at
+    once, the next piece after the last GET of the one before landed). ``lookahead`` = ``group_steps`` = 4 parks
+    the prefetcher after each group; the GETs are recorded in the order they go out."""
     rng = np.random.default_rng(7)
     with DatasetWriter(str(tmp_path / "fill"), align=4096) as w:
         for _ in range(512):
@@ -315,21 +315,31 @@ def test_fills_start_at_one_block_and_double(s3_env, tmp_path):
     plan = build_plan([(local, 1.0)], seed=3, global_batch_size=4, epochs=1)
     acc = plan_accesses(plan)
     block = 128 << 10  # 8 samples of 16 KiB: a fill of the whole 8 MiB dataset would be 64 blocks
-    cap = 1 << 20  # fill_bytes: 8 blocks
-
-    def block_of(shard, offset):
-        return (np.asarray(shard, np.int64) << 40) | (np.asarray(offset) // block)
+    cap = 1 << 20  # fill_bytes: 8 blocks in flight
 
     upload_dataset(local.path, "s3://policy/fill")
     with open_dataset("s3://policy/fill", cache_dir=tmp_path / "cache") as ds:
-        pieces = []  # (blocks, sample bytes) of each coalesced fetch, in order
-        fetch = ds.fetcher.fetch
+        calls, gets = [], []  # fetch calls; (object, start, end) of each GET in the order it went out
+        lock = threading.Lock()
+        state = {"inflight": 0, "most": 0}
+        fetch, get_range = ds.fetcher.fetch, ds.fetcher._get_range
 
-        def recorded(refs, file, offset, length, *, ref_of_file, **kw):
-            pieces.append((set(block_of(np.asarray(ref_of_file)[file], offset).tolist()), int(np.sum(length))))
-            return fetch(refs, file, offset, length, ref_of_file=ref_of_file, **kw)
+        def recorded_fetch(*args, **kw):
+            calls.append(kw.get("max_inflight"))
+            return fetch(*args, **kw)
 
-        ds.fetcher.fetch = recorded
+        def recorded_get(ref, start, end):
+            with lock:
+                gets.append((ref.key, start, end))
+                state["inflight"] += end - start
+                state["most"] = max(state["most"], state["inflight"])
+            try:
+                return get_range(ref, start, end)
+            finally:
+                with lock:
+                    state["inflight"] -= end - start
+
+        ds.fetcher.fetch, ds.fetcher._get_range = recorded_fetch, recorded_get
         with PlanPrefetcher(ds, plan, lookahead=4, group_steps=4, fill_block=block, fill_bytes=cap) as pf:
             per_group = []
             for done in (1, 5):  # step 0 alone, then steps 1-4
@@ -338,13 +348,24 @@ def test_fills_start_at_one_block_and_double(s3_env, tmp_path):
                         break
                     time.sleep(0.05)
                 assert pf.error is None and pf.stats["prefetched_steps"] == done
-                per_group.append(len(pieces) - sum(per_group))
+                per_group.append(len(gets) - sum(per_group))
                 pf.on_step(done)  # lets the next group into the window
-    assert per_group[0] == 1 and per_group[1] > 1 and pf.stats["fill_pieces"] >= per_group[1], (per_group, pf.stats)
-    step1 = acc.of(1)
-    ext = local.lookup(step1[~np.isin(step1, acc.of(0))])  # absent when the fill starts
-    fills = pieces[1:1 + per_group[1]]
-    assert fills[0][0] == set(block_of(ext.shard, ext.offset).tolist()), fills[0]  # step 1's blocks, first
-    assert all(n <= cap + block for _, n in fills), fills  # at most fill_bytes (whole blocks: +1)
-    # each piece but the group's last at least twice the last one (or fill_bytes, less a block it could not take)
-    assert all(b[1] >= min(cap - block, 2 * a[1]) for a, b in zip(fills[:-2], fills[1:-1])), fills
+    assert calls[:2] == [None, cap], calls  # step 0's own fetch, then the group's fill: one fetch
+    assert per_group[1] > 1 and pf.stats["fill_blocks"] >= per_group[1] // 2, (per_group, pf.stats)
+    largest = max(end - start for _, start, end in gets)
+    assert state["most"] <= max(cap, largest), (state, largest)  # fill_bytes in flight (or one larger GET alone)
+    keys = [os.path.basename(p) for p in local.shard_paths]
+
+    def first_need(get) -> int:  # the first step of the group reading a sample this GET holds
+        name, start, end = get
+        ext = local.lookup(np.arange(local.num_samples))
+        inside = np.flatnonzero((np.array(keys)[ext.shard] == os.path.basename(name)) & (ext.offset >= start)
+                                & (ext.offset + ext.length <= end))
+        steps = [k for k in range(1, 5) if np.isin(acc.of(k), inside).any()]
+        return min(steps) if steps else 5
+
+    fill = [first_need(g) for g in gets[per_group[0]:per_group[0] + per_group[1]]]
+    assert fill == sorted(fill), fill  # step 1's blocks first, then step 2's, ...
+    assert fill[0] == 1 and len(set(fill)) > 1, fill
+
+

@@ -140,3 +140,78 @@ def test_fetch_keeps_a_steps_gets_in_flight_at_once(s3_env, monkeypatch):
         got = fetcher.fetch([ref], np.zeros(64, np.int32), offsets, np.full(64, 100), max_gap=0)
     assert got.transfers.io_count == 64
     assert all(got.view(i).tobytes() == PAYLOAD[off:off + 100] for i, off in enumerate(offsets.tolist()))
+
+
+def test_fetch_sends_gets_by_priority_with_bounded_bytes_in_flight(s3_env, monkeypatch):
+    """A prefetcher's fill is one fetch whose GETs must land one after another in the order the plan needs them,
+    not share the link and land together at the end: ``priority`` orders the GETs (lowest rank first, a GET
+    taking its lowest extent's rank) and ``max_inflight`` bounds the bytes in flight (one GET at least). Before,
+    every GET of a fetch went out at once in object/offset order."""
+    import threading
+
+    url = BucketURL.parse("s3://smoke/priority")
+    store = open_store(url)
+    obstore.put(store, url.key("blob.bin"), PAYLOAD)
+    lock = threading.Lock()
+    state = {"inflight": 0, "most": 0}
+    sent: list[int] = []
+    real_get = RangedFetcher._get_range
+
+    def get_range(self, ref, start, end):
+        with lock:
+            sent.append(start)
+            state["inflight"] += end - start
+            state["most"] = max(state["most"], state["inflight"])
+        try:
+            return real_get(self, ref, start, end)
+        finally:
+            with lock:
+                state["inflight"] -= end - start
+
+    with RangedFetcher(store, url, max_gap=0) as fetcher:
+        ref = fetcher.head("blob.bin")
+        monkeypatch.setattr(RangedFetcher, "_get_range", get_range)
+        offsets = np.arange(12, dtype=np.int64) * (256 << 10)  # 12 GETs of 100 KiB, 256 KiB apart
+        rank = np.array([5, 3, 11, 0, 7, 1, 9, 2, 10, 4, 8, 6])
+        seen: list[bytes] = []
+        got = fetcher.fetch([ref], np.zeros(12, np.int32), offsets, np.full(12, 100 << 10), priority=rank,
+                            max_inflight=250 << 10, on_transfer=lambda tr, data, k: seen.append(data.tobytes()))
+    assert got.transfers.io_count == 12 and len(seen) == 12
+    assert sent == offsets[np.argsort(rank)].tolist()  # lowest rank first
+    assert state["most"] <= 200 << 10  # two 100 KiB GETs fit in 250 KiB, a third does not
+    assert sorted(seen) == sorted(PAYLOAD[o:o + (100 << 10)] for o in offsets.tolist())
+
+
+def test_a_windowed_fetch_sends_the_next_get_while_the_last_ones_bytes_are_written(s3_env, monkeypatch):
+    """The window counts bytes on the link: a GET leaves it once its bytes have arrived, before ``on_transfer``
+    checks and writes them, so the link never waits on the disk. One GET's worth of window here: the first GET's
+    ``on_transfer`` waits (bounded) until the second GET has gone out; before, that second GET went out only after
+    it returned, so the wait timed out."""
+    import threading
+
+    url = BucketURL.parse("s3://smoke/window")
+    store = open_store(url)
+    obstore.put(store, url.key("blob.bin"), PAYLOAD)
+    sent: list[int] = []
+    second_sent = threading.Event()
+    real_get = RangedFetcher._get_range
+
+    def get_range(self, ref, start, end):
+        sent.append(start)
+        if len(sent) == 2:
+            second_sent.set()
+        return real_get(self, ref, start, end)
+
+    overlapped: list[bool] = []
+
+    def on_transfer(tr, data, k):
+        if not overlapped:
+            overlapped.append(second_sent.wait(20))
+
+    with RangedFetcher(store, url, max_gap=0) as fetcher:
+        ref = fetcher.head("blob.bin")
+        monkeypatch.setattr(RangedFetcher, "_get_range", get_range)
+        offsets = np.arange(3, dtype=np.int64) * (256 << 10)
+        fetcher.fetch([ref], np.zeros(3, np.int32), offsets, np.full(3, 100 << 10), priority=np.arange(3),
+                      max_inflight=100 << 10, on_transfer=on_transfer)
+    assert overlapped == [True] and len(sent) == 3

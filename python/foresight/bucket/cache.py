@@ -85,12 +85,24 @@ def punch_hole(fd: int, offset: int, length: int) -> int:
     return end - start
 
 
+def _around(starts: np.ndarray, lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pieces of ``[0, n)`` outside the extents ``[starts, starts + lengths)`` (sorted, disjoint): their starts
+    and ends (empty pieces dropped)."""
+    order = np.argsort(starts, kind="stable")
+    cut_lo, cut_hi = starts[order], starts[order] + lengths[order]
+    lo = np.concatenate(([0], cut_hi)).astype(np.int64)
+    hi = np.concatenate((cut_lo, [n])).astype(np.int64)
+    keep = hi > lo
+    return lo[keep], hi[keep]
+
+
 @dataclass
 class CacheStats:
     """What the cache did since it was opened: samples found present (hits) or fetched (misses), samples fetched
     whole inside a coalesced gap and kept (``gap_samples``), corrupt entries found, evictions, and samples an
-    eviction left because a reader (of any process) pinned them (``pinned_skips``), and samples a lookup waited for
-    because a prefetcher had claimed them (``claim_waits``)."""
+    eviction left because a reader (of any process) pinned them (``pinned_skips``), samples a lookup waited for
+    because a prefetcher had claimed them (``claim_waits``), and fetched bytes of samples already present that a
+    transfer crossed (a block fill's run), neither re-hashed nor written again (``skipped_bytes``)."""
 
     hits: int = 0
     misses: int = 0
@@ -101,6 +113,7 @@ class CacheStats:
     evicted_bytes: int = 0
     pinned_skips: int = 0
     claim_waits: int = 0
+    skipped_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -193,14 +206,17 @@ class SampleCache:
         return int(self.lookup(ids).length.sum()) if ids.size else 0
 
     def ensure(self, ids: np.ndarray, *, max_gap: int | None = None, span_present: bool = False,
-               order: np.ndarray | None = None, claim: FetchClaim | None = None) -> int:
+               order: np.ndarray | None = None, max_inflight: int | None = None,
+               claim: FetchClaim | None = None) -> int:
         """Make every sample of ``ids`` present (fetching the missing ones in coalesced GETs; ``max_gap`` overrides
         the cache's and the fetcher's for this call); returns how many were fetched. ``span_present``: a transfer
-        may run across present samples (fetched, checked and written again, identical bytes) instead of being cut
+        may run across present samples (fetched, but neither re-hashed nor written again) instead of being cut
         at each of them (a block fill around a few present samples stays a few GETs). ``order`` (a rank per id of
-        ``ids``): the missing samples are fetched rank by rank, lowest first, each rank its own coalesced fetch, so
-        a waiter for an early rank's samples returns when they land, not when the whole call ends (a prefetcher's
-        fill in the order the plan first needs its blocks). Raises :class:`BucketError` naming the object when a
+        ``ids``): the missing samples are fetched in one coalesced fetch whose GETs go out lowest rank first, at
+        most ``max_inflight`` bytes of them in flight (:meth:`RangedFetcher.fetch`), so they land in rank order at
+        the link's full rate and a waiter for an early rank's samples returns when they land, not when the whole
+        call ends (a prefetcher's fill, its blocks in the order the plan first needs them); ``max_inflight`` bounds
+        what the call holds in memory. Raises :class:`BucketError` naming the object when a
         fetched sample's xxh3 differs from the map's (the object changed under the same ETag, or the store
         returned wrong bytes): nothing of that GET is marked (the checked samples of the call's other GETs are).
         Without ``claim`` (a lookup), absent samples that a claim holds are waited for, not fetched
@@ -232,18 +248,18 @@ class SampleCache:
             try:
                 absent = self.present[missing] == 0  # another thread or process may have fetched them
                 missing, rank = missing[absent], rank[absent]
-                for r in np.unique(rank).tolist():  # a loop over the caller's ranks (a few), not samples
-                    piece = missing[rank == r]
-                    piece = piece[self.present[piece] == 0]  # an earlier rank's transfers may have held some whole
-                    if not piece.size:
-                        continue
-                    ext = self.lookup(piece)
-                    # chunks of at most FETCH_CHUNK bytes: one fetch's bytes are held in memory until written
-                    chunk = np.cumsum(ext.length) // FETCH_CHUNK
-                    for part in np.split(piece, np.flatnonzero(np.diff(chunk)) + 1):
-                        self._fetch(part, self.max_gap if max_gap is None else max_gap, span_present, missing)
-                        with self._cv:
-                            self._cv.notify_all()  # waiters whose samples this chunk held return now
+                gap = self.max_gap if max_gap is None else max_gap
+                if order is not None:  # one fetch, its GETs in rank order, max_inflight bytes held at once
+                    self._fetch(missing, gap, span_present, missing, priority=rank,
+                                max_inflight=FETCH_CHUNK if max_inflight is None else max_inflight)
+                    return int(missing.size)
+                ext = self.lookup(missing)
+                # chunks of at most FETCH_CHUNK bytes: one fetch's bytes are held in memory until written
+                chunk = np.cumsum(ext.length) // FETCH_CHUNK
+                for part in np.split(missing, np.flatnonzero(np.diff(chunk)) + 1):
+                    self._fetch(part, gap, span_present, missing)
+                    with self._cv:
+                        self._cv.notify_all()  # waiters whose samples this chunk held return now
                 return int(missing.size)
             finally:
                 self._unlock(held)
@@ -316,7 +332,8 @@ class SampleCache:
         return ids[got], held
 
     def _fetch(self, ids: np.ndarray, max_gap: int | None = None, span_present: bool = False,
-               held: np.ndarray | None = None) -> None:
+               held: np.ndarray | None = None, priority: np.ndarray | None = None,
+               max_inflight: int | None = None) -> None:
         """Fetch ``ids`` (sorted, missing, their index bytes locked by the caller, as are those of ``held``): each
         GET's samples, and the absent ones it holds whole as a gap, are checked, written and marked on the
         fetcher's thread as it lands, while the other GETs are in flight (so a waiter for them returns then)."""
@@ -347,21 +364,26 @@ class SampleCache:
         def landed(tr, data: np.ndarray, k: int) -> None:
             p = samples_by_transfer(tr)
             sel = p["by"][p["bounds"][k]:p["bounds"][k + 1]]
+            # present gap samples (span_present: a fill's run crossing them) are neither re-hashed nor rewritten:
+            # their bytes are in place (and may be being read); the writes go around them
+            skip = p["gap"][sel] & (self.present[p["id"][sel]] != 0)
+            skipped, sel = sel[skip], sel[~skip]
             if self.checksums is not None:
                 self._check(data, p["where"][sel] - tr.t_dest[k], p["length"][sel], p["id"][sel], p["shard"][sel],
                             p["offset"][sel])
             mine, gap = p["id"][sel[~p["gap"][sel]]], p["id"][sel[p["gap"][sel]]]
-            # present gap samples (span_present) are written again, identical and checked above, but not re-marked;
-            # absent ones are marked too when this process holds their lock (the caller's) or can take it now
-            gap = gap[self.present[gap] == 0]
+            # absent gap samples are marked too when this process holds their lock (the caller's) or can take it now
             ours = np.isin(gap, held)
             extra, extra_held = self._lock_free_runs(gap[~ours])
             extra = np.concatenate((gap[ours], extra))
             try:
                 n = int(tr.t_length[k])
+                starts, ends = _around(p["where"][skipped] - tr.t_dest[k], p["length"][skipped], n)
                 try:
-                    wrote = self.writer.pwrite(int(seg_shard[tr.t_file[k]]), data, int(tr.t_offset[k]))
-                    if wrote != n:  # a short write is a full disk that took part of it: never marked
+                    shard, base = int(seg_shard[tr.t_file[k]]), int(tr.t_offset[k])
+                    wrote = sum(self.writer.pwrite(shard, data[a:b], base + a)  # a few pieces: one per skipped
+                                for a, b in zip(starts.tolist(), ends.tolist()))  # sample, most GETs one
+                    if wrote != int((ends - starts).sum()):  # a short write: a full disk took part of it, never marked
                         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 except OSError as e:  # a full or failing cache disk: give back what this GET allocated, mark nothing
                     back = self.lookup(np.concatenate((mine, extra)))
@@ -379,12 +401,13 @@ class SampleCache:
                 self.stats.misses += int(mine.size)
                 self.stats.gap_samples += int(extra.size)
                 self.stats.fetched_bytes += n
+                self.stats.skipped_bytes += n - int((ends - starts).sum())
             with self._cv:
                 self._claims.landed += 1
                 self._cv.notify_all()  # waiters whose samples this GET held return now
 
         self.fetcher.fetch(self.refs, seg, ext.offset, ext.length, ref_of_file=seg_shard, max_gap=max_gap,
-                           on_transfer=landed)
+                           on_transfer=landed, priority=priority, max_inflight=max_inflight)
         left = self.present[ids] == 0
         if left.any():  # empty samples: no GET holds them (their xxh3 is still the map's)
             if self.checksums is not None:

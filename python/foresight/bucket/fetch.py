@@ -374,14 +374,19 @@ class RangedFetcher:
     # -- many extents ----------------------------------------------------------------------------------------------
     def fetch(self, refs: Sequence[ObjectRef], file: np.ndarray, offset: np.ndarray, length: np.ndarray, *,
               ref_of_file: np.ndarray | None = None, max_gap: int | None = None,
-              on_transfer: Callable[[Transfers, np.ndarray, int], None] | None = None) -> Fetched:
+              on_transfer: Callable[[Transfers, np.ndarray, int], None] | None = None,
+              priority: np.ndarray | None = None, max_inflight: int | None = None) -> Fetched:
         """The bytes of every extent, in coalesced ranged GETs run concurrently. ``file[i]`` indexes ``refs``, or
         with ``ref_of_file`` a group of extents (``ref_of_file[file[i]]`` indexes ``refs``) that is coalesced on
         its own: extents of different groups are never merged, even in one object. ``max_gap`` overrides the
         fetcher's for this call. ``on_transfer(transfers, data, k)`` runs on the fetcher's thread as soon as
         transfer ``k``'s bytes have come (``data``: those bytes alone, read-only), to check and store them while the
         other GETs are in flight; they are then not copied into the returned region (which is empty). What it
-        raises fails the call as a failed GET does."""
+        raises fails the call as a failed GET does. ``priority`` (a rank per extent, lowest first): GETs are sent
+        in the order of the lowest rank they hold; ``max_inflight``: at most this many bytes of GETs in flight (one
+        at least), the next one sent as one lands. The two together make GETs land in rank order, each at the
+        link's full rate, instead of all of them sharing the link and landing together at the end (a prefetcher's
+        fill, whose blocks the loader needs one step after another)."""
         sizes = np.array([r.size for r in refs], dtype=np.int64)
         ref_of_file = np.arange(len(refs)) if ref_of_file is None else np.asarray(ref_of_file, dtype=np.int64)
         gap = self.max_gap if max_gap is None else int(max_gap)
@@ -389,22 +394,71 @@ class RangedFetcher:
                       file_sizes=sizes[ref_of_file])
         region = np.empty(0 if on_transfer is not None else tr.total_bytes, dtype=np.uint8)
 
-        def one(k: int) -> None:
+        def one(k: int, arrived: Callable[[], None] | None = None) -> None:
             start, n = int(tr.t_offset[k]), int(tr.t_length[k])
             data = self._get_range(refs[int(ref_of_file[tr.t_file[k]])], start, start + n)
+            if arrived is not None:
+                arrived()  # off the link: the next GET may go out while these bytes are checked and written
             dest = int(tr.t_dest[k])
             if on_transfer is not None:  # handed over as it came: no copy into a region held until the end
                 on_transfer(tr, np.frombuffer(data, dtype=np.uint8), k)
             else:
                 region[dest:dest + n] = np.frombuffer(data, dtype=np.uint8)
 
-        futures = [self._pool.submit(one, k) for k in range(tr.io_count)]
+        sequence = range(tr.io_count)
+        if priority is not None and tr.io_count:
+            rank = np.full(tr.io_count, np.iinfo(np.int64).max, dtype=np.int64)
+            np.minimum.at(rank, np.searchsorted(tr.t_dest, tr.x_dest, side="right") - 1,
+                          np.asarray(priority, dtype=np.int64))
+            sequence = np.argsort(rank, kind="stable").tolist()
+        if max_inflight is None:
+            futures = [self._pool.submit(one, k) for k in sequence]
+        else:
+            futures = self._windowed(one, sequence, tr.t_length, int(max_inflight))
         errors = [f.exception() for f in futures]  # waits for all: no request outlives the call
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
         return Fetched(tr, region)
 
+    def _windowed(self, one: Callable[..., None], sequence, lengths: np.ndarray, max_inflight: int) -> list:
+        """Submit ``one(k, arrived)`` for ``k`` in ``sequence`` with at most ``max_inflight`` bytes
+        (``lengths[k]``) on the link at once (one GET at least): a GET's bytes leave the window when they have
+        arrived (``arrived()``), not when the callback that checks and writes them returns, so the link never
+        waits on the disk. Stops submitting at the first failure. Returns the futures submitted."""
+        cv = threading.Condition()
+        state = {"inflight": 0, "failed": False}
+
+        def tracked(k: int, n: int) -> None:
+            done = []
+
+            def arrived() -> None:
+                with cv:
+                    if not done:
+                        done.append(True)
+                        state["inflight"] -= n
+                        cv.notify_all()
+
+            try:
+                one(k, arrived)
+            except BaseException:
+                with cv:
+                    state["failed"] = True
+                raise
+            finally:
+                arrived()
+
+        futures = []
+        for k in sequence:
+            n = int(lengths[k])
+            with cv:
+                while state["inflight"] and state["inflight"] + n > max_inflight and not state["failed"]:
+                    cv.wait()
+                if state["failed"]:
+                    break
+                state["inflight"] += n
+            futures.append(self._pool.submit(tracked, k, n))
+        return futures
 
 def _epoch(when: Any) -> float | None:
     """A listing's ``last_modified`` (a datetime) as epoch seconds."""

@@ -17,16 +17,16 @@ Knowing the whole plan, a group's fetch takes every ``fill_block``-aligned block
 absent samples whole: the block's absent samples the plan still reads, the group's own among them. Those bytes are
 the plan's future, not waste, so a block is one ranged GET, once, and the samples of later steps are already there.
 The runs may cross bytes the plan does not read (a sample it never reads, a present one, padding) up to
-``FILL_SLACK`` of the fill's own bytes. A group's blocks come in pieces, fetched in order: blocks in the order the
-group's steps first need them, the first piece the blocks of the group's first step, each next one whole steps'
-blocks, at least twice the last (the ramp goes on across groups), at most ``fill_bytes``; so the steps right after
-the first wait on their own blocks, never behind a fill of the whole dataset (and each GET's samples are marked
-as it lands).
+``FILL_SLACK`` of the fill's own bytes. A group's fill is one fetch whose GETs go out in the order the group's
+steps first need their blocks, at most ``fill_bytes`` of them in flight (the next as one lands): the blocks land
+one after another at the link's rate, each GET's samples marked as it lands, so the steps right after the first
+wait on their own blocks, never behind a fill of the whole dataset (sent all at once, the GETs would share the link
+and land together at the end).
 The first step is fetched alone, without fill and without merged gaps: the first batch waits on that fetch (the
 loader hands out a step it has read before it waits on the lookup of a later one), so it waits on its own samples'
 bytes only. The fills from the next group on take their blocks whole, present samples included (a present sample
-inside a fill run is fetched, checked and written again, identical: cutting runs at every present sample would
-make the fill one GET per sample again). Under a budget there is no fill: a filled sample could be evicted before
+inside a fill run is fetched, but neither re-hashed nor written again: cutting runs at every present sample
+would make the fill one GET per sample again). Under a budget there is no fill: a filled sample could be evicted before
 its use.
 
 The consumer's position comes from the loader's ``on_step`` hook (called when a batch is handed out: its reads are
@@ -66,7 +66,7 @@ __all__ = ["PlanPrefetcher", "FILL_BLOCK", "FILL_BYTES"]
 
 FILL_BLOCK = 16 << 20  # a block is fetched whole (its samples the plan still reads): one GET per block, not per sample
 FILL_GAP = 64 << 10  # a gap a run may always cross (alignment padding; the first step's own fetch takes no more)
-FILL_BYTES = 256 << 20  # at most this much per fill piece (what one fetch holds in memory)
+FILL_BYTES = 64 << 20  # at most this much of a fill in flight (a few block GETs: they land one after another)
 FILL_SLACK = 0.10  # bytes a fill's runs may carry between its samples, as a share of the samples' own bytes
 
 
@@ -77,7 +77,7 @@ class PlanPrefetcher(Closing):
     samples per coalesced fetch, so more of them share a GET. ``max_gap`` is the coalescer's gap for these fetches
     (None: 0 under a budget, where gap bytes would mostly be evicted unused; the fetcher's own otherwise).
     ``fill_block``/``fill_bytes``: the block fill of the module doc (0: off; only without a budget; ``fill_bytes``
-    bounds a fill piece). ``keep`` (bool
+    bounds a fill's bytes in flight). ``keep`` (bool
     per sample): only those samples of the plan are fetched and pinned (a storage node's share of them).
     ``wait_s``: how long a lookup of a claimed sample waits with no GET landing before it raises (None: the
     fetcher's retry budget plus one request's timeout, by when a stuck GET has failed)."""
@@ -114,7 +114,6 @@ class PlanPrefetcher(Closing):
         self._sizes = ds.sample_bytes()
         self.fill_block = int(fill_block) if budget_bytes is None else 0
         self.fill_bytes = int(fill_bytes)
-        self._fill_limit = min(self.fill_bytes, self.fill_block)  # doubles with each fill, up to fill_bytes
         if self.fill_block:
             self._init_fill()
         self._last_use = np.full(ds.num_samples, -1, dtype=np.int64)
@@ -124,7 +123,7 @@ class PlanPrefetcher(Closing):
         self._pins = self.cache.pins()  # the window, pinned for every process sharing the cache
         self._pins.hold(self._window(-1))
         self.error: BaseException | None = None
-        self.stats = {"prefetched_steps": 0, "fetched_samples": 0, "filled_samples": 0, "fill_pieces": 0,
+        self.stats = {"prefetched_steps": 0, "fetched_samples": 0, "filled_samples": 0, "fill_blocks": 0,
                       "evicted_samples": 0, "evicted_bytes": 0, "over_budget": 0, "max_cached_bytes": 0}
         retry = ds.fetcher.retry
         self._claim = self.cache.claim(self._wake, retry.budget_s + retry.request_timeout_s
@@ -222,19 +221,20 @@ class PlanPrefetcher(Closing):
             if self.fill_block and k == 0:  # the first batch waits on this fetch: its own bytes only
                 gap, span = FILL_GAP, False
             elif self.fill_block:
-                # the group's blocks whole, in pieces in the order the plan first needs them (a present
-                # sample inside a fill run is fetched, checked and written again: a run cut at every present
-                # sample would be one GET per sample again)
+                # the group's blocks whole, their GETs sent in the order the plan first needs them (a present
+                # sample inside a fill run is fetched but not written again: a run cut at every present sample
+                # would be one GET per sample again)
                 ids, order, gap = self._fill(k, uses)
                 self._claim.set(np.concatenate((claimed, ids)))  # the fill's samples too
                 self.stats["filled_samples"] += int(np.count_nonzero(~np.isin(ids, uses)))
-                self.stats["fill_pieces"] += int(np.unique(order).size)
+                self.stats["fill_blocks"] += int(np.unique(order).size)
                 span = True
             else:
                 gap, span = self.max_gap, False
             if self.before_fetch is not None:
                 self.before_fetch(k)
-            fetched = self.cache.ensure(ids, max_gap=gap, span_present=span, order=order, claim=self._claim)
+            fetched = self.cache.ensure(ids, max_gap=gap, span_present=span, order=order,
+                                        max_inflight=self.fill_bytes, claim=self._claim)
             self._last_use[uses] = np.repeat(np.arange(k, end), np.diff(acc.ptr[k:end + 1]))
             self.stats["prefetched_steps"] += end - k
             self.stats["fetched_samples"] += fetched
@@ -257,12 +257,12 @@ class PlanPrefetcher(Closing):
 
     def _fill(self, k: int, uses: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """The fill of the group at position ``k`` reading ``uses``: every block holding an absent sample of
-        ``uses``, whole (its absent samples the plan reads at ``k`` or later). Returns those samples, a piece number
-        for each, and the coalescer's gap for them. Pieces are fetched in order: blocks in the order the group's
-        steps first need them, a piece the blocks of whole steps (the first at least one block's worth: the blocks
-        of the group's first step; each next one at least twice the last, the ramp going on across groups), at most
-        ``fill_bytes``. The gap is the widest that keeps the bytes between a piece's samples (samples the plan never
-        reads, present ones a run crosses) within ``FILL_SLACK`` of the samples' own (at least ``FILL_GAP``)."""
+        ``uses``, whole (its absent samples the plan reads at ``k`` or later). Returns those samples, the rank of
+        each one's block in the order the group's steps first need the blocks (its GETs go out in that order, at
+        most ``fill_bytes`` in flight: they land one after another, so step ``k + 1`` waits on its own blocks only),
+        and the coalescer's gap for them: the widest that keeps the bytes between the samples (samples the plan
+        never reads, present ones a run crosses) within ``FILL_SLACK`` of the samples' own (at least
+        ``FILL_GAP``)."""
         present = self.cache.present
         at_use = np.flatnonzero(present[uses] == 0)
         if not at_use.size:
@@ -272,8 +272,6 @@ class PlanPrefetcher(Closing):
         _, first = np.unique(keys, return_index=True)
         first = np.sort(first)
         blocks = keys[first]
-        # the position of the step that first needs each block (uses lists the group's steps in order)
-        block_step = np.searchsorted(self.acc.ptr, self.acc.ptr[k] + at_use[first], side="right") - 1
         lo = np.searchsorted(self._sorted_blocks, blocks, side="left")
         hi = np.searchsorted(self._sorted_blocks, blocks, side="right")
         counts = hi - lo
@@ -282,31 +280,16 @@ class PlanPrefetcher(Closing):
         block_of = np.repeat(np.arange(blocks.size), counts)
         keep = (present[cand] == 0) & (self._last_pos[cand] >= k)
         cand, block_of = cand[keep], block_of[keep]
-        cum = np.cumsum(np.bincount(block_of, weights=self._sizes[cand], minlength=blocks.size))
-        piece_of_block = np.empty(blocks.size, dtype=np.int64)
-        start, piece = 0, 0
-        while start < blocks.size:  # a loop over pieces (doubling: a few per group), not blocks or samples
-            base = cum[start - 1] if start else 0.0
-            reach = start + int(np.searchsorted(cum[start:] - base, self._fill_limit, side="left"))
-            end = blocks.size if reach >= blocks.size else \
-                int(np.searchsorted(block_step, block_step[reach], side="right"))  # whole steps' blocks
-            cap = start + int(np.searchsorted(cum[start:] - base, self.fill_bytes, side="right"))
-            end = max(start + 1, min(end, cap))
-            piece_of_block[start:end] = piece
-            self._fill_limit = min(self.fill_bytes, 2 * max(self._fill_limit, int(cum[end - 1] - base)))
-            start, piece = end, piece + 1
-        order = piece_of_block[block_of]
-        return cand, order, self._fill_gap(cand, order)
+        return cand, block_of, self._fill_gap(cand)
 
-    def _fill_gap(self, ids: np.ndarray, order: np.ndarray) -> int:
-        """The largest gap between neighbours of one piece (same object) whose gaps up to it sum to at most
-        ``FILL_SLACK`` of the pieces' bytes: bytes bounded to (1 + FILL_SLACK)x, runs as long as that allows."""
+    def _fill_gap(self, ids: np.ndarray) -> int:
+        """The largest gap between neighbours (same object) whose gaps up to it sum to at most ``FILL_SLACK`` of
+        the fill's bytes: bytes bounded to (1 + FILL_SLACK)x, runs as long as that allows."""
         if ids.size < 2:
             return FILL_GAP
-        by = np.lexsort((ids, order))
-        ids, order = ids[by], order[by]
+        ids = np.sort(ids)
         end = self._offset[ids] + self._sizes[ids]
-        same = (order[1:] == order[:-1]) & (self._shard[ids[1:]] == self._shard[ids[:-1]])
+        same = self._shard[ids[1:]] == self._shard[ids[:-1]]
         gaps = np.sort((self._offset[ids[1:]] - end[:-1])[same])
         fits = np.cumsum(gaps) <= FILL_SLACK * float(self._sizes[ids].sum())
         widest = int(gaps[fits][-1]) if fits.any() else 0
