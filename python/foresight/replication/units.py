@@ -321,8 +321,8 @@ class ReplicaBuilder:
             finally:
                 os.close(jfd)
         self.journaled, self.arrived = extents, arrived
-        self.written = {name: sum(f.counts[k] for f in files.values()) for k, name in
-                        (("direct", "direct_bytes"), ("buffered", "buffered_bytes"), ("refused", "direct_refused"))}
+        self.written = {k: sum(f.counts[k] for f in files.values()) for k in ("direct_bytes", "buffered_bytes")}
+        self.written["direct_refused"] = sum(f.counts["fallbacks"] for f in files.values())
         return done, len(files) + (1 if done else 0)
 
     def finalize(self, meta: dict[str, bytes], expected_units: int) -> str:
