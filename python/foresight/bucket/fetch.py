@@ -460,6 +460,7 @@ class RangedFetcher:
             futures.append(self._pool.submit(tracked, k, n))
         return futures
 
+
 def _epoch(when: Any) -> float | None:
     """A listing's ``last_modified`` (a datetime) as epoch seconds."""
     return when.timestamp() if when is not None else None

@@ -274,7 +274,10 @@ class WindowSender:
     def _put_window(self, client: flight.FlightClient, t: Transfer, units: list[Unit]) -> tuple[Any, Any]:
         """``units`` back to back in one ``DoPut replica.units`` (written, not yet acknowledged); the site verifies
         each, makes them durable together (one sync per file) and acknowledges them at once."""
-        cmd = {"op": "replica.units", "name": t.name, "token": self.token}
+        # units of a save in progress: the site writes them with O_DIRECT, so its intake keeps pace with the save;
+        # after the commit, through its page cache, which its verification then reads (see replica_file)
+        direct = t.streaming and t.committed_at is None
+        cmd = {"op": "replica.units", "name": t.name, "token": self.token, "direct": direct}
         writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.units", json.dumps(cmd)), SCHEMA)
         try:
             for u in units:

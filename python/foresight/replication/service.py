@@ -13,7 +13,8 @@ The same handlers run on every site's node; which role they play depends on the 
   also ``arrived``: when each unit of that checkpoint arrived, as the receiving site);
 - evaluation site (receiver): ``DoPut`` of ``replica.units`` (a window of units back to back, each opened by its
   JSON header in the batch metadata; verified, synced once per file, journaled and acknowledged together; a unit
-  journaled already is drained; each sending thread keeps two full windows' bytes unacknowledged; the older
+  journaled already is drained; ``direct``: units of a save in progress, written with O_DIRECT (``received``
+  counts ``direct_bytes``/``buffered_bytes``); each sending thread keeps two full windows' bytes unacknowledged; the older
   ``replica.unit`` takes one), ``replica.status`` (units already journaled, with their extents: a resumed
   transfer skips them),
   ``DoPut`` of ``replica.commit`` (the source's index and COMMIT or ``.metadata``, sent as soon as every unit is on
@@ -84,7 +85,9 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
         self.sent_log: list[tuple[str, int]] = []
         self.retries = 0  # attempts repeated because a site was down or starting
         self.layout_failures = 0  # replica.layout calls that failed (the site then does not merge on arrival)
-        self.received = {"windows": 0, "units": 0, "syncs": 0}  # as a receiving site
+        # as a receiving site; bodies written with O_DIRECT or buffered (unaligned ends; a file system refusing it)
+        self.received = {"windows": 0, "units": 0, "syncs": 0, "direct_bytes": 0, "buffered_bytes": 0,
+                         "direct_refused": 0}
         self._receiving: dict[str, int] = {}  # windows being received per checkpoint
         self._arrivals: dict[str, list[tuple[int, int, float]]] = {}  # per checkpoint: (unit, length, arrived at)
         self._merges: dict[str, Any] = {}  # checkpoints merged here as their units arrive (ArrivalMerge)

@@ -1,7 +1,8 @@
 """The evaluation site's receiver: units arrive in windows, are journaled, and the replica is committed.
 
 ``DoPut replica.units`` (a window of units back to back: verified, synced once per file, journaled and acknowledged
-together; the older ``replica.unit`` takes one), ``replica.status`` (units journaled already, so a resumed transfer
+together; a save's units sent before its commit written with O_DIRECT, see
+:mod:`~foresight.replication.replica_file`; the older ``replica.unit`` takes one), ``replica.status`` (units journaled already, so a resumed transfer
 skips them) and ``DoPut replica.commit`` (wait for windows still arriving, check every unit, verify, rename,
 register under the replica TTL). ``DoPut replica.layout`` (the chunks of the checkpoint's data files and the merge
 wanted) starts an :class:`~foresight.replication.arrival_merge.ArrivalMerge` that merges each unit once journaled,
@@ -55,7 +56,7 @@ class TransferReceiver:
         with self._lock:
             self._receiving[rb.name] = self._receiving.get(rb.name, 0) + 1
         try:
-            done, syncs = rb.write_units(_unit_parts(reader))
+            done, syncs = rb.write_units(_unit_parts(reader), direct=bool(cmd.get("direct")))
         finally:
             with self._lock:
                 self._receiving[rb.name] -= 1
@@ -66,6 +67,8 @@ class TransferReceiver:
             self.received["windows"] += 1
             self.received["units"] += len(done)
             self.received["syncs"] += syncs
+            for k, n in rb.written.items():  # bytes written with O_DIRECT / buffered, O_DIRECT refusals
+                self.received[k] += n
             arrivals = self._arrivals.pop(rb.name, [])  # re-inserted: the most recent checkpoints are kept
             arrivals.extend(rb.arrived)
             self._arrivals[rb.name] = arrivals

@@ -61,6 +61,7 @@ class Transfer:
     put: set[int] = field(default_factory=set)  # units on the wire (their window written whole), maybe unacknowledged
     publishing: bool = False
     merge: dict[str, Any] | None = None  # the site merges as units arrive (groups, depth, reshard)
+    streaming: bool = False  # started by a writer still writing (files declared): units leave as it reports them
     layout_calls: list[threading.Thread] = field(default_factory=list)  # replica.layout calls under way
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -99,6 +100,7 @@ class TransferSender:
         fds = {f: os.open(os.path.join(src, f), os.O_RDONLY | os.O_CLOEXEC) for f in {u.file for u in units}}
         t = Transfer(name, b["site"], src, float(b.get("priority", 1.0)), units, fds)
         t.written = dict(listed) if declared is None else {}
+        t.streaming = declared is not None
         t.held = list(units)
         t.unit_bytes = unit_bytes
         t.merge = None if b.get("merge") is None else dict(b["merge"])

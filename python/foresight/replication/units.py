@@ -35,6 +35,7 @@ from foresight.checkpoint.safe_pickle import load_dcp_metadata
 from foresight.checksum import xxh3_many
 from foresight.errors import CheckpointError
 from foresight.io.durable import fsync_dir
+from foresight.replication.replica_file import ReplicaFile
 
 # Measured (bench/remote_merge.py --unit-sweep; 256 MiB over a 100 ms, 1 Gbit/s link, 2 units in flight):
 # 1 MiB 12.8 MB/s, 4 MiB 34, 16 MiB 87, 32 MiB 100, 64 MiB 76 (too few units left to keep both streams busy).
@@ -186,20 +187,11 @@ def verify_checkpoint(path: str) -> int:
     return len(extents)
 
 
-def _preallocate(fd: int, size: int, path: str) -> None:
-    """Give the replica file its size with its blocks allocated up front (units land anywhere in it, in any order;
-    writes into allocated blocks are faster than filling a sparse file, and a full disk shows now, by name)."""
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        raise CheckpointError(f"cannot allocate the replica file: {e.strerror}", path=path, size=size) from e
-
-
 class _UnitSink:
     """One unit being received: its bytes go to their place in the (hidden) replica file, hashed on the way."""
 
-    def __init__(self, tmp: str, header: dict[str, Any], fds: dict[str, int],
-                 held: dict[int, tuple[str, int, int] | None] | None = None) -> None:
+    def __init__(self, tmp: str, header: dict[str, Any], files: dict[str, ReplicaFile],
+                 held: dict[int, tuple[str, int, int] | None] | None = None, direct: bool = False) -> None:
         self.header = header
         self.file = check_file_name(str(header["file"]))
         self.offset, self.length, size = int(header["offset"]), int(header["length"]), int(header["file_size"])
@@ -209,14 +201,12 @@ class _UnitSink:
         # journaled already (a sender that had not heard the status yet): its bytes are drained, not rewritten
         self.held = (held or {}).get(int(header["id"]), 0) == (self.file, self.offset, self.length)
         if self.held:
-            self.fd = -1
+            self.out = None
             return
-        fd = fds.get(self.file)
-        if fd is None:
-            fd = fds[self.file] = os.open(os.path.join(tmp, self.file), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            if os.fstat(fd).st_size != size:
-                _preallocate(fd, size, os.path.join(tmp, self.file))
-        self.fd = fd
+        out = files.get(self.file)
+        if out is None:
+            out = files[self.file] = ReplicaFile(os.path.join(tmp, self.file), size, direct=direct)
+        self.out = out
 
     def write(self, chunk: Any) -> None:
         mv = memoryview(chunk).cast("B")
@@ -226,9 +216,7 @@ class _UnitSink:
             self.pos += len(mv)
             return
         self.h.update(mv)
-        done = 0
-        while done < len(mv):
-            done += os.pwrite(self.fd, mv[done:], self.pos + done)
+        self.out.pwrite(mv, self.pos)
         self.pos += len(mv)
 
     def finish(self) -> int:
@@ -254,6 +242,7 @@ class ReplicaBuilder:
         os.makedirs(self.tmp, exist_ok=True)
         self.journaled: list[tuple[int, str, int, int]] = []  # the units the last write_units journaled
         self.arrived: list[tuple[int, int, float]] = []  # and (id, length, time its last byte arrived) of each
+        self.written = {"direct_bytes": 0, "buffered_bytes": 0, "direct_refused": 0}  # by the last write_units
 
     def done_units(self) -> set[int]:
         """Units already journaled (their bytes verified and fsynced): a resumed transfer skips them."""
@@ -283,14 +272,19 @@ class ReplicaBuilder:
 
         self.write_units(parts())
 
-    def write_units(self, parts: Iterable[tuple[dict[str, Any] | None, Any]]) -> tuple[list[int], int]:
+    def write_units(self, parts: Iterable[tuple[dict[str, Any] | None, Any]], *,
+                    direct: bool = False) -> tuple[list[int], int]:
         """Units back to back: ``(header, first chunk)`` opens a unit, ``(None, chunk)`` continues it. Each unit is
         verified against its xxh3 as it ends; then the files touched get one ``fdatasync`` each and the units one
         journal append (durability batched per window, never a unit journaled before its bytes are on disk). A unit
         journaled already for the same extent is drained and acknowledged, not written again.
+        ``direct``: the bodies go to disk with O_DIRECT where aligned (units of a save in progress, see
+        :mod:`~foresight.replication.replica_file`); else through the page cache.
         Returns the unit ids journaled and the syncs made; ``self.journaled`` lists them as
-        ``(id, file, offset, length)``, ``self.arrived`` as ``(id, length, time.time() its last byte came)``."""
-        fds: dict[str, int] = {}
+        ``(id, file, offset, length)``, ``self.arrived`` as ``(id, length, time.time() its last byte came)``,
+        ``self.written`` the bytes written with O_DIRECT (``direct_bytes``) and buffered (``buffered_bytes``) and the
+        O_DIRECT opens or writes refused (``direct_refused``)."""
+        files: dict[str, ReplicaFile] = {}
         done: list[int] = []
         cur: _UnitSink | None = None
         lines: list[str] = []
@@ -305,7 +299,7 @@ class ReplicaBuilder:
                         lines += [] if cur.held else [cur.journal_line()]
                         extents.append((done[-1], cur.file, cur.offset, cur.length))
                         arrived.append((done[-1], cur.length, time.time()))
-                    cur = _UnitSink(self.tmp, header, fds, held=held)
+                    cur = _UnitSink(self.tmp, header, files, held=held, direct=direct)
                 elif cur is None:
                     raise CheckpointError("unit body before its header", name=self.name)
                 cur.write(chunk)
@@ -314,11 +308,11 @@ class ReplicaBuilder:
                 lines += [] if cur.held else [cur.journal_line()]
                 extents.append((done[-1], cur.file, cur.offset, cur.length))
                 arrived.append((done[-1], cur.length, time.time()))
-            for fd in fds.values():
-                os.fdatasync(fd)
+            for f in files.values():
+                f.sync()
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            for f in files.values():
+                f.close()
         if done:
             jfd = os.open(os.path.join(self.tmp, JOURNAL), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
             try:
@@ -327,7 +321,9 @@ class ReplicaBuilder:
             finally:
                 os.close(jfd)
         self.journaled, self.arrived = extents, arrived
-        return done, len(fds) + (1 if done else 0)
+        self.written = {k: sum(f.counts[k] for f in files.values()) for k in ("direct_bytes", "buffered_bytes")}
+        self.written["direct_refused"] = sum(f.counts["fallbacks"] for f in files.values())
+        return done, len(files) + (1 if done else 0)
 
     def finalize(self, meta: dict[str, bytes], expected_units: int) -> str:
         """All units present + the source's commit files -> verify every tensor -> atomic rename; return the path."""
