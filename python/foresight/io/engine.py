@@ -65,6 +65,11 @@ DIRECT_ALIGN = 4096  # what we ask of O_DIRECT callers; C checks the 512-byte mi
 _logged: set[tuple[str, int]] = set()
 _log_lock = threading.Lock()
 
+# Forks of this process so far, as seen by a child: an engine made before a fork is refused in the child. A counter
+# bumped at fork is read per call for free, where os.getpid() is a system call on every engine call.
+_forks = [0]
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+
 
 def get_backend(name: str) -> int:
     """The C constant for a backend name; ValueError lists the allowed names."""
@@ -131,6 +136,8 @@ def _is_direct(fd: int) -> bool:
 
 def _int_array(name: str, values: Any, dtype: type, n: int | None) -> np.ndarray:
     """Contiguous array of ``dtype``; scalars broadcast to ``n``; integer input only, range-checked."""
+    if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1 and values.flags.c_contiguous:
+        return values  # what the checks below return for it, without their calls (the per-step case)
     a = np.asarray(values)
     if a.dtype.kind not in "iu" and a.size:
         raise TypeError(f"{name} must be integers, got dtype {a.dtype}")
@@ -209,7 +216,10 @@ class IOEngine(Closing):
         check(ret, "fs_engine_create", backend=name)
         self._ptr = out[0]
         self._pid = os.getpid()
-        self._cv = threading.Condition()
+        self._forks = _forks[0]
+        # _enter/_leave take the plain lock (a C call); close() waits on the condition over it
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._active = 0
         self._pending: dict[int, _Batch] = {}
         self._orphans: list[_Batch] = []
@@ -226,18 +236,18 @@ class IOEngine(Closing):
 
     # -- lifetime ------------------------------------------------------------------------------------
     def _enter(self):
-        with self._cv:
+        with self._lock:
             if self._ptr is None:
                 raise ValueError("I/O engine is closed")
-            if os.getpid() != self._pid:
+            if _forks[0] != self._forks and os.getpid() != self._pid:
                 raise RuntimeError("an I/O engine cannot be used after fork(); create one in the child")
             self._active += 1
             return self._ptr
 
     def _leave(self) -> None:
-        with self._cv:
+        with self._lock:
             self._active -= 1
-            if self._active == 0:
+            if self._active == 0 and self._ptr is None:  # close() waits for the calls inside C
                 self._cv.notify_all()
 
     @property
