@@ -324,18 +324,18 @@ class IOEngine(Closing):
 
     def _make(self, op, fds, offsets, lengths, addrs, allow_eof, needed) -> _Batch:
         offsets = _int_array("offsets", offsets, np.int64, None)
-        n = len(offsets)
+        n = offsets.shape[0]  # 1-D arrays from here on: shapes, not len() calls (this runs once per step)
         lengths = _int_array("lengths", lengths, np.int64, n)
         fds = _int_array("fds", fds, np.int32, n)
         addrs = _int_array("addrs", addrs, np.uint64, n)
-        if not len(fds) == len(lengths) == len(addrs) == n:
+        if not fds.shape[0] == lengths.shape[0] == addrs.shape[0] == n:
             raise ValueError(
                 f"fds, offsets, lengths and addrs must have one entry per request: got {len(fds)}, {n}, "
                 f"{len(lengths)}, {len(addrs)}"
             )
         if needed is not None:
             needed = _int_array("needed", needed, np.int64, n)
-            if len(needed) != n:
+            if needed.shape[0] != n:
                 raise ValueError(f"needed must have {n} entries, got {len(needed)}")
         results = np.empty(n, dtype=np.int64)
         b = ffi.new("struct fs_batch *")
@@ -344,12 +344,11 @@ class IOEngine(Closing):
         b.n = n
         keep = [b]
         if n:
-            bufs = [ffi.from_buffer(ct, a) for ct, a in (
-                ("int32_t[]", fds), ("int64_t[]", offsets), ("int64_t[]", lengths), ("uint64_t[]", addrs))]
-            res = ffi.from_buffer("int64_t[]", results, require_writable=True)
-            b.fds, b.offsets, b.lengths, b.addrs = bufs
-            b.results = res
-            keep += bufs + [res]
+            bufs = [ffi.from_buffer("int32_t[]", fds), ffi.from_buffer("int64_t[]", offsets),
+                    ffi.from_buffer("int64_t[]", lengths), ffi.from_buffer("uint64_t[]", addrs),
+                    ffi.from_buffer("int64_t[]", results, require_writable=True)]
+            b.fds, b.offsets, b.lengths, b.addrs, b.results = bufs
+            keep += bufs
         return _Batch(op, fds, offsets, lengths, addrs, results, needed, keep)
 
     def _run(self, batch: _Batch) -> np.ndarray:
@@ -381,8 +380,9 @@ class IOEngine(Closing):
             bad = np.flatnonzero(results < 0)
             self._raise(batch, int(bad[0]), len(bad), -int(results[bad[0]]))
         if batch.needed is not None:
-            short = np.flatnonzero(results < batch.needed)
-            if len(short):
+            short = results < batch.needed
+            if short.any():  # the rare case pays for the indices
+                short = np.flatnonzero(short)
                 self._raise(batch, int(short[0]), len(short), errno.ENODATA)
         return results
 

@@ -98,9 +98,21 @@ class StepPipeline:
         """``(step, micro_batch, start, stop)``: the plan items of this rank's part of ``unit``."""
         k = self.micro_batches
         step, micro = divmod(unit, k)
-        start, stop = self.plan.rank_items(step, self.rank, self.world_size)
-        size = (stop - start) // k
-        return step, micro, start + micro * size, start + (micro + 1) * size
+        if 0 <= step < self.end_step:
+            first, size, batch = self._rank_share
+            start = first + step * batch + micro * size
+        else:  # not a step the loader yields: the plan's checks say why
+            first, stop = self.plan.rank_items(step, self.rank, self.world_size)
+            size = (stop - first) // k
+            start = first + micro * size
+        return step, micro, start, start + size
+
+    @functools.cached_property
+    def _rank_share(self) -> tuple[int, int, int]:
+        """``(first item of step 0's share, items per unit, items per step)``: the plan's ``rank_items(step)`` is
+        step 0's shifted by ``step`` global batches, so the per-step argument checks run once, not per step."""
+        start, stop = self.plan.rank_items(0, self.rank, self.world_size)
+        return start, (stop - start) // self.micro_batches, self.plan.global_batch_size
 
     @functools.cached_property
     def _fetch_probes(self) -> list[tuple[int, Any]]:
