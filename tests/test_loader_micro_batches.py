@@ -122,3 +122,21 @@ def test_the_dataloader_adapter_says_micro_batches_are_a_loader_option(tokens):
     ds, plan = tokens
     with pytest.raises(ValueError, match="micro_batches is a Loader option"):
         ForesightIterableDataset(ds, plan, micro_batches=2)
+
+
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("world,k", [(1, 1), (2, 1), (2, 4), (4, 2)])
+def test_unit_items_are_the_plans_rank_items_split_k_ways(tokens, compact, world, k):
+    """The pipeline derives each unit's items from step 0's share (no per-step checks); they are the plan's own
+    ``rank_items`` split k ways for every unit of every rank, and a step outside the plan is still refused by it."""
+    ds, _ = tokens
+    plan = build_plan([(ds, 1.0)], seed=2, global_batch_size=16, seq_len=SEQ, num_steps=5, compact=compact)
+    for rank in range(world):
+        with Loader(ds, plan, rank=rank, world_size=world, micro_batches=k) as loader:
+            for unit in range(plan.num_steps * k):
+                step, micro = divmod(unit, k)
+                start, stop = plan.rank_items(step, rank, world)
+                size = (stop - start) // k
+                assert loader._unit_items(unit) == (step, micro, start + micro * size, start + (micro + 1) * size)
+            with pytest.raises(PlanError):
+                loader._unit_items(plan.num_steps * k)

@@ -118,6 +118,8 @@ class Transfers:
 
 
 def _as_int_array(name: str, values, dtype: np.dtype) -> np.ndarray:
+    if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1 and values.flags.c_contiguous:
+        return values  # what the checks below return for it, without their calls (the per-step case)
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"coalesce: {name} must be 1-D, got shape {arr.shape}")
@@ -162,9 +164,11 @@ def coalesce(
     >>> tr.io_count, tr.t_length.tolist(), tr.x_dest.tolist()
     (1, [8192], [0, 4096])
     """
-    max_gap = _check_option("max_gap", max_gap, 0)
-    max_transfer = _check_option("max_transfer", max_transfer, 1)
-    align = _check_option("align", align, 1)
+    if not (type(max_gap) is int and type(max_transfer) is int and type(align) is int  # the per-step case: no calls
+            and max_gap >= 0 and max_transfer >= 1 and align >= 1):
+        max_gap = _check_option("max_gap", max_gap, 0)
+        max_transfer = _check_option("max_transfer", max_transfer, 1)
+        align = _check_option("align", align, 1)
     if align & (align - 1):
         raise ValueError(f"coalesce: align must be a power of two (1, 512, 4096, ...), got {align}")
     f = _as_int_array("file", file, np.int32)

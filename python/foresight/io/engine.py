@@ -65,6 +65,11 @@ DIRECT_ALIGN = 4096  # what we ask of O_DIRECT callers; C checks the 512-byte mi
 _logged: set[tuple[str, int]] = set()
 _log_lock = threading.Lock()
 
+# Forks of this process so far, as seen by a child: an engine made before a fork is refused in the child. A counter
+# bumped at fork is read per call for free, where os.getpid() is a system call on every engine call.
+_forks = [0]
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+
 
 def get_backend(name: str) -> int:
     """The C constant for a backend name; ValueError lists the allowed names."""
@@ -131,6 +136,8 @@ def _is_direct(fd: int) -> bool:
 
 def _int_array(name: str, values: Any, dtype: type, n: int | None) -> np.ndarray:
     """Contiguous array of ``dtype``; scalars broadcast to ``n``; integer input only, range-checked."""
+    if type(values) is np.ndarray and values.dtype == dtype and values.ndim == 1 and values.flags.c_contiguous:
+        return values  # what the checks below return for it, without their calls (the per-step case)
     a = np.asarray(values)
     if a.dtype.kind not in "iu" and a.size:
         raise TypeError(f"{name} must be integers, got dtype {a.dtype}")
@@ -209,7 +216,10 @@ class IOEngine(Closing):
         check(ret, "fs_engine_create", backend=name)
         self._ptr = out[0]
         self._pid = os.getpid()
-        self._cv = threading.Condition()
+        self._forks = _forks[0]
+        # _enter/_leave take the plain lock (a C call); close() waits on the condition over it
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._active = 0
         self._pending: dict[int, _Batch] = {}
         self._orphans: list[_Batch] = []
@@ -226,18 +236,18 @@ class IOEngine(Closing):
 
     # -- lifetime ------------------------------------------------------------------------------------
     def _enter(self):
-        with self._cv:
+        with self._lock:
             if self._ptr is None:
                 raise ValueError("I/O engine is closed")
-            if os.getpid() != self._pid:
+            if _forks[0] != self._forks and os.getpid() != self._pid:
                 raise RuntimeError("an I/O engine cannot be used after fork(); create one in the child")
             self._active += 1
             return self._ptr
 
     def _leave(self) -> None:
-        with self._cv:
+        with self._lock:
             self._active -= 1
-            if self._active == 0:
+            if self._active == 0 and self._ptr is None:  # close() waits for the calls inside C
                 self._cv.notify_all()
 
     @property
@@ -314,18 +324,18 @@ class IOEngine(Closing):
 
     def _make(self, op, fds, offsets, lengths, addrs, allow_eof, needed) -> _Batch:
         offsets = _int_array("offsets", offsets, np.int64, None)
-        n = len(offsets)
+        n = offsets.shape[0]  # 1-D arrays from here on: shapes, not len() calls (this runs once per step)
         lengths = _int_array("lengths", lengths, np.int64, n)
         fds = _int_array("fds", fds, np.int32, n)
         addrs = _int_array("addrs", addrs, np.uint64, n)
-        if not len(fds) == len(lengths) == len(addrs) == n:
+        if not fds.shape[0] == lengths.shape[0] == addrs.shape[0] == n:
             raise ValueError(
                 f"fds, offsets, lengths and addrs must have one entry per request: got {len(fds)}, {n}, "
                 f"{len(lengths)}, {len(addrs)}"
             )
         if needed is not None:
             needed = _int_array("needed", needed, np.int64, n)
-            if len(needed) != n:
+            if needed.shape[0] != n:
                 raise ValueError(f"needed must have {n} entries, got {len(needed)}")
         results = np.empty(n, dtype=np.int64)
         b = ffi.new("struct fs_batch *")
@@ -334,12 +344,11 @@ class IOEngine(Closing):
         b.n = n
         keep = [b]
         if n:
-            bufs = [ffi.from_buffer(ct, a) for ct, a in (
-                ("int32_t[]", fds), ("int64_t[]", offsets), ("int64_t[]", lengths), ("uint64_t[]", addrs))]
-            res = ffi.from_buffer("int64_t[]", results, require_writable=True)
-            b.fds, b.offsets, b.lengths, b.addrs = bufs
-            b.results = res
-            keep += bufs + [res]
+            bufs = [ffi.from_buffer("int32_t[]", fds), ffi.from_buffer("int64_t[]", offsets),
+                    ffi.from_buffer("int64_t[]", lengths), ffi.from_buffer("uint64_t[]", addrs),
+                    ffi.from_buffer("int64_t[]", results, require_writable=True)]
+            b.fds, b.offsets, b.lengths, b.addrs, b.results = bufs
+            keep += bufs
         return _Batch(op, fds, offsets, lengths, addrs, results, needed, keep)
 
     def _run(self, batch: _Batch) -> np.ndarray:
@@ -371,8 +380,9 @@ class IOEngine(Closing):
             bad = np.flatnonzero(results < 0)
             self._raise(batch, int(bad[0]), len(bad), -int(results[bad[0]]))
         if batch.needed is not None:
-            short = np.flatnonzero(results < batch.needed)
-            if len(short):
+            short = results < batch.needed
+            if short.any():  # the rare case pays for the indices
+                short = np.flatnonzero(short)
                 self._raise(batch, int(short[0]), len(short), errno.ENODATA)
         return results
 

@@ -16,6 +16,9 @@ from typing import Any, Callable
 import numpy as np
 
 
+_WIDE_UNSIGNED = (np.dtype(np.uint16), np.dtype(np.uint32))  # what tensor_of moves as the signed type
+
+
 def tensor_of(array: np.ndarray, device: str | None):
     """A tensor over ``array`` (no copy), moved to ``device`` with a non-blocking copy when given.
 
@@ -69,8 +72,9 @@ def to_device(fields: dict, device: str, *, tokens: bool) -> dict:
     fields = dict(fields)
     on_cuda = device.startswith("cuda")
     for key, value in list(fields.items()):
-        if isinstance(value, np.ndarray):
-            value = tensor_of(value, device if on_cuda else None)
+        if isinstance(value, np.ndarray):  # on the CPU most arrays are tensor_of's plain from_numpy, one call
+            plain = not on_cuda and value.dtype not in _WIDE_UNSIGNED
+            value = torch.from_numpy(value) if plain else tensor_of(value, device if on_cuda else None)
         elif on_cuda and isinstance(value, torch.Tensor):
             value = value.to(device, non_blocking=True)
         elif on_cuda and isinstance(value, list) and value and isinstance(value[0], torch.Tensor):

@@ -183,7 +183,7 @@ class Loader(StepPipeline, Closing):
                                  else int(max_transfer))
             self._open_io()
             self._thread: threading.Thread | None = None
-            self._queue: queue.Queue = queue.Queue()
+            self._queue: queue.SimpleQueue = queue.SimpleQueue()  # C put/get: no Python lock calls per step
             self._stop = threading.Event()
             self._current: Batch | None = None
             self._held = 0  # host slots held by batches handed to the consumer and not yet released
@@ -283,10 +283,12 @@ class Loader(StepPipeline, Closing):
                     return
                 if isinstance(item, Failure):
                     raise item.error
-                self.stats.add(stall_s=time.perf_counter() - t0)
+                t1 = time.perf_counter()
                 batch = self._to_device(item)
+                self.stats.add(stall_s=t1 - t0, h2d_s=time.perf_counter() - t1)  # one lock round trip per step
                 self._current = batch
-                self._next_unit = batch.step * self.micro_batches + batch.get("micro_batch", 0) + self._unit_stride
+                micro = batch._data.get("micro_batch", 0)  # the dict's get: Mapping.get raises and catches a KeyError
+                self._next_unit = batch.step * self.micro_batches + micro + self._unit_stride
                 if self.on_step is not None:
                     self.on_step(dict(self.stats.as_dict(), step=batch.step))
                 yield batch
@@ -310,8 +312,8 @@ class Loader(StepPipeline, Closing):
 
     def _to_device(self, batch: Batch) -> Batch:
         """The device handoff (:mod:`foresight.loader.device`): tensors on ``device``, and the slot's lease: on CUDA
-        the slot goes back once the copies' event completes; the batch still goes stale at the next step."""
-        t0 = time.perf_counter()
+        the slot goes back once the copies' event completes; the batch still goes stale at the next step. Its time is
+        the caller's ``h2d_s``."""
         fields = to_device(batch._data, self.device, tokens=self._tokens)
         release = batch._release
         batch._release = None
@@ -320,7 +322,6 @@ class Loader(StepPipeline, Closing):
             release = slot_freed_by_event  # one rule everywhere: the batch goes stale at the next step
         elif release is not None:
             release = ConsumerLease(self, release)
-        self.stats.add(h2d_s=time.perf_counter() - t0)
         return Batch(batch.step, fields, release=release)
 
     def _start(self) -> None:
@@ -328,7 +329,7 @@ class Loader(StepPipeline, Closing):
         if self.auto_release:  # a new iteration asks for the next batch: the last one goes stale only now
             self._release_current()
         self._stop.clear()
-        self._queue = queue.Queue()
+        self._queue = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._run, args=(self._next_unit, self.end_step * self.micro_batches), name="foresight-loader",
             daemon=True

@@ -62,6 +62,8 @@ class Job:
     ticket: Any
     overflow: np.ndarray | None
     reads: Reads | None = None  # engine arguments between _prepare and _start_reads
+    submit_s: float = 0.0  # timings kept with the unit and added to the stats once, when it completes
+    io_wait_s: float = 0.0
 
 
 class StepPipeline:
@@ -96,9 +98,21 @@ class StepPipeline:
         """``(step, micro_batch, start, stop)``: the plan items of this rank's part of ``unit``."""
         k = self.micro_batches
         step, micro = divmod(unit, k)
-        start, stop = self.plan.rank_items(step, self.rank, self.world_size)
-        size = (stop - start) // k
-        return step, micro, start + micro * size, start + (micro + 1) * size
+        if 0 <= step < self.end_step:
+            first, size, batch = self._rank_share
+            start = first + step * batch + micro * size
+        else:  # not a step the loader yields: the plan's checks say why
+            first, stop = self.plan.rank_items(step, self.rank, self.world_size)
+            size = (stop - first) // k
+            start = first + micro * size
+        return step, micro, start, start + size
+
+    @functools.cached_property
+    def _rank_share(self) -> tuple[int, int, int]:
+        """``(first item of step 0's share, items per unit, items per step)``: the plan's ``rank_items(step)`` is
+        step 0's shifted by ``step`` global batches, so the per-step argument checks run once, not per step."""
+        start, stop = self.plan.rank_items(0, self.rank, self.world_size)
+        return start, (stop - start) // self.micro_batches, self.plan.global_batch_size
 
     @functools.cached_property
     def _fetch_probes(self) -> list[tuple[int, Any]]:
@@ -120,7 +134,8 @@ class StepPipeline:
         None when no slot came free before ``busy``'s reads completed, or when ``unit``'s lookup would wait on a
         fetch while ``busy`` is read: that step goes to the consumer first (the first batch waits on its own
         samples' fetch, not on the next steps')."""
-        if busy is not None and self._lookup_would_wait(*self._unit_items(unit)[2:]):
+        step, micro, start, stop = self._unit_items(unit)
+        if busy is not None and self._fetch_probes and self._lookup_would_wait(start, stop):
             return None
         t0 = time.perf_counter()
         slot = self._acquire_slot(busy)
@@ -128,7 +143,6 @@ class StepPipeline:
             return None
         t_slot = time.perf_counter()
         try:
-            step, micro, start, stop = self._unit_items(unit)
             ext = step_extents(self.plan, self.datasets, self._files, start, stop,
                                whole_samples=self.verify and self._tokens)
             t1 = time.perf_counter()
@@ -161,6 +175,7 @@ class StepPipeline:
         self.stats.add(  # the coalescer counted the extents it was given (those read here) and its transfers
             slot_wait_s=t_slot - t0, plan_s=t1 - t_slot, coalesce_s=t2 - t1, extents=len(tr.x_length),
             ios=tr.io_count, bytes_requested=tr.requested_bytes, bytes_read=tr.read_bytes,
+            page_cache_steps=int(align == CACHED_ALIGN),  # one add per step: each is a lock round trip
         )
         return job
 
@@ -168,7 +183,7 @@ class StepPipeline:
         t0 = time.perf_counter()
         job.ticket = job.reads.submit(self._engine)
         job.reads = None
-        self.stats.add(submit_s=time.perf_counter() - t0)
+        job.submit_s = time.perf_counter() - t0  # added with the unit's other figures in _complete
         return job
 
     def _step_coalescing(self) -> tuple[int, int]:
@@ -184,8 +199,7 @@ class StepPipeline:
         if requests > seen_requests:
             self._page_cache_only = hits - seen_hits == requests - seen_requests
             self._cache_seen = (requests, hits)
-        if self._page_cache_only:
-            self.stats.add(page_cache_steps=1)
+        if self._page_cache_only:  # counted in stats.page_cache_steps by _prepare
             return min(self.max_gap, 0), CACHED_ALIGN
         return self.max_gap, ALIGN
 
@@ -204,7 +218,8 @@ class StepPipeline:
         t0 = time.perf_counter()
         fields = self._collate(job)
         last_part = job.micro_batch == self.micro_batches - 1  # a step counts once, with its last micro-batch
-        self.stats.add(collate_s=time.perf_counter() - t0, steps=int(last_part), samples=job.stop - job.start)
+        self.stats.add(collate_s=time.perf_counter() - t0, steps=int(last_part), samples=job.stop - job.start,
+                       submit_s=job.submit_s, io_wait_s=job.io_wait_s)
         if self.decode is not None:
             fields = self.decode(fields, stats=self.stats, first_item=job.start)
         if self.meta_fields:
@@ -285,8 +300,9 @@ class StepPipeline:
                     if ready is not None:
                         unit += stride
                 job = inflight[0]
-                with self.stats.timed("io_wait"):
-                    self._engine.wait(job.ticket)
+                t0 = time.perf_counter()
+                self._engine.wait(job.ticket)
+                job.io_wait_s = time.perf_counter() - t0
                 inflight.popleft()
                 if ready is not None:  # refill the ring before the Python work of collating
                     inflight.append(self._start_reads(ready))
@@ -299,6 +315,7 @@ class StepPipeline:
             self._queue.put(Failure(e))
         finally:
             for job in inflight:  # drain the ring before the slots go back
+                self.stats.add(submit_s=job.submit_s)  # its reads were started: counted as they were
                 try:
                     self._engine.wait(job.ticket)
                 except BaseException:

@@ -91,9 +91,12 @@ class LoaderStats:
 
     def add(self, **amounts: float) -> None:
         """Add to counters by name, e.g. ``add(steps=1, io_wait_s=0.002)`` (thread-safe)."""
+        counters = self.__dict__  # the fields' values: no getattr/setattr round trip per name
         with self._lock:
             for name, value in amounts.items():
-                setattr(self, name, getattr(self, name) + value)
+                if name not in counters:
+                    raise AttributeError(f"LoaderStats has no counter {name!r}")
+                counters[name] += value
 
     def add_decode(self, modality: str, seconds: float) -> None:
         """Add ``seconds`` to ``decode_s`` and to ``decode_by_modality_s[modality]``."""

@@ -89,15 +89,16 @@ def step_extents(plan, datasets: Sequence, files: FileTable, start: int, stop: i
     # a batch's ``sample_ids`` or ``dataset``; a compact plan's pieces are new arrays of this call, used as they are.
     p_dataset = np.array(pieces.dataset, dtype=np.int32)
     p_sample = _own_copy(pieces.sample)
-    p_offset = np.asarray(pieces.offset, dtype=np.int64)
-    p_length = np.asarray(pieces.length, dtype=np.int64)
     tokens = plan.kind == "tokens"
+    p_length = np.asarray(pieces.length, dtype=np.int64) if tokens else None
     if len(datasets) == 1 and not tokens and not p_dataset.any():
         # one dataset, whole samples: its lookup's arrays are the extents (no per-dataset masks, no scatter)
         found = datasets[0].lookup(p_sample)
         file = (found.shard + files.base[0]).astype(np.int32, copy=False)
         offset, length = np.asarray(found.offset, dtype=np.int64), np.asarray(found.length, dtype=np.int64)
     else:
+        p_offset = np.asarray(pieces.offset, dtype=np.int64)
+        p_length = np.asarray(pieces.length, dtype=np.int64)
         file, offset, length = _mixture_extents(datasets, files, p_dataset, p_sample, p_offset, p_length, tokens)
     ext = StepExtents(
         file=file,
