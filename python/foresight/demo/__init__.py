@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, out: str, servers: contextlib.ExitStack) -> int:
     from foresight.demo.background import Starting  # lazy: demo --help stays fast
-    from foresight.demo.bucket import start_seaweed
-    from foresight.demo.replication import start_sites, stop_sites
+    from foresight.demo.bucket import start_seaweed  # lazy: demo --help stays fast
+    from foresight.demo.replication import start_sites, stop_sites  # lazy: demo --help stays fast
 
     t_start = time.perf_counter()
     measured: dict[str, Any] = {}
@@ -235,7 +235,7 @@ class _ToyLM:
 
 def _train(out: str, ds, plan, steps: int, seed: int):
     from foresight.checkpoint import Checkpointer  # lazy: demo --help stays fast
-    from foresight.demo.bucket import step_hash
+    from foresight.demo.bucket import step_hash  # lazy: demo --help stays fast
     from foresight.loader import Loader  # lazy: demo --help stays fast
 
     lm = _ToyLM(seed)

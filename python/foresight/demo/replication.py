@@ -21,6 +21,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+from safetensors.torch import load_file
+
 from foresight.checkpoint import Checkpointer, load
 from foresight.replication.policy import Replication
 from foresight.testing.sites import SiteProcess
@@ -67,14 +70,10 @@ def _tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def _same(a: dict, b: dict) -> bool:
-    import torch
-
     return bool(a) and a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def replicate_checkpoint(sites: tuple[SiteProcess, SiteProcess], checkpoint_root: str, step: int) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
     ev, tr = sites
     saved = load(step, root=checkpoint_root)  # the training run's checkpoint: what the replica must equal
     rep = Replication(every=step, site="eval-b", node=tr.url, job=JOB, unit_bytes=UNIT_BYTES,
