@@ -37,7 +37,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("foresight.plan.inspect_cli", "print a dataset's manifest, a plan's summary, or step k"),
     "ckpt": ("foresight.replication.cli", "checkpoint tools: merge a distributed checkpoint to safetensors"),
     "node": ("foresight.node.cli", "run a storage node (serve), print node status, place shards on nodes"),
-    "demo": ("foresight.demo", "pack, serve, train, checkpoint, resume, train from a bucket, replicate: print the figures"),
+    "demo": ("foresight.demo", "pack, serve, train, checkpoint, resume, read a bucket, replicate; print the figures"),
 }
 
 

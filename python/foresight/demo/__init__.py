@@ -18,8 +18,8 @@
 8. prints a table of what it measured.
 
 The servers of sections 6 and 7 start on threads once the timed training is over (:mod:`.background`), so their
-start-up overlaps section 5; one that cannot start (no ``weed`` binary, say) skips its section with one line, and every server is
-stopped at the end whatever happens.
+start-up overlaps section 5; one that cannot start (no ``weed`` binary, say) skips its section with one line, and
+every server is stopped at the end whatever happens.
 
 Example::
 
