@@ -316,6 +316,36 @@ def test_checkpointer_sends_while_saving(sites):
     rep.close()
 
 
+class _StartsAfterTheCommit(Replication):
+    """The lane's start of a save being written reaches the node only once the save has committed (its temp
+    directory renamed): what happens to a small save on a loaded machine (the demo's, 1.3 MB)."""
+
+    def _start(self, step, directory, files=None, *args, **kw):
+        if files is not None:
+            wait_until(lambda: not os.path.isdir(directory), "the commit renaming the temp directory", timeout=30)
+        super()._start(step, directory, files, *args, **kw)
+
+
+def test_a_save_that_commits_before_its_start_reaches_the_node_is_sent_at_the_commit_without_a_warning(
+        sites, caplog):
+    """Was two WARNING lines and two hook failures (the node could not open the renamed files, then knew no
+    transfer for the progress reports); the commit sends the committed directory either way."""
+    from foresight.checkpoint import Checkpointer
+
+    tr = sites["train"]
+    rep = _StartsAfterTheCommit(every=1, site="eval-b", node=tr.url, job="racejob", unit_bytes=UNIT)
+    state = {"w": torch.randn(300, 300), "b": torch.arange(1000)}  # several units: progress is reported
+    with caplog.at_level("INFO", logger="foresight.replicate"):
+        with Checkpointer(os.path.join(tr.root, "racejob"), replicate=rep) as ck:
+            src = ck.save(state, 1).wait().path
+        info = rep.wait(1, timeout=60)
+    assert files_of(info["path"]) == files_of(src)
+    assert rep.stats["hook_failures"] == 0, rep.stats
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert "the save committed before its start reached the node" in caplog.text
+    rep.close()
+
+
 def test_a_window_of_units_shares_one_acknowledgement_and_one_sync_per_file(sites):
     tr, ev = sites["train"], sites["eval"]
     before = ev.call("replicate.log")["received"]

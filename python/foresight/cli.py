@@ -28,7 +28,7 @@ from foresight.errors import ForesightError
 USER_ERRORS = (ForesightError, OSError, ValueError)
 #: The extra of ``pip install 'foresight[EXTRA]'`` that brings each optional module a command may import.
 EXTRA_OF = {"torch": "torch", "av": "media", "PIL": "media", "safetensors": "checkpoint", "tokenizers": "text",
-            "etcd3gw": "node", "prometheus_client": "node"}
+            "etcd3gw": "node", "prometheus_client": "node", "obstore": "bucket"}
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "pack": ("foresight.bucket.pack_cli",
@@ -37,7 +37,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("foresight.plan.inspect_cli", "print a dataset's manifest, a plan's summary, or step k"),
     "ckpt": ("foresight.replication.cli", "checkpoint tools: merge a distributed checkpoint to safetensors"),
     "node": ("foresight.node.cli", "run a storage node (serve), print node status, place shards on nodes"),
-    "demo": ("foresight.demo", "pack, serve, train a toy model, checkpoint and resume, print what was measured"),
+    "demo": ("foresight.demo", "pack, serve, train, checkpoint, resume, read a bucket, replicate; print the figures"),
 }
 
 

@@ -194,8 +194,23 @@ class Replication:
             except (OSError, ValueError) as e:  # the commit sends the committed directory whole
                 self._failed("data_started", step, None, e)
             return
-        self._submit("data_started", step, self._start, step, os.path.abspath(directory),
+        self._submit("data_started", step, self._start_streaming, step, os.path.abspath(directory),
                      [[f, int(n)] for f, n in files], shared, layout)
+
+    def _start_streaming(self, step: int, directory: str, files: list[list[Any]], shared: bool,
+                         layout: dict[str, Any] | None) -> None:
+        """The lane's start of a save still being written. A small save can commit (its temp directory renamed)
+        before this call reaches the node, which then cannot open the files: not a failure, the commit sends
+        the committed directory whole (one INFO line; the progress reports in between are dropped)."""
+        try:
+            self._start(step, directory, files, shared, layout)
+        except CheckpointError:
+            if os.path.isdir(directory):
+                raise
+            with self._lock:
+                self._pending[step] = "start"
+            log.info("replication: the save committed before its start reached the node; the commit sends it",
+                     extra={"step": step, "node": self.node})
 
     def data_progress(self, step: int, written: dict[str, int]) -> None:
         """``written`` (``{file: bytes}``) of ``step``'s files are written: their units may leave. Returns at once;
@@ -214,7 +229,8 @@ class Replication:
     def _send_progress(self, step: int) -> None:
         with self._lock:
             written = self._progress.pop(step, None)
-        if written:
+            committed_first = self._pending.get(step) == "start"  # the commit sends the committed directory
+        if written and not committed_first:
             self._call("replicate.written", {"name": self._started[step], "written": written})
 
     def _submit(self, hook: str, step: int, fn: Any, *args: Any) -> None:

@@ -9,7 +9,17 @@
 5. decodes the media plan frame-selectively on the host, then serves the same plan through a storage node
    (``foresight node serve`` as a separate process, decoding next to the data) and checks both give the same
    tensors (``output_hash``);
-6. prints a table of what it measured.
+6. uploads the token dataset and its plan to a loopback S3 bucket (SeaweedFS) and trains from
+   ``Loader("s3://...")`` through a cache a quarter of the dataset's size, evicting by the plan's future; checks the
+   batches equal step 3's (:mod:`.bucket`);
+7. saves step 3's checkpoint with ``Replication`` to an evaluation site on loopback (units sent while the file is
+   written, published after the commit, merged there to safetensors) and checks the replica loads equal
+   (:mod:`.replication`);
+8. prints a table of what it measured.
+
+The servers of sections 6 and 7 start on threads once the timed training is over (:mod:`.background`), so their
+start-up overlaps section 5; one that cannot start (no ``weed`` binary, say) skips its section with one line, and
+every server is stopped at the end whatever happens.
 
 Example::
 
@@ -18,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -40,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 #: What the demo imports, checked before it starts (a missing one is named with its extra, see foresight.cli): the
-#: storage node it starts needs the node extra, which a failed start would only report as "see node.log".
-NEEDS = ("torch", "av", "PIL", "prometheus_client")
+#: storage node it starts needs the node extra, which a failed start would only report as "see node.log"; the
+#: bucket section needs the bucket extra, the evaluation site's merge the checkpoint extra.
+NEEDS = ("torch", "av", "PIL", "prometheus_client", "obstore", "safetensors")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,6 +65,16 @@ def run(args: argparse.Namespace) -> int:
     out = os.path.abspath(args.out)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
+    with contextlib.ExitStack() as servers:  # whatever happens: a start under way is waited for, then stopped
+        return _run(args, out, servers)
+
+
+def _run(args: argparse.Namespace, out: str, servers: contextlib.ExitStack) -> int:
+    from foresight.demo.background import Starting  # lazy: demo --help stays fast
+    from foresight.demo.bucket import start_seaweed  # lazy: demo --help stays fast
+    from foresight.demo.replication import start_sites, stop_sites  # lazy: demo --help stays fast
+
+    t_start = time.perf_counter()
     measured: dict[str, Any] = {}
 
     _section("1. generate and pack a small multimodal corpus")
@@ -62,8 +84,9 @@ def run(args: argparse.Namespace) -> int:
     from foresight.plan import build_plan  # lazy: demo --help stays fast
 
     t0 = time.perf_counter()
-    token_plan = build_plan([(token_ds, 1.0)], seed=args.seed, global_batch_size=8, seq_len=64,
-                            num_steps=args.steps, shuffle="block", block_size=16)
+    plan_args = dict(seed=args.seed, global_batch_size=8, seq_len=64, num_steps=args.steps, shuffle="block",
+                     block_size=16)
+    token_plan = build_plan([(token_ds, 1.0)], **plan_args)
     token_plan.save(os.path.join(out, "plan-tokens"))
     media_plan = build_plan([(media_ds, 1.0)], seed=args.seed, global_batch_size=4, num_steps=3)
     media_plan.save(os.path.join(out, "plan-media"))  # under the node's data root, so the node finds it
@@ -73,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     print("step 0 (first 2 sequences):", json.dumps(_head(step0, 2))[:600])
 
     _section("3. train a toy model through the loader, checkpoint asynchronously")
-    losses, ckpt_info, loader_stats = _train(out, token_ds, token_plan, args.steps, args.seed)
+    losses, ckpt_info, loader_stats, batch_hashes = _train(out, token_ds, token_plan, args.steps, args.seed)
     measured.update(ckpt_info)
     measured["loader"] = loader_stats
 
@@ -83,22 +106,51 @@ def run(args: argparse.Namespace) -> int:
     exact = resumed == losses[half:]
     print(f"resumed losses for steps {half}..{args.steps - 1} equal the uninterrupted run: {exact}")
     measured["resume bit-exact"] = exact
+    # the servers of sections 6 and 7 start now, on threads: after the timed training, overlapping section 5
+    s3 = Starting("SeaweedFS", lambda: start_seaweed(out), lambda server: server.stop())
+    servers.callback(s3.stop)
+    sites = Starting("replication sites", lambda: start_sites(out), stop_sites)
+    servers.callback(sites.stop)
 
     _section("5. media decoded frame-selectively, on the host and through a storage node")
     measured.update(_media_batch(media_ds, media_plan, args.seed, out))
     served_same = measured.get("node tensors equal host's") is True
 
-    _section("6. measured")
+    _section("6. train from an S3 bucket (loopback SeaweedFS) through a cache a quarter of the dataset's size")
+    from foresight.demo.bucket import train_from_bucket  # lazy: demo --help stays fast
+
+    server = s3.get()
+    if server is None:
+        print(f"  skipped: {s3.what} did not start ({s3.reason})")
+        measured["bucket"] = {"skipped": s3.reason}
+    else:
+        measured["bucket"] = train_from_bucket(server, out, token_ds, plan_args, batch_hashes)
+    bucket_ok = measured["bucket"].get("batches equal the local run's", True) is True
+
+    _section(f"7. replicate the step-{half} checkpoint to an evaluation site while it is saved")
+    from foresight.demo.replication import replicate_checkpoint  # lazy: demo --help stays fast
+
+    pair = sites.get()
+    if pair is None:
+        print(f"  skipped: {sites.what} did not start ({sites.reason})")
+        measured["replication"] = {"skipped": sites.reason}
+    else:
+        measured["replication"] = replicate_checkpoint(pair, os.path.join(out, "ckpt-local"), half)
+    replication_ok = all(measured["replication"].get(k, True) is True
+                         for k in ("replica loads equal", "merged model equals"))
+
+    _section("8. measured")
+    measured["demo (s)"] = round(time.perf_counter() - t_start, 1)
     for key, value in measured.items():
         if isinstance(value, dict):
             print(f"  {key}:")
             for k, v in value.items():
-                print(f"      {k:<22} {v}")
+                print(f"      {k:<30} {v}")
         else:
-            print(f"  {key:<28} {value}")
+            print(f"  {key:<34} {value}")
     with open(os.path.join(out, "demo.json"), "w") as f:
         json.dump(measured, f, indent=2, default=str)
-    return 0 if exact and served_same else 1
+    return 0 if exact and served_same and bucket_ok and replication_ok else 1
 
 
 # -- stages ---------------------------------------------------------------------------------------------------
@@ -183,13 +235,15 @@ class _ToyLM:
 
 def _train(out: str, ds, plan, steps: int, seed: int):
     from foresight.checkpoint import Checkpointer  # lazy: demo --help stays fast
+    from foresight.demo.bucket import step_hash  # lazy: demo --help stays fast
     from foresight.loader import Loader  # lazy: demo --help stays fast
 
     lm = _ToyLM(seed)
     ckpt = Checkpointer([os.path.join(out, "ckpt-local"), os.path.join(out, "ckpt-durable")], keep=[2, 3])
-    losses, info = [], {}
+    losses, info, hashes = [], {}, []
     with Loader(plan, datasets=ds, prefetch=2) as loader:
         for batch in loader:
+            hashes.append(step_hash(batch))  # what the bucket section's batches must equal
             losses.append(lm.step(batch))
             if batch.step == steps // 2 - 1:  # checkpoint after this step: model + optimizer + loader position
                 t0 = time.perf_counter()
@@ -204,7 +258,8 @@ def _train(out: str, ds, plan, steps: int, seed: int):
     print("losses:", " ".join(f"{x:.3f}" for x in losses))
     keep = ("backend", "steps", "ios", "extents", "bytes_requested", "bytes_read", "amplification",
             "io_wait_s", "collate_s", "stall_s")
-    return losses, info, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.items() if k in keep}
+    return (losses, info, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.items() if k in keep},
+            hashes)
 
 
 def _resume(out: str, ds, plan, steps: int, seed: int) -> list[float]:
@@ -327,6 +382,3 @@ def main() -> int:
 
     return cli_main(["demo", *sys.argv[1:]])  # its error handling: one line for a missing module
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
