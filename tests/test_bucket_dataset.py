@@ -318,7 +318,7 @@ def test_large_gets_are_written_past_the_page_cache_and_read_back_right(s3_env, 
     bounce buffer; the unaligned head and tail buffered): samples packed without alignment put the heads and tails
     mid-page and neighbours on shared pages. Every sample reads back as the local one (the loader's batches, the
     cache files byte for byte, scrub finds nothing)."""
-    from foresight.bucket.direct_write import DIRECT_MIN
+    from foresight.io.direct_write import DIRECT_MIN
 
     rng = np.random.default_rng(5)
     with DatasetWriter(str(tmp_path / "local"), align=1, shard_bytes=6 << 20) as w:

@@ -244,7 +244,7 @@ def test_the_site_writes_a_saves_units_past_its_page_cache_until_the_commit(site
     """Units sent while the save is in progress go to the site's disk with O_DIRECT (buffered writes into fresh
     page-cache pages were slower than a 100 MB/s save: units piled up at the site and were still to arrive at the
     commit); those sent after the commit go through its page cache, which the verification then reads."""
-    from foresight.bucket.direct_write import DIRECT_MIN
+    from foresight.io.direct_write import DIRECT_MIN
 
     tr, ev = sites["train"], sites["eval"]
     unit, size = 2 << 20, 8 << 20  # units of 2, 1.5, 1.125 MiB, then smaller ones

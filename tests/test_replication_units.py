@@ -264,7 +264,7 @@ def test_a_replica_file_writes_the_aligned_middle_of_each_piece_with_o_direct(tm
     """Units of a save in progress bypass the site's page cache (its intake kept pace with a 100 MB/s save only
     then): the 4 KiB-aligned middle of a large piece goes with O_DIRECT, an unaligned head or tail and a small
     piece buffered, and the file holds every byte where it belongs."""
-    from foresight.bucket.direct_write import ALIGN, BOUNCE_BYTES, DIRECT_MIN
+    from foresight.io.direct_write import ALIGN, BOUNCE_BYTES, DIRECT_MIN
     from foresight.replication.replica_file import ReplicaFile
 
     size = BOUNCE_BYTES + 3 * ALIGN + 100  # a piece longer than the bounce buffer, and an unaligned file end

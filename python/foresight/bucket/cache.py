@@ -18,7 +18,7 @@ Safety under concurrent processes (ranks of one host, restarts):
   the page cache, which outlives any process; only a machine crash can lose bytes whose mark reached the disk, so
   instead of an ``fdatasync`` per fetch the first open after a reboot re-hashes the marked samples
   (:meth:`SampleCache.scrub`; the boot id is recorded next to the index);
-- a GET of at least 1 MiB is written past the page cache (:mod:`foresight.bucket.direct_write`: ``O_DIRECT``, no
+- a GET of at least 1 MiB is written past the page cache (:mod:`foresight.io.direct_write`: ``O_DIRECT``, no
   CPU copy into new page-cache pages, which was most of the cache tier's CPU per byte);
 - eviction clears a sample's mark first, then punches the whole 4 KiB blocks inside its extent out of the file
   (``fallocate(PUNCH_HOLE)``: blocks shared with a neighbour stay, so a neighbour's bytes never change);
@@ -54,10 +54,10 @@ from foresight.errors import BucketError
 from foresight.format.types import Extents
 
 from .claims import Claims, FetchClaim
-from .direct_write import CacheWriter
 from .fetch import ObjectRef, RangedFetcher
 from .pins import SamplePins, claim_unpinned, id_runs, open_pin_file
 from foresight.io import IOEngine
+from foresight.io.direct_write import CacheWriter
 
 log = logging.getLogger("foresight.bucket")
 

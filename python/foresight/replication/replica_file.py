@@ -14,7 +14,7 @@ The price: the verification at the commit reads those units from the disk, not f
 replica ready) and those sent after the source's commit go through the page cache: the sender says which
 (``direct`` in the ``replica.units`` command).
 
-With ``direct``, the writes go through the bucket cache's :class:`~foresight.bucket.direct_write.CacheWriter`
+With ``direct``, the writes go through :class:`~foresight.io.direct_write.CacheWriter` (as the bucket cache does)
 (the same cost, found on the same VM): the 4 KiB-aligned middle of a write of at least 1 MiB with O_DIRECT through a
 reused aligned bounce buffer, an unaligned head or tail and small writes buffered, everything buffered on a file
 system that refuses O_DIRECT (a log line, ``counts["fallbacks"]``). One ``fdatasync`` of the file makes both kinds
@@ -33,13 +33,13 @@ import os
 
 import numpy as np
 
-from foresight.bucket.direct_write import CacheWriter
+from foresight.io.direct_write import CacheWriter
 from foresight.errors import CheckpointError
 
 
 class ReplicaFile:
     """Data file ``path`` of a replica (``size`` bytes, blocks allocated up front), open for one window's units;
-    the writes go through :class:`~foresight.bucket.direct_write.CacheWriter` (``direct=False``: all buffered)."""
+    the writes go through :class:`~foresight.io.direct_write.CacheWriter` (``direct=False``: all buffered)."""
 
     def __init__(self, path: str, size: int, *, direct: bool = True) -> None:
         self.path = path

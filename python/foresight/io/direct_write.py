@@ -1,4 +1,5 @@
-"""Writes of fetched bytes into a cache's sparse files, large ones past the page cache (O_DIRECT).
+"""Writes of received bytes into files, large ones past the page cache (O_DIRECT): the bucket cache's GETs and
+a replication site's units of a save in progress.
 
 A buffered write of a GET's bytes copies them into new page-cache pages: on the bench's VM that copy was most of
 foresight's CPU on media (160 MB written: 0.25-0.95 CPU-s, against 0.01 CPU-s for the same bytes written
@@ -9,8 +10,8 @@ buffers (O_DIRECT needs an aligned source; the client's buffers are not), and th
 most 4 KiB each) are written buffered. Small writes (a token sample's GET) stay buffered: a synchronous disk
 write each would cost more than the copy. The kernel keeps the two paths coherent (a direct write flushes and
 drops the page-cache pages it covers), and every byte written is the object's own, so a neighbour sharing a
-page is rewritten with its own bytes. A file system that refuses O_DIRECT (at the open or at the first write) falls back to buffered writes
-(one WARNING line, ``stats["fallbacks"]``).
+page is rewritten with its own bytes. A file system that refuses O_DIRECT (at the open or at the first write)
+falls back to buffered writes (one WARNING line, ``stats["fallbacks"]``).
 
 Example::
 
@@ -30,7 +31,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-log = logging.getLogger("foresight.bucket")
+log = logging.getLogger("foresight.io")
 
 __all__ = ["CacheWriter", "DIRECT_MIN", "ALIGN"]
 
@@ -129,8 +130,8 @@ class CacheWriter:
         if self.direct:
             self.direct = False
             self.stats["fallbacks"] += 1
-            log.warning("bucket cache: %s refuses O_DIRECT: fetched bytes are written through the page cache "
-                        "(more CPU per byte)", os.path.dirname(self._paths[shard]))
+            log.warning("%s refuses O_DIRECT: received bytes are written through the page cache (more CPU per "
+                        "byte)", os.path.dirname(self._paths[shard]))
 
     @contextlib.contextmanager
     def _bounce(self) -> Iterator[mmap.mmap]:

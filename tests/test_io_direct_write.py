@@ -1,4 +1,4 @@
-"""The cache's writer of fetched bytes: large writes O_DIRECT through aligned bounce buffers, and a file system
+"""The writer of received bytes (the bucket cache's GETs, a replication site's units): large writes O_DIRECT through aligned bounce buffers, and a file system
 that refuses O_DIRECT at the first write (some FUSE and network file systems open the descriptor, then fail the
 write with EINVAL) falls back to buffered writes with every byte in place."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 
 import numpy as np
 
-from foresight.bucket import direct_write
-from foresight.bucket.direct_write import DIRECT_MIN, CacheWriter
+from foresight.io import direct_write
+from foresight.io.direct_write import DIRECT_MIN, CacheWriter
 
 
 def _writer(tmp_path, size):
