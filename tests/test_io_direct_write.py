@@ -1,6 +1,7 @@
-"""The writer of received bytes (the bucket cache's GETs, a replication site's units): large writes O_DIRECT through aligned bounce buffers, and a file system
-that refuses O_DIRECT at the first write (some FUSE and network file systems open the descriptor, then fail the
-write with EINVAL) falls back to buffered writes with every byte in place."""
+"""The writer of received bytes (the bucket cache's GETs, a replication site's units): large writes O_DIRECT
+through aligned bounce buffers, and a file system that refuses O_DIRECT at the first write (some FUSE and network
+file systems open the descriptor, then fail the write with EINVAL) falls back to buffered writes with every byte in
+place."""
 from __future__ import annotations
 
 import errno
