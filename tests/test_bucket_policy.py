@@ -369,3 +369,44 @@ def test_a_fill_sends_its_blocks_in_the_order_the_plan_needs_them(s3_env, tmp_pa
     assert fill[0] == 1 and len(set(fill)) > 1, fill
 
 
+
+
+def test_a_lookup_queued_behind_a_fetch_waits_for_a_claim_made_meanwhile(s3_env, tmp_path):
+    """A lookup of unclaimed samples that queues behind another fetch of this process (the prefetcher's, an
+    eviction) looks at the claims again once that fetch ends: a prefetcher that claimed them meanwhile fetches
+    them, the lookup waits for it (before: it fetched them itself, a GET per scattered sample, which the
+    prefetcher's fill then found present)."""
+    local, plan, acc, block, blocks = _media(tmp_path, "s3://policy/queued")
+    step = acc.of(3)
+    results = {}
+    wanted = threading.Event()
+
+    def lookup(ds):
+        try:
+            results["ext"] = ds.lookup(step)
+        except BaseException as e:  # noqa: BLE001 - checked by the test
+            results["error"] = e
+
+    with open_dataset("s3://policy/queued", cache_dir=tmp_path / "cache", max_transfer=block) as ds:
+        cache = ds.cache
+        reader = threading.Thread(target=lookup, args=(ds,))
+        with cache._exclusive():  # another fetch of this process under way
+            reader.start()
+            _wait_for(lambda: len(cache._cv._waiters) == 1 or not reader.is_alive(), "the lookup to queue")
+            claim = cache.claim(wanted.set, wait_s=600)
+            claim.set(step)  # a prefetcher claims the step while the lookup is queued
+        _wait_for(lambda: wanted.is_set() or not reader.is_alive(), "the lookup to wait on the claim or end")
+        try:
+            assert wanted.is_set() and cache.stats.claim_waits == step.size, results
+            assert cache.ensure(step, claim=claim) == step.size  # the owner fetches every one of them
+        finally:
+            claim.release()
+            reader.join()
+        assert "error" not in results, results
+        mine = local.lookup(step)
+        for i in range(step.size):
+            a = results["ext"]
+            with open(ds.shard_paths[a.shard[i]], "rb") as f, open(local.shard_paths[mine.shard[i]], "rb") as g:
+                f.seek(int(a.offset[i]))
+                g.seek(int(mine.offset[i]))
+                assert f.read(int(a.length[i])) == g.read(int(mine.length[i]))

@@ -230,19 +230,31 @@ class SampleCache:
             self.stats.hits += int(ids.size - missing.size)
         if not missing.size:  # the common case, without waiting for another thread's fetch of other samples
             return 0
-        if claim is None:  # what a prefetcher is fetching or about to is waited for, not fetched here
-            left = self._claims.wait(missing, self._count_claim_waits)
-            missing, rank = missing[left], rank[left]
-            if not missing.size:
-                return 0
-        with self._cv:
-            while self._busy:
-                self._cv.wait()
-                absent = self.present[missing] == 0
-                missing, rank = missing[absent], rank[absent]
+        waited = []
+
+        def on_wait(n: int) -> None:  # counted once per call, however many times the claims are looked at
+            if not waited:
+                waited.append(n)
+                self._count_claim_waits(n)
+
+        while True:
+            if claim is None:  # what a prefetcher is fetching or about to is waited for, not fetched here
+                left = self._claims.wait(missing, on_wait)
+                missing, rank = missing[left], rank[left]
                 if not missing.size:
                     return 0
-            self._busy = True
+            with self._cv:
+                if self._busy:  # another fetch of this process: once it ends, these may be present, or claimed
+                    self._cv.wait()  # by a prefetcher meanwhile (then waited for above, not fetched here)
+                    absent = self.present[missing] == 0
+                    missing, rank = missing[absent], rank[absent]
+                    if not missing.size:
+                        return 0
+                    continue
+                if claim is None and self._claims.holds(missing):  # claimed since the wait above returned
+                    continue
+                self._busy = True
+                break
         try:
             held = self._lock_runs(missing)
             try:

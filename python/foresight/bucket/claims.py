@@ -76,6 +76,10 @@ class Claims:
                 self._claims.append(claim)
             self._cv.notify_all()
 
+    def holds(self, missing: np.ndarray) -> bool:
+        """Whether a claim holds one of ``missing`` (sorted, unique, absent); the caller holds ``cv``."""
+        return any(np.isin(missing, claim.ids, assume_unique=True).any() for claim in self._claims)
+
     def wait(self, missing: np.ndarray, on_wait: Callable[[int], None]) -> np.ndarray:
         """Wait until no absent sample of ``missing`` (sorted, unique) is claimed; returns which of ``missing`` are
         still absent (a mask). ``on_wait(n)`` is told once, as the wait begins, how many samples it waits for.
