@@ -60,3 +60,25 @@ def test_a_write_refused_with_einval_falls_back_to_buffered_writes(tmp_path, mon
     with open(path, "rb") as f:
         f.seek(5)
         assert f.read(data.size) == data.tobytes()
+
+
+def test_a_failed_direct_write_kept_as_an_error_lets_the_writer_close(tmp_path):
+    """A direct write the disk fails (here EFBIG: past ext4's largest file) raises its OSError, and while that
+    error is kept (a prefetcher's ``error``, a caller's log) the writer still closes and can write again (before:
+    the error's traceback held a view of the bounce buffer, so ``close`` raised BufferError and the cache's file
+    descriptors after it were never closed)."""
+    data = np.random.default_rng(3).integers(0, 256, size=DIRECT_MIN * 2, dtype=np.uint8)
+    path, fd, w = _writer(tmp_path, data.size)
+    try:
+        try:
+            w.pwrite(0, data, 1 << 60)  # aligned: no buffered head, the direct write itself fails
+        except OSError as e:
+            kept = e
+        assert kept.errno == errno.EFBIG, kept
+        assert w.pwrite(0, data, 0) == data.size and w.stats["direct_bytes"] >= data.size
+    finally:
+        w.close()
+        os.close(fd)
+    with open(path, "rb") as f:
+        assert f.read(data.size) == data.tobytes()
+    assert kept.__traceback__ is not None

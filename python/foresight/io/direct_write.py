@@ -80,10 +80,11 @@ class CacheWriter:
         if lo > offset:  # the unaligned head, buffered
             wrote += os.pwrite(self._fds[shard], memoryview(data[:lo - offset]), offset)
         with self._bounce() as buf:
-            view = np.frombuffer(buf, dtype=np.uint8)
             for pos in range(lo, hi, BOUNCE_BYTES):  # a loop over 4 MiB pieces of one GET, not samples
                 m = min(BOUNCE_BYTES, hi - pos)
-                view[:m] = data[pos - offset:pos - offset + m]
+                # a copy with no view of ``buf`` left in this frame: an error raised here keeps the frame (its
+                # traceback), and a live view would make close()'s buf.close() raise BufferError
+                buf[:m] = data[pos - offset:pos - offset + m]
                 try:
                     got = os.pwrite(fd, memoryview(buf)[:m], pos)
                 except OSError as e:  # opened, but the write refused (some FUSE and network file systems)
