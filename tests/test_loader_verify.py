@@ -119,3 +119,23 @@ def test_verify_without_checksums_is_refused(tmp_path):
         Loader(ds, plan, verify=True)
     with Loader(ds, plan) as loader:  # without verify the same dataset loads
         assert len(list(loader)) == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_step_that_fails_verify_gives_its_slot_back_and_counts_its_reads(tmp_path, backend):
+    """A step whose checksum fails raises in the consumer, and its arena slot goes back (before: the failed
+    step's slot stayed taken, so each retry of the iteration lost one and the loader then waited for a slot for
+    good), and its reads' submit and wait times are in the stats like any step's (before: dropped with it)."""
+    from test_loader import _bytes_dataset
+
+    ds, _ = _bytes_dataset(tmp_path / "b", n=60)
+    plan = build_plan([(ds, 1.0)], seed=1, global_batch_size=10, num_steps=6)
+    _flip_byte(ds, int(plan.pieces(*plan.rank_items(0, 0, 1)).sample[0]), 0)  # step 0 fails, every time
+    with Loader(ds, plan, backend=backend, verify=True, prefetch=1) as loader:
+        slots = loader._arena.slots
+        for _ in range(slots + 1):  # each try fails at step 0 again
+            with pytest.raises(ChecksumError):
+                next(iter(loader))
+            assert loader._thread is None  # the pipeline thread was joined: its ring is drained
+            assert loader._arena.free_slots == slots
+        assert loader.stats.io_wait_s > 0 and loader.stats.steps == 0

@@ -220,6 +220,7 @@ class StepPipeline:
         last_part = job.micro_batch == self.micro_batches - 1  # a step counts once, with its last micro-batch
         self.stats.add(collate_s=time.perf_counter() - t0, steps=int(last_part), samples=job.stop - job.start,
                        submit_s=job.submit_s, io_wait_s=job.io_wait_s)
+        job.submit_s = job.io_wait_s = 0.0  # counted: should the rest fail, _run adds nothing of them again
         if self.decode is not None:
             fields = self.decode(fields, stats=self.stats, first_item=job.start)
         if self.meta_fields:
@@ -283,6 +284,7 @@ class StepPipeline:
         """Read and collate units ``range(first, end, stride)`` (steps, or micro-batches: see ``_next_unit``)."""
         inflight: deque[Job] = deque()
         ready: Job | None = None  # the next step, prepared while the oldest one's reads run
+        completing: Job | None = None  # a step out of the ring whose batch is being made (its slot is ours)
         stride = self._unit_stride
         try:
             unit = first
@@ -301,21 +303,27 @@ class StepPipeline:
                         unit += stride
                 job = inflight[0]
                 t0 = time.perf_counter()
-                self._engine.wait(job.ticket)
-                job.io_wait_s = time.perf_counter() - t0
-                inflight.popleft()
+                try:
+                    self._engine.wait(job.ticket)
+                finally:
+                    job.io_wait_s = time.perf_counter() - t0
+                completing = inflight.popleft()
                 if ready is not None:  # refill the ring before the Python work of collating
                     inflight.append(self._start_reads(ready))
                     ready = None
-                self._queue.put(self._complete(job))
+                self._queue.put(self._complete(job))  # the batch holds the slot's lease from here
+                completing = None
             self._queue.put(END)
         except Stopped:
             pass
         except BaseException as e:  # surfaces in the consumer's next()
             self._queue.put(Failure(e))
         finally:
+            if completing is not None:  # its batch was never made (a failed verify, decode, collate)
+                self.stats.add(submit_s=completing.submit_s, io_wait_s=completing.io_wait_s)
+                self._arena.release(completing.slot)
             for job in inflight:  # drain the ring before the slots go back
-                self.stats.add(submit_s=job.submit_s)  # its reads were started: counted as they were
+                self.stats.add(submit_s=job.submit_s, io_wait_s=job.io_wait_s)  # its reads were started
                 try:
                     self._engine.wait(job.ticket)
                 except BaseException:
