@@ -3,21 +3,26 @@ evicts a sample another one is about to read or is reading (eviction pins shared
 a killed process's pins do not block eviction."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
 from foresight import open_dataset
+from foresight.bucket.cache import INDEX_DIR
 from foresight.bucket.pins import SamplePins
 from foresight.bucket.prefetch import PlanPrefetcher
 from foresight.bucket.upload import upload_dataset
 from foresight.format import DatasetWriter
 from foresight.plan import build_plan
+from foresight.testing.http_faults import Fault, FaultProxy
 from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
 
 CHILD_TIMEOUT_S = 600
@@ -165,3 +170,71 @@ def test_the_prefetcher_pins_its_window_and_lets_go_as_the_consumer_moves(s3_env
             assert pf.pinned.tolist() == np.unique(pf.acc.ids[pf.acc.ptr[5]:pf.acc.ptr[8]]).tolist()
         assert pf.pinned.size == 0
         pf.on_step(6)  # a loader's last hook after the prefetcher closed: nothing to pin, no error
+
+
+
+# A process sharing the cache that fetches the given samples itself, one GET at a time (each delayed by the test's
+# proxy): it holds their locks while its GETs land one after another.
+FETCH_ALONE = """
+import os, sys
+import numpy as np
+from foresight import open_dataset
+
+ids = np.array([int(a) for a in sys.argv[1:]], dtype=np.int64)
+ds = open_dataset(os.environ["URL"], cache_dir=os.environ["CACHE"], concurrency=1, max_gap=0)
+ds.lookup(ids)
+print("fetched", ds.cache.stats.misses, flush=True)
+"""
+
+
+@contextlib.contextmanager
+def _fetched_by_another_process(s3_env, local, tmp_path, monkeypatch, url):
+    """``(ds, ids, other)``: this process's dataset over ``url`` and a process sharing its cache that is fetching
+    ``ids`` (16 samples, a GET each, every GET delayed 0.25 s by a proxy): it holds their locks from now on."""
+    upload_dataset(local.path, url)
+    ids = np.arange(0, 64, 4, dtype=np.int64)  # holes between them: a GET each at max_gap 0
+    cache = str(tmp_path / "cache")
+    bucket = url.split("/")[2]
+    with FaultProxy(("127.0.0.1", s3_env.ports["s3.port"]),
+                    [Fault(status=0, path=rf"^/{bucket}/.*\.bin", delay_s=0.25)]) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        with open_dataset(url, cache_dir=cache) as ds:
+            env = dict(os.environ, URL=url, CACHE=cache)
+            other = subprocess.Popen([sys.executable, "-c", FETCH_ALONE, *map(str, ids.tolist())], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                index = os.open(os.path.join(ds.cache.local_dir, INDEX_DIR, "present"), os.O_RDWR)
+                try:
+                    for _ in range(6000):  # until the other process holds the first sample's lock
+                        try:
+                            fcntl.lockf(index, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, int(ids[0]), os.SEEK_SET)
+                        except OSError:
+                            break
+                        fcntl.lockf(index, fcntl.LOCK_UN, 1, int(ids[0]), os.SEEK_SET)
+                        assert other.poll() is None, other.communicate()
+                        threading.Event().wait(0.01)
+                finally:
+                    os.close(index)
+                yield ds, ids, other
+            finally:
+                if other.poll() is None:
+                    other.kill()
+                    other.wait()
+
+
+def _same_bytes(ds, local, ids, ext) -> None:
+    for i, s in enumerate(ids.tolist()):
+        with open(ds.shard_paths[int(ext.shard[i])], "rb") as f:
+            f.seek(int(ext.offset[i]))
+            assert f.read(int(ext.length[i])) == local.read(s)
+
+
+def test_a_lookup_behind_another_process_fetch_of_its_samples_finds_them(s3_env, local, tmp_path, monkeypatch):
+    """A lookup of samples another process sharing the cache is fetching waits on their locks, then finds every
+    one present and returns them (before: the fetch it then made of nothing raised IndexError)."""
+    with _fetched_by_another_process(s3_env, local, tmp_path, monkeypatch, "s3://shared/behind") as (ds, ids, other):
+        ext = ds.lookup(ids)
+        out, err = other.communicate(timeout=CHILD_TIMEOUT_S)
+        assert other.returncode == 0, err
+        assert out.split() == ["fetched", str(ids.size)] and ds.cache.stats.misses == 0
+        _same_bytes(ds, local, ids, ext)

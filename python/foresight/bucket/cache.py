@@ -260,6 +260,8 @@ class SampleCache:
             try:
                 absent = self.present[missing] == 0  # another thread or process may have fetched them
                 missing, rank = missing[absent], rank[absent]
+                if not missing.size:  # all of them (another process fetched them while we waited on their locks)
+                    return 0
                 gap = self.max_gap if max_gap is None else max_gap
                 if order is not None:  # one fetch, its GETs in rank order, max_inflight bytes held at once
                     self._fetch(missing, gap, span_present, missing, priority=rank,
