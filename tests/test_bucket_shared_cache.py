@@ -238,3 +238,27 @@ def test_a_lookup_behind_another_process_fetch_of_its_samples_finds_them(s3_env,
         assert other.returncode == 0, err
         assert out.split() == ["fetched", str(ids.size)] and ds.cache.stats.misses == 0
         _same_bytes(ds, local, ids, ext)
+
+
+def test_a_claimed_lookup_waits_while_another_process_fetches_those_samples(s3_env, local, tmp_path, monkeypatch):
+    """The claim's owner (a prefetcher) waits on the locks of samples another process sharing the cache is
+    fetching, GET after GET: the lookup waiting on the claim sees no GET of its own process land, but that
+    process's marks in the shared index, and waits on until the samples are there (before: it raised after
+    ``wait_s`` with no GET landing here, while the other process's GETs landed every quarter of that wait)."""
+    with _fetched_by_another_process(s3_env, local, tmp_path, monkeypatch, "s3://shared/claimwait") as \
+            (ds, ids, other):
+        claim = ds.cache.claim(lambda: None, wait_s=1.0)
+        claim.set(ids)
+        owned = {}
+        owner = threading.Thread(target=lambda: owned.update(n=ds.cache.ensure(ids, claim=claim)))
+        owner.start()  # waits on the other process's locks
+        try:
+            ext = ds.lookup(ids)  # waits on the claim
+        finally:
+            owner.join(CHILD_TIMEOUT_S)
+            claim.release()
+        out, err = other.communicate(timeout=CHILD_TIMEOUT_S)
+        assert other.returncode == 0, err
+        assert out.split() == ["fetched", str(ids.size)] and owned == {"n": 0}
+        assert ds.cache.stats.claim_waits == ids.size
+        _same_bytes(ds, local, ids, ext)

@@ -4,9 +4,10 @@ is fetching or is about to fetch, so a lookup of those samples waits for it inst
 Without claims a loader's lookup that overtook the prefetcher (reached a step whose group the prefetcher had
 planned but not yet sent) fetched that step itself: on a media plan, whose step reads a few large samples from as
 many objects, one GET per sample, and the prefetcher's block fill then fetched the same bytes again. With them, a
-lookup splits its absent samples: the claimed ones it waits for (while GETs keep landing; a wait that sees no GET
-land for ``wait_s`` raises a :class:`~foresight.errors.BucketError` naming the sample), the rest it fetches. A
-lookup that waits marks the claim ``wanted``, which tells its owner to start at once (a prefetcher holding back
+lookup splits its absent samples: the claimed ones it waits for (while GETs keep landing: this process's, or, for an
+owner waiting on the samples' locks, another process's sharing the cache, seen as the index's marks change; a wait
+that sees no GET land for ``wait_s`` raises a :class:`~foresight.errors.BucketError` naming the sample), the rest it
+fetches. A lookup that waits marks the claim ``wanted``, which tells its owner to start at once (a prefetcher holding back
 for its window goes on), so a wait never depends on the consumer moving. A released claim (its owner closed or
 failed) lets its waiters fetch for themselves.
 
@@ -87,6 +88,7 @@ class Claims:
         keep = np.ones(missing.size, dtype=bool)
         waited = False
         seen, deadline = -1, 0.0
+        marks = -1  # samples marked in the shared index: another process's GETs landing show there
         while True:
             wake: list[FetchClaim] = []
             with self._cv:
@@ -106,10 +108,15 @@ class Claims:
                 if not waited:
                     on_wait(int(held.sum()))
                     waited = True
+                    marks = int(np.count_nonzero(self._present()))
                 if not wake:
                     now = time.monotonic()
                     if self.landed != seen:  # a GET landed: the owner is fetching, the wait starts again
                         seen, deadline = self.landed, now + wait_s
+                    if now >= deadline:  # the owner may wait on another process sharing the cache that fetches
+                        now_marks = int(np.count_nonzero(self._present()))  # these: its GETs mark samples
+                        if now_marks != marks:
+                            marks, deadline = now_marks, now + wait_s
                     if now >= deadline:
                         first = int(missing[held][0])
                         raise BucketError(f"sample {first}: waited {wait_s:g} s for the prefetcher fetching it "
