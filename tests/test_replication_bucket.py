@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 
 import pytest
@@ -473,3 +474,29 @@ def test_an_urgent_steps_parts_go_ahead_of_the_parts_queued_before_them(s3_env, 
         release.set()
         rep.close()
     assert sent[1:] == [10] + [20] * n + [10] * (n - 1)  # the held part first, then step 20's, then step 10's
+
+
+def test_a_publish_that_cannot_read_its_commit_aborts_the_uploads_sent_while_saving(s3_env, tmp_path):
+    """The committed directory is gone when the commit hook comes (deleted, or a wrong path): the publish fails,
+    and the upload its parts went to while saving is aborted (none stays open, billed and never completed)."""
+    site = make_bucket("repl-gone") + "/eval"
+    with fc.Checkpointer(str(tmp_path / "other")) as ck:
+        path = ck.save(state(7), 9).wait().path
+    size = os.path.getsize(os.path.join(path, DATA_FILE))
+    rep = Replication(every=1, site=site, job="j", unit_bytes=UNIT, bucket_options=PATIENT, retry_every_s=3600)
+    try:
+        rep.data_started(9, path, [(DATA_FILE, size)], seq=store.read_marker(path)["seq"])
+        rep.data_progress(9, {DATA_FILE: size})
+        mp = MultipartClient(rep.bucket_site().objects.fetcher)
+        n_parts = len(plan_parts(size, UNIT))
+        wait_until(lambda: [len(mp.list_parts(u)) for u in mp.open_uploads()] == [n_parts], "every part stored")
+        mp.close()
+        shutil.rmtree(path)
+        rep.committed(9, path)
+        with pytest.raises(CheckpointError, match="not published"):
+            rep.wait(9, timeout=120)
+        assert rep.stats["hook_failures"] >= 1  # logged, counted (wait retried it once more)
+        wait_until(lambda: open_uploads(site) == [], "the streamed upload aborted", timeout=30)
+    finally:
+        rep.close()
+    assert objects_under(site) == {}

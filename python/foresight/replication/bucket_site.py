@@ -237,6 +237,10 @@ class BucketSite:
         try:
             snap = _Committed.of(os.path.abspath(path))
         except (OSError, CheckpointError) as e:
+            t = self._transfers.pop(step, None)
+            if t is not None:  # its parts went to an upload no publish will complete (a retry sends it whole)
+                t.aborted = True
+                self._publisher.submit(step, self._abandon, t, False)
             self._failed(step, "", None, e, on_error)
             return
         self._publisher.submit(step, self._publish, step, snap, on_error)
@@ -408,9 +412,10 @@ class BucketSite:
         t.aborted = True
         self._publisher.submit(step, self._abandon, t)
 
-    def _abandon(self, t: _Transfer) -> None:
+    def _abandon(self, t: _Transfer, record: bool = True) -> None:
+        """Stop ``t``'s parts, close its files and abort its uploads; ``record``: a DCP save's abort record too."""
         t.aborted = True
-        if t.save:  # before the listing below: a rank's upload that listing misses finds the record
+        if t.save and record:  # before the listing below: a rank's upload that listing misses finds the record
             try:
                 self.objects.put(f"{ABORTS}/{t.save}", b"")
             except BucketError as e:
