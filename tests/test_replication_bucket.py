@@ -500,3 +500,41 @@ def test_a_publish_that_cannot_read_its_commit_aborts_the_uploads_sent_while_sav
     finally:
         rep.close()
     assert objects_under(site) == {}
+
+
+def test_a_coordinator_waits_for_the_other_ranks_uploads_once_not_once_per_rank(s3_env, tmp_path):
+    """Three other ranks' uploads never come (their processes died): the coordinator's wait for them is one
+    ``rank_wait_s`` in all, then each file is sent from the directory; the later files are looked up once each,
+    not waited for again one after the other (64 ranks would have cost 64 waits)."""
+    site = make_bucket("repl-rank-wait") + "/eval"
+    path = tmp_path / "step-10"
+    path.mkdir()
+    bodies = {f"__{r}_data.bin": os.urandom((1 << 20) + 4096 * r + 7) for r in range(4)}
+    for n, body in bodies.items():
+        (path / n).write_bytes(body)
+    (path / ".metadata").write_bytes(b"metadata")
+    rep = Replication(every=1, site=site, job="j", unit_bytes=UNIT, bucket_options=PATIENT, rank_wait_s=2.0)
+    mp = rep.bucket_site().multipart
+    open_uploads_of, looked = mp.open_uploads, {}
+
+    def counted(under=""):
+        looked[under] = looked.get(under, 0) + 1
+        return open_uploads_of(under)
+
+    mp.open_uploads = counted
+    try:
+        own = "__0_data.bin"
+        rep.data_started(10, str(path), [(own, len(bodies[own]))], leaf="step-10", shared=True, save="s1")
+        rep.data_progress(10, {own: len(bodies[own])})
+        rep.committed(10, str(path))
+        got = rep.wait(10, timeout=120)
+        stats = rep.bucket_site().stats
+    finally:
+        rep.close()
+    assert got["path"] == f"{site}/j/step-10"
+    assert stats["files_sent_whole"] == 3
+    waited = [looked.get(f"step-10/__{r}_data.bin", 0) for r in (1, 2, 3)]
+    assert waited[0] >= 3 and waited[1:] == [2, 2], waited  # one look when waiting, one when sending it whole
+    assert {n: len(b) for n, b in bodies.items()} == {n: s for n, s in objects_under(f"{site}/j/step-10").items()
+                                                      if n != ".metadata"}
+    assert open_uploads(site) == []

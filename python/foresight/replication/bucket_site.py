@@ -20,7 +20,7 @@ completed and its object checked by a HEAD, the small files uploaded, and the ch
 * a DCP save: ``<site>/<job>/<directory name>/`` holding each rank's data file and ``.metadata`` last
   (``ForesightStorageReader("s3://eval/replicas/llm/step-100")``). Each rank sends its own file; the
   coordinator completes them all at the commit: a rank's upload counts once the server lists every part its plan
-  has, with the planned sizes (it waits up to ``rank_wait_s``, then sends the file itself from the checkpoint
+  has, with the planned sizes (it waits up to ``rank_wait_s`` for all the ranks, then sends the file itself from the checkpoint
   directory, which the node path also requires to be shared).
 
 Nothing is visible before the marker but completed objects of the publish in progress; an upload that is never
@@ -338,6 +338,7 @@ class BucketSite:
         """Every data file of the commit in the bucket, completed and checked: ``{name: {size, etag}}``.
         ``ranks``: files this process did not announce are other DCP ranks' uploads, completed here once whole."""
         refs: dict[str, ObjectRef] = {}
+        ranks_by = time.monotonic() + self.rank_wait_s  # one wait for every rank (they upload at once)
         for fname, (fd, size) in snap.data.items():
             fs = t.files.get(fname) if t is not None else None
             if fs is not None and t.error is None:  # ours: what the writer did not report leaves now
@@ -351,10 +352,12 @@ class BucketSite:
             if fs is not None:
                 log.warning("replication to a bucket: resending %s whole after %s", self.url.child(fs.name),
                             t.error)
-            other = self._rank_upload(f"{prefix}/{fname}", size) if ranks and fs is None and size else None
+            other = self._rank_upload(f"{prefix}/{fname}", size, ranks_by) if ranks and fs is None and size else None
             if other is not None:
                 refs[fname] = self._complete(*other)
             else:
+                if ranks and fs is None and size:  # the wait is over: the ranks still missing get one look each
+                    ranks_by = 0.0
                 refs[fname] = self._send_whole(f"{prefix}/{fname}", fd, size, os.path.join(snap.path, fname),
                                                step=step)
         return {n: {"size": r.size, "etag": r.etag} for n, r in refs.items()}
@@ -381,12 +384,12 @@ class BucketSite:
             raise t.error
         return self._complete(fs.upload, [fs.parts[k] for k in sorted(fs.parts)])
 
-    def _rank_upload(self, name: str, size: int) -> tuple[Upload, list[Part]] | None:
-        """Another rank's upload of ``name`` once the server lists every part of its plan (waits up to
-        ``rank_wait_s``); None when it does not come (the caller sends the file itself)."""
+    def _rank_upload(self, name: str, size: int, deadline: float) -> tuple[Upload, list[Part]] | None:
+        """Another rank's upload of ``name`` once the server lists every part of its plan (waits until
+        ``deadline``, the publish's one ``rank_wait_s`` for all ranks: looked up once past it); None when it does
+        not come (the caller sends the file itself)."""
         ends = plan_parts(size, self.unit_bytes)
         want = [(k + 1, e - (ends[k - 1] if k else 0)) for k, e in enumerate(ends)]
-        deadline = time.monotonic() + self.rank_wait_s
         pause = 0.05
         while True:
             for up in self.multipart.open_uploads(name):
