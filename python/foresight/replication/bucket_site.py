@@ -20,8 +20,8 @@ completed and its object checked by a HEAD, the small files uploaded, and the ch
 * a DCP save: ``<site>/<job>/<directory name>/`` holding each rank's data file and ``.metadata`` last
   (``ForesightStorageReader("s3://eval/replicas/llm/step-100")``). Each rank sends its own file; the
   coordinator completes them all at the commit: a rank's upload counts once the server lists every part its plan
-  has, with the planned sizes (it waits up to ``rank_wait_s`` for all the ranks, then sends the file itself from the checkpoint
-  directory, which the node path also requires to be shared).
+  has, with the planned sizes (it waits up to ``rank_wait_s`` for all the ranks, then sends the file itself from
+  the checkpoint directory, which the node path also requires to be shared).
 
 Nothing is visible before the marker but completed objects of the publish in progress; an upload that is never
 completed is invisible. A save that aborts, or a publish that fails, aborts every multipart upload open under its
