@@ -538,3 +538,49 @@ def test_a_coordinator_waits_for_the_other_ranks_uploads_once_not_once_per_rank(
     assert {n: len(b) for n, b in bodies.items()} == {n: s for n, s in objects_under(f"{site}/j/step-10").items()
                                                       if n != ".metadata"}
     assert open_uploads(site) == []
+
+
+def test_a_part_waiting_on_a_failed_create_never_opens_an_upload_the_publish_does_not_see(s3_env, tmp_path):
+    """The first part's upload cannot be created (the server is down for its retries); the next part, queued on the
+    same create, must not create one later: the publish sends the file whole, and an upload created after its
+    listing would stay open for ever."""
+    site = make_bucket("repl-create-fail") + "/eval"
+    with fc.Checkpointer(str(tmp_path / "other")) as ck:
+        path = ck.save(state(7), 9).wait().path
+    size = os.path.getsize(os.path.join(path, DATA_FILE))
+    rep = Replication(every=1, site=site, job="j", unit_bytes=UNIT, retry_every_s=3600,
+                      bucket_options={**QUICK, "part_concurrency": 2})
+    mp = rep.bucket_site().multipart
+    create, open_uploads_of, calls, listed = mp.create, mp.open_uploads, [], threading.Event()
+
+    def create_with_the_server_down_first(name):
+        calls.append(name)
+        if len(calls) == 1:
+            s3_env.stop()
+            try:
+                return create(name)
+            finally:
+                s3_env.start()
+        listed.wait(30)  # a second create comes after the publish listed the open uploads
+        return create(name)
+
+    def listing(under=""):
+        try:
+            return open_uploads_of(under)
+        finally:
+            listed.set()
+
+    mp.create, mp.open_uploads = create_with_the_server_down_first, listing
+    try:
+        rep.data_started(9, path, [(DATA_FILE, size)], seq=store.read_marker(path)["seq"])
+        rep.data_progress(9, {DATA_FILE: size})
+        assert len(plan_parts(size, UNIT)) >= 2
+        wait_until(lambda: rep.bucket_site()._transfers[9].error is not None, "the first create failed")
+        rep.committed(9, path)
+        rep.wait(9, timeout=120)
+        assert rep.bucket_site().stats["files_sent_whole"] == 1
+    finally:
+        listed.set()
+        rep.close()
+    assert_state_equal(fc.load(root=f"{site}/j").state_dict, state(7))
+    assert open_uploads(site) == []

@@ -202,7 +202,14 @@ class BucketSite:
         try:
             with fs.create_lock:  # not fs.lock: a report never waits on this request
                 if fs.upload is None:
-                    fs.upload = self.multipart.create(fs.name)
+                    if t.error is not None:  # an earlier part's create failed: the publish sends the file whole
+                        return  # (an upload made now could come after the publish listed the open ones)
+                    try:
+                        fs.upload = self.multipart.create(fs.name)
+                    except BaseException as e:
+                        if t.error is None:  # before the lock is released: the parts queued on it see it
+                            t.error = e
+                        raise
                     if self._aborted_meanwhile(t):  # the abort's listing may have missed it: never leave it open
                         self.multipart.abort(fs.upload)
                         self._count("uploads_aborted_late")
@@ -326,6 +333,11 @@ class BucketSite:
 
     def _failed(self, step: int, prefix: str, t: _Transfer | None, e: BaseException,
                 on_error: Callable[[BaseException], None]) -> None:
+        if t is not None:  # its parts stopped first: none opens an upload after the listing below
+            t.aborted = True
+            for fs in t.files.values():
+                for f in list(fs.futures):
+                    f.exception()
         if prefix:
             self._abort_open(prefix)
         with self._cond:
@@ -341,9 +353,10 @@ class BucketSite:
         ranks_by = time.monotonic() + self.rank_wait_s  # one wait for every rank (they upload at once)
         for fname, (fd, size) in snap.data.items():
             fs = t.files.get(fname) if t is not None else None
-            if fs is not None and t.error is None:  # ours: what the writer did not report leaves now
-                self._count("parts_at_publish", self._submit_parts(t, fs, fs.size))
-                for f in list(fs.futures):
+            if fs is not None:  # ours: what the writer did not report leaves now
+                if t.error is None:
+                    self._count("parts_at_publish", self._submit_parts(t, fs, fs.size))
+                for f in list(fs.futures):  # after an error too: none still reads the file or opens an upload
                     f.result()
                 if t.error is None:
                     parts = [fs.parts[k] for k in sorted(fs.parts)]
