@@ -584,3 +584,30 @@ def test_a_part_waiting_on_a_failed_create_never_opens_an_upload_the_publish_doe
         rep.close()
     assert_state_equal(fc.load(root=f"{site}/j").state_dict, state(7))
     assert open_uploads(site) == []
+
+
+def test_a_save_announced_again_drops_the_first_attempts_upload_and_file(s3_env, tmp_path):
+    """A DCP save of step 10 failed on another rank (no hook tells this rank) and is saved again into the same
+    directory: the first attempt's upload is aborted and its data file closed, and the second is published."""
+    site = make_bucket("repl-again") + "/eval"
+    path = tmp_path / "step-10"
+    path.mkdir()
+    own = "__0_data.bin"
+    body = os.urandom(8 * UNIT + 4096)
+    (path / own).write_bytes(body)
+    (path / ".metadata").write_bytes(b"metadata")
+    rep = Replication(every=1, site=site, job="j", unit_bytes=UNIT, bucket_options=PATIENT, retry_every_s=3600)
+    try:
+        rep.data_started(10, str(path), [(own, len(body))], leaf="step-10", shared=True)
+        rep.data_progress(10, {own: 3 * UNIT})  # the first attempt sends a part, then fails elsewhere
+        wait_until(lambda: rep.bucket_site().stats["parts_sent"] >= 1, "the first attempt's part stored")
+        first = rep.bucket_site()._transfers[10].files[own]
+        rep.data_started(10, str(path), [(own, len(body))], leaf="step-10", shared=True)  # saved again
+        rep.data_progress(10, {own: len(body)})
+        rep.committed(10, str(path))
+        rep.wait(10, timeout=120)
+        wait_until(lambda: first.fd == -1, "the first attempt's data file closed", timeout=30)
+    finally:
+        rep.close()
+    assert objects_under(f"{site}/j/step-10") == {own: len(body), ".metadata": 8}
+    assert open_uploads(site) == []

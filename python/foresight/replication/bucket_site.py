@@ -164,10 +164,13 @@ class BucketSite:
                 if old != step and self._state.get(old, ("",))[0] != "publishing" and ot.settled():
                     del self._transfers[old]
                     _close_files(ot)
-            t = self._transfers.get(step)
-            if t is None or t.prefix != prefix or t.aborted or t.save != save:
+            t = old_t = self._transfers.get(step)
+            if t is None or t.prefix != prefix or t.aborted or t.save != save or any(f in t.files for f, _ in files):
                 t = self._transfers[step] = _Transfer(step, prefix, save)
             self._state.pop(step, None)
+        if old_t is not None and old_t is not t:  # an earlier attempt at this step that no hook ended: dropped
+            old_t.aborted = True
+            self._publisher.submit(step, self._drop, old_t)
         for fname, size in files:
             path = os.path.join(directory, fname)
             t.files[fname] = _FileSend(f"{prefix}/{fname}", path, os.open(path, os.O_RDONLY | os.O_CLOEXEC),
@@ -442,6 +445,24 @@ class BucketSite:
                 f.exception()
         _close_files(t)
         self._abort_open(t.prefix)
+
+    def _drop(self, t: _Transfer) -> None:
+        """An earlier attempt at a step announced again (a save that failed where no hook here heard of it, e.g.
+        on another DCP rank): its parts stopped, its files closed, its own uploads aborted (not the prefix's: the
+        new attempt's are there)."""
+        for fs in t.files.values():
+            for f in list(fs.futures):
+                f.exception()
+        _close_files(t)
+        for fs in t.files.values():
+            if fs.upload is not None:
+                try:
+                    self.multipart.abort(fs.upload)
+                except BucketError as e:  # nothing was completed: an upload left open stays invisible
+                    log.warning("replication to a bucket: cannot abort the upload of %s from an earlier attempt: %s",
+                                self.url.child(fs.name), e)
+        log.info("replication to a bucket: %s announced again; the earlier attempt's uploads aborted",
+                 self.url.child(t.prefix))
 
     def _abort_open(self, prefix: str) -> None:
         try:
