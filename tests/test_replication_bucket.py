@@ -611,3 +611,31 @@ def test_a_save_announced_again_drops_the_first_attempts_upload_and_file(s3_env,
         rep.close()
     assert objects_under(f"{site}/j/step-10") == {own: len(body), ".metadata": 8}
     assert open_uploads(site) == []
+
+
+def test_an_error_on_the_publisher_thread_is_logged_and_counted_never_lost(s3_env, tmp_path, caplog):
+    """A failure handler that itself raises (a caller's bug) runs on the publisher thread, where nobody waits on
+    the result: the error is logged and counted, and the site goes on publishing."""
+    site = make_bucket("repl-lost") + "/eval"
+    with fc.Checkpointer(str(tmp_path / "other")) as ck:
+        path = ck.save({"a": torch.arange(100)}, 3).wait().path
+    bsite = Replication(every=1, site=site, job="j", bucket_options=QUICK).bucket_site()
+
+    def broken_handler(e):
+        raise RuntimeError("the handler's own bug")
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="foresight.replicate"):
+            s3_env.stop()
+            try:
+                bsite.publish(3, path, on_error=broken_handler)  # fails: the server is down
+                with pytest.raises(CheckpointError):
+                    bsite.wait(3, timeout=120)
+            finally:
+                s3_env.start()
+            wait_until(lambda: bsite.stats["thread_errors"] == 1, "the handler's error counted")
+        assert any("the handler's own bug" in r.getMessage() for r in caplog.records)
+        bsite.publish(3, path, on_error=broken_handler)
+        assert bsite.wait(3, timeout=120)["path"].startswith(f"{site}/j/step-00000003")  # still publishing
+    finally:
+        bsite.close()

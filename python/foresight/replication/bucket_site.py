@@ -138,18 +138,21 @@ class BucketSite:
         self._tier = BucketTier(str(self.url), objects=self.objects)  # the Checkpointer layout's retention
         self._urgent: set[int] = set()  # steps whose parts and publish go ahead of the others' (see urgent)
         self._parts = _UrgentFirst(ThreadPoolExecutor(self.objects.part_concurrency,
-                                                      thread_name_prefix="foresight-replica-part"), self._urgent)
+                                                      thread_name_prefix="foresight-replica-part"), self._urgent,
+                                   self._thread_error)
         self._publisher = _UrgentFirst(ThreadPoolExecutor(1, thread_name_prefix="foresight-replica-publish"),
-                                       self._urgent)
+                                       self._urgent, self._thread_error)
         self._transfers: dict[int, _Transfer] = {}
         self._state: dict[int, tuple[str, Any]] = {}  # step -> ("publishing" | "done" | "failed", info)
         self._cond = threading.Condition()
         # parts_while_saving: parts handed out as the writer reported their bytes (before the commit);
         # parts_at_publish: parts the commit found unsent; files_sent_whole: data files sent whole at the publish
         # (not streamed, or sent again after a failed part); uploads_aborted_late: uploads created after their
-        # save's abort, aborted by their creator; deleted: replicas retention deleted
+        # save's abort, aborted by their creator; deleted: replicas retention deleted; thread_errors: errors
+        # raised by this site's threads' work that nobody waits on (logged)
         self.stats = {"parts_while_saving": 0, "parts_at_publish": 0, "parts_sent": 0, "files_sent_whole": 0,
-                      "published": 0, "uploads_aborted_late": 0, "deleted": 0, "retention_failures": 0}
+                      "published": 0, "uploads_aborted_late": 0, "deleted": 0, "retention_failures": 0,
+                      "thread_errors": 0}
 
     # -- while the save writes -----------------------------------------------------------------------------------
     def start(self, step: int, directory: str, files: list[tuple[str, int]], *, seq: int | None = None,
@@ -186,6 +189,11 @@ class BucketSite:
             fs = t.files.get(fname)
             if fs is not None:
                 self._count("parts_while_saving", self._submit_parts(t, fs, int(nbytes)))
+
+    def _thread_error(self, fn: Callable[..., Any], e: BaseException) -> None:
+        self._count("thread_errors")
+        log.error("replication to a bucket: %s failed on this site's thread: %s: %s", getattr(fn, "__name__", fn),
+                  type(e).__name__, e)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._cond:
@@ -514,8 +522,9 @@ class _UrgentFirst:
     and one run on the pool, which takes the best call queued when it starts (so the order is decided when a
     thread frees up, and a step made urgent later still overtakes what is queued)."""
 
-    def __init__(self, pool: ThreadPoolExecutor, urgent: set[int]) -> None:
-        self.pool, self._urgent = pool, urgent
+    def __init__(self, pool: ThreadPoolExecutor, urgent: set[int],
+                 on_error: Callable[[Callable[..., Any], BaseException], None]) -> None:
+        self.pool, self._urgent, self._on_error = pool, urgent, on_error
         self._queued: list[tuple[int, int, Callable[..., Any], tuple[Any, ...], Future]] = []
         self._seq = 0
         self._lock = threading.Lock()
@@ -537,7 +546,8 @@ class _UrgentFirst:
             return
         try:
             fut.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future, and logged, counted:
+            self._on_error(fn, e)  # a publish's or an abort's future has nobody waiting on it
             fut.set_exception(e)
 
 
