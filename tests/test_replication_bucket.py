@@ -639,3 +639,11 @@ def test_an_error_on_the_publisher_thread_is_logged_and_counted_never_lost(s3_en
         assert bsite.wait(3, timeout=120)["path"].startswith(f"{site}/j/step-00000003")  # still publishing
     finally:
         bsite.close()
+
+
+def test_a_bucket_option_the_client_does_not_take_is_refused_before_any_save(tmp_path):
+    """A DCP writer calls the hooks without a guard: an option the bucket client does not take must fail the
+    Replication, by name, not the first replicated save (with a TypeError from inside the client)."""
+    with pytest.raises(ValueError, match="retries"):
+        Replication(every=1, site="s3://eval/p", job="j", bucket_options={"retries": 3})
+    Replication(every=1, site="s3://eval/p", job="j", bucket_options={"part_concurrency": 2, "concurrency": 4})
