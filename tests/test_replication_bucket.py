@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 
 import pytest
@@ -473,3 +474,176 @@ def test_an_urgent_steps_parts_go_ahead_of_the_parts_queued_before_them(s3_env, 
         release.set()
         rep.close()
     assert sent[1:] == [10] + [20] * n + [10] * (n - 1)  # the held part first, then step 20's, then step 10's
+
+
+def test_a_publish_that_cannot_read_its_commit_aborts_the_uploads_sent_while_saving(s3_env, tmp_path):
+    """The committed directory is gone when the commit hook comes (deleted, or a wrong path): the publish fails,
+    and the upload its parts went to while saving is aborted (none stays open, billed and never completed)."""
+    site = make_bucket("repl-gone") + "/eval"
+    with fc.Checkpointer(str(tmp_path / "other")) as ck:
+        path = ck.save(state(7), 9).wait().path
+    size = os.path.getsize(os.path.join(path, DATA_FILE))
+    rep = Replication(every=1, site=site, job="j", unit_bytes=UNIT, bucket_options=PATIENT, retry_every_s=3600)
+    try:
+        rep.data_started(9, path, [(DATA_FILE, size)], seq=store.read_marker(path)["seq"])
+        rep.data_progress(9, {DATA_FILE: size})
+        mp = MultipartClient(rep.bucket_site().objects.fetcher)
+        n_parts = len(plan_parts(size, UNIT))
+        wait_until(lambda: [len(mp.list_parts(u)) for u in mp.open_uploads()] == [n_parts], "every part stored")
+        mp.close()
+        shutil.rmtree(path)
+        rep.committed(9, path)
+        with pytest.raises(CheckpointError, match="not published"):
+            rep.wait(9, timeout=120)
+        assert rep.stats["hook_failures"] >= 1  # logged, counted (wait retried it once more)
+        wait_until(lambda: open_uploads(site) == [], "the streamed upload aborted", timeout=30)
+    finally:
+        rep.close()
+    assert objects_under(site) == {}
+
+
+def test_a_coordinator_waits_for_the_other_ranks_uploads_once_not_once_per_rank(s3_env, tmp_path):
+    """Three other ranks' uploads never come (their processes died): the coordinator's wait for them is one
+    ``rank_wait_s`` in all, then each file is sent from the directory; the later files are looked up once each,
+    not waited for again one after the other (64 ranks would have cost 64 waits)."""
+    site = make_bucket("repl-rank-wait") + "/eval"
+    path = tmp_path / "step-10"
+    path.mkdir()
+    bodies = {f"__{r}_data.bin": os.urandom((1 << 20) + 4096 * r + 7) for r in range(4)}
+    for n, body in bodies.items():
+        (path / n).write_bytes(body)
+    (path / ".metadata").write_bytes(b"metadata")
+    rep = Replication(every=1, site=site, job="j", unit_bytes=UNIT, bucket_options=PATIENT, rank_wait_s=2.0)
+    mp = rep.bucket_site().multipart
+    open_uploads_of, looked = mp.open_uploads, {}
+
+    def counted(under=""):
+        looked[under] = looked.get(under, 0) + 1
+        return open_uploads_of(under)
+
+    mp.open_uploads = counted
+    try:
+        own = "__0_data.bin"
+        rep.data_started(10, str(path), [(own, len(bodies[own]))], leaf="step-10", shared=True, save="s1")
+        rep.data_progress(10, {own: len(bodies[own])})
+        rep.committed(10, str(path))
+        got = rep.wait(10, timeout=120)
+        stats = rep.bucket_site().stats
+    finally:
+        rep.close()
+    assert got["path"] == f"{site}/j/step-10"
+    assert stats["files_sent_whole"] == 3
+    waited = [looked.get(f"step-10/__{r}_data.bin", 0) for r in (1, 2, 3)]
+    assert waited[0] >= 3 and waited[1:] == [2, 2], waited  # one look when waiting, one when sending it whole
+    assert {n: len(b) for n, b in bodies.items()} == {n: s for n, s in objects_under(f"{site}/j/step-10").items()
+                                                      if n != ".metadata"}
+    assert open_uploads(site) == []
+
+
+def test_a_part_waiting_on_a_failed_create_never_opens_an_upload_the_publish_does_not_see(s3_env, tmp_path):
+    """The first part's upload cannot be created (the server is down for its retries); the next part, queued on the
+    same create, must not create one later: the publish sends the file whole, and an upload created after its
+    listing would stay open for ever."""
+    site = make_bucket("repl-create-fail") + "/eval"
+    with fc.Checkpointer(str(tmp_path / "other")) as ck:
+        path = ck.save(state(7), 9).wait().path
+    size = os.path.getsize(os.path.join(path, DATA_FILE))
+    rep = Replication(every=1, site=site, job="j", unit_bytes=UNIT, retry_every_s=3600,
+                      bucket_options={**QUICK, "part_concurrency": 2})
+    mp = rep.bucket_site().multipart
+    create, open_uploads_of, calls, listed = mp.create, mp.open_uploads, [], threading.Event()
+
+    def create_with_the_server_down_first(name):
+        calls.append(name)
+        if len(calls) == 1:
+            s3_env.stop()
+            try:
+                return create(name)
+            finally:
+                s3_env.start()
+        listed.wait(30)  # a second create comes after the publish listed the open uploads
+        return create(name)
+
+    def listing(under=""):
+        try:
+            return open_uploads_of(under)
+        finally:
+            listed.set()
+
+    mp.create, mp.open_uploads = create_with_the_server_down_first, listing
+    try:
+        rep.data_started(9, path, [(DATA_FILE, size)], seq=store.read_marker(path)["seq"])
+        rep.data_progress(9, {DATA_FILE: size})
+        assert len(plan_parts(size, UNIT)) >= 2
+        wait_until(lambda: rep.bucket_site()._transfers[9].error is not None, "the first create failed")
+        rep.committed(9, path)
+        rep.wait(9, timeout=120)
+        assert rep.bucket_site().stats["files_sent_whole"] == 1
+    finally:
+        listed.set()
+        rep.close()
+    assert_state_equal(fc.load(root=f"{site}/j").state_dict, state(7))
+    assert open_uploads(site) == []
+
+
+def test_a_save_announced_again_drops_the_first_attempts_upload_and_file(s3_env, tmp_path):
+    """A DCP save of step 10 failed on another rank (no hook tells this rank) and is saved again into the same
+    directory: the first attempt's upload is aborted and its data file closed, and the second is published."""
+    site = make_bucket("repl-again") + "/eval"
+    path = tmp_path / "step-10"
+    path.mkdir()
+    own = "__0_data.bin"
+    body = os.urandom(8 * UNIT + 4096)
+    (path / own).write_bytes(body)
+    (path / ".metadata").write_bytes(b"metadata")
+    rep = Replication(every=1, site=site, job="j", unit_bytes=UNIT, bucket_options=PATIENT, retry_every_s=3600)
+    try:
+        rep.data_started(10, str(path), [(own, len(body))], leaf="step-10", shared=True)
+        rep.data_progress(10, {own: 3 * UNIT})  # the first attempt sends a part, then fails elsewhere
+        wait_until(lambda: rep.bucket_site().stats["parts_sent"] >= 1, "the first attempt's part stored")
+        first = rep.bucket_site()._transfers[10].files[own]
+        rep.data_started(10, str(path), [(own, len(body))], leaf="step-10", shared=True)  # saved again
+        rep.data_progress(10, {own: len(body)})
+        rep.committed(10, str(path))
+        rep.wait(10, timeout=120)
+        wait_until(lambda: first.fd == -1, "the first attempt's data file closed", timeout=30)
+    finally:
+        rep.close()
+    assert objects_under(f"{site}/j/step-10") == {own: len(body), ".metadata": 8}
+    assert open_uploads(site) == []
+
+
+def test_an_error_on_the_publisher_thread_is_logged_and_counted_never_lost(s3_env, tmp_path, caplog):
+    """A failure handler that itself raises (a caller's bug) runs on the publisher thread, where nobody waits on
+    the result: the error is logged and counted, and the site goes on publishing."""
+    site = make_bucket("repl-lost") + "/eval"
+    with fc.Checkpointer(str(tmp_path / "other")) as ck:
+        path = ck.save({"a": torch.arange(100)}, 3).wait().path
+    bsite = Replication(every=1, site=site, job="j", bucket_options=QUICK).bucket_site()
+
+    def broken_handler(e):
+        raise RuntimeError("the handler's own bug")
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="foresight.replicate"):
+            s3_env.stop()
+            try:
+                bsite.publish(3, path, on_error=broken_handler)  # fails: the server is down
+                with pytest.raises(CheckpointError):
+                    bsite.wait(3, timeout=120)
+            finally:
+                s3_env.start()
+            wait_until(lambda: bsite.stats["thread_errors"] == 1, "the handler's error counted")
+        assert any("the handler's own bug" in r.getMessage() for r in caplog.records)
+        bsite.publish(3, path, on_error=broken_handler)
+        assert bsite.wait(3, timeout=120)["path"].startswith(f"{site}/j/step-00000003")  # still publishing
+    finally:
+        bsite.close()
+
+
+def test_a_bucket_option_the_client_does_not_take_is_refused_before_any_save(tmp_path):
+    """A DCP writer calls the hooks without a guard: an option the bucket client does not take must fail the
+    Replication, by name, not the first replicated save (with a TypeError from inside the client)."""
+    with pytest.raises(ValueError, match="retries"):
+        Replication(every=1, site="s3://eval/p", job="j", bucket_options={"retries": 3})
+    Replication(every=1, site="s3://eval/p", job="j", bucket_options={"part_concurrency": 2, "concurrency": 4})

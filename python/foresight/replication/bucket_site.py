@@ -20,8 +20,8 @@ completed and its object checked by a HEAD, the small files uploaded, and the ch
 * a DCP save: ``<site>/<job>/<directory name>/`` holding each rank's data file and ``.metadata`` last
   (``ForesightStorageReader("s3://eval/replicas/llm/step-100")``). Each rank sends its own file; the
   coordinator completes them all at the commit: a rank's upload counts once the server lists every part its plan
-  has, with the planned sizes (it waits up to ``rank_wait_s``, then sends the file itself from the checkpoint
-  directory, which the node path also requires to be shared).
+  has, with the planned sizes (it waits up to ``rank_wait_s`` for all the ranks, then sends the file itself from
+  the checkpoint directory, which the node path also requires to be shared).
 
 Nothing is visible before the marker but completed objects of the publish in progress; an upload that is never
 completed is invisible. A save that aborts, or a publish that fails, aborts every multipart upload open under its
@@ -138,18 +138,21 @@ class BucketSite:
         self._tier = BucketTier(str(self.url), objects=self.objects)  # the Checkpointer layout's retention
         self._urgent: set[int] = set()  # steps whose parts and publish go ahead of the others' (see urgent)
         self._parts = _UrgentFirst(ThreadPoolExecutor(self.objects.part_concurrency,
-                                                      thread_name_prefix="foresight-replica-part"), self._urgent)
+                                                      thread_name_prefix="foresight-replica-part"), self._urgent,
+                                   self._thread_error)
         self._publisher = _UrgentFirst(ThreadPoolExecutor(1, thread_name_prefix="foresight-replica-publish"),
-                                       self._urgent)
+                                       self._urgent, self._thread_error)
         self._transfers: dict[int, _Transfer] = {}
         self._state: dict[int, tuple[str, Any]] = {}  # step -> ("publishing" | "done" | "failed", info)
         self._cond = threading.Condition()
         # parts_while_saving: parts handed out as the writer reported their bytes (before the commit);
         # parts_at_publish: parts the commit found unsent; files_sent_whole: data files sent whole at the publish
         # (not streamed, or sent again after a failed part); uploads_aborted_late: uploads created after their
-        # save's abort, aborted by their creator; deleted: replicas retention deleted
+        # save's abort, aborted by their creator; deleted: replicas retention deleted; thread_errors: errors
+        # raised by this site's threads' work that nobody waits on (logged)
         self.stats = {"parts_while_saving": 0, "parts_at_publish": 0, "parts_sent": 0, "files_sent_whole": 0,
-                      "published": 0, "uploads_aborted_late": 0, "deleted": 0, "retention_failures": 0}
+                      "published": 0, "uploads_aborted_late": 0, "deleted": 0, "retention_failures": 0,
+                      "thread_errors": 0}
 
     # -- while the save writes -----------------------------------------------------------------------------------
     def start(self, step: int, directory: str, files: list[tuple[str, int]], *, seq: int | None = None,
@@ -164,10 +167,13 @@ class BucketSite:
                 if old != step and self._state.get(old, ("",))[0] != "publishing" and ot.settled():
                     del self._transfers[old]
                     _close_files(ot)
-            t = self._transfers.get(step)
-            if t is None or t.prefix != prefix or t.aborted or t.save != save:
+            t = old_t = self._transfers.get(step)
+            if t is None or t.prefix != prefix or t.aborted or t.save != save or any(f in t.files for f, _ in files):
                 t = self._transfers[step] = _Transfer(step, prefix, save)
             self._state.pop(step, None)
+        if old_t is not None and old_t is not t:  # an earlier attempt at this step that no hook ended: dropped
+            old_t.aborted = True
+            self._publisher.submit(step, self._drop, old_t)
         for fname, size in files:
             path = os.path.join(directory, fname)
             t.files[fname] = _FileSend(f"{prefix}/{fname}", path, os.open(path, os.O_RDONLY | os.O_CLOEXEC),
@@ -183,6 +189,11 @@ class BucketSite:
             fs = t.files.get(fname)
             if fs is not None:
                 self._count("parts_while_saving", self._submit_parts(t, fs, int(nbytes)))
+
+    def _thread_error(self, fn: Callable[..., Any], e: BaseException) -> None:
+        self._count("thread_errors")
+        log.error("replication to a bucket: %s failed on this site's thread: %s: %s", getattr(fn, "__name__", fn),
+                  type(e).__name__, e)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._cond:
@@ -202,7 +213,14 @@ class BucketSite:
         try:
             with fs.create_lock:  # not fs.lock: a report never waits on this request
                 if fs.upload is None:
-                    fs.upload = self.multipart.create(fs.name)
+                    if t.error is not None:  # an earlier part's create failed: the publish sends the file whole
+                        return  # (an upload made now could come after the publish listed the open ones)
+                    try:
+                        fs.upload = self.multipart.create(fs.name)
+                    except BaseException as e:
+                        if t.error is None:  # before the lock is released: the parts queued on it see it
+                            t.error = e
+                        raise
                     if self._aborted_meanwhile(t):  # the abort's listing may have missed it: never leave it open
                         self.multipart.abort(fs.upload)
                         self._count("uploads_aborted_late")
@@ -237,6 +255,10 @@ class BucketSite:
         try:
             snap = _Committed.of(os.path.abspath(path))
         except (OSError, CheckpointError) as e:
+            t = self._transfers.pop(step, None)
+            if t is not None:  # its parts went to an upload no publish will complete (a retry sends it whole)
+                t.aborted = True
+                self._publisher.submit(step, self._abandon, t, False)
             self._failed(step, "", None, e, on_error)
             return
         self._publisher.submit(step, self._publish, step, snap, on_error)
@@ -322,6 +344,11 @@ class BucketSite:
 
     def _failed(self, step: int, prefix: str, t: _Transfer | None, e: BaseException,
                 on_error: Callable[[BaseException], None]) -> None:
+        if t is not None:  # its parts stopped first: none opens an upload after the listing below
+            t.aborted = True
+            for fs in t.files.values():
+                for f in list(fs.futures):
+                    f.exception()
         if prefix:
             self._abort_open(prefix)
         with self._cond:
@@ -334,11 +361,13 @@ class BucketSite:
         """Every data file of the commit in the bucket, completed and checked: ``{name: {size, etag}}``.
         ``ranks``: files this process did not announce are other DCP ranks' uploads, completed here once whole."""
         refs: dict[str, ObjectRef] = {}
+        ranks_by = time.monotonic() + self.rank_wait_s  # one wait for every rank (they upload at once)
         for fname, (fd, size) in snap.data.items():
             fs = t.files.get(fname) if t is not None else None
-            if fs is not None and t.error is None:  # ours: what the writer did not report leaves now
-                self._count("parts_at_publish", self._submit_parts(t, fs, fs.size))
-                for f in list(fs.futures):
+            if fs is not None:  # ours: what the writer did not report leaves now
+                if t.error is None:
+                    self._count("parts_at_publish", self._submit_parts(t, fs, fs.size))
+                for f in list(fs.futures):  # after an error too: none still reads the file or opens an upload
                     f.result()
                 if t.error is None:
                     parts = [fs.parts[k] for k in sorted(fs.parts)]
@@ -347,10 +376,12 @@ class BucketSite:
             if fs is not None:
                 log.warning("replication to a bucket: resending %s whole after %s", self.url.child(fs.name),
                             t.error)
-            other = self._rank_upload(f"{prefix}/{fname}", size) if ranks and fs is None and size else None
+            other = self._rank_upload(f"{prefix}/{fname}", size, ranks_by) if ranks and fs is None and size else None
             if other is not None:
                 refs[fname] = self._complete(*other)
             else:
+                if ranks and fs is None and size:  # the wait is over: the ranks still missing get one look each
+                    ranks_by = 0.0
                 refs[fname] = self._send_whole(f"{prefix}/{fname}", fd, size, os.path.join(snap.path, fname),
                                                step=step)
         return {n: {"size": r.size, "etag": r.etag} for n, r in refs.items()}
@@ -377,12 +408,12 @@ class BucketSite:
             raise t.error
         return self._complete(fs.upload, [fs.parts[k] for k in sorted(fs.parts)])
 
-    def _rank_upload(self, name: str, size: int) -> tuple[Upload, list[Part]] | None:
-        """Another rank's upload of ``name`` once the server lists every part of its plan (waits up to
-        ``rank_wait_s``); None when it does not come (the caller sends the file itself)."""
+    def _rank_upload(self, name: str, size: int, deadline: float) -> tuple[Upload, list[Part]] | None:
+        """Another rank's upload of ``name`` once the server lists every part of its plan (waits until
+        ``deadline``, the publish's one ``rank_wait_s`` for all ranks: looked up once past it); None when it does
+        not come (the caller sends the file itself)."""
         ends = plan_parts(size, self.unit_bytes)
         want = [(k + 1, e - (ends[k - 1] if k else 0)) for k, e in enumerate(ends)]
-        deadline = time.monotonic() + self.rank_wait_s
         pause = 0.05
         while True:
             for up in self.multipart.open_uploads(name):
@@ -408,9 +439,10 @@ class BucketSite:
         t.aborted = True
         self._publisher.submit(step, self._abandon, t)
 
-    def _abandon(self, t: _Transfer) -> None:
+    def _abandon(self, t: _Transfer, record: bool = True) -> None:
+        """Stop ``t``'s parts, close its files and abort its uploads; ``record``: a DCP save's abort record too."""
         t.aborted = True
-        if t.save:  # before the listing below: a rank's upload that listing misses finds the record
+        if t.save and record:  # before the listing below: a rank's upload that listing misses finds the record
             try:
                 self.objects.put(f"{ABORTS}/{t.save}", b"")
             except BucketError as e:
@@ -421,6 +453,24 @@ class BucketSite:
                 f.exception()
         _close_files(t)
         self._abort_open(t.prefix)
+
+    def _drop(self, t: _Transfer) -> None:
+        """An earlier attempt at a step announced again (a save that failed where no hook here heard of it, e.g.
+        on another DCP rank): its parts stopped, its files closed, its own uploads aborted (not the prefix's: the
+        new attempt's are there)."""
+        for fs in t.files.values():
+            for f in list(fs.futures):
+                f.exception()
+        _close_files(t)
+        for fs in t.files.values():
+            if fs.upload is not None:
+                try:
+                    self.multipart.abort(fs.upload)
+                except BucketError as e:  # nothing was completed: an upload left open stays invisible
+                    log.warning("replication to a bucket: cannot abort the upload of %s from an earlier attempt: %s",
+                                self.url.child(fs.name), e)
+        log.info("replication to a bucket: %s announced again; the earlier attempt's uploads aborted",
+                 self.url.child(t.prefix))
 
     def _abort_open(self, prefix: str) -> None:
         try:
@@ -472,8 +522,9 @@ class _UrgentFirst:
     and one run on the pool, which takes the best call queued when it starts (so the order is decided when a
     thread frees up, and a step made urgent later still overtakes what is queued)."""
 
-    def __init__(self, pool: ThreadPoolExecutor, urgent: set[int]) -> None:
-        self.pool, self._urgent = pool, urgent
+    def __init__(self, pool: ThreadPoolExecutor, urgent: set[int],
+                 on_error: Callable[[Callable[..., Any], BaseException], None]) -> None:
+        self.pool, self._urgent, self._on_error = pool, urgent, on_error
         self._queued: list[tuple[int, int, Callable[..., Any], tuple[Any, ...], Future]] = []
         self._seq = 0
         self._lock = threading.Lock()
@@ -495,7 +546,8 @@ class _UrgentFirst:
             return
         try:
             fut.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future, and logged, counted:
+            self._on_error(fn, e)  # a publish's or an abort's future has nobody waiting on it
             fut.set_exception(e)
 
 

@@ -43,6 +43,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import os
@@ -51,6 +52,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from foresight.bucket.objects import BucketPrefix
 from foresight.bucket.url import BucketURL, is_bucket_url
 from foresight.checkpoint import store
 from foresight.checkpoint.dcp import ForesightStorageWriter
@@ -106,6 +108,11 @@ class Replication:
         check_name(self.job)
         if self.to_bucket:
             BucketURL.parse(self.site)  # a typo fails here, before any save
+            try:  # so does an option the client does not take (a DCP writer's hooks would raise it mid-save)
+                inspect.signature(BucketPrefix).bind(self.site, **(self.bucket_options or {}))
+            except TypeError as e:
+                takes = list(inspect.signature(BucketPrefix).parameters)[1:]
+                raise ValueError(f"bucket_options: {e} (the bucket client takes {takes})") from e
             if self.merge is not None:
                 raise ValueError("merge= needs an evaluation site's node; a bucket site keeps the checkpoint as saved")
             if self.keep is not None and self.keep < 1:
