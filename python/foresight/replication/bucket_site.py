@@ -66,6 +66,7 @@ from foresight.bucket.objects import BucketPrefix
 from foresight.checkpoint import store
 from foresight.checkpoint.bucket_tier import BucketTier, commit_name, delete_set, expired, is_commit_name
 from foresight.errors import BucketError, CheckpointError
+from foresight.replication.urgent_queue import UrgentFirst
 from foresight.replication.units import DCP_METADATA, UNIT_BYTES, is_data_file, unit_ends
 
 log = logging.getLogger("foresight.replicate")
@@ -137,10 +138,10 @@ class BucketSite:
                                          max_connections=2 * self.objects.part_concurrency + 4)
         self._tier = BucketTier(str(self.url), objects=self.objects)  # the Checkpointer layout's retention
         self._urgent: set[int] = set()  # steps whose parts and publish go ahead of the others' (see urgent)
-        self._parts = _UrgentFirst(ThreadPoolExecutor(self.objects.part_concurrency,
+        self._parts = UrgentFirst(ThreadPoolExecutor(self.objects.part_concurrency,
                                                       thread_name_prefix="foresight-replica-part"), self._urgent,
                                    self._thread_error)
-        self._publisher = _UrgentFirst(ThreadPoolExecutor(1, thread_name_prefix="foresight-replica-publish"),
+        self._publisher = UrgentFirst(ThreadPoolExecutor(1, thread_name_prefix="foresight-replica-publish"),
                                        self._urgent, self._thread_error)
         self._transfers: dict[int, _Transfer] = {}
         self._state: dict[int, tuple[str, Any]] = {}  # step -> ("publishing" | "done" | "failed", info)
@@ -515,40 +516,6 @@ class BucketSite:
             _close_files(t)
         self.multipart.close()
         self.objects.close()
-
-
-class _UrgentFirst:
-    """The work of one pool, urgent steps' first, else in the order submitted: each :meth:`submit` queues the call
-    and one run on the pool, which takes the best call queued when it starts (so the order is decided when a
-    thread frees up, and a step made urgent later still overtakes what is queued)."""
-
-    def __init__(self, pool: ThreadPoolExecutor, urgent: set[int],
-                 on_error: Callable[[Callable[..., Any], BaseException], None]) -> None:
-        self.pool, self._urgent, self._on_error = pool, urgent, on_error
-        self._queued: list[tuple[int, int, Callable[..., Any], tuple[Any, ...], Future]] = []
-        self._seq = 0
-        self._lock = threading.Lock()
-
-    def submit(self, step: int, fn: Callable[..., Any], *args: Any) -> Future:
-        fut: Future = Future()
-        with self._lock:
-            self._seq += 1
-            self._queued.append((self._seq, step, fn, args, fut))
-        self.pool.submit(self._run_one)
-        return fut
-
-    def _run_one(self) -> None:
-        with self._lock:
-            item = min(self._queued, key=lambda q: (q[1] not in self._urgent, q[0]))
-            self._queued.remove(item)
-        _, _, fn, args, fut = item
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future, and logged, counted:
-            self._on_error(fn, e)  # a publish's or an abort's future has nobody waiting on it
-            fut.set_exception(e)
 
 
 @dataclass
