@@ -314,7 +314,7 @@ def test_the_loader_hands_out_a_read_step_before_waiting_on_the_next_steps_fetch
 
 
 def test_large_gets_are_written_past_the_page_cache_and_read_back_right(s3_env, tmp_path):
-    """A GET of at least DIRECT_MIN bytes is written O_DIRECT (its 4 KiB-aligned middle, through an aligned
+    """With direct writes on, a GET of at least DIRECT_MIN bytes is written O_DIRECT (its 4 KiB-aligned middle, through an aligned
     bounce buffer; the unaligned head and tail buffered): samples packed without alignment put the heads and tails
     mid-page and neighbours on shared pages. Every sample reads back as the local one (the loader's batches, the
     cache files byte for byte, scrub finds nothing)."""
@@ -329,6 +329,7 @@ def test_large_gets_are_written_past_the_page_cache_and_read_back_right(s3_env, 
     plan = build_plan([(local, 1.0)], seed=2, global_batch_size=4, epochs=1)
     upload_dataset(local.path, "s3://loader/direct")
     with open_dataset("s3://loader/direct", cache_dir=tmp_path / "cache") as ds:
+        ds.cache.writer.direct = True  # buffered by default (read back soon): the direct path is an option
         got = _batches(ds, plan, "bytes")  # each step's lookup: its samples coalesced (1 MiB gaps) into large GETs
         ds.cache.ensure(np.arange(ds.num_samples))  # the rest, in GETs of up to 16 MiB
         stats = ds.cache.writer.stats

@@ -18,8 +18,11 @@ Safety under concurrent processes (ranks of one host, restarts):
   the page cache, which outlives any process; only a machine crash can lose bytes whose mark reached the disk, so
   instead of an ``fdatasync`` per fetch the first open after a reboot re-hashes the marked samples
   (:meth:`SampleCache.scrub`; the boot id is recorded next to the index);
-- a GET of at least 1 MiB is written past the page cache (:mod:`foresight.io.direct_write`: ``O_DIRECT``, no
-  CPU copy into new page-cache pages, which was most of the cache tier's CPU per byte);
+- fetched bytes are written through the page cache: the loader reads them back within a few steps, and writing
+  large GETs past it (``cache.writer.direct = True``, :mod:`foresight.io.direct_write`) measured slower end to end
+  in bench/object_store.py (token 3,272-3,439 vs 3,575-3,827 samples/s buffered, 6.6-8.1 vs 5.1-5.7 CPU-s/GB;
+  media 74-78 vs 76-78 samples/s at 2.8-3.4 vs 2.3-2.6 CPU-s/GB; alternating runs at 10 ms): the read-back from
+  disk costs more than the page-cache copy it saves;
 - eviction clears a sample's mark first, then punches the whole 4 KiB blocks inside its extent out of the file
   (``fallocate(PUNCH_HOLE)``: blocks shared with a neighbour stay, so a neighbour's bytes never change);
 - eviction never punches a sample that a reader of any process pins (:mod:`foresight.bucket.pins`: a shared lock
@@ -157,7 +160,7 @@ class SampleCache:
         self.present = np.memmap(index_path, dtype=np.uint8, mode="r+", shape=(self.num_samples,)) \
             if self.num_samples else np.zeros(0, np.uint8)
         self._fds = [os.open(p, os.O_RDWR) for p in shard_paths]
-        self.writer = CacheWriter(shard_paths, self._fds)  # large writes past the page cache (less CPU per byte)
+        self.writer = CacheWriter(shard_paths, self._fds, direct=False)  # buffered: read back soon (module doc)
         self._pin_fd = open_pin_file(os.path.join(local_dir, INDEX_DIR))  # this evictor's own open of the pin file
 
     def pins(self) -> SamplePins:
