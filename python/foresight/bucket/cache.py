@@ -205,7 +205,7 @@ class SampleCache:
     # -- the public operations -------------------------------------------------------------------------------------
     def cached_bytes(self) -> int:
         """Bytes of the samples marked present (the budget's measure)."""
-        ids = np.flatnonzero(self.present)
+        ids = np.flatnonzero(self.present.copy())  # a snapshot: other processes mark the shared index meanwhile
         return int(self.lookup(ids).length.sum()) if ids.size else 0
 
     def ensure(self, ids: np.ndarray, *, max_gap: int | None = None, span_present: bool = False,
@@ -495,7 +495,7 @@ class SampleCache:
         if self.checksums is None:
             raise ValueError(f"{self.local_dir}: this dataset has no per-sample checksums (a Megatron pair): "
                              "nothing to scrub against; delete the cache directory to refetch it")
-        ids = np.flatnonzero(self.present) if ids is None else np.unique(np.asarray(ids, dtype=np.int64))
+        ids = np.flatnonzero(self.present.copy()) if ids is None else np.unique(np.asarray(ids, dtype=np.int64))
         with self._exclusive():
             ids = ids[self.present[ids] != 0]
             if not ids.size:

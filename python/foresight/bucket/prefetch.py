@@ -303,7 +303,7 @@ class PlanPrefetcher(Closing):
         return self.acc.ids[lo:hi]
 
     def _make_room(self, k: int, consumed: int, ids: np.ndarray) -> None:
-        present = self.cache.present
+        present = self.cache.present.copy()  # a snapshot: other processes mark the shared index meanwhile
         need = int(self._sizes[ids[present[ids] == 0]].sum())
         cached = np.flatnonzero(present)
         used = int(self._sizes[cached].sum())
