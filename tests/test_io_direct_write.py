@@ -82,3 +82,44 @@ def test_a_failed_direct_write_kept_as_an_error_lets_the_writer_close(tmp_path):
     with open(path, "rb") as f:
         assert f.read(data.size) == data.tobytes()
     assert kept.__traceback__ is not None
+
+
+def test_a_large_buffered_write_goes_in_pieces_cut_at_multiples_of_buffered_piece(tmp_path, monkeypatch):
+    """A buffered write of a whole GET (16 MiB) is written in pieces of at most BUFFERED_PIECE, cut at its multiples
+    in the file: the kernel sizes a write's page-cache folios by its length, and multi-MiB folios take high-order
+    free blocks (on the bench's VM, memory its host took back: 2.8-5.1 CPU-s/GB against 0.22 in 1 MiB pieces).
+    Every byte lands; a short piece (a full disk) ends the write with the bytes written so far."""
+    piece = direct_write.BUFFERED_PIECE
+    data = np.random.default_rng(4).integers(0, 256, size=5 * piece + 12345, dtype=np.uint8)
+    path = str(tmp_path / "shard.bin")
+    with open(path, "wb") as f:
+        f.truncate(data.size + piece)
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    w = CacheWriter([path], [fd], direct=False)
+    real_pwrite, calls = os.pwrite, []
+
+    def pwrite(f, buf, off):
+        calls.append((off, len(buf)))
+        return real_pwrite(f, buf, off)
+
+    monkeypatch.setattr(direct_write.os, "pwrite", pwrite)
+    try:
+        assert w.pwrite(0, data, 777) == data.size
+        assert len(calls) == 6 and all(n <= piece for _, n in calls)
+        assert all((off + n - 1) // piece == off // piece for off, n in calls)  # none crosses a multiple
+        assert [off for off, _ in calls] == [777] + [k * piece for k in range(1, 6)]
+        assert w.stats["buffered_bytes"] == data.size
+
+        def short(f, buf, off):  # the disk takes half of the third piece, then nothing
+            calls.append((off, len(buf)))
+            return real_pwrite(f, buf[:len(buf) // 2] if len(calls) == 3 else buf, off)
+
+        calls.clear()
+        monkeypatch.setattr(direct_write.os, "pwrite", short)
+        assert w.pwrite(0, data, 777) == 2 * piece - 777 + piece // 2 and len(calls) == 3
+    finally:
+        w.close()
+        os.close(fd)
+    with open(path, "rb") as f:
+        f.seek(777)
+        assert f.read(data.size) == data.tobytes()

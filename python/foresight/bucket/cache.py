@@ -22,7 +22,9 @@ Safety under concurrent processes (ranks of one host, restarts):
   large GETs past it (``cache.writer.direct = True``, :mod:`foresight.io.direct_write`) measured slower end to end
   in bench/object_store.py (token 3,272-3,439 vs 3,575-3,827 samples/s buffered, 6.6-8.1 vs 5.1-5.7 CPU-s/GB;
   media 74-78 vs 76-78 samples/s at 2.8-3.4 vs 2.3-2.6 CPU-s/GB; alternating runs at 10 ms): the read-back from
-  disk costs more than the page-cache copy it saves;
+  disk costs more than the page-cache copy it saves; the writes go in pieces of at most 1 MiB
+  (:data:`~foresight.io.direct_write.BUFFERED_PIECE`: a whole 16 MiB GET written at once made multi-MiB folios,
+  whose first touch on a VM reporting free memory to its host cost 4.5-6.5 CPU-s/GB of a media fill, 0-0.5 now);
 - eviction clears a sample's mark first, then punches the whole 4 KiB blocks inside its extent out of the file
   (``fallocate(PUNCH_HOLE)``: blocks shared with a neighbour stay, so a neighbour's bytes never change);
 - eviction never punches a sample that a reader of any process pins (:mod:`foresight.bucket.pins`: a shared lock
