@@ -3,6 +3,9 @@ fault proxy in front of it: a DCP save whose data object's later parts fail, and
 step to a bucket tier. What was acknowledged (an earlier checkpoint) stays."""
 from __future__ import annotations
 
+import signal
+import threading
+
 import boto3
 import pytest
 import torch
@@ -126,3 +129,25 @@ def test_a_replicated_dcp_save_that_never_reached_finish_is_aborted_at_the_next_
     finally:
         rep.close()
     assert [u["Key"] for u in open_uploads(s3_env, "repl-unfinished")] == []
+
+
+def test_a_dcp_save_interrupted_mid_upload_leaves_no_upload_open(s3_env, proxy):
+    """Ctrl-C while the data object's parts are in flight (the later ones held back by the proxy): obstore's put
+    runs to its end (the interrupt lands once it returns), so the object is completed, never left open."""
+    base = make_bucket("dcp-interrupted")
+    proxy.faults.append(Fault(status=0, method="PUT", path=LATER_PARTS, delay_s=2.0))
+    writer = ForesightStorageWriter(base + "/step-1", bucket_options=QUICK)
+
+    def interrupt():
+        proxy.wait_for(1, method="PUT", path=r"partNumber=1\b", timeout_s=60)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    t = threading.Thread(target=interrupt)
+    t.start()
+    try:
+        with pytest.raises(CheckpointException, match="KeyboardInterrupt"):
+            dcp.save(state(1), storage_writer=writer, no_dist=True)
+        assert open_uploads(s3_env, "dcp-interrupted") == []
+    finally:
+        t.join()
+        writer.close()

@@ -1,5 +1,7 @@
-"""The replica manager's etcd and authentication helpers: keys under the cluster prefix, leases, puts (many in
-one transaction; a key created together with others), what planning a hint reads (one round trip), the copies of a
+"""The replica manager's etcd and authentication helpers: keys under the cluster prefix, leases, puts (many in as
+few transactions as etcd's limits allow; a key created together with others, all or nothing as its readers see
+it), a hint stored as a head record and its files list in parts (``<hint>/files/<lease>/<i>``), what planning a
+hint reads (one round trip), the copies of a
 checkpoint on live nodes, the nodes' advertised loads, copy tasks, and the check of a job's token against the one its
 first call bound (kept in etcd, salted and hashed).
 
