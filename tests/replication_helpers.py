@@ -10,9 +10,9 @@ from installed import require
 
 
 class Etcd(EtcdProcess):
-    def __init__(self, data_dir: str) -> None:
+    def __init__(self, data_dir: str, **kw) -> None:
         require("etcd")  # a failed set-up fails the test, never skips it
-        super().__init__(data_dir)
+        super().__init__(data_dir, **kw)
 
 
 class Site(SiteProcess):

@@ -43,11 +43,11 @@ from typing import Any, Callable
 from urllib.parse import urlparse
 
 from foresight.cluster.auth import token_digest
+from foresight.cluster.etcd_txn import put_op, range_op, txn_chunks, wire
 from foresight.errors import NodeError
 
 log = logging.getLogger("foresight.cluster.membership")
 DEFAULT_PREFIX = "/foresight/v1"
-TXN_OPS = 100  # operations per etcd transaction (etcd's default limit is 128)
 
 
 def _parsed(items: Any) -> list[tuple[str, Any]]:
@@ -94,12 +94,20 @@ class Cluster:
         self.calls = 0  # etcd requests made (round trips: what a batched read saves)
 
     def _call(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(client)``, on the next endpoint when one is unreachable. A request etcd answered with a refusal
+        (too large, too many operations, an unknown lease: HTTP 4xx) raises at once with etcd's reason: another
+        endpoint would refuse it too."""
+        from etcd3gw.exceptions import Etcd3Exception
+
         self.calls += 1
         last: Exception | None = None
         for _ in range(len(self.endpoints)):
             try:
                 return fn(self._etcd)
             except Exception as e:  # requests' connection errors, etcd3gw's ConnectionFailedError, ...
+                if type(e) is Etcd3Exception:  # etcd3gw raises the base class for a 4xx answer
+                    raise NodeError(f"etcd refused the request: {str(e.detail_text)[:300]}",
+                                    endpoint=self.endpoints[self._i]) from None
                 last = e
                 self._i = (self._i + 1) % len(self.endpoints)
                 self._etcd = _client(self.endpoints[self._i], self.timeout)
@@ -108,6 +116,27 @@ class Cluster:
     def key(self, *parts: str) -> str:
         return "/".join([self.prefix, *parts])
 
+    def txn(self, ops: list[dict], compare: list[dict] | None = None) -> dict:
+        """One etcd transaction of ``ops`` (from :mod:`~foresight.cluster.etcd_txn`: ``put_op``, ``range_op``;
+        within its limits, see ``txn_chunks``) if every ``compare`` holds. Returns etcd's answer (``succeeded``,
+        ``responses``, ``header.revision``)."""
+        body = {"compare": compare or [], "success": wire(ops), "failure": []}
+        return self._call(lambda c: c.transaction(body))
+
+    def put_many(self, items: dict[str, str], lease_id: int | None = None) -> int:
+        """Put every ``key: value`` of ``items`` (values already strings), under lease ``lease_id`` if given, in as
+        few transactions as etcd's limits allow (not atomic across them). Returns the transactions sent.
+
+        Example::
+
+            cluster.put_many({cluster.key("replicas", ckpt, f, node): json.dumps(rec) for f, rec in recs.items()},
+                             lease.id)
+        """
+        chunks = txn_chunks([put_op(k, v, lease_id) for k, v in items.items()])
+        for chunk in chunks:
+            self.txn(chunk)
+        return len(chunks)
+
     def _get_prefix(self, prefix: str) -> list[tuple[str, Any]]:
         items = self._call(lambda c: c.get_prefix(prefix))
         return _parsed((meta["key"], value) for value, meta in items)
@@ -115,22 +144,20 @@ class Cluster:
     def get_many(self, prefixes: Sequence[str] = (), keys: Sequence[str] = ()
                  ) -> tuple[list[list[tuple[str, Any]]], list[Any]]:
         """Several prefix reads and single-key reads in one etcd round trip (a read-only transaction: one
-        revision for all). Returns ``([[(key, value)] per prefix], [value or None per key])``, values decoded
+        revision for all), or in several when they are over etcd's limits (``TXN_OPS`` reads each; each
+        transaction has its own revision). Returns ``([[(key, value)] per prefix], [value or None per key])``, values decoded
         from JSON as :meth:`_get_prefix` does.
 
         Example::
 
             (nodes, tasks), (hint,) = cluster.get_many([cluster.key("nodes") + "/", tasks_prefix], [hint_key])
         """
-        from etcd3gw.utils import _decode, _encode, _increment_last_byte
+        from etcd3gw.utils import _decode
 
-        ops = [{"request_range": {"key": _encode(p), "range_end": _encode(_increment_last_byte(p))}}
-               for p in prefixes] + [{"request_range": {"key": _encode(k)}} for k in keys]
+        ops = [range_op(p, prefix=True) for p in prefixes] + [range_op(k) for k in keys]
         answers: list[list[tuple[str, Any]]] = []
-        for i in range(0, len(ops), TXN_OPS):
-            txn = {"compare": [], "success": ops[i:i + TXN_OPS], "failure": []}
-            res = self._call(lambda c: c.transaction(txn))
-            for r in res.get("responses", []):
+        for chunk in txn_chunks(ops):  # one round trip unless the reads are over etcd's limits
+            for r in self.txn(chunk).get("responses", []):
                 kvs = r.get("response_range", {}).get("kvs", [])
                 answers.append(_parsed((_decode(kv["key"]), _decode(kv.get("value", ""))) for kv in kvs))
         if len(answers) != len(ops):
@@ -160,8 +187,7 @@ class Cluster:
             raise NodeError("no nodes to place shards on", dataset=fingerprint)
         assignment = {s: nodes[s % len(nodes)] for s in range(num_shards)}
         self._call(lambda c: c.delete_prefix(self.key("placement", fingerprint) + "/"))
-        for s, n in assignment.items():
-            self._call(lambda c: c.put(self.key("placement", fingerprint, f"{s:06d}"), json.dumps(n)))
+        self.put_many({self.key("placement", fingerprint, f"{s:06d}"): json.dumps(n) for s, n in assignment.items()})
         return assignment
 
     def served_shards(self, node_id: str, fingerprint: str) -> list[int] | None:

@@ -90,14 +90,15 @@ def _spec_dict(v: Any, modality: str) -> dict:
     return spec.to_dict()
 
 
-def _parse(body: bytes, what: str) -> dict:
-    """A request body as a JSON object, bounded before parsing: at most :data:`MAX_MESSAGE_BYTES` bytes and
-    :data:`MAX_NESTING` levels (the parser recurses per level); anything else is one-line :class:`ProtocolError`."""
+def _parse(body: bytes, what: str, max_bytes: int = MAX_MESSAGE_BYTES) -> dict:
+    """A request body as a JSON object, bounded before parsing: at most ``max_bytes`` (:data:`MAX_MESSAGE_BYTES`
+    unless the action names its own bound) and :data:`MAX_NESTING` levels (the parser recurses per level);
+    anything else is one-line :class:`ProtocolError`."""
     if not isinstance(body, (bytes, bytearray, memoryview)):
         fail(f"{what} must be bytes")
     body = bytes(body)
-    if len(body) > MAX_MESSAGE_BYTES:
-        fail(f"{what} is larger than the node accepts", bytes=len(body), limit=MAX_MESSAGE_BYTES)
+    if len(body) > max_bytes:
+        fail(f"{what} is larger than the node accepts", bytes=len(body), limit=max_bytes)
     depth = nesting_depth(body)
     if depth > MAX_NESTING:
         fail(f"{what} is nested deeper than the node accepts", depth=depth, limit=MAX_NESTING)
@@ -191,12 +192,14 @@ ACTION_DECODERS = {
 }
 
 
-def decode_action(name: str, body: bytes, decoders: dict | None = None) -> dict:
-    """The checked request of action ``name``; :class:`ProtocolError` for anything unexpected."""
+def decode_action(name: str, body: bytes, decoders: dict | None = None, *,
+                  max_bytes: int = MAX_MESSAGE_BYTES) -> dict:
+    """The checked request of action ``name`` (a body of at most ``max_bytes``); :class:`ProtocolError` for
+    anything unexpected."""
     decoders = ACTION_DECODERS if decoders is None else decoders
     if name not in decoders:
         fail(f"unknown action; known: {sorted(decoders)}", action=str(name)[:40])
-    return decoders[name](_parse(body, f"{name} request"))
+    return decoders[name](_parse(body, f"{name} request", max_bytes))
 
 
 def encode_ticket(job: str, *, rank: int, step: int) -> bytes:

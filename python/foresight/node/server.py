@@ -46,7 +46,13 @@ from foresight.node.job_actions import JobActions
 from foresight.node.bucket_root import BucketRootIndex, JobPrefetch
 from foresight.node.jobs import NodeJob, resolve_under
 from foresight.node.limits import WorkLimits
-from foresight.node.protocol import ACTION_DECODERS, decode_action, decode_ticket, parse_request
+from foresight.node.protocol import (
+    ACTION_DECODERS,
+    MAX_MESSAGE_BYTES,
+    decode_action,
+    decode_ticket,
+    parse_request,
+)
 from foresight.node.queue import Scheduler
 from foresight.node.root_index import RootIndex, scan_root
 from foresight.node.stream_drain import (CANCEL_WAIT_S, DEFAULT_SHUTDOWN_GRACE_S, CountedStream, InFlightStreams,
@@ -155,7 +161,7 @@ class NodeServer(JobActions, flight.FlightServerBase):
         self._stopped = threading.Event()
         self.shutdown_grace_s = float(shutdown_grace_s)
         self._inflight = InFlightStreams()
-        self._actions: dict[str, tuple[Callable, Callable, bool]] = {}
+        self._actions: dict[str, tuple[Callable, Callable, bool, int]] = {}
         self._puts: dict[str, Callable] = {}
         self._gets: dict[str, Callable] = {}
         for name, handler, scoped in (("health", self._health, False), ("status", self._status, False),
@@ -183,10 +189,12 @@ class NodeServer(JobActions, flight.FlightServerBase):
 
     # -- extension points -------------------------------------------------------------------------------------
     def register_action(self, name: str, decoder: Callable[[dict], dict], handler: Callable[[Any, dict], Any],
-                        *, job_scoped: bool = True) -> None:
+                        *, job_scoped: bool = True, max_bytes: int = MAX_MESSAGE_BYTES) -> None:
         """Add a ``DoAction``: ``decoder(json_object) -> request`` (raise ProtocolError), ``handler(context,
-        request) -> JSON-able result``. Job-scoped requests must name ``job``; its token is checked first."""
-        self._actions[name] = (decoder, handler, job_scoped)
+        request) -> JSON-able result``. Job-scoped requests must name ``job``; its token is checked first.
+        ``max_bytes``: the largest body taken (an action that lists thousands of files needs more than the
+        default)."""
+        self._actions[name] = (decoder, handler, job_scoped, max_bytes)
 
     def register_put(self, kind: str, handler: Callable[[Any, Any, Any, Any], None]) -> None:
         """Add a ``DoPut`` for descriptors whose path starts with ``kind``: ``handler(context, descriptor,
@@ -224,8 +232,8 @@ class NodeServer(JobActions, flight.FlightServerBase):
             entry = self._actions.get(name)
             if entry is None:
                 raise ProtocolError(f"unknown action; known: {sorted(self._actions)}", action=name[:40])
-            decoder, handler, scoped = entry
-            req = decode_action(name, action.body.to_pybytes(), {name: decoder})
+            decoder, handler, scoped, max_bytes = entry
+            req = decode_action(name, action.body.to_pybytes(), {name: decoder}, max_bytes=max_bytes)
             if scoped:
                 self.authorize(context, req["job"])
             result = handler(context, req)

@@ -55,7 +55,7 @@ from typing import Any
 from foresight.bucket.objects import BucketPrefix
 from foresight.bucket.url import BucketURL, is_bucket_url
 from foresight.checkpoint import store
-from foresight.checkpoint.dcp import ForesightStorageWriter
+from foresight.checkpoint.dcp import ForesightStorageWriter, metadata_name
 from foresight.errors import CheckpointError
 from foresight.replication.bucket_site import RANK_WAIT_S, BucketSite
 from foresight.replication.scheduler import priority_of
@@ -450,11 +450,44 @@ def _dcp_writer_class() -> type:
                                  "give the bucket as drain_to=")
             self.replicate, self.step = replicate, step
             self._plan_save = ""  # the coordinator's id of this save, from the global plan (every rank's the same)
+            self._unsettled: tuple[int, str] | None = None  # (step, path) of a save neither committed nor aborted
 
         def write_data(self, plan: Any, planner: Any) -> Any:
             # ranks of one save share the coordinator's id: a bucket site's abort record (no other rank: none)
             self._plan_save = (getattr(plan.storage_data, "save", "") or "") if (self._world() or 1) > 1 else ""
-            return super().write_data(plan, planner)
+            self._unsettled = (self.step, self.path)
+            try:
+                return super().write_data(plan, planner)
+            except BaseException:  # KeyboardInterrupt too: the parts already sent must not stay open uploads
+                self._abort_unsettled()
+                raise
+
+        def _abort_unsettled(self) -> None:
+            """End the replication of the save this writer started and no hook ended (its uploads aborted)."""
+            if self._unsettled is not None:
+                step, _ = self._unsettled
+                self._unsettled = None
+                self.replicate.aborted(step)
+
+        def _settle_earlier(self) -> None:
+            """A save that failed after its data was written but before ``finish`` (another rank failed, an
+            interrupt between DCP's steps: DCP tells the writer nothing) is found here, at the next save or at
+            close: no metadata in its directory means it never committed, so its replication is aborted."""
+            if self._unsettled is not None:
+                _, path = self._unsettled
+                name = metadata_name(None if self.use_collectives else self.rank)
+                if os.path.exists(os.path.join(path, name)):
+                    self._unsettled = None  # committed (by the coordinator, for another rank's writer)
+                else:
+                    self._abort_unsettled()
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            self._settle_earlier()
+            super().reset(checkpoint_id)
+
+        def close(self) -> None:
+            self._settle_earlier()
+            super().close()
 
         def _world(self) -> int | None:
             return (torch.distributed.get_world_size() if self.use_collectives and
@@ -485,6 +518,7 @@ def _dcp_writer_class() -> type:
             leaf = os.path.basename(os.path.normpath(self.path))
             nbytes = sum(wr.size_in_bytes for wrs in results for wr in wrs)
             self.replicate.data_written(self.step, self.path, nbytes=nbytes, leaf=leaf)
+            self._unsettled = None
             try:
                 super().finish(metadata, results)
             except BaseException:

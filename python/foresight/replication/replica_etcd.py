@@ -1,5 +1,7 @@
-"""The replica manager's etcd and authentication helpers: keys under the cluster prefix, leases, puts (many in
-one transaction; a key created together with others), what planning a hint reads (one round trip), the copies of a
+"""The replica manager's etcd and authentication helpers: keys under the cluster prefix, leases, puts (many in as
+few transactions as etcd's limits allow; a key created together with others, all or nothing as its readers see
+it), a hint stored as a head record and its files list in parts (``<hint>/files/<lease>/<i>``), what planning a
+hint reads (one round trip), the copies of a
 checkpoint on live nodes, the nodes' advertised loads, copy tasks, and the check of a job's token against the one its
 first call bound (kept in etcd, salted and hashed).
 
@@ -16,15 +18,50 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import secrets
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import pyarrow.flight as flight
 
-from foresight.cluster.membership import TXN_OPS
+from foresight.cluster.etcd_txn import put_op, txn_chunks
 from foresight.errors import NodeError
 from foresight.replication.replica_requests import ckpt_key
+
+log = logging.getLogger("foresight.replication.replica_manager")  # the manager's one logger
+HINT_PART_BYTES = 256 << 10  # a hint's files list is stored in parts of at most this much JSON
+WRITING_TTL_S = 30  # a key being written in parts is claimed this long (renewed while written; see _create_with)
+
+
+def hint_parts(files: list[dict]) -> list[list[dict]]:
+    """``files`` cut into runs of at most ``HINT_PART_BYTES`` of JSON each (at least one run, maybe empty)."""
+    parts: list[list[dict]] = [[]]
+    size = 0
+    for f in files:
+        n = len(json.dumps(f, default=str)) + 2
+        if parts[-1] and size + n > HINT_PART_BYTES:
+            parts.append([])
+            size = 0
+        parts[-1].append(f)
+        size += n
+    return parts
+
+
+def hint_from(head: dict | None, listed: list[tuple[str, Any]], parts_prefix: str, *, key: str) -> dict | None:
+    """The hint from its head record and the keys read under ``parts_prefix`` (the same read: one revision):
+    None when there is none or it is still being written (a marker); its ``files`` joined from its parts."""
+    if head is None or head.get("writing"):
+        return None
+    if "file_parts" not in head:  # written whole by a node before hints were stored in parts
+        return head
+    mine = f"{parts_prefix}{int(head['lease']):x}/"
+    parts = sorted((k, v) for k, v in listed if k.startswith(mine))
+    if len(parts) != head.get("file_parts", 0):
+        raise NodeError("a hint's files list is incomplete in etcd", key=key, parts=len(parts),
+                        expected=head.get("file_parts"))
+    return dict(head, files=[f for _, part in parts for f in part])
 
 
 def live_copies(base: str, ranges: list[list[tuple[str, Any]]], live: Any) -> dict[str, dict[str, dict]]:
@@ -58,13 +95,8 @@ class ReplicaEtcd:
         self.cluster._call(lambda c: c.put(key, body, lease=lease))
 
     def _put_many(self, items: dict[str, str], lease: Any) -> None:
-        """Many puts under one lease, ``TXN_OPS`` per etcd transaction (etcd's default limit is 128 operations)."""
-        from etcd3gw.utils import _encode
-
-        ops = [{"request_put": {"key": _encode(k), "value": _encode(v), "lease": lease.id}} for k, v in items.items()]
-        for i in range(0, len(ops), TXN_OPS):
-            txn = {"compare": [], "success": ops[i:i + TXN_OPS], "failure": []}
-            self.cluster._call(lambda c: c.transaction(txn))
+        """Many puts under one lease, in as few transactions as etcd's limits allow (``Cluster.put_many``)."""
+        self.cluster.put_many(items, lease.id)
 
     def _get1(self, key: str) -> dict | None:
         vals = self.cluster._call(lambda c: c.get(key))
@@ -107,24 +139,80 @@ class ReplicaEtcd:
                 "loads": self._loads(live, advertised),
                 "tasks": tasks, "placement": placement}
 
-    def _create_with(self, key: str, value: dict, lease: Any, extra: dict[str, dict]) -> bool:
-        """Create ``key`` (only if absent) and put ``extra`` with it, all under ``lease``, in one transaction (more
-        than one when ``extra`` is long: the rest follow once the key is created). False: the key existed."""
+    def _create_with(self, key: str, value: dict, lease: Any, extra: dict[str, Any]) -> bool:
+        """Create ``key`` (only if absent) with the keys of ``extra``, all under ``lease``: all or nothing as a
+        reader of ``key`` sees it. False: the key existed (nothing written).
+
+        One transaction when everything fits etcd's limits (``etcd_txn.txn_chunks``). Otherwise the key is first
+        claimed with a marker (``{"writing": true, "lease"}``, which readers take for no value: see
+        :func:`hint_from`) under a short claim lease (``WRITING_TTL_S``); the extras follow, each transaction
+        only while the marker is still this writer's, and the last one replaces the marker with ``value``. On
+        any failure both leases are revoked (what was written goes with them; if etcd is away, the claim expires
+        within ``WRITING_TTL_S`` and a retry succeeds) and the error is raised."""
         from etcd3gw.utils import _encode
 
-        def put(k: str, v: dict) -> dict:
-            return {"request_put": {"key": _encode(k), "value": _encode(json.dumps(v, default=str)),
-                                    "lease": lease.id}}
+        ops = [put_op(k, json.dumps(v, default=str), lease.id) for k, v in extra.items()]
+        chunks = txn_chunks([*ops, put_op(key, json.dumps(value, default=str), lease.id)])  # the key last
+        absent = [{"key": _encode(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}]
+        if len(chunks) == 1:
+            return bool(self.cluster.txn(chunks[0], absent).get("succeeded"))
+        claim = self.cluster._call(lambda c: c.lease(ttl=WRITING_TTL_S))
+        marker = {"writing": True, "lease": lease.id, "coordinator": getattr(self, "node_id", None)}
+        try:
+            got = self.cluster.txn([put_op(key, json.dumps(marker), claim.id)], absent)
+            if not got.get("succeeded"):
+                self._revoke(claim)
+                return False
+            mine = [{"key": _encode(key), "result": "EQUAL", "target": "MOD",
+                     "mod_revision": int(got["header"]["revision"])}]
+            renewed = time.monotonic()
+            for i, chunk in enumerate(chunks):
+                if time.monotonic() - renewed > WRITING_TTL_S / 3:
+                    self.cluster._call(lambda c: claim.refresh())
+                    renewed = time.monotonic()
+                if not self.cluster.txn(chunk, mine).get("succeeded"):
+                    raise NodeError("a key being written in parts lost its claim (released, or the claim expired)",
+                                    key=key, written=f"{i} of {len(chunks)} transactions")
+        except BaseException:
+            self._revoke(lease, claim)
+            raise
+        return True  # the claim lease holds no key now; it expires by itself (no round trip on the restart's clock)
 
-        items = list(extra.items())
-        head, rest = items[:TXN_OPS - 1], dict(items[TXN_OPS - 1:])
-        txn = {"compare": [{"key": _encode(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}],
-               "success": [put(key, value), *(put(k, v) for k, v in head)], "failure": []}
-        if not self.cluster._call(lambda c: c.transaction(txn)).get("succeeded", False):
-            return False
-        if rest:
-            self._put_many({k: json.dumps(v, default=str) for k, v in rest.items()}, lease)
-        return True
+    def _revoke(self, *leases: Any) -> None:
+        """Revoke ``leases`` (their keys go at once); one etcd cannot revoke expires by its TTL (logged)."""
+        for lease in leases:
+            try:
+                lease.revoke()
+            except Exception as e:  # etcd away: the lease's TTL ends it
+                log.warning("could not revoke a lease; its keys go when its TTL ends",
+                            extra={"lease": getattr(lease, "id", None), "error": str(e)[:200]})
+
+    # -- a hint: a head record and its files list in parts ---------------------------------------------------
+    def _hint_key(self, job: str, name: str) -> str:
+        return self._k("hints", job, "ckpt", ckpt_key(name))
+
+    def _create_hint(self, job: str, name: str, record: dict, lease: Any, tasks: dict[str, dict]) -> bool:
+        """Write hint ``record`` and its copy ``tasks`` under ``lease``, all or nothing (:meth:`_create_with`).
+        The record's ``files`` list goes in parts of at most ``HINT_PART_BYTES`` (thousands of per-rank shards are
+        over etcd's request limit in one value): ``<hint>/files/<lease>/<i>``; the head names how many."""
+        key = self._hint_key(job, name)
+        parts = hint_parts(record["files"])
+        head = {k: v for k, v in record.items() if k != "files"}
+        head["file_parts"] = len(parts)
+        extra: dict[str, Any] = {f"{key}/files/{lease.id:x}/{i:06d}": part for i, part in enumerate(parts)}
+        extra.update(tasks)
+        return self._create_with(key, head, lease, extra)
+
+    def _hint_ranges(self, job: str, name: str) -> tuple[str, str]:
+        """What :func:`hint_from` reads: the head's key and its parts' prefix (read them in one ``get_many``)."""
+        key = self._hint_key(job, name)
+        return key, key + "/files/"
+
+    def _read_hint(self, job: str, name: str) -> dict | None:
+        """The live hint of ``job`` for checkpoint ``name``, whole, or None (none, or one still being written)."""
+        key, parts = self._hint_ranges(job, name)
+        (listed,), (head,) = self.cluster.get_many([parts], [key])
+        return hint_from(head, listed, parts, key=key)
 
     def _tasks(self, node: str | None = None) -> list[tuple[str, dict]]:
         base = self._k("replicas", ".tasks") + "/" + (f"{node}/" if node else "")
@@ -153,4 +241,4 @@ class ReplicaEtcd:
             raise flight.FlightUnauthenticatedError(f"foresight: bad token for job {job!r}")
 
 
-__all__ = ["ReplicaEtcd", "live_copies"]
+__all__ = ["HINT_PART_BYTES", "ReplicaEtcd", "WRITING_TTL_S", "hint_from", "hint_parts", "live_copies"]

@@ -58,9 +58,15 @@ from foresight.cluster.throttle import ServiceLimit
 from foresight.errors import NodeError
 from foresight.replication.hints import HintError, validate_hints
 from foresight.replication.replica_copies import LocalCopy, ReplicaCopies
-from foresight.replication.replica_etcd import ReplicaEtcd
+from foresight.replication.replica_etcd import ReplicaEtcd, hint_from
 from foresight.replication.replica_plan import DEFAULT_BASE_REPLICAS, DEFAULT_SAFE_READERS, cold_lead_s, plan_replicas
-from foresight.replication.replica_requests import check_file, ckpt_key, decode_ckpt_request, decode_hints
+from foresight.replication.replica_requests import (
+    MAX_HINTS_BYTES,
+    check_file,
+    ckpt_key,
+    decode_ckpt_request,
+    decode_hints,
+)
 
 log = logging.getLogger("foresight.replication.replica_manager")
 
@@ -127,10 +133,11 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         self._last = {"lease": -1e9, "load": -1e9, "reclaim": -1e9}  # when each periodic duty last ran
         self._round()  # at once when etcd answers; otherwise the loop keeps trying
         for name, dec, handler in (("replicas.publish", decode_ckpt_request, self._publish),
-                                   ("set_replication_hints", decode_hints, self._set_hints),
                                    ("replicas.progress", decode_ckpt_request, self._progress),
                                    ("replicas.release", decode_ckpt_request, self._release)):
             server.register_action(name, dec, handler, job_scoped=False)  # own auth: jobs here register no plan
+        server.register_action("set_replication_hints", decode_hints, self._set_hints, job_scoped=False,
+                               max_bytes=MAX_HINTS_BYTES)  # up to MAX_FILES hints: a restart of thousands of ranks
         server.register_action("replicas.wake", lambda o: check_fields(o, (), (), "replicas.wake") or {},
                                lambda context, req: self.wake(), job_scoped=False)  # only polls sooner: no auth
         server.register_action("replicas.stats", lambda o: check_fields(o, (), (), "replicas.stats") or {},
@@ -173,7 +180,6 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         if req["ttl_s"] > self.max_ttl_s:
             raise HintError(f"hint TTL {req['ttl_s']} s is above this cluster's limit of {self.max_ttl_s} s",
                             checkpoint=name)
-        hint_key = self._k("hints", job, "ckpt", ckpt_key(name))
         # one etcd round trip for every read the plan needs; the hinted files' copies only: a restart's checkpoint
         # holds thousands of per-rank shards, and the plan is on the restart's clock
         state = self._hint_reads(job, name, [h.path for h in req["files"]])
@@ -224,7 +230,7 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
                     "job": job, "checkpoint": name, "file": f.path, "size": f.size,
                     "xxh3": next(iter(recs.values()))["xxh3"], "grant": secrets.token_hex(16), "lease": lease.id,
                     "state": "pending", "created": now, "node": node, "sources": sources}
-        if not self._create_with(hint_key, record, lease, tasks):  # the hint and its tasks: one etcd write
+        if not self._create_hint(job, name, record, lease, tasks):  # the hint and its tasks: all or nothing
             lease.revoke()  # another node accepted a hint for it a moment ago
             raise HintError("a hint for this checkpoint is live; release it first (replicas.release) or let it "
                             "expire", checkpoint=name)
@@ -291,8 +297,10 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         job, name = req["job"], req["checkpoint"]
         self._authorize(context, job)
         nodes = self._k("nodes") + "/"  # the hint, the live nodes and the tasks in one round trip
-        (listed, every_task), (hint,) = self.cluster.get_many([nodes, self._k("replicas", ".tasks") + "/"],
-                                                              [self._k("hints", job, "ckpt", ckpt_key(name))])
+        hint_key, parts = self._hint_ranges(job, name)
+        (listed, every_task, hint_parts), (head,) = self.cluster.get_many(
+            [nodes, self._k("replicas", ".tasks") + "/", parts], [hint_key])
+        hint = hint_from(head, hint_parts, parts, key=hint_key)
         live = {k[len(nodes):]: v for k, v in listed}
         tasks = [t for _, t in every_task if t.get("checkpoint") == name]
         for t in tasks:  # a target that died will never finish its copy: do not wait for it
@@ -320,7 +328,7 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         """End a hint now: its lease is revoked, so its copies are reclaimed (after their reads)."""
         job, name = req["job"], req["checkpoint"]
         self._authorize(context, job)
-        hint = self._get1(self._k("hints", job, "ckpt", ckpt_key(name)))
+        hint = self._get1(self._hint_key(job, name))  # a hint still being written too: its writer then fails
         if hint is None:
             return {"checkpoint": name, "released": False}
         self._lease_of(hint["lease"]).revoke()

@@ -19,6 +19,7 @@ from foresight.replication.hints import MAX_TTL_S, FileHint, HintError
 from foresight.replication.units import check_file_name, check_name
 
 MAX_FILES = 1 << 16
+MAX_HINTS_BYTES = MAX_FILES * 384  # a set_replication_hints body: MAX_FILES hints of long names
 
 
 def ckpt_key(name: str) -> str:
@@ -88,4 +89,4 @@ def decode_hints(o: dict) -> dict:
             "allow_partial": bool(o.get("allow_partial", False)), "copies_join": join, **cold}
 
 
-__all__ = ["MAX_FILES", "check_checkpoint", "check_file", "ckpt_key", "decode_ckpt_request", "decode_hints"]
+__all__ = ["MAX_FILES", "MAX_HINTS_BYTES", "check_checkpoint", "check_file", "ckpt_key", "decode_ckpt_request", "decode_hints"]

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import time
 import urllib.request
+from collections.abc import Sequence
 
 from foresight.errors import NodeError
 from foresight.testing.processes import free_ports, stop_process
@@ -20,10 +21,11 @@ from foresight.testing.tether import start_tethered
 
 class EtcdProcess:
     """One etcd member on loopback with its own data directory; ``close()`` stops it (SIGTERM, then SIGKILL).
-    ``port``: the client port (default: a free one); give the old one to restart a member on the same endpoint."""
+    ``port``: the client port (default: a free one); give the old one to restart a member on the same endpoint.
+    ``args``: more etcd flags (e.g. ``["--max-request-bytes", "65536"]`` for a member with tighter limits)."""
 
     def __init__(self, data_dir: str, *, binary: str | None = None, timeout: float = 30.0,
-                 port: int | None = None) -> None:
+                 port: int | None = None, args: Sequence[str] = ()) -> None:
         binary = binary or shutil.which("etcd") or "/usr/bin/etcd"
         if not os.path.exists(binary):
             raise NodeError("etcd not found (Debian package etcd-server; scripts/setup.sh installs it)", path=binary)
@@ -38,7 +40,7 @@ class EtcdProcess:
              "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
              "--listen-peer-urls", f"http://127.0.0.1:{peer}",
              "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"foresight-test=http://127.0.0.1:{peer}"],
+             "--initial-cluster", f"foresight-test=http://127.0.0.1:{peer}", *args],
             stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while True:
