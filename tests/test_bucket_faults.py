@@ -5,6 +5,7 @@ it."""
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 import subprocess
@@ -158,6 +159,48 @@ def test_corrupt_cache_file_is_detected_and_refetched(s3_env, tmp_path, local):
         assert ds.cache.stats.misses == before + 1
         assert all(ds.read(i) == local.read(i) for i in ids.tolist())
         assert ds.cache.scrub().size == 0
+
+
+def test_a_damaged_cache_copy_is_laid_out_anew(s3_env, tmp_path, local, caplog):
+    """A kept copy whose files were cut short or removed (a crash, a hand, a disk cleaner), or whose state.json
+    another version wrote: the next open lays it out anew (logged), never a permanent error until the directory is
+    deleted by hand, never bytes read past a cut."""
+    upload_dataset(local.path, "s3://faults/damaged")
+    cache = tmp_path / "cache"
+    index = os.path.join(".foresight-cache")
+
+    def shard(path):
+        return os.path.join(path, sorted(n for n in os.listdir(path) if n.endswith(".bin"))[0])
+
+    def state(path):  # another version's state.json: a key of this one missing
+        name = os.path.join(path, index, "state.json")
+        with open(name) as f:
+            doc = json.load(f)
+        doc.pop("shards")
+        with open(name, "w") as f:
+            json.dump(doc, f)
+
+    damages = {
+        "shard cut short": lambda p: os.truncate(shard(p), os.path.getsize(shard(p)) // 2),
+        "shard removed": lambda p: os.unlink(shard(p)),
+        "map removed": lambda p: os.unlink(os.path.join(p, sorted(n for n in os.listdir(p) if ".map" in n)[0])),
+        "manifest removed": lambda p: os.unlink(os.path.join(p, "manifest.json")),
+        "index cut short": lambda p: os.truncate(os.path.join(p, index, "present"), 3),
+        "index removed": lambda p: os.unlink(os.path.join(p, index, "present")),
+        "state of another version": state,
+    }
+    for what, damage in damages.items():
+        with open_dataset("s3://faults/damaged", cache_dir=cache) as ds:
+            ds.lookup(np.arange(ds.num_samples))
+            path = ds.path
+        damage(path)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="foresight.bucket"):
+            with open_dataset("s3://faults/damaged", cache_dir=cache) as ds:
+                assert not ds.cache.present.any(), what  # nothing kept of a damaged copy
+                ds.lookup(np.arange(ds.num_samples))
+                assert all(ds.read(i) == local.read(i) for i in range(ds.num_samples)), what
+        assert "damaged" in caplog.text and "laid out anew" in caplog.text, what
 
 
 def test_process_killed_between_write_and_mark_leaves_no_torn_entry(s3_env, tmp_path, local):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 
 import numpy as np
 import pytest
@@ -208,8 +209,7 @@ def test_pack_to_a_bucket_uploads_the_manifest_last(s3_env, tmp_path):
     src = tmp_path / "text.jsonl"
     rng = np.random.default_rng(3)
     src.write_text("".join(json.dumps({"text": "w" * int(n)}) + "\n" for n in rng.integers(1, 3000, size=300)))
-    staging = tmp_path / "staging"
-    staging.mkdir()
+    staging = tmp_path / "staging"  # not made: created as the bucket cache is wherever it is named
     res = run_cli("pack", "jsonl", str(src), "s3://paths/packed", "--column", "text", "--shard-bytes", "100K",
                   "--no-progress", FORESIGHT_BUCKET_CACHE=str(staging))
     assert res.returncode == 0, res.stderr
@@ -259,3 +259,47 @@ def test_inspect_a_bucket_dataset_plan_and_megatron_pair(s3_env, tmp_path):
     assert "bucket not found" in _one_line(res)
     res = run_cli("inspect", "s3://paths/insp", FORESIGHT_BUCKET_CACHE="")
     assert "FORESIGHT_BUCKET_CACHE" in _one_line(res)
+
+
+def test_bucket_root_and_nested_prefixes_keep_each_others_cache(s3_env, tmp_path, monkeypatch):
+    """``s3://bucket`` with no prefix as a dataset and as a plan, and URLs nested in one another (a plan under its
+    dataset's prefix, a dataset under a plan's): each one's local copy lives inside another's directory, and laying
+    out or refreshing one must never remove the other's files (nor crash on the root's empty prefix)."""
+    local = _token_dataset(tmp_path / "tok")
+    upload_dataset(local.path, "s3://rootds")
+    upload_dataset(local.path, "s3://nestplan/data")
+    plan = build_plan([(local, 1.0)], seed=5, global_batch_size=8, seq_len=24, num_steps=10)
+    want = _batches(Loader(local, plan, prefetch=2))
+    writer = tmp_path / "writer-cache"
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(writer))
+    for url in ("s3://rootplan", "s3://rootds/plans/p1", "s3://nestplan"):
+        plan.save(url)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(cache))
+    # a plan at a bucket's root, on a host that has cached nothing
+    got = _batches(Loader("s3://rootplan", datasets=open_dataset("s3://rootds"), prefetch=2))
+    assert all(np.array_equal(got[s], want[s]) for s in want)
+    # the plan under the (root) dataset's prefix is mirrored first, then the dataset is laid out around it
+    got = _batches(Loader("s3://rootds/plans/p1", datasets=open_dataset("s3://rootds"), prefetch=2))
+    assert all(np.array_equal(got[s], want[s]) for s in want)
+    shutil.rmtree(cache)
+    first = load_plan("s3://rootds/plans/p1")
+    plan_json = os.path.join(first.path, "plan.json")
+    with open_dataset("s3://rootds") as ds:  # a first layout of the dataset, around the plan's copy
+        assert ds.read(3) == local.read(3)
+    assert os.path.isfile(plan_json)
+    inode = os.stat(plan_json).st_ino
+    assert load_plan("s3://rootds/plans/p1").path == first.path and os.stat(plan_json).st_ino == inode  # kept
+    # a dataset under a plan's prefix: cached first, then the plan is mirrored (and mirrored again once replaced)
+    with open_dataset("s3://nestplan/data") as ds:
+        ds.lookup(np.arange(ds.num_samples))
+        cached = int(ds.cache.present.sum())
+        ds_path = ds.path
+    assert load_plan("s3://nestplan").digest == plan.digest
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(writer))
+    build_plan([(local, 1.0)], seed=6, global_batch_size=8, seq_len=24, num_steps=10).save("s3://nestplan",
+                                                                                         overwrite=True)
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(cache))
+    assert load_plan("s3://nestplan").digest != plan.digest
+    with open_dataset("s3://nestplan/data") as ds:
+        assert ds.path == ds_path and int(ds.cache.present.sum()) == cached  # nothing to fetch again

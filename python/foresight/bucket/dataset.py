@@ -24,6 +24,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -56,8 +57,11 @@ BOOT_NAME = "boot_id"  # the boot during which the index's marks were made (thei
 
 
 def local_dir_of(url: BucketURL, cache_dir: str | os.PathLike) -> str:
-    """Where ``url``'s dataset is mirrored under ``cache_dir``: ``cache_dir/bucket/prefix``."""
-    return os.path.join(os.path.abspath(os.fspath(cache_dir)), url.bucket, *url.prefix.split("/"))
+    """Where ``url``'s dataset is mirrored under ``cache_dir``: ``cache_dir/bucket/prefix`` (``cache_dir/bucket``
+    for a bucket's root). Another URL's copy may lie inside it (``s3://b`` holds ``s3://b/plans/p1``'s): what
+    writes here touches only its own plain files, never a directory or a dotfile (:func:`_clear`)."""
+    parts = url.prefix.split("/") if url.prefix else []
+    return os.path.join(os.path.abspath(os.fspath(cache_dir)), url.bucket, *parts)
 
 
 def is_cache_dir(path: str) -> bool:
@@ -146,11 +150,14 @@ def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef, raw: b
 
 
 def _clear(local: str) -> None:
-    """Remove an older copy (or a layout cut short): nothing of it is kept but the index directory."""
+    """Remove an older copy (or a layout cut short): its plain files (shards, maps, manifest, a pair's ``.idx``/
+    ``.bin``, temporary files). Directories and dotfiles are left: they are the index directory and the copies of
+    other URLs nested under this prefix (a plan at ``s3://b/plans/p1`` under a dataset at ``s3://b``, and its
+    mirror's records ``.p1.foresight-mirror.*``)."""
     for name in os.listdir(local):
-        if name != INDEX_DIR:
-            path = os.path.join(local, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+        path = os.path.join(local, name)
+        if not name.startswith(".") and (os.path.islink(path) or not os.path.isdir(path)):
+            os.unlink(path)
 
 
 def _lay_out_megatron(local: str, fetcher: RangedFetcher, idx_ref: ObjectRef) -> dict[str, Any]:
@@ -264,9 +271,11 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
             got = _get_or_none(fetcher, MANIFEST_NAME)  # small: fetched whole, not headed first
             if got is not None:
                 manifest_ref, raw = got
+                lay_out = partial(_lay_out, local, fetcher, manifest_ref, raw)
                 if state is None or state.get("manifest") != _ref_json(manifest_ref):
                     _drop(local, url, state)
-                    state = _lay_out(local, fetcher, manifest_ref, raw)
+                    state = lay_out()
+                    lay_out = None
             else:
                 fetcher = _megatron_fetcher(url, fetcher, concurrency, retry, caps)
                 name = url.prefix.rsplit("/", 1)[-1]
@@ -278,12 +287,20 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
                 if fingerprint == "content":
                     raise ValueError(f"{url}: fingerprint='content' hashes every byte of the .bin, which would "
                                      "fetch it whole; a bucket Megatron pair takes fingerprint='index'")
+                lay_out = partial(_lay_out_megatron, local, fetcher, idx_ref)
                 if state is None or state.get("idx") != _ref_json(idx_ref):
                     _drop(local, url, state)
-                    state = _lay_out_megatron(local, fetcher, idx_ref)
-            refs = [ObjectRef(BucketURL(url.bucket, r["key"]), int(r["size"]), r["etag"]) for r in state["shards"]]
-            kind = BucketMegatronDataset if state.get("kind") == "megatron" else BucketDataset
-            ds = kind(local, url, fetcher, refs)
+                    state = lay_out()
+                    lay_out = None
+            try:
+                ds = _open_layout(local, url, fetcher, state)
+            except _DAMAGED as e:  # a kept copy whose files were cut, removed or written by another version
+                if lay_out is None:  # just laid out: what fails is the dataset itself, not the copy
+                    raise
+                log.warning("bucket cache %s: the kept copy of %s is damaged (%s): laid out anew, its samples "
+                            "fetched again", local, url, " ".join(f"{type(e).__name__}: {e}".split())[:300])
+                _drop(local, url, state, quiet=True)
+                ds = _open_layout(local, url, fetcher, lay_out())
             try:  # under the layout lock: no mark of this boot is made before the check
                 _scrub_after_reboot(ds, local)
             except BaseException:
@@ -298,11 +315,32 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
         raise
 
 
-def _drop(local: str, url: BucketURL, state: dict[str, Any] | None) -> None:
-    """Forget a cached copy whose marker (manifest or ``.idx``) changed in the bucket: laid out anew."""
+# What opening a kept copy raises when its files were damaged: cut short or removed (FormatError from the local
+# reader, the index's size check), or a state.json of another version (a key missing, a value of another type).
+_DAMAGED = (FormatError, BucketError, OSError, KeyError, TypeError, ValueError)
+
+
+def _open_layout(local: str, url: BucketURL, fetcher: RangedFetcher,
+                 state: dict[str, Any]) -> "BucketDataset | BucketMegatronDataset":
+    """The dataset over the laid-out copy ``state`` describes (local files only: no request)."""
+    refs = [ObjectRef(BucketURL(url.bucket, r["key"]), int(r["size"]), r["etag"]) for r in state["shards"]]
+    kind = BucketMegatronDataset if state.get("kind") == "megatron" else BucketDataset
+    ds = kind(local, url, fetcher, refs)
+    laid = [os.path.getsize(p) for p in ds.shard_paths]
+    if laid != [r.size for r in refs]:  # a sparse file cut short or grown: reads past a cut would come back short
+        ds.close()
+        raise FormatError(f"cached shard files are {laid} bytes, their objects {[r.size for r in refs]}")
+    return ds
+
+
+def _drop(local: str, url: BucketURL, state: dict[str, Any] | None, *, quiet: bool = False) -> None:
+    """Forget a cached copy whose marker (manifest or ``.idx``) changed in the bucket (or that is damaged):
+    laid out anew."""
     if state is not None:
-        log.warning("bucket: %s changed since it was cached (manifest or .idx ETag): cache dropped", url)
-        os.unlink(os.path.join(local, INDEX_DIR, STATE_NAME))
+        if not quiet:
+            log.warning("bucket: %s changed since it was cached (manifest or .idx ETag): cache dropped", url)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(local, INDEX_DIR, STATE_NAME))
 
 
 def _megatron_fetcher(url: BucketURL, fetcher: RangedFetcher, concurrency: int, retry: RetryPolicy,

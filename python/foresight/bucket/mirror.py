@@ -84,14 +84,21 @@ def _record(local: str, marker: ObjectRef) -> None:
     os.replace(f"{path}.tmp-{os.getpid()}", path)
 
 
-def _replace_dir(tmp: str, local: str) -> None:
-    if os.path.lexists(local):
-        aside = tempfile.mkdtemp(prefix=f".{os.path.basename(local)}.old-", dir=os.path.dirname(local))
-        os.rename(local, os.path.join(aside, "x"))
-        os.rename(tmp, local)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.rename(tmp, local)
+def _install(tmp: str, local: str) -> None:
+    """Move the plain files of ``tmp`` into ``local`` (each renamed into place) and remove the plain files of the
+    older copy they do not replace; then remove ``tmp``. File by file, not the directory swapped whole: ``local``
+    may hold other URLs' copies (a dataset at ``s3://b/p/data`` under a plan at ``s3://b/p``: a directory) and
+    their mirrors' records (dotfiles), which are left as they are."""
+    os.makedirs(local, exist_ok=True)
+    names = {n for n in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, n))}
+    for name in os.listdir(local):
+        path = os.path.join(local, name)
+        if name not in names and not name.startswith(".") and (os.path.islink(path) or not os.path.isdir(path)):
+            os.unlink(path)
+    for name in sorted(names):
+        os.replace(os.path.join(tmp, name), os.path.join(local, name))
+    fsync_dir(local)
+    shutil.rmtree(tmp, ignore_errors=True)
     fsync_dir(os.path.dirname(local))
 
 
@@ -121,8 +128,9 @@ def mirror_prefix(url: str | BucketURL, cache_dir: str | os.PathLike, *, marker:
         try:
             fetcher.map(lambda rn: fetcher.download(rn[0], os.path.join(tmp, rn[1])), list(zip(refs, names)))
             fsync_dir(tmp)
-            os.chmod(tmp, 0o755)
-            _replace_dir(tmp, local)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_side(local, "json"))  # a copy cut short by a crash is fetched again
+            _install(tmp, local)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -142,7 +150,12 @@ def publish_prefix(url: str | BucketURL, cache_dir: str | os.PathLike, write: Ca
             refuse_existing_at(url, marker, what, options=options)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(_side(local, "json"))  # the local copy is about to differ from what the bucket holds
-        write(local)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(local)}.tmp-", dir=os.path.dirname(local))
+        try:  # written beside, then moved in file by file: another URL's copy nested in ``local`` stays
+            write(os.path.join(tmp, "new"))
+            _install(os.path.join(tmp, "new"), local)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         refs = upload_dir(local, url, marker=marker, overwrite=overwrite, what=what, options=options)
         _record(local, refs[-1])
     return local
