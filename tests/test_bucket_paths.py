@@ -10,10 +10,12 @@ import pickle
 import shutil
 
 import numpy as np
+import obstore
 import pytest
 
 from foresight import open_dataset
 from foresight.bucket import BucketDataset, BucketURL
+from foresight.bucket.config import open_store
 from foresight.bucket.dataset import BucketMegatronDataset, local_dir_of
 from foresight.bucket.prefetch import PlanPrefetcher
 from foresight.bucket.upload import upload_dataset, upload_dir
@@ -303,3 +305,26 @@ def test_bucket_root_and_nested_prefixes_keep_each_others_cache(s3_env, tmp_path
     assert load_plan("s3://nestplan").digest != plan.digest
     with open_dataset("s3://nestplan/data") as ds:
         assert ds.path == ds_path and int(ds.cache.present.sum()) == cached  # nothing to fetch again
+
+
+def test_megatron_bin_replaced_after_the_plan_was_built_is_refused_on_a_fresh_host(s3_env, tmp_path, monkeypatch):
+    """A pair's ``.bin`` replaced by other bytes of the same size after the plan was built keeps the index
+    fingerprint (``.idx`` unchanged) and has no per-sample checksums: a host that opens it afresh must refuse it by
+    name (the plan records each object's ETag), never serve the other bytes."""
+    prefix = _megatron_pair(tmp_path / "mg")
+    _upload_pair(prefix, "s3://paths/replaced-mg/wiki")
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(tmp_path / "cache-a"))
+    with open_dataset("s3://paths/replaced-mg/wiki") as ds:
+        build_plan([(ds, 1.0)], seed=2, global_batch_size=8, seq_len=24, num_steps=4).save(
+            "s3://paths/replaced-mg/plan")
+    assert _batches(Loader("s3://paths/replaced-mg/plan"))  # as built: served
+    with open(prefix + ".bin", "rb") as f:
+        data = f.read()
+    store = open_store(BucketURL.parse("s3://paths"))
+    obstore.put(store, "replaced-mg/wiki.bin", bytes(255 - b for b in data))
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(tmp_path / "cache-b"))  # a host that has cached nothing
+    shutil.rmtree(tmp_path / "cache-a")  # nor has the writer's copy
+    with pytest.raises(BucketError) as e:
+        Loader("s3://paths/replaced-mg/plan")
+    assert e.value.reason == "changed" and "replaced since the plan was built" in str(e.value)
+    assert "s3://paths/replaced-mg/wiki.bin" in str(e.value) and "\n" not in str(e.value)

@@ -46,7 +46,8 @@ def test_url_parsing():
     assert (u.bucket, u.prefix, u.key("m.json"), str(u.child("x"))) == ("data", "wiki/v1", "wiki/v1/m.json",
                                                                         "s3://data/wiki/v1/x")
     assert BucketURL.parse("s3://data").key("m") == "m"
-    for bad in ("/local/path", "s3://Bad_Bucket/x", "s3://b", "s3://key:secret@data/x", "s3://data/a//b"):
+    for bad in ("/local/path", "s3://Bad_Bucket/x", "s3://b", "s3://key:secret@data/x", "s3://data/a//b",
+                "s3://data/tab\tkey", "s3://data/line\nbreak"):
         with pytest.raises(ValueError):
             BucketURL.parse(bad)
 
@@ -259,3 +260,22 @@ def test_service_specific_endpoints_and_an_unknown_profile(tmp_path, monkeypatch
     with pytest.raises(ValueError, match="AWS profile 'no-such-profile'.*not found") as e:
         open_store(url)
     assert env["AWS_SECRET_ACCESS_KEY"] not in str(e.value)
+
+
+def test_endpoint_as_users_write_it(s3_env, monkeypatch):
+    """A trailing slash, a double one or spaces around the endpoint still reach the server; one without a scheme
+    (``127.0.0.1:8333``, a common slip) is a one-line error naming where it came from, not the client's panic."""
+    url = BucketURL.parse("s3://smoke/endpoint-forms")
+    endpoint = s3_env.endpoint
+    obstore.put(open_store(url), url.key("e.bin"), b"endpoint")
+    for form in (endpoint + "/", endpoint + "//", f"  {endpoint} "):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", form)
+        with RangedFetcher(open_store(url), url, retry=RetryPolicy(attempts=1)) as fetcher:
+            assert fetcher.get_object("e.bin")[1] == b"endpoint", form
+    for var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.setenv(var, endpoint[len("http://"):])
+        with pytest.raises(ValueError, match=f"not an http:// or https:// URL.*|.*{var}") as e:
+            open_store(url)
+        assert var in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="options"):
+        open_store(url, {"endpoint": "localhost:9000"})

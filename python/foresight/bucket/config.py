@@ -20,6 +20,7 @@ from __future__ import annotations
 import configparser
 import datetime
 import os
+import re
 from typing import Any
 
 from .url import BucketURL
@@ -43,6 +44,7 @@ _ENV_OF = {
     "session_token": ("AWS_SESSION_TOKEN", "AWS_TOKEN"),
 }
 _SECRET_KEYS = ("secret_access_key", "session_token")
+_ENDPOINT = re.compile(r"^https?://[^\s/?#@]+(/[^\s?#]*)?$", re.IGNORECASE)  # scheme://host[:port][/path]
 
 
 def _nested(value: str) -> dict[str, str]:
@@ -101,19 +103,29 @@ def _profile_options() -> dict[str, str]:
 def resolve_options(options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The S3 config passed to obstore: ``options``, then the profile's keys the environment does not set.
 
-    The environment itself is left to obstore (it reads ``AWS_*`` on its own); only ``allow_http`` is derived
-    here, for an ``http://`` endpoint (loopback test servers, on-premises gateways).
+    The environment's keys are left to obstore (it reads ``AWS_*`` on its own); the endpoint is passed explicitly
+    (the SDKs' order: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, then the profile's), checked to be an
+    ``http(s)://`` URL (obstore panics on one without a scheme), and ``allow_http`` derived for an ``http://`` one
+    (loopback test servers, on-premises gateways).
     """
     merged: dict[str, Any] = {}
+    source = "the AWS profile"
     for key, value in _profile_options().items():
         if not any(os.environ.get(var) for var in _ENV_OF[key]):
             merged[key] = value
+    if options and options.get("endpoint"):
+        source = "options['endpoint']"
     merged.update(options or {})
     if "endpoint" not in merged:  # the environment's, in the SDKs' order (S3's own variable first), passed on
-        endpoint_env = next((os.environ[v] for v in _ENV_OF["endpoint"] if os.environ.get(v)), None)
-        if endpoint_env:  # explicitly: allow_http below must follow the endpoint the requests go to
-            merged["endpoint"] = endpoint_env
-    endpoint = str(merged.get("endpoint") or "")
+        source = next((v for v in _ENV_OF["endpoint"] if os.environ.get(v)), "")
+        if source:  # explicitly: allow_http below must follow the endpoint the requests go to
+            merged["endpoint"] = os.environ[source]
+    endpoint = str(merged.get("endpoint") or "").strip()
+    if endpoint:
+        if not _ENDPOINT.match(endpoint):
+            raise ValueError(f"S3 endpoint {endpoint!r} (from {source}) is not an http:// or https:// URL "
+                             "(e.g. http://127.0.0.1:8333 or https://s3.example.com)")
+        merged["endpoint"] = endpoint
     if endpoint.lower().startswith("http://"):
         merged.setdefault("client_options", {}).setdefault("allow_http", True)
     merged.setdefault("region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")

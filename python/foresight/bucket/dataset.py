@@ -374,6 +374,13 @@ class _FetchesOnLookup:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         return bool(ids.size) and not bool(self.cache.present[ids].all())
 
+    @property
+    def object_etags(self) -> dict[str, str | None]:
+        """The ETag of each shard object as this copy holds it (``s3://`` URL -> ETag): what a plan built over
+        the dataset records, so that a host opening it later refuses objects replaced since (a Megatron ``.bin``
+        has no per-sample checksums to catch that)."""
+        return {str(ref.url): ref.etag for ref in self.cache.refs}
+
     def close(self) -> None:  # idempotent (Closing): a half-built object has no cache yet
         cache = self.__dict__.pop("cache", None)
         if cache is not None:
