@@ -385,3 +385,26 @@ def test_first_open_after_a_reboot_rehashes_the_marked_samples(s3_env, tmp_path,
         assert all(ds.read(i) == local.read(i) for i in range(10))
     with open(boot) as f:
         assert f.read() != "another-boot"
+
+
+def test_full_cache_disk_during_the_layout_names_the_cache_and_leaves_no_temp_file(s3_env, full_disk, tmp_path):
+    """The maps fetched whole at open do not fit the cache disk: a one-line cache_full error naming the cache
+    directory (a bare ``[Errno 28]`` named no file), no temporary file left behind; once there is room, the same
+    open lays the copy out and reads it."""
+    rng = np.random.default_rng(9)
+    path = tmp_path / "many"
+    lengths = rng.integers(1, 8, size=120_000)
+    with DatasetWriter(str(path), align=0, token_dtype="uint16", shard_bytes=1 << 30) as w:
+        w.add_many(rng.integers(0, 60000, size=int(lengths.sum())).astype(np.uint16), lengths, modality="tokens")
+    many = open_dataset(str(path))
+    assert sum(os.path.getsize(os.path.join(many.path, n)) for n in os.listdir(many.path) if ".map" in n) > 1 << 20
+    upload_dataset(many.path, "s3://faults/many-maps")
+    with pytest.raises(BucketError) as e:
+        open_dataset("s3://faults/many-maps", cache_dir=full_disk)
+    text = str(e.value)
+    assert e.value.reason == "cache_full" and str(full_disk) in text and "\n" not in text
+    left = [os.path.join(d, n) for d, _, names in os.walk(full_disk) for n in names]
+    assert not [p for p in left if ".tmp-" in p], left
+    with open_dataset("s3://faults/many-maps", cache_dir=tmp_path / "roomy") as ds:
+        assert ds.read(7) == many.read(7)
+    gc.collect()

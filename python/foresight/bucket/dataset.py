@@ -25,13 +25,14 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import shutil
 from functools import partial
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -101,11 +102,30 @@ def reopen_cache_dir(path: str, **kwargs: Any) -> "BucketDataset | BucketMegatro
 
 def _write_atomic(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _cache_writes(local: str) -> Iterator[None]:
+    """A full cache disk (or quota) while laying out: a one-line ``cache_full`` :class:`BucketError` naming the
+    cache directory (a bare ``[Errno 28]`` from ``write`` names no file); no state is written, so the next open
+    lays out again."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise BucketError(f"cannot write the cache: {os.strerror(e.errno)} (free the disk or use another cache "
+                          "directory)", "cache_full", path=local) from None
 
 
 def _ref_json(ref: ObjectRef) -> dict[str, Any]:
@@ -274,7 +294,8 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
                 lay_out = partial(_lay_out, local, fetcher, manifest_ref, raw)
                 if state is None or state.get("manifest") != _ref_json(manifest_ref):
                     _drop(local, url, state)
-                    state = lay_out()
+                    with _cache_writes(local):
+                        state = lay_out()
                     lay_out = None
             else:
                 fetcher = _megatron_fetcher(url, fetcher, concurrency, retry, caps)
@@ -290,7 +311,8 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
                 lay_out = partial(_lay_out_megatron, local, fetcher, idx_ref)
                 if state is None or state.get("idx") != _ref_json(idx_ref):
                     _drop(local, url, state)
-                    state = lay_out()
+                    with _cache_writes(local):
+                        state = lay_out()
                     lay_out = None
             try:
                 ds = _open_layout(local, url, fetcher, state)
@@ -300,7 +322,9 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
                 log.warning("bucket cache %s: the kept copy of %s is damaged (%s): laid out anew, its samples "
                             "fetched again", local, url, " ".join(f"{type(e).__name__}: {e}".split())[:300])
                 _drop(local, url, state, quiet=True)
-                ds = _open_layout(local, url, fetcher, lay_out())
+                with _cache_writes(local):
+                    state = lay_out()
+                ds = _open_layout(local, url, fetcher, state)
             try:  # under the layout lock: no mark of this boot is made before the check
                 _scrub_after_reboot(ds, local)
             except BaseException:
@@ -316,8 +340,9 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
 
 
 # What opening a kept copy raises when its files were damaged: cut short or removed (FormatError from the local
-# reader, the index's size check), or a state.json of another version (a key missing, a value of another type).
-_DAMAGED = (FormatError, BucketError, OSError, KeyError, TypeError, ValueError)
+# reader, the index's size check, a file not found), or a state.json of another version (a key missing, a value of
+# another type). Not a PermissionError: another user's copy is named, never laid out again over theirs.
+_DAMAGED = (FormatError, BucketError, FileNotFoundError, KeyError, TypeError, ValueError)
 
 
 def _open_layout(local: str, url: BucketURL, fetcher: RangedFetcher,
