@@ -8,6 +8,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -408,3 +409,24 @@ def test_full_cache_disk_during_the_layout_names_the_cache_and_leaves_no_temp_fi
     with open_dataset("s3://faults/many-maps", cache_dir=tmp_path / "roomy") as ds:
         assert ds.read(7) == many.read(7)
     gc.collect()
+
+
+def test_a_cache_place_holding_files_it_did_not_lay_out_is_left_alone(s3_env, tmp_path, local):
+    """The cache directory's ``bucket/prefix`` place already holds a local copy of a dataset with the same name (put
+    there by hand): the open refuses naming it and removes none of its files; a layout of its own that was cut short
+    (the index directory made first) is laid out again as before."""
+    upload_dataset(local.path, "s3://faults/same-name")
+    cache = tmp_path / "cache"
+    place = cache / "faults" / "same-name"
+    place.parent.mkdir(parents=True)
+    shutil.copytree(local.path, place)
+    before = sorted(os.listdir(place))
+    with pytest.raises(BucketError) as e:
+        open_dataset("s3://faults/same-name", cache_dir=cache)
+    assert e.value.reason == "cache" and str(place) in str(e.value) and "\n" not in str(e.value)
+    assert sorted(os.listdir(place)) == before
+    with open_dataset("s3://faults/same-name", cache_dir=tmp_path / "other") as ds:
+        path = ds.path
+    os.unlink(os.path.join(path, ".foresight-cache", "state.json"))  # a layout cut short: ours, laid out again
+    with open_dataset("s3://faults/same-name", cache_dir=tmp_path / "other") as ds:
+        assert ds.read(5) == local.read(5)

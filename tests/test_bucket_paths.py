@@ -291,7 +291,10 @@ def test_bucket_root_and_nested_prefixes_keep_each_others_cache(s3_env, tmp_path
         assert ds.read(3) == local.read(3)
     assert os.path.isfile(plan_json)
     inode = os.stat(plan_json).st_ino
+    stale = os.path.join(os.path.dirname(first.path), ".p1.tmp-killed")  # a mirror killed mid-fetch left it
+    os.makedirs(stale)
     assert load_plan("s3://rootds/plans/p1").path == first.path and os.stat(plan_json).st_ino == inode  # kept
+    assert not os.path.exists(stale)
     # a dataset under a plan's prefix: cached first, then the plan is mirrored (and mirrored again once replaced)
     with open_dataset("s3://nestplan/data") as ds:
         ds.lookup(np.arange(ds.num_samples))
@@ -328,3 +331,20 @@ def test_megatron_bin_replaced_after_the_plan_was_built_is_refused_on_a_fresh_ho
         Loader("s3://paths/replaced-mg/plan")
     assert e.value.reason == "changed" and "replaced since the plan was built" in str(e.value)
     assert "s3://paths/replaced-mg/wiki.bin" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_damaged_plan_copy_in_the_cache_is_fetched_again(s3_env, tmp_path, monkeypatch):
+    """A plan's kept copy with an array cut short or removed (a crash, a disk cleaner) is fetched again on the next
+    open instead of failing every load until the cache is deleted by hand."""
+    local = _token_dataset(tmp_path / "tok")
+    plan = build_plan([(local, 1.0)], seed=5, global_batch_size=8, seq_len=24, num_steps=10)
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(tmp_path / "writer"))
+    plan.save("s3://paths/plans/damaged")
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(tmp_path / "cache"))
+    copy = load_plan("s3://paths/plans/damaged").path
+    arrays = sorted(n for n in os.listdir(copy) if n.endswith(".npy"))
+    for damage in (lambda p: os.truncate(p, 50), os.unlink, lambda p: os.truncate(p, 0)):
+        damage(os.path.join(copy, arrays[0]))
+        again = load_plan("s3://paths/plans/damaged")
+        assert again.path == copy and again.digest == plan.digest
+        assert np.array_equal(np.load(os.path.join(copy, arrays[0])), np.asarray(plan.arrays[arrays[0][:-4]]))

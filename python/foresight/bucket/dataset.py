@@ -169,6 +169,20 @@ def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef, raw: b
     return state
 
 
+def _refuse_foreign(local: str) -> None:
+    """:class:`BucketError` (reason ``cache``) when ``local`` already holds plain files but no cache index: files
+    this cache did not lay out (a local dataset copied under the cache directory's ``bucket/prefix`` place), which
+    a layout would remove. The index directory is made before anything else, so a layout cut short is ours."""
+    if not os.path.isdir(local) or os.path.isdir(os.path.join(local, INDEX_DIR)):
+        return
+    with os.scandir(local) as entries:
+        theirs = [e.name for e in entries if not e.name.startswith(".") and not e.is_dir()]
+    if theirs:
+        raise BucketError(f"the cache place of this dataset holds {len(theirs)} files the bucket cache did not lay "
+                          f"out (e.g. {sorted(theirs)[0]!r}): left as they are; pass another cache directory",
+                          "cache", path=local)
+
+
 def _clear(local: str) -> None:
     """Remove an older copy (or a layout cut short): its plain files (shards, maps, manifest, a pair's ``.idx``/
     ``.bin``, temporary files). Directories and dotfiles are left: they are the index directory and the copies of
@@ -284,6 +298,7 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
     fetcher = RangedFetcher(store, url, concurrency=concurrency, retry=retry, **caps)
     try:
         local = local_dir_of(url, cache_dir)
+        _refuse_foreign(local)
         os.makedirs(os.path.join(local, INDEX_DIR), exist_ok=True)
         with open(os.path.join(local, INDEX_DIR, "lock"), "a+b") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one process lays out; the others wait, then reuse it

@@ -64,6 +64,11 @@ def _locked(local: str) -> Iterator[None]:
     os.makedirs(os.path.dirname(local), exist_ok=True)
     with open(_side(local, "lock"), "a+b") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one process of the host fetches; the others wait, then reuse
+        # temporary directories of a process killed while it held the lock (only a holder makes them)
+        parent, base = os.path.split(local)
+        for name in os.listdir(parent):
+            if name.startswith(f".{base}.tmp-"):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
         yield
 
 
@@ -75,10 +80,23 @@ def _recorded(local: str) -> dict[str, Any] | None:
         return None
 
 
-def _record(local: str, marker: ObjectRef) -> None:
+def _intact(local: str, seen: dict[str, Any]) -> bool:
+    """Whether every file the record lists is in the local copy at its recorded size (a copy cut short or
+    emptied by a hand or a disk cleaner is fetched again, not opened as damaged on every load)."""
+    files = seen.get("files")
+    if not isinstance(files, dict) or not files:
+        return False
+    try:
+        return all(os.path.getsize(os.path.join(local, name)) == size for name, size in files.items())
+    except (OSError, TypeError):
+        return False
+
+
+def _record(local: str, marker: ObjectRef, refs: list[ObjectRef]) -> None:
     path = _side(local, "json")
+    files = {r.key.rsplit("/", 1)[-1]: r.size for r in refs}
     with open(f"{path}.tmp-{os.getpid()}", "w") as f:
-        json.dump({"url": str(marker.url), "size": marker.size, "etag": marker.etag}, f)
+        json.dump({"url": str(marker.url), "size": marker.size, "etag": marker.etag, "files": files}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(f"{path}.tmp-{os.getpid()}", path)
@@ -119,7 +137,7 @@ def mirror_prefix(url: str | BucketURL, cache_dir: str | os.PathLike, *, marker:
                               object=str(url)) from None
         seen = _recorded(local)
         if seen is not None and seen.get("etag") == head.etag and seen.get("size") == head.size \
-                and os.path.isfile(os.path.join(local, marker)):
+                and os.path.isfile(os.path.join(local, marker)) and _intact(local, seen):
             return local
         refs = fetcher.list(deep=False)
         names = [r.key.rsplit("/", 1)[-1] for r in refs]
@@ -134,7 +152,7 @@ def mirror_prefix(url: str | BucketURL, cache_dir: str | os.PathLike, *, marker:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _record(local, marker_ref)
+        _record(local, marker_ref, refs)
         return local
 
 
@@ -157,5 +175,5 @@ def publish_prefix(url: str | BucketURL, cache_dir: str | os.PathLike, write: Ca
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         refs = upload_dir(local, url, marker=marker, overwrite=overwrite, what=what, options=options)
-        _record(local, refs[-1])
+        _record(local, refs[-1], refs)
     return local
