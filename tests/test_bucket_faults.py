@@ -5,8 +5,10 @@ it."""
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -158,6 +160,48 @@ def test_corrupt_cache_file_is_detected_and_refetched(s3_env, tmp_path, local):
         assert ds.cache.stats.misses == before + 1
         assert all(ds.read(i) == local.read(i) for i in ids.tolist())
         assert ds.cache.scrub().size == 0
+
+
+def test_a_damaged_cache_copy_is_laid_out_anew(s3_env, tmp_path, local, caplog):
+    """A kept copy whose files were cut short or removed (a crash, a hand, a disk cleaner), or whose state.json
+    another version wrote: the next open lays it out anew (logged), never a permanent error until the directory is
+    deleted by hand, never bytes read past a cut."""
+    upload_dataset(local.path, "s3://faults/damaged")
+    cache = tmp_path / "cache"
+    index = os.path.join(".foresight-cache")
+
+    def shard(path):
+        return os.path.join(path, sorted(n for n in os.listdir(path) if n.endswith(".bin"))[0])
+
+    def state(path):  # another version's state.json: a key of this one missing
+        name = os.path.join(path, index, "state.json")
+        with open(name) as f:
+            doc = json.load(f)
+        doc.pop("shards")
+        with open(name, "w") as f:
+            json.dump(doc, f)
+
+    damages = {
+        "shard cut short": lambda p: os.truncate(shard(p), os.path.getsize(shard(p)) // 2),
+        "shard removed": lambda p: os.unlink(shard(p)),
+        "map removed": lambda p: os.unlink(os.path.join(p, sorted(n for n in os.listdir(p) if ".map" in n)[0])),
+        "manifest removed": lambda p: os.unlink(os.path.join(p, "manifest.json")),
+        "index cut short": lambda p: os.truncate(os.path.join(p, index, "present"), 3),
+        "index removed": lambda p: os.unlink(os.path.join(p, index, "present")),
+        "state of another version": state,
+    }
+    for what, damage in damages.items():
+        with open_dataset("s3://faults/damaged", cache_dir=cache) as ds:
+            ds.lookup(np.arange(ds.num_samples))
+            path = ds.path
+        damage(path)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="foresight.bucket"):
+            with open_dataset("s3://faults/damaged", cache_dir=cache) as ds:
+                assert not ds.cache.present.any(), what  # nothing kept of a damaged copy
+                ds.lookup(np.arange(ds.num_samples))
+                assert all(ds.read(i) == local.read(i) for i in range(ds.num_samples)), what
+        assert "damaged" in caplog.text and "laid out anew" in caplog.text, what
 
 
 def test_process_killed_between_write_and_mark_leaves_no_torn_entry(s3_env, tmp_path, local):
@@ -342,3 +386,47 @@ def test_first_open_after_a_reboot_rehashes_the_marked_samples(s3_env, tmp_path,
         assert all(ds.read(i) == local.read(i) for i in range(10))
     with open(boot) as f:
         assert f.read() != "another-boot"
+
+
+def test_full_cache_disk_during_the_layout_names_the_cache_and_leaves_no_temp_file(s3_env, full_disk, tmp_path):
+    """The maps fetched whole at open do not fit the cache disk: a one-line cache_full error naming the cache
+    directory (a bare ``[Errno 28]`` named no file), no temporary file left behind; once there is room, the same
+    open lays the copy out and reads it."""
+    rng = np.random.default_rng(9)
+    path = tmp_path / "many"
+    lengths = rng.integers(1, 8, size=120_000)
+    with DatasetWriter(str(path), align=0, token_dtype="uint16", shard_bytes=1 << 30) as w:
+        w.add_many(rng.integers(0, 60000, size=int(lengths.sum())).astype(np.uint16), lengths, modality="tokens")
+    many = open_dataset(str(path))
+    assert sum(os.path.getsize(os.path.join(many.path, n)) for n in os.listdir(many.path) if ".map" in n) > 1 << 20
+    upload_dataset(many.path, "s3://faults/many-maps")
+    with pytest.raises(BucketError) as e:
+        open_dataset("s3://faults/many-maps", cache_dir=full_disk)
+    text = str(e.value)
+    assert e.value.reason == "cache_full" and str(full_disk) in text and "\n" not in text
+    left = [os.path.join(d, n) for d, _, names in os.walk(full_disk) for n in names]
+    assert not [p for p in left if ".tmp-" in p], left
+    with open_dataset("s3://faults/many-maps", cache_dir=tmp_path / "roomy") as ds:
+        assert ds.read(7) == many.read(7)
+    gc.collect()
+
+
+def test_a_cache_place_holding_files_it_did_not_lay_out_is_left_alone(s3_env, tmp_path, local):
+    """The cache directory's ``bucket/prefix`` place already holds a local copy of a dataset with the same name (put
+    there by hand): the open refuses naming it and removes none of its files; a layout of its own that was cut short
+    (the index directory made first) is laid out again as before."""
+    upload_dataset(local.path, "s3://faults/same-name")
+    cache = tmp_path / "cache"
+    place = cache / "faults" / "same-name"
+    place.parent.mkdir(parents=True)
+    shutil.copytree(local.path, place)
+    before = sorted(os.listdir(place))
+    with pytest.raises(BucketError) as e:
+        open_dataset("s3://faults/same-name", cache_dir=cache)
+    assert e.value.reason == "cache" and str(place) in str(e.value) and "\n" not in str(e.value)
+    assert sorted(os.listdir(place)) == before
+    with open_dataset("s3://faults/same-name", cache_dir=tmp_path / "other") as ds:
+        path = ds.path
+    os.unlink(os.path.join(path, ".foresight-cache", "state.json"))  # a layout cut short: ours, laid out again
+    with open_dataset("s3://faults/same-name", cache_dir=tmp_path / "other") as ds:
+        assert ds.read(5) == local.read(5)

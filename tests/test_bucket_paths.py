@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 
 import numpy as np
+import obstore
 import pytest
 
 from foresight import open_dataset
 from foresight.bucket import BucketDataset, BucketURL
+from foresight.bucket.config import open_store
 from foresight.bucket.dataset import BucketMegatronDataset, local_dir_of
 from foresight.bucket.prefetch import PlanPrefetcher
 from foresight.bucket.upload import upload_dataset, upload_dir
@@ -208,8 +211,7 @@ def test_pack_to_a_bucket_uploads_the_manifest_last(s3_env, tmp_path):
     src = tmp_path / "text.jsonl"
     rng = np.random.default_rng(3)
     src.write_text("".join(json.dumps({"text": "w" * int(n)}) + "\n" for n in rng.integers(1, 3000, size=300)))
-    staging = tmp_path / "staging"
-    staging.mkdir()
+    staging = tmp_path / "staging"  # not made: created as the bucket cache is wherever it is named
     res = run_cli("pack", "jsonl", str(src), "s3://paths/packed", "--column", "text", "--shard-bytes", "100K",
                   "--no-progress", FORESIGHT_BUCKET_CACHE=str(staging))
     assert res.returncode == 0, res.stderr
@@ -259,3 +261,90 @@ def test_inspect_a_bucket_dataset_plan_and_megatron_pair(s3_env, tmp_path):
     assert "bucket not found" in _one_line(res)
     res = run_cli("inspect", "s3://paths/insp", FORESIGHT_BUCKET_CACHE="")
     assert "FORESIGHT_BUCKET_CACHE" in _one_line(res)
+
+
+def test_bucket_root_and_nested_prefixes_keep_each_others_cache(s3_env, tmp_path, monkeypatch):
+    """``s3://bucket`` with no prefix as a dataset and as a plan, and URLs nested in one another (a plan under its
+    dataset's prefix, a dataset under a plan's): each one's local copy lives inside another's directory, and laying
+    out or refreshing one must never remove the other's files (nor crash on the root's empty prefix)."""
+    local = _token_dataset(tmp_path / "tok")
+    upload_dataset(local.path, "s3://rootds")
+    upload_dataset(local.path, "s3://nestplan/data")
+    plan = build_plan([(local, 1.0)], seed=5, global_batch_size=8, seq_len=24, num_steps=10)
+    want = _batches(Loader(local, plan, prefetch=2))
+    writer = tmp_path / "writer-cache"
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(writer))
+    for url in ("s3://rootplan", "s3://rootds/plans/p1", "s3://nestplan"):
+        plan.save(url)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(cache))
+    # a plan at a bucket's root, on a host that has cached nothing
+    got = _batches(Loader("s3://rootplan", datasets=open_dataset("s3://rootds"), prefetch=2))
+    assert all(np.array_equal(got[s], want[s]) for s in want)
+    # the plan under the (root) dataset's prefix is mirrored first, then the dataset is laid out around it
+    got = _batches(Loader("s3://rootds/plans/p1", datasets=open_dataset("s3://rootds"), prefetch=2))
+    assert all(np.array_equal(got[s], want[s]) for s in want)
+    shutil.rmtree(cache)
+    first = load_plan("s3://rootds/plans/p1")
+    plan_json = os.path.join(first.path, "plan.json")
+    with open_dataset("s3://rootds") as ds:  # a first layout of the dataset, around the plan's copy
+        assert ds.read(3) == local.read(3)
+    assert os.path.isfile(plan_json)
+    inode = os.stat(plan_json).st_ino
+    stale = os.path.join(os.path.dirname(first.path), ".p1.tmp-killed")  # a mirror killed mid-fetch left it
+    os.makedirs(stale)
+    assert load_plan("s3://rootds/plans/p1").path == first.path and os.stat(plan_json).st_ino == inode  # kept
+    assert not os.path.exists(stale)
+    # a dataset under a plan's prefix: cached first, then the plan is mirrored (and mirrored again once replaced)
+    with open_dataset("s3://nestplan/data") as ds:
+        ds.lookup(np.arange(ds.num_samples))
+        cached = int(ds.cache.present.sum())
+        ds_path = ds.path
+    assert load_plan("s3://nestplan").digest == plan.digest
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(writer))
+    build_plan([(local, 1.0)], seed=6, global_batch_size=8, seq_len=24, num_steps=10).save("s3://nestplan",
+                                                                                         overwrite=True)
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(cache))
+    assert load_plan("s3://nestplan").digest != plan.digest
+    with open_dataset("s3://nestplan/data") as ds:
+        assert ds.path == ds_path and int(ds.cache.present.sum()) == cached  # nothing to fetch again
+
+
+def test_megatron_bin_replaced_after_the_plan_was_built_is_refused_on_a_fresh_host(s3_env, tmp_path, monkeypatch):
+    """A pair's ``.bin`` replaced by other bytes of the same size after the plan was built keeps the index
+    fingerprint (``.idx`` unchanged) and has no per-sample checksums: a host that opens it afresh must refuse it by
+    name (the plan records each object's ETag), never serve the other bytes."""
+    prefix = _megatron_pair(tmp_path / "mg")
+    _upload_pair(prefix, "s3://paths/replaced-mg/wiki")
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(tmp_path / "cache-a"))
+    with open_dataset("s3://paths/replaced-mg/wiki") as ds:
+        build_plan([(ds, 1.0)], seed=2, global_batch_size=8, seq_len=24, num_steps=4).save(
+            "s3://paths/replaced-mg/plan")
+    assert _batches(Loader("s3://paths/replaced-mg/plan"))  # as built: served
+    with open(prefix + ".bin", "rb") as f:
+        data = f.read()
+    store = open_store(BucketURL.parse("s3://paths"))
+    obstore.put(store, "replaced-mg/wiki.bin", bytes(255 - b for b in data))
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(tmp_path / "cache-b"))  # a host that has cached nothing
+    shutil.rmtree(tmp_path / "cache-a")  # nor has the writer's copy
+    with pytest.raises(BucketError) as e:
+        Loader("s3://paths/replaced-mg/plan")
+    assert e.value.reason == "changed" and "replaced since the plan was built" in str(e.value)
+    assert "s3://paths/replaced-mg/wiki.bin" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_damaged_plan_copy_in_the_cache_is_fetched_again(s3_env, tmp_path, monkeypatch):
+    """A plan's kept copy with an array cut short or removed (a crash, a disk cleaner) is fetched again on the next
+    open instead of failing every load until the cache is deleted by hand."""
+    local = _token_dataset(tmp_path / "tok")
+    plan = build_plan([(local, 1.0)], seed=5, global_batch_size=8, seq_len=24, num_steps=10)
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(tmp_path / "writer"))
+    plan.save("s3://paths/plans/damaged")
+    monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(tmp_path / "cache"))
+    copy = load_plan("s3://paths/plans/damaged").path
+    arrays = sorted(n for n in os.listdir(copy) if n.endswith(".npy"))
+    for damage in (lambda p: os.truncate(p, 50), os.unlink, lambda p: os.truncate(p, 0)):
+        damage(os.path.join(copy, arrays[0]))
+        again = load_plan("s3://paths/plans/damaged")
+        assert again.path == copy and again.digest == plan.digest
+        assert np.array_equal(np.load(os.path.join(copy, arrays[0])), np.asarray(plan.arrays[arrays[0][:-4]]))

@@ -46,7 +46,8 @@ def test_url_parsing():
     assert (u.bucket, u.prefix, u.key("m.json"), str(u.child("x"))) == ("data", "wiki/v1", "wiki/v1/m.json",
                                                                         "s3://data/wiki/v1/x")
     assert BucketURL.parse("s3://data").key("m") == "m"
-    for bad in ("/local/path", "s3://Bad_Bucket/x", "s3://b", "s3://key:secret@data/x", "s3://data/a//b"):
+    for bad in ("/local/path", "s3://Bad_Bucket/x", "s3://b", "s3://key:secret@data/x", "s3://data/a//b",
+                "s3://data/tab\tkey", "s3://data/line\nbreak"):
         with pytest.raises(ValueError):
             BucketURL.parse(bad)
 
@@ -215,3 +216,66 @@ def test_a_windowed_fetch_sends_the_next_get_while_the_last_ones_bytes_are_writt
         fetcher.fetch([ref], np.zeros(3, np.int32), offsets, np.full(3, 100 << 10), priority=np.arange(3),
                       max_inflight=100 << 10, on_transfer=on_transfer)
     assert overlapped == [True] and len(sent) == 3
+
+
+def _no_aws_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+
+
+def test_service_specific_endpoints_and_an_unknown_profile(tmp_path, monkeypatch, seaweed):
+    """The SDKs' S3-specific endpoint wins over the generic one: ``AWS_ENDPOINT_URL_S3`` over ``AWS_ENDPOINT_URL``
+    (and ``allow_http`` follows the one used), ``s3 = endpoint_url`` nested in the profile or in its ``services``
+    section over the profile's ``endpoint_url``; an ``AWS_PROFILE`` no file holds is an error naming it."""
+    _no_aws_env(monkeypatch)
+    env = seaweed.env()
+    url = BucketURL.parse("s3://smoke/service-endpoints")
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[lake]\naws_access_key_id = {env['AWS_ACCESS_KEY_ID']}\n"
+                     f"aws_secret_access_key = {env['AWS_SECRET_ACCESS_KEY']}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_PROFILE", "lake")
+    wrong = "https://unused.invalid:1"
+    configs = {
+        "nested": f"[profile lake]\nendpoint_url = {wrong}\ns3 =\n    addressing_style = path\n"
+                  f"    endpoint_url = {env['AWS_ENDPOINT_URL']}\n",
+        "services": f"[profile lake]\nendpoint_url = {wrong}\nservices = local\n\n[services local]\ns3 =\n"
+                    f"  endpoint_url = {env['AWS_ENDPOINT_URL']}\n",
+        "env-s3": f"[profile lake]\nregion = us-east-1\ns3 =\n    addressing_style = path\n",
+    }
+    for kind, text in configs.items():
+        (tmp_path / "config").write_text(text)
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+        if kind == "env-s3":
+            monkeypatch.setenv("AWS_ENDPOINT_URL", wrong)
+            monkeypatch.setenv("AWS_ENDPOINT_URL_S3", env["AWS_ENDPOINT_URL"])
+        assert resolve_options()["endpoint"] == env["AWS_ENDPOINT_URL"], kind
+        assert resolve_options()["client_options"]["allow_http"], kind
+        store = open_store(url)
+        obstore.put(store, url.key(f"{kind}.bin"), kind.encode())
+        with RangedFetcher(store, url, retry=RetryPolicy(attempts=1)) as fetcher:
+            assert fetcher.get_object(f"{kind}.bin")[1] == kind.encode()
+    monkeypatch.setenv("AWS_PROFILE", "no-such-profile")
+    with pytest.raises(ValueError, match="AWS profile 'no-such-profile'.*not found") as e:
+        open_store(url)
+    assert env["AWS_SECRET_ACCESS_KEY"] not in str(e.value)
+
+
+def test_endpoint_as_users_write_it(s3_env, monkeypatch):
+    """A trailing slash, a double one or spaces around the endpoint still reach the server; one without a scheme
+    (``127.0.0.1:8333``, a common slip) is a one-line error naming where it came from, not the client's panic."""
+    url = BucketURL.parse("s3://smoke/endpoint-forms")
+    endpoint = s3_env.endpoint
+    obstore.put(open_store(url), url.key("e.bin"), b"endpoint")
+    for form in (endpoint + "/", endpoint + "//", f"  {endpoint} "):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", form)
+        with RangedFetcher(open_store(url), url, retry=RetryPolicy(attempts=1)) as fetcher:
+            assert fetcher.get_object("e.bin")[1] == b"endpoint", form
+    for var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.setenv(var, endpoint[len("http://"):])
+        with pytest.raises(ValueError, match=f"not an http:// or https:// URL.*|.*{var}") as e:
+            open_store(url)
+        assert var in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="options"):
+        open_store(url, {"endpoint": "localhost:9000"})

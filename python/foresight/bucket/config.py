@@ -20,6 +20,7 @@ from __future__ import annotations
 import configparser
 import datetime
 import os
+import re
 from typing import Any
 
 from .url import BucketURL
@@ -36,52 +37,96 @@ _PROFILE_KEYS = {
 }
 # The environment variable that overrides each of them (obstore reads these itself).
 _ENV_OF = {
-    "endpoint": ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT"),
+    "endpoint": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT"),  # the service's own first, as the SDKs
     "region": ("AWS_REGION", "AWS_DEFAULT_REGION"),
     "access_key_id": ("AWS_ACCESS_KEY_ID",),
     "secret_access_key": ("AWS_SECRET_ACCESS_KEY",),
     "session_token": ("AWS_SESSION_TOKEN", "AWS_TOKEN"),
 }
 _SECRET_KEYS = ("secret_access_key", "session_token")
+_ENDPOINT = re.compile(r"^https?://[^\s/?#@]+(/[^\s?#]*)?$", re.IGNORECASE)  # scheme://host[:port][/path]
+
+
+def _nested(value: str) -> dict[str, str]:
+    """The sub-keys of a nested setting (``s3 =`` followed by indented ``key = value`` lines)."""
+    out = {}
+    for line in value.splitlines():
+        key, sep, val = line.partition("=")
+        if sep and key.strip():
+            out[key.strip().lower()] = val.strip()
+    return out
 
 
 def _profile_options() -> dict[str, str]:
-    """The profile's keys from ``~/.aws/config`` (``[profile NAME]`` or ``[default]``) and ``~/.aws/credentials``."""
-    name = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE") or "default"
+    """The profile's keys from ``~/.aws/config`` (``[profile NAME]`` or ``[default]``) and ``~/.aws/credentials``.
+
+    An S3-specific ``endpoint_url`` wins over the profile's: one nested under ``s3 =`` in the profile, or in the
+    ``[services NAME]`` section its ``services = NAME`` names (the SDKs' service-specific endpoints). A profile
+    named by ``AWS_PROFILE`` that neither file holds is a :class:`ValueError` naming it (as the AWS CLI's "profile
+    not found"): never requests signed with no keys, or sent to AWS instead of the profile's endpoint."""
+    chosen = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE")
+    name = chosen or "default"
     home = os.path.expanduser("~")
     files = (
         (os.environ.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config"),
-         "default" if name == "default" else f"profile {name}"),
-        (os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials"), name),
+         ("default", "profile default") if name == "default" else (f"profile {name}",)),
+        (os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials"), (name,)),
     )
     out: dict[str, str] = {}
-    for path, section in files:
+    found = False
+    service_endpoint = None
+    for path, sections in files:
         parser = configparser.RawConfigParser()
         try:
             parser.read(path)
         except configparser.Error as e:  # a malformed file is named, its content is not quoted (it holds keys)
             raise ValueError(f"cannot parse AWS config file {path}: {type(e).__name__}") from None
-        if parser.has_section(section):
+        for section in sections:
+            if not parser.has_section(section):
+                continue
+            found = True
             for key, value in parser.items(section):
                 if key in _PROFILE_KEYS and value.strip():
                     out[_PROFILE_KEYS[key]] = value.strip()
+            nested = _nested(parser.get(section, "s3", fallback=""))
+            services = parser.get(section, "services", fallback="").strip()
+            if services and parser.has_section(f"services {services}"):
+                nested = _nested(parser.get(f"services {services}", "s3", fallback="")) or nested
+            service_endpoint = nested.get("endpoint_url") or service_endpoint
+    if chosen and not found:
+        raise ValueError(f"AWS profile {chosen!r} (AWS_PROFILE) not found in {files[0][0]} or {files[1][0]}")
+    if service_endpoint:
+        out["endpoint"] = service_endpoint
     return out
 
 
 def resolve_options(options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The S3 config passed to obstore: ``options``, then the profile's keys the environment does not set.
 
-    The environment itself is left to obstore (it reads ``AWS_*`` on its own); only ``allow_http`` is derived
-    here, for an ``http://`` endpoint (loopback test servers, on-premises gateways).
+    The environment's keys are left to obstore (it reads ``AWS_*`` on its own); the endpoint is passed explicitly
+    (the SDKs' order: ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, then the profile's), checked to be an
+    ``http(s)://`` URL (obstore panics on one without a scheme), and ``allow_http`` derived for an ``http://`` one
+    (loopback test servers, on-premises gateways).
     """
     merged: dict[str, Any] = {}
+    source = "the AWS profile"
     for key, value in _profile_options().items():
         if not any(os.environ.get(var) for var in _ENV_OF[key]):
             merged[key] = value
+    if options and options.get("endpoint"):
+        source = "options['endpoint']"
     merged.update(options or {})
-    endpoint = merged.get("endpoint") or next(
-        (os.environ[v] for v in _ENV_OF["endpoint"] if os.environ.get(v)), "")
-    if endpoint.startswith("http://"):
+    if "endpoint" not in merged:  # the environment's, in the SDKs' order (S3's own variable first), passed on
+        source = next((v for v in _ENV_OF["endpoint"] if os.environ.get(v)), "")
+        if source:  # explicitly: allow_http below must follow the endpoint the requests go to
+            merged["endpoint"] = os.environ[source]
+    endpoint = str(merged.get("endpoint") or "").strip()
+    if endpoint:
+        if not _ENDPOINT.match(endpoint):
+            raise ValueError(f"S3 endpoint {endpoint!r} (from {source}) is not an http:// or https:// URL "
+                             "(e.g. http://127.0.0.1:8333 or https://s3.example.com)")
+        merged["endpoint"] = endpoint
+    if endpoint.lower().startswith("http://"):
         merged.setdefault("client_options", {}).setdefault("allow_http", True)
     merged.setdefault("region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
     return merged

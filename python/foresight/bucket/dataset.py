@@ -24,13 +24,15 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import shutil
 from functools import partial
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -56,8 +58,11 @@ BOOT_NAME = "boot_id"  # the boot during which the index's marks were made (thei
 
 
 def local_dir_of(url: BucketURL, cache_dir: str | os.PathLike) -> str:
-    """Where ``url``'s dataset is mirrored under ``cache_dir``: ``cache_dir/bucket/prefix``."""
-    return os.path.join(os.path.abspath(os.fspath(cache_dir)), url.bucket, *url.prefix.split("/"))
+    """Where ``url``'s dataset is mirrored under ``cache_dir``: ``cache_dir/bucket/prefix`` (``cache_dir/bucket``
+    for a bucket's root). Another URL's copy may lie inside it (``s3://b`` holds ``s3://b/plans/p1``'s): what
+    writes here touches only its own plain files, never a directory or a dotfile (:func:`_clear`)."""
+    parts = url.prefix.split("/") if url.prefix else []
+    return os.path.join(os.path.abspath(os.fspath(cache_dir)), url.bucket, *parts)
 
 
 def is_cache_dir(path: str) -> bool:
@@ -97,11 +102,30 @@ def reopen_cache_dir(path: str, **kwargs: Any) -> "BucketDataset | BucketMegatro
 
 def _write_atomic(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _cache_writes(local: str) -> Iterator[None]:
+    """A full cache disk (or quota) while laying out: a one-line ``cache_full`` :class:`BucketError` naming the
+    cache directory (a bare ``[Errno 28]`` from ``write`` names no file); no state is written, so the next open
+    lays out again."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise BucketError(f"cannot write the cache: {os.strerror(e.errno)} (free the disk or use another cache "
+                          "directory)", "cache_full", path=local) from None
 
 
 def _ref_json(ref: ObjectRef) -> dict[str, Any]:
@@ -145,12 +169,29 @@ def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef, raw: b
     return state
 
 
+def _refuse_foreign(local: str) -> None:
+    """:class:`BucketError` (reason ``cache``) when ``local`` already holds plain files but no cache index: files
+    this cache did not lay out (a local dataset copied under the cache directory's ``bucket/prefix`` place), which
+    a layout would remove. The index directory is made before anything else, so a layout cut short is ours."""
+    if not os.path.isdir(local) or os.path.isdir(os.path.join(local, INDEX_DIR)):
+        return
+    with os.scandir(local) as entries:
+        theirs = [e.name for e in entries if not e.name.startswith(".") and not e.is_dir()]
+    if theirs:
+        raise BucketError(f"the cache place of this dataset holds {len(theirs)} files the bucket cache did not lay "
+                          f"out (e.g. {sorted(theirs)[0]!r}): left as they are; pass another cache directory",
+                          "cache", path=local)
+
+
 def _clear(local: str) -> None:
-    """Remove an older copy (or a layout cut short): nothing of it is kept but the index directory."""
+    """Remove an older copy (or a layout cut short): its plain files (shards, maps, manifest, a pair's ``.idx``/
+    ``.bin``, temporary files). Directories and dotfiles are left: they are the index directory and the copies of
+    other URLs nested under this prefix (a plan at ``s3://b/plans/p1`` under a dataset at ``s3://b``, and its
+    mirror's records ``.p1.foresight-mirror.*``)."""
     for name in os.listdir(local):
-        if name != INDEX_DIR:
-            path = os.path.join(local, name)
-            shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+        path = os.path.join(local, name)
+        if not name.startswith(".") and (os.path.islink(path) or not os.path.isdir(path)):
+            os.unlink(path)
 
 
 def _lay_out_megatron(local: str, fetcher: RangedFetcher, idx_ref: ObjectRef) -> dict[str, Any]:
@@ -257,6 +298,7 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
     fetcher = RangedFetcher(store, url, concurrency=concurrency, retry=retry, **caps)
     try:
         local = local_dir_of(url, cache_dir)
+        _refuse_foreign(local)
         os.makedirs(os.path.join(local, INDEX_DIR), exist_ok=True)
         with open(os.path.join(local, INDEX_DIR, "lock"), "a+b") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one process lays out; the others wait, then reuse it
@@ -264,9 +306,12 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
             got = _get_or_none(fetcher, MANIFEST_NAME)  # small: fetched whole, not headed first
             if got is not None:
                 manifest_ref, raw = got
+                lay_out = partial(_lay_out, local, fetcher, manifest_ref, raw)
                 if state is None or state.get("manifest") != _ref_json(manifest_ref):
                     _drop(local, url, state)
-                    state = _lay_out(local, fetcher, manifest_ref, raw)
+                    with _cache_writes(local):
+                        state = lay_out()
+                    lay_out = None
             else:
                 fetcher = _megatron_fetcher(url, fetcher, concurrency, retry, caps)
                 name = url.prefix.rsplit("/", 1)[-1]
@@ -278,12 +323,23 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
                 if fingerprint == "content":
                     raise ValueError(f"{url}: fingerprint='content' hashes every byte of the .bin, which would "
                                      "fetch it whole; a bucket Megatron pair takes fingerprint='index'")
+                lay_out = partial(_lay_out_megatron, local, fetcher, idx_ref)
                 if state is None or state.get("idx") != _ref_json(idx_ref):
                     _drop(local, url, state)
-                    state = _lay_out_megatron(local, fetcher, idx_ref)
-            refs = [ObjectRef(BucketURL(url.bucket, r["key"]), int(r["size"]), r["etag"]) for r in state["shards"]]
-            kind = BucketMegatronDataset if state.get("kind") == "megatron" else BucketDataset
-            ds = kind(local, url, fetcher, refs)
+                    with _cache_writes(local):
+                        state = lay_out()
+                    lay_out = None
+            try:
+                ds = _open_layout(local, url, fetcher, state)
+            except _DAMAGED as e:  # a kept copy whose files were cut, removed or written by another version
+                if lay_out is None:  # just laid out: what fails is the dataset itself, not the copy
+                    raise
+                log.warning("bucket cache %s: the kept copy of %s is damaged (%s): laid out anew, its samples "
+                            "fetched again", local, url, " ".join(f"{type(e).__name__}: {e}".split())[:300])
+                _drop(local, url, state, quiet=True)
+                with _cache_writes(local):
+                    state = lay_out()
+                ds = _open_layout(local, url, fetcher, state)
             try:  # under the layout lock: no mark of this boot is made before the check
                 _scrub_after_reboot(ds, local)
             except BaseException:
@@ -298,11 +354,33 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
         raise
 
 
-def _drop(local: str, url: BucketURL, state: dict[str, Any] | None) -> None:
-    """Forget a cached copy whose marker (manifest or ``.idx``) changed in the bucket: laid out anew."""
+# What opening a kept copy raises when its files were damaged: cut short or removed (FormatError from the local
+# reader, the index's size check, a file not found), or a state.json of another version (a key missing, a value of
+# another type). Not a PermissionError: another user's copy is named, never laid out again over theirs.
+_DAMAGED = (FormatError, BucketError, FileNotFoundError, KeyError, TypeError, ValueError)
+
+
+def _open_layout(local: str, url: BucketURL, fetcher: RangedFetcher,
+                 state: dict[str, Any]) -> "BucketDataset | BucketMegatronDataset":
+    """The dataset over the laid-out copy ``state`` describes (local files only: no request)."""
+    refs = [ObjectRef(BucketURL(url.bucket, r["key"]), int(r["size"]), r["etag"]) for r in state["shards"]]
+    kind = BucketMegatronDataset if state.get("kind") == "megatron" else BucketDataset
+    ds = kind(local, url, fetcher, refs)
+    laid = [os.path.getsize(p) for p in ds.shard_paths]
+    if laid != [r.size for r in refs]:  # a sparse file cut short or grown: reads past a cut would come back short
+        ds.close()
+        raise FormatError(f"cached shard files are {laid} bytes, their objects {[r.size for r in refs]}")
+    return ds
+
+
+def _drop(local: str, url: BucketURL, state: dict[str, Any] | None, *, quiet: bool = False) -> None:
+    """Forget a cached copy whose marker (manifest or ``.idx``) changed in the bucket (or that is damaged):
+    laid out anew."""
     if state is not None:
-        log.warning("bucket: %s changed since it was cached (manifest or .idx ETag): cache dropped", url)
-        os.unlink(os.path.join(local, INDEX_DIR, STATE_NAME))
+        if not quiet:
+            log.warning("bucket: %s changed since it was cached (manifest or .idx ETag): cache dropped", url)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(local, INDEX_DIR, STATE_NAME))
 
 
 def _megatron_fetcher(url: BucketURL, fetcher: RangedFetcher, concurrency: int, retry: RetryPolicy,
@@ -335,6 +413,13 @@ class _FetchesOnLookup:
         before it looks up a later step, and hands out a step it has read instead of waiting behind that fetch."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         return bool(ids.size) and not bool(self.cache.present[ids].all())
+
+    @property
+    def object_etags(self) -> dict[str, str | None]:
+        """The ETag of each shard object as this copy holds it (``s3://`` URL -> ETag): what a plan built over
+        the dataset records, so that a host opening it later refuses objects replaced since (a Megatron ``.bin``
+        has no per-sample checksums to catch that)."""
+        return {str(ref.url): ref.etag for ref in self.cache.refs}
 
     def close(self) -> None:  # idempotent (Closing): a half-built object has no cache yet
         cache = self.__dict__.pop("cache", None)

@@ -64,6 +64,11 @@ def _locked(local: str) -> Iterator[None]:
     os.makedirs(os.path.dirname(local), exist_ok=True)
     with open(_side(local, "lock"), "a+b") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one process of the host fetches; the others wait, then reuse
+        # temporary directories of a process killed while it held the lock (only a holder makes them)
+        parent, base = os.path.split(local)
+        for name in os.listdir(parent):
+            if name.startswith(f".{base}.tmp-"):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
         yield
 
 
@@ -75,23 +80,43 @@ def _recorded(local: str) -> dict[str, Any] | None:
         return None
 
 
-def _record(local: str, marker: ObjectRef) -> None:
+def _intact(local: str, seen: dict[str, Any]) -> bool:
+    """Whether every file the record lists is in the local copy at its recorded size (a copy cut short or
+    emptied by a hand or a disk cleaner is fetched again, not opened as damaged on every load)."""
+    files = seen.get("files")
+    if not isinstance(files, dict) or not files:
+        return False
+    try:
+        return all(os.path.getsize(os.path.join(local, name)) == size for name, size in files.items())
+    except (OSError, TypeError):
+        return False
+
+
+def _record(local: str, marker: ObjectRef, refs: list[ObjectRef]) -> None:
     path = _side(local, "json")
+    files = {r.key.rsplit("/", 1)[-1]: r.size for r in refs}
     with open(f"{path}.tmp-{os.getpid()}", "w") as f:
-        json.dump({"url": str(marker.url), "size": marker.size, "etag": marker.etag}, f)
+        json.dump({"url": str(marker.url), "size": marker.size, "etag": marker.etag, "files": files}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(f"{path}.tmp-{os.getpid()}", path)
 
 
-def _replace_dir(tmp: str, local: str) -> None:
-    if os.path.lexists(local):
-        aside = tempfile.mkdtemp(prefix=f".{os.path.basename(local)}.old-", dir=os.path.dirname(local))
-        os.rename(local, os.path.join(aside, "x"))
-        os.rename(tmp, local)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.rename(tmp, local)
+def _install(tmp: str, local: str) -> None:
+    """Move the plain files of ``tmp`` into ``local`` (each renamed into place) and remove the plain files of the
+    older copy they do not replace; then remove ``tmp``. File by file, not the directory swapped whole: ``local``
+    may hold other URLs' copies (a dataset at ``s3://b/p/data`` under a plan at ``s3://b/p``: a directory) and
+    their mirrors' records (dotfiles), which are left as they are."""
+    os.makedirs(local, exist_ok=True)
+    names = {n for n in os.listdir(tmp) if os.path.isfile(os.path.join(tmp, n))}
+    for name in os.listdir(local):
+        path = os.path.join(local, name)
+        if name not in names and not name.startswith(".") and (os.path.islink(path) or not os.path.isdir(path)):
+            os.unlink(path)
+    for name in sorted(names):
+        os.replace(os.path.join(tmp, name), os.path.join(local, name))
+    fsync_dir(local)
+    shutil.rmtree(tmp, ignore_errors=True)
     fsync_dir(os.path.dirname(local))
 
 
@@ -112,7 +137,7 @@ def mirror_prefix(url: str | BucketURL, cache_dir: str | os.PathLike, *, marker:
                               object=str(url)) from None
         seen = _recorded(local)
         if seen is not None and seen.get("etag") == head.etag and seen.get("size") == head.size \
-                and os.path.isfile(os.path.join(local, marker)):
+                and os.path.isfile(os.path.join(local, marker)) and _intact(local, seen):
             return local
         refs = fetcher.list(deep=False)
         names = [r.key.rsplit("/", 1)[-1] for r in refs]
@@ -121,12 +146,13 @@ def mirror_prefix(url: str | BucketURL, cache_dir: str | os.PathLike, *, marker:
         try:
             fetcher.map(lambda rn: fetcher.download(rn[0], os.path.join(tmp, rn[1])), list(zip(refs, names)))
             fsync_dir(tmp)
-            os.chmod(tmp, 0o755)
-            _replace_dir(tmp, local)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_side(local, "json"))  # a copy cut short by a crash is fetched again
+            _install(tmp, local)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _record(local, marker_ref)
+        _record(local, marker_ref, refs)
         return local
 
 
@@ -142,7 +168,12 @@ def publish_prefix(url: str | BucketURL, cache_dir: str | os.PathLike, write: Ca
             refuse_existing_at(url, marker, what, options=options)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(_side(local, "json"))  # the local copy is about to differ from what the bucket holds
-        write(local)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(local)}.tmp-", dir=os.path.dirname(local))
+        try:  # written beside, then moved in file by file: another URL's copy nested in ``local`` stays
+            write(os.path.join(tmp, "new"))
+            _install(os.path.join(tmp, "new"), local)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         refs = upload_dir(local, url, marker=marker, overwrite=overwrite, what=what, options=options)
-        _record(local, refs[-1])
+        _record(local, refs[-1], refs)
     return local

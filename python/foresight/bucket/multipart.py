@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +98,7 @@ class MultipartClient:
             request_checksum_calculation="when_required", response_checksum_validation="when_required")
         # keys not in ``opts`` come from the environment and profile files as botocore reads them: the same places
         self.client = boto3.session.Session().client(
-            "s3", endpoint_url=opts.get("endpoint") or _env_endpoint(), region_name=opts.get("region"),
+            "s3", endpoint_url=opts.get("endpoint"), region_name=opts.get("region"),  # resolved as for obstore
             aws_access_key_id=opts.get("access_key_id"), aws_secret_access_key=opts.get("secret_access_key"),
             aws_session_token=opts.get("session_token"), config=config)
 
@@ -202,8 +201,3 @@ class MultipartClient:
 
     def close(self) -> None:
         self.client.close()
-
-
-def _env_endpoint() -> str | None:
-    return next((os.environ[v] for v in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT")
-                 if os.environ.get(v)), None)

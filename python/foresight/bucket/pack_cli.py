@@ -39,7 +39,10 @@ def run(args: argparse.Namespace) -> int:
     url = BucketURL.parse(args.out)
     if not args.overwrite:  # before packing, which can take hours
         refuse_existing_at(url, MANIFEST_NAME, "dataset")
-    staging = tempfile.mkdtemp(prefix="foresight-pack-", dir=os.environ.get(CACHE_ENV) or None)
+    parent = os.environ.get(CACHE_ENV) or None
+    if parent:  # the cache directory need not exist yet: the dataset opener creates it too
+        os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix="foresight-pack-", dir=parent)
     try:
         args.out = os.path.join(staging, "dataset")
         rc = format_cli.run(args, shown_as=str(url))

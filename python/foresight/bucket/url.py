@@ -45,6 +45,8 @@ class BucketURL:
         bucket, _, prefix = rest.partition("/")
         if not _BUCKET.match(bucket):
             raise ValueError(f"bad bucket name {bucket!r} in {text!r} (3-63 lower-case letters, digits, '.', '-')")
+        if any(ord(c) < 32 or ord(c) == 127 for c in rest):  # the client refuses such keys on every request
+            raise ValueError(f"bucket URL must not hold control characters (tab, newline, ...): {text!r}")
         prefix = prefix.strip("/")
         if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
             raise ValueError(f"bad key prefix {prefix!r} in {text!r} (empty, '.' or '..' parts)")

@@ -35,8 +35,10 @@ def describe_sources(datasets: Sequence[Any]) -> list[dict[str, Any]]:
     for ds in datasets:
         path = getattr(ds, "path", None)
         url = getattr(ds, "url", None)  # a bucket dataset: found again through its bucket on a host without its cache
+        etags = getattr(ds, "object_etags", None)  # and its objects as they were: one replaced since is refused
         out.append({"path": os.path.abspath(path) if path else None, "kind": getattr(ds, "kind", None),
                     **({"url": str(url)} if url is not None else {}),
+                    **({"objects": dict(etags)} if etags else {}),
                     "fingerprint_mode": getattr(ds, "fingerprint_kind", "index"),
                     "fingerprint": str(ds.fingerprint), "num_samples": int(ds.num_samples)})
     return out
@@ -93,6 +95,21 @@ def _candidates(search: Sequence[str]):
                     yield os.path.join(dirpath, name[:-4])
 
 
+def _refuse_replaced_objects(ds: Any, recorded: Any) -> None:
+    """:class:`BucketError` (reason ``changed``) naming the first object of bucket dataset ``ds`` whose ETag is not
+    the one the plan recorded (replaced after the plan was built: a Megatron ``.bin`` of the same size would
+    otherwise serve other bytes under the same index fingerprint); ``ds`` is closed then."""
+    now = getattr(ds, "object_etags", None)
+    if not isinstance(recorded, dict) or not now:
+        return
+    for url, etag in now.items():
+        if url in recorded and recorded[url] != etag:
+            ds.close()
+            raise BucketError(f"object replaced since the plan was built (ETag {etag}, the plan recorded "
+                              f"{recorded[url]}): rebuild the plan, or pass the datasets explicitly", "changed",
+                              object=url)
+
+
 def open_plan_datasets(plan, *, search: Sequence[str] = ()) -> list:
     """Open the datasets ``plan`` was built from, in order, each checked against its fingerprint.
 
@@ -125,9 +142,11 @@ def open_plan_datasets(plan, *, search: Sequence[str] = ()) -> list:
                 why = f"it is not there ({e})"
                 continue
             if str(ds.fingerprint) == fingerprint and int(ds.num_samples) == want["num_samples"]:
+                _refuse_replaced_objects(ds, loc.get("objects"))
                 found = ds
                 break
             why = f"the dataset there has changed (fingerprint {ds.fingerprint}, {ds.num_samples} samples)"
+            ds.close()
         if found is None:
             for cand in _candidates(roots):
                 try:
