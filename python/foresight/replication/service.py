@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import functools
 import hmac
+import math
 import os
+import re
 import threading
 from typing import Any, Callable
 
@@ -171,6 +173,27 @@ _REQUIRED = {
 }
 
 
+def _number(v: Any, lo: float, hi: float) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and lo <= v <= hi
+
+
+#: Fields the handlers store or act on later (in the sending threads): checked before any handler runs, so a
+#: wrong type or value is refused with the field's name instead of failing later where no caller hears of it.
+_FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "name": lambda v: isinstance(v, str), "src": lambda v: isinstance(v, str), "path": lambda v: isinstance(v, str),
+    "site": lambda v: isinstance(v, str) and _SITE.match(v) is not None,
+    "priority": lambda v: _number(v, 0.0, 1e12),
+    "timeout": lambda v: _number(v, 0.0, 365 * 86400.0),
+    "units": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 40,
+    "unit_bytes": lambda v: isinstance(v, int) and not isinstance(v, bool) and 4096 <= v <= 1 << 34,
+}
+_FIELD_WANTED = {"name": "a string", "src": "a string", "path": "a string",
+                 "site": "a site name of 1-128 characters [A-Za-z0-9._-]", "priority": "a number in [0, 1e12]",
+                 "timeout": "a number of seconds in [0, 1 year]", "units": "an integer >= 0",
+                 "unit_bytes": "an integer in [4096, 16 GiB]"}
+_SITE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
 def _clear_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """OS and lookup errors become :class:`CheckpointError` naming the file, which the node reports as a refusal
     (instead of a Python traceback in an UNKNOWN status)."""
@@ -197,8 +220,9 @@ def _decoder(action: str) -> Callable[[Any], dict[str, Any]]:
         missing = [k for k in _REQUIRED[action] if k not in o]
         if missing:
             raise ProtocolError("request lacks fields", action=action, missing=missing)
-        if "name" in o and not isinstance(o["name"], str):
-            raise ProtocolError("name must be a string", action=action)
+        for field, check in _FIELD_CHECKS.items():
+            if o.get(field) is not None and not check(o[field]):
+                raise ProtocolError(f"{field} must be {_FIELD_WANTED[field]}", action=action, got=repr(o[field])[:40])
         return o
 
     return decode

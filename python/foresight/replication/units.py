@@ -44,6 +44,9 @@ TAIL_SHARE = 4  # a file's units shrink to a quarter of what is left once under 
 DCP_METADATA = ".metadata"
 _NAME_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 JOURNAL = ".units"
+#: Most units one checkpoint is cut into (32 TiB at the default unit size): a plan past it is refused before it is
+#: built, so a declared size of 2**60 bytes (a hostile or broken writer) cannot make the node loop and allocate.
+MAX_UNITS = 1 << 20
 
 
 def check_name(name: str) -> str:
@@ -121,9 +124,19 @@ def unit_ends(size: int, unit_bytes: int = UNIT_BYTES) -> list[int]:
 
 def plan_units(files: Sequence[tuple[str, int]], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     """Cut each data file into units (:func:`unit_ends`; a file's tail shares no unit with the next file)."""
-    units: list[Unit] = []
+    if unit_bytes < 4096:
+        raise CheckpointError("unit_bytes must be at least 4096", unit_bytes=unit_bytes)
+    bound = 0  # units of a file: its full units plus the few shrinking ones of its tail (unit_ends: < 16)
     for name, size in files:
         check_file_name(name)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise CheckpointError("a data file's size must be an integer >= 0", file=name, size=repr(size)[:40])
+        bound += size // unit_bytes + 16
+        if bound > MAX_UNITS:
+            raise CheckpointError(f"checkpoint would be cut into more than {MAX_UNITS} units (sizes declared too "
+                                  "large, or unit_bytes too small)", file=name, size=size, unit_bytes=unit_bytes)
+    units: list[Unit] = []
+    for name, size in files:
         off = 0
         for end in unit_ends(size, unit_bytes):
             units.append(Unit(len(units), name, off, end - off, size))
