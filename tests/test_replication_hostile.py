@@ -129,3 +129,63 @@ def test_a_ckpt_read_stream_dropped_unread_closes_its_file(tmp_path):
         assert _open_fds() - before == set()
     finally:
         svc.close()
+
+
+class _Caller:
+    """The Flight call context a handler sees (its auth middleware: the job header and token)."""
+
+    def __init__(self, job: str, token: str) -> None:
+        self._mw = type("Auth", (), {"job": job, "token": token})()
+
+    def get_middleware(self, name):
+        return self._mw if name == "auth" else None
+
+
+@pytest.fixture
+def manager(tmp_path):
+    from foresight.cluster.membership import Cluster
+    from foresight.node.server import NodeServer
+    from foresight.replication.replica_manager import ReplicaManager
+    from foresight.testing.etcd import EtcdProcess
+
+    with EtcdProcess(str(tmp_path / "etcd")) as etcd, NodeServer(str(tmp_path / "root")) as server:
+        m = ReplicaManager(server, Cluster(etcd.endpoint))
+        try:
+            yield m
+        finally:
+            m.close()
+
+
+@pytest.fixture
+def root_dir(tmp_path):
+    os.makedirs(tmp_path / "root")
+    return tmp_path / "root"
+
+
+def test_a_ckpt_get_dropped_unread_closes_its_file_and_lets_the_copy_go(root_dir, manager, tmp_path):
+    """A ``ckpt.get`` stream dropped before its first batch kept the file open and the copy referenced for ever:
+    the node advertised a read in flight that never ended, and a reclaimed copy was never deleted."""
+    ckpt = root_dir / "job1" / "step-1"
+    ckpt.mkdir(parents=True)
+    (ckpt / "shard.bin").write_bytes(os.urandom(3 << 20))
+    caller = _Caller("job1", "token-123456")
+    manager._publish(caller, {"job": "job1", "checkpoint": "job1/step-1"})
+    before = _open_fds()
+    for _ in range(5):
+        stream = manager._get(caller, {"kind": "ckpt.get", "job": "job1", "checkpoint": "job1/step-1",
+                                       "file": "shard.bin"})
+        del stream  # the client was gone before the schema went out: Flight never starts the stream
+    assert _open_fds() - before == set()
+    assert manager.inflight == 0 and manager._copies[("job1/step-1", "shard.bin")].refs == 0
+
+
+def test_publishing_a_file_that_resolves_outside_the_root_is_refused(root_dir, manager, tmp_path):
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"not for the cluster")
+    ckpt = root_dir / "job2" / "step-1"
+    ckpt.mkdir(parents=True)
+    (ckpt / "ok.bin").write_bytes(b"fine")
+    os.symlink(secret, ckpt / "leak.bin")
+    with pytest.raises(Exception, match="outside the node's root.*leak.bin"):
+        manager._publish(_Caller("job2", "token-123456"), {"job": "job2", "checkpoint": "job2/step-1"})
+    assert ("job2/step-1", "leak.bin") not in manager._copies

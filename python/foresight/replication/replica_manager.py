@@ -148,11 +148,15 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         if not os.path.isdir(d):
             raise NodeError("this node holds no such checkpoint", checkpoint=name, node=self.node_id)
         files, records = {}, {}
+        root = os.path.realpath(self.root)
         for f in sorted(os.listdir(d)):
             p = os.path.join(d, f)
             if not os.path.isfile(p) or f.startswith(".tmp"):
                 continue
             check_file(f)
+            if os.path.commonpath([root, os.path.realpath(p)]) != root:  # a symlink out: never served to the cluster
+                raise NodeError("checkpoint file resolves outside the node's root", checkpoint=name, file=f,
+                                node=self.node_id)
             rec = {"node": self.node_id, "location": self.server.location, "size": os.path.getsize(p),
                    "xxh3": file_xxh3(p), "base": True}
             records[self._k("replicas", ckpt_key(name), f, self.node_id)] = json.dumps(rec)
