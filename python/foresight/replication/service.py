@@ -94,7 +94,7 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
         self._arrivals: dict[str, list[tuple[int, int, float]]] = {}  # per checkpoint: (unit, length, arrived at)
         self._merges: dict[str, Any] = {}  # checkpoints merged here as their units arrive (ArrivalMerge)
         # as a sender: windows put, most unacknowledged at once, windows sent again after a unit arrived damaged
-        self.sending = {"windows": 0, "in_flight_max": 0, "resent_corrupt": 0}
+        self.sending = {"windows": 0, "in_flight_max": 0, "resent_corrupt": 0, "register_failures": 0}
         self._lock = threading.Condition()
         self._clients: dict[tuple[str, int], flight.FlightClient] = {}
         self._workers = [threading.Thread(target=self._send_loop, name=f"foresight-repl-send-{i}", daemon=True)

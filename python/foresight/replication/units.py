@@ -338,6 +338,25 @@ class ReplicaBuilder:
         self.written["direct_refused"] = sum(f.counts["fallbacks"] for f in files.values())
         return done, len(files) + (1 if done else 0)
 
+    def published(self, meta: dict[str, bytes]) -> bool:
+        """Whether this replica was published already with these commit files (``meta``, which name every tensor's
+        xxh3) and no unit is being journaled for it: a commit sent again after its registration failed finds it
+        so; the empty temp directory this builder made meanwhile is removed."""
+        if os.path.exists(os.path.join(self.tmp, JOURNAL)) or not meta:
+            return False
+        for n, body in meta.items():
+            try:
+                with open(os.path.join(self.final, check_file_name(n)), "rb") as f:
+                    if f.read() != body:
+                        return False
+            except FileNotFoundError:
+                return False
+        try:
+            os.rmdir(self.tmp)
+        except OSError:  # not empty: files of another transfer of this name are left to it
+            pass
+        return True
+
     def finalize(self, meta: dict[str, bytes], expected_units: int) -> str:
         """All units present + the source's commit files -> verify every tensor -> atomic rename; return the path."""
         missing = set(range(expected_units)) - self.done_units()
