@@ -118,7 +118,8 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         self._noted: set[int] = set()  # hints (by lease) whose placement time went into the running mean
         self.inflight = 0
         self.stats = {"reads": 0, "bytes": 0, "copies_made": 0, "copies_failed": 0, "reclaimed": 0,
-                      "wake_failures": 0}
+                      "wake_failures": 0, "round_failures": 0}
+        self._failing: str | None = None  # the error of the rounds failing since the last one that worked
         self._pool = cf.ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="foresight-replica-copy")
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by replicas.wake (a planning node wrote tasks for us): poll now
@@ -361,7 +362,16 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
                 self.reclaim()
                 last["reclaim"] = now
         except Exception as e:  # etcd briefly away: try again next round
-            log.warning("replica manager round failed", extra={"error": str(e)[:300]})
+            self.stats["round_failures"] += 1
+            error = str(e)[:300]
+            if error != self._failing:  # once per outage (a round runs every poll_s: 4 lines a second otherwise)
+                log.warning("replica manager round failed; retrying every round, logged again when the error "
+                            "changes", extra={"error": error, "round_failures": self.stats["round_failures"]})
+            self._failing = error
+        else:
+            if self._failing is not None:
+                log.info("replica manager rounds work again", extra={"round_failures": self.stats["round_failures"]})
+            self._failing = None
 
     def _keep_lease(self) -> None:
         try:
