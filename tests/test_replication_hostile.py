@@ -189,3 +189,17 @@ def test_publishing_a_file_that_resolves_outside_the_root_is_refused(root_dir, m
     with pytest.raises(Exception, match="outside the node's root.*leak.bin"):
         manager._publish(_Caller("job2", "token-123456"), {"job": "job2", "checkpoint": "job2/step-1"})
     assert ("job2/step-1", "leak.bin") not in manager._copies
+
+
+def test_status_queries_and_refused_commits_leave_no_directories(site):
+    """``replica.status`` of a name the site never received, and a commit refused for missing units, each made the
+    name's hidden temp directory (and its job directory): any caller could litter the root without bound."""
+    from foresight.replication.flight_calls import put_body
+
+    for i in range(5):
+        assert _action(site, "replica.status", {"name": f"ghost/step-{i}"}) == {"units": [], "extents": []}
+    client = flight.connect(site.url)
+    with pytest.raises(flight.FlightServerError, match="units missing"):
+        put_body(client, "replica.commit", {"name": "ghost2/step-1", "units": 3, "files": [["COMMIT", 2]]}, b"ok")
+    client.close()
+    assert not {"ghost", "ghost2"} & set(os.listdir(site.root))

@@ -40,7 +40,7 @@ class TransferReceiver:
 
     def replica_status(self, b: dict[str, Any]) -> dict[str, Any]:
         """Units journaled here: ``units`` (ids) and ``extents`` (``[id, file, offset, length]``)."""
-        done = ReplicaBuilder(self.root, check_name(b["name"])).done_extents()
+        done = ReplicaBuilder(self.root, check_name(b["name"]), create=False).done_extents()
         return {"units": sorted(done), "extents": [[i, *e] for i, e in sorted(done.items()) if e is not None]}
 
     def _put_unit(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
@@ -90,7 +90,7 @@ class TransferReceiver:
         """The source committed and every unit arrived: verify, publish by rename, register under the TTL."""
         cmd = _command(descriptor)
         self.check_token(cmd)
-        rb = ReplicaBuilder(self.root, check_name(cmd["name"]))
+        rb = ReplicaBuilder(self.root, check_name(cmd["name"]), create=False)
         body = b"".join(bytes(c) for c in _chunks(reader))
         meta, pos = {}, 0
         for fname, n in cmd["files"]:

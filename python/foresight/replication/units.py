@@ -247,12 +247,15 @@ class _UnitSink:
 class ReplicaBuilder:
     """Receiver side of one checkpoint: units land in ``<root>/<job>/.replica-<step>``, published by rename."""
 
-    def __init__(self, root: str, name: str) -> None:
+    def __init__(self, root: str, name: str, *, create: bool = True) -> None:
+        """``create=False``: the temp directory is made only when something is written (a status query or a
+        commit that is refused leaves nothing behind)."""
         self.name = check_name(name)
         self.final = os.path.join(root, *name.split("/"))
         parent, leaf = os.path.split(self.final)
         self.tmp = os.path.join(parent, f".replica-{leaf}")
-        os.makedirs(self.tmp, exist_ok=True)
+        if create:
+            os.makedirs(self.tmp, exist_ok=True)
         self.journaled: list[tuple[int, str, int, int]] = []  # the units the last write_units journaled
         self.arrived: list[tuple[int, int, float]] = []  # and (id, length, time its last byte arrived) of each
         self.written = {"direct_bytes": 0, "buffered_bytes": 0, "direct_refused": 0}  # by the last write_units
@@ -297,6 +300,7 @@ class ReplicaBuilder:
         ``(id, file, offset, length)``, ``self.arrived`` as ``(id, length, time.time() its last byte came)``,
         ``self.written`` the bytes written with O_DIRECT (``direct_bytes``) and buffered (``buffered_bytes``) and the
         O_DIRECT opens or writes refused (``direct_refused``)."""
+        os.makedirs(self.tmp, exist_ok=True)
         files: dict[str, ReplicaFile] = {}
         done: list[int] = []
         cur: _UnitSink | None = None
@@ -341,7 +345,7 @@ class ReplicaBuilder:
     def published(self, meta: dict[str, bytes]) -> bool:
         """Whether this replica was published already with these commit files (``meta``, which name every tensor's
         xxh3) and no unit is being journaled for it: a commit sent again after its registration failed finds it
-        so; the empty temp directory this builder made meanwhile is removed."""
+        so; an empty temp directory of its name is removed."""
         if os.path.exists(os.path.join(self.tmp, JOURNAL)) or not meta:
             return False
         for n, body in meta.items():
@@ -353,7 +357,7 @@ class ReplicaBuilder:
                 return False
         try:
             os.rmdir(self.tmp)
-        except OSError:  # not empty: files of another transfer of this name are left to it
+        except OSError:  # absent, or not empty: files of another transfer of this name are left to it
             pass
         return True
 
@@ -362,6 +366,7 @@ class ReplicaBuilder:
         missing = set(range(expected_units)) - self.done_units()
         if missing:
             raise CheckpointError("replica incomplete: units missing", name=self.name, missing=len(missing))
+        os.makedirs(self.tmp, exist_ok=True)
         for n, body in meta.items():
             store.write_small_file(os.path.join(self.tmp, check_file_name(n)), body)
         verify_checkpoint(self.tmp)
