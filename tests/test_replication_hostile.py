@@ -6,6 +6,7 @@ import json
 import os
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from pyarrow import flight
 
@@ -203,3 +204,59 @@ def test_status_queries_and_refused_commits_leave_no_directories(site):
         put_body(client, "replica.commit", {"name": "ghost2/step-1", "units": 3, "files": [["COMMIT", 2]]}, b"ok")
     client.close()
     assert not {"ghost", "ghost2"} & set(os.listdir(site.root))
+
+
+def _unit_put(site, header: bytes):
+    from foresight.replication.flight_calls import SCHEMA, binary_batch
+
+    client = flight.connect(site.url)
+    try:
+        writer, reader = client.do_put(flight.FlightDescriptor.for_path("replica.units", json.dumps({"name": "h/s"})),
+                                       SCHEMA)
+        writer.write_with_metadata(binary_batch(memoryview(b"abc")), pa.py_buffer(header))
+        writer.done_writing()
+        reader.read()
+        writer.close()
+    finally:
+        client.close()
+
+
+def _layout_put(site, body: bytes):
+    from foresight.replication.flight_calls import put_body
+
+    client = flight.connect(site.url)
+    try:
+        put_body(client, "replica.layout", {"name": "h/lay"}, body)
+    finally:
+        client.close()
+
+
+def _get(site, ticket: dict):
+    client = flight.connect(site.url)
+    try:
+        list(client.do_get(flight.Ticket(json.dumps(ticket).encode())))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("send, arg, message", [
+    (_get, {"kind": "ckpt.read", "name": 5, "file": "x", "ranges": [[0, 1]]}, "checkpoint name must be a string"),
+    (_get, {"kind": "ckpt.list", "name": ["a"]}, "checkpoint name must be a string"),
+    (_unit_put, b'{"id": 0, "file": "d.bin", "offset": 0, "length": 3, "file_size": 1e300, "xxh3": "00"}',
+     "file_size must be an integer"),
+    (_unit_put, b'{"id": 0, "file": "d.bin", "offset": 0, "length": 3, "file_size": 4611686018427387904, '
+                b'"xxh3": "00"}', "file_size must be an integer"),
+    (_unit_put, b'{"id": -1, "file": "d.bin", "offset": 0, "length": 3, "file_size": 3, "xxh3": "00"}',
+     "id must be an integer"),
+    (_unit_put, b'{"id": 0, "file": 7, "offset": 0, "length": 3, "file_size": 3, "xxh3": "00"}', "must be a string"),
+    (_layout_put, b'{"rows": [], "merge": {"groups": 5}}', "merge groups must map"),
+    (_layout_put, b'{"rows": [], "merge": {"reshard": "two"}}', "merge reshard must be an integer"),
+    (_layout_put, b'{"rows": [], "meta": [1, 2]}', "replica.layout wants meta as an object"),
+])
+def test_hostile_replication_streams_are_refused_by_name_never_as_an_internal_error(site, send, arg, message):
+    """Each of these was answered 'internal error (AttributeError/OverflowError)': a crash inside the handler, not
+    a refusal naming what is wrong (a size of 1e300 reached posix_fallocate)."""
+    with pytest.raises(flight.FlightServerError) as e:
+        send(site, arg)
+    assert message in str(e.value) and "internal error" not in str(e.value)
+    assert "inside the node" not in site.log()

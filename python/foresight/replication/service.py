@@ -203,7 +203,7 @@ def _clear_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args)
         except OSError as e:
             raise CheckpointError(f"replication: {e.strerror or e}", path=e.filename) from e
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             if isinstance(e, ForesightError):
                 raise
             raise ProtocolError(f"replication request is malformed: {e!r}") from e

@@ -47,10 +47,14 @@ JOURNAL = ".units"
 #: Most units one checkpoint is cut into (32 TiB at the default unit size): a plan past it is refused before it is
 #: built, so a declared size of 2**60 bytes (a hostile or broken writer) cannot make the node loop and allocate.
 MAX_UNITS = 1 << 20
+#: Largest data file a site receives (64 TiB): a unit header's sizes and offsets past it are refused.
+MAX_FILE_BYTES = 1 << 46
 
 
 def check_name(name: str) -> str:
     """A checkpoint name (``job/step-00000100``): slash-separated safe parts, never escaping a root."""
+    if not isinstance(name, str):
+        raise CheckpointError("checkpoint name must be a string", got=repr(name)[:40])
     parts = name.split("/")
     if not name or not all(_NAME_PART.match(p) for p in parts):
         raise CheckpointError("bad checkpoint name (parts must be [A-Za-z0-9._-], no '..', no leading dot)",
@@ -59,6 +63,8 @@ def check_name(name: str) -> str:
 
 
 def check_file_name(name: str) -> str:
+    if not isinstance(name, str):
+        raise CheckpointError("file name in a checkpoint must be a string", got=repr(name)[:40])
     if "/" in name or not (_NAME_PART.match(name) or name == DCP_METADATA):
         raise CheckpointError("bad file name in a checkpoint", name=name)
     return name
@@ -206,9 +212,14 @@ class _UnitSink:
     def __init__(self, tmp: str, header: dict[str, Any], files: dict[str, ReplicaFile],
                  held: dict[int, tuple[str, int, int] | None] | None = None, direct: bool = False) -> None:
         self.header = header
-        self.file = check_file_name(str(header["file"]))
-        self.offset, self.length, size = int(header["offset"]), int(header["length"]), int(header["file_size"])
-        if self.offset < 0 or self.length < 0 or self.offset + self.length > size:
+        self.file = check_file_name(header["file"])
+        bad = [k for k in ("id", "offset", "length", "file_size") if isinstance(header.get(k), bool) or
+               not isinstance(header.get(k), int) or not 0 <= header[k] <= MAX_FILE_BYTES]
+        if bad:  # checked before anything is allocated: a size of 1e300 or 2**62 is refused, naming the field
+            raise CheckpointError(f"unit header field {bad[0]} must be an integer in [0, {MAX_FILE_BYTES}]",
+                                  file=self.file, got=repr(header.get(bad[0]))[:40])
+        self.offset, self.length, size = header["offset"], header["length"], header["file_size"]
+        if self.offset + self.length > size:
             raise CheckpointError("unit lies outside its file", file=self.file, offset=self.offset, length=self.length)
         self.pos, self.h = self.offset, xxhash.xxh3_64()
         # journaled already (a sender that had not heard the status yet): its bytes are drained, not rewritten
