@@ -143,7 +143,7 @@ class _Caller:
 
 
 @pytest.fixture
-def manager(tmp_path):
+def manager(tmp_path, root_dir):
     from foresight.cluster.membership import Cluster
     from foresight.node.server import NodeServer
     from foresight.replication.replica_manager import ReplicaManager
@@ -260,3 +260,40 @@ def test_hostile_replication_streams_are_refused_by_name_never_as_an_internal_er
         send(site, arg)
     assert message in str(e.value) and "internal error" not in str(e.value)
     assert "inside the node" not in site.log()
+
+
+class _EndlessHolder(flight.FlightServerBase):
+    """A holder that answers ``ckpt.get`` with far more bytes than the file has (broken or hostile)."""
+
+    BATCHES = 1000
+
+    def __init__(self) -> None:
+        super().__init__("grpc://127.0.0.1:0")
+        self.yielded = 0
+
+    def do_get(self, context, ticket):
+        from foresight.replication.flight_calls import SCHEMA, binary_batch
+
+        def batches():
+            block = memoryview(bytes(64 << 10))
+            for _ in range(self.BATCHES):
+                self.yielded += 1
+                yield binary_batch(block)
+
+        return flight.GeneratorStream(SCHEMA, batches())
+
+
+def test_a_copy_pulled_from_a_holder_sending_too_much_stops_at_the_files_size(manager):
+    """The pull wrote whatever the holder sent and compared sizes only at the end: a holder streaming without end
+    filled the target's disk. It stops once the bytes pass the file's size, and the temp file is removed."""
+    holder = _EndlessHolder()
+    try:
+        task = {"checkpoint": "job3/step-1", "file": "w.bin", "job": "job3", "grant": "g", "size": 1000,
+                "xxh3": "0"}
+        with pytest.raises(Exception, match="more bytes than the file has"):
+            manager._pull(task, {"node": "evil", "location": f"grpc://127.0.0.1:{holder.port}"})
+        assert holder.yielded < _EndlessHolder.BATCHES
+        left = os.path.join(manager.root, ".replicas", "job3", "step-1")
+        assert os.listdir(left) == []
+    finally:
+        holder.shutdown()

@@ -182,6 +182,9 @@ class ReplicaCopies:
                     col = chunk.data.column(0)
                     for i in range(len(col)):
                         out.write(col[i].as_buffer())
+                    if out.tell() > task["size"]:  # a holder sending more than the file: stop before the disk fills
+                        raise NodeError("holder sent more bytes than the file has", file=f, source=src["node"],
+                                        expected=task["size"], got=out.tell())
                 out.flush()
                 os.fsync(out.fileno())
             got = file_xxh3(tmp)
