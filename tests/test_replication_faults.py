@@ -4,6 +4,7 @@ control action checks the token."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -129,3 +130,44 @@ def test_every_control_action_checks_the_token(tmp_path):
     finally:
         tr.stop()
         ev.stop()
+
+
+def test_etcd_down_at_the_commit_delays_the_replica_and_it_is_published_and_registered_when_etcd_is_back(tmp_path):
+    """etcd killed between the units and the commit: the sender's commit failed on registering its source copy
+    (an advertisement) and the receiving site's on registering the replica it had just published (an internal
+    error; the transfer failed). Now the commit goes on, the site answers 'unavailable' until etcd is back, the
+    commit sent again finds the replica in place and registers it."""
+    from foresight.replication.resolver import Resolver
+    from foresight.testing.etcd import EtcdProcess
+
+    etcd = EtcdProcess(str(tmp_path / "etcd"))
+    port = int(etcd.endpoint.rsplit(":", 1)[1])
+    ev = Site("eval-b", str(tmp_path / "eval"), etcd=etcd.endpoint, unit_bytes=UNIT)
+    tr = Site("train-a", str(tmp_path / "train"), etcd=etcd.endpoint, routes={"eval-b": ev.url}, unit_bytes=UNIT)
+    try:
+        rep = Replication(every=1, site="eval-b", node=tr.url, job="job", unit_bytes=UNIT)
+        phases = write_checkpoint_phases(os.path.join(tr.root, "job"), 1, 300_000)
+        rep.data_written(1, next(phases))
+        final = next(phases)
+        name = "job/" + os.path.basename(final)
+        wait_until(lambda: tr.call("replicate.log")["sent"], "the units to reach the site")
+        etcd.proc.kill()
+        etcd.proc.wait(30)
+        committing = threading.Thread(target=rep.committed, args=(1, final))  # publishes, retrying, meanwhile
+        committing.start()
+        wait_until(lambda: "replica not registered" in tr.log(), "the site to answer unavailable", timeout=120)
+        etcd.close()
+        etcd = EtcdProcess(str(tmp_path / "etcd"), port=port)  # back on the same endpoint, its data kept
+        committing.join(120)
+        assert rep.stats["hook_failures"] == 0  # the commit did not fail on etcd
+        info = rep.wait(1, timeout=120)
+        assert files_of(info["path"]) == files_of(final)
+        with Resolver(etcd.endpoint, site="eval-b") as res:
+            assert [c["site"] for c in res.copies(name) if c["site"] == "eval-b"] == ["eval-b"]
+        assert not os.path.exists(os.path.join(ev.root, "job", ".replica-" + os.path.basename(final)))
+        assert tr.call("replicate.log")["sending"]["register_failures"] == 1
+        rep.close()
+    finally:
+        tr.stop()
+        ev.stop()
+        etcd.close()

@@ -92,3 +92,27 @@ def test_a_copy_list_refresh_is_one_etcd_round_trip(bed):
         assert r.cluster.calls - calls == 1
         assert {f: some[f] for f in files[:2]} == {f: whole[f] for f in files[:2]}
         assert set(some[files[0]]) == {"o0"} and r.stats["file_refreshes"] == 1
+
+
+def test_the_node_logs_an_etcd_outage_once_not_every_round(bed):
+    """The replica manager's round (every 0.25 s) logged a warning each time it failed: four lines a second for
+    as long as etcd was away. Now one line when it starts failing, one when it works again; the count is kept."""
+    from node_helpers import flight_action
+    from replication_helpers import wait_until
+
+    import pyarrow.flight as flight
+
+    client = flight.connect(bed["node"].location)
+    bed["etcd"].proc.kill()
+    bed["etcd"].proc.wait(10)
+    wait_until(lambda: flight_action(client, "replicas.stats", {})["round_failures"] >= 8, "rounds to fail")
+    assert bed["node"].log().count("replica manager round failed") == 1
+    port = int(bed["etcd"].endpoint.rsplit(":", 1)[1])
+    bed["etcd"].close()
+    back = EtcdProcess(os.path.dirname(bed["etcd"].log_path), port=port)
+    try:
+        wait_until(lambda: "replica manager rounds work again" in bed["node"].log(), "rounds to work again")
+        assert bed["node"].log().count("replica manager round failed") == 1
+    finally:
+        client.close()
+        back.close()

@@ -148,6 +148,10 @@ def _serve(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SystemExit("foresight node serve: give both --tls-cert and --tls-key, or neither")
     scheme = "grpc+tls" if args.tls_cert else "grpc"
+    # every option checked before anything starts: a bad value is an error at once, with or without etcd (these
+    # two were read only when the replica manager started, so without --etcd a typo served silently)
+    args.service_limit_parsed = ServiceLimit.parse(args.service_limit)
+    args.replica_quota_parsed = parse_amounts(args.replica_quota, "--replica-quota")
     cluster = None
     node_id_box: list[str] = []
     if args.etcd:
@@ -228,11 +232,11 @@ def _mount_replicas(server, cluster, args: argparse.Namespace):
         return None
     from foresight.replication.replica_manager import ReplicaManager  # lazy: loads torch (node status must not)
 
-    quota_bytes, quota_copies = parse_amounts(args.replica_quota, "--replica-quota")
+    quota_bytes, quota_copies = args.replica_quota_parsed
     kw = {"safe_readers": args.safe_readers} if args.safe_readers else {}
     if args.placement_cost_s is not None:
         kw["placement_cost_s"] = args.placement_cost_s
-    return ReplicaManager(server, cluster, limit=ServiceLimit.parse(args.service_limit), lease_ttl=args.ttl,
+    return ReplicaManager(server, cluster, limit=args.service_limit_parsed, lease_ttl=args.ttl,
                           quota_bytes=int(quota_bytes), quota_replicas=int(quota_copies), **kw)
 
 

@@ -126,8 +126,12 @@ def receive_plan(root: str, digest: str, reader, *, max_bytes: int,
                 total += buf.size
                 if total > max_bytes:
                     raise ProtocolError("plan upload is larger than the node accepts", limit=max_bytes)
-                with open(os.path.join(tmp, name), "wb") as f:
-                    f.write(buf)
+                path = os.path.join(tmp, name)
+                try:
+                    with open(path, "wb") as f:
+                        f.write(buf)
+                except OSError as e:  # disk full or file too large: the caller hears which file, by its name
+                    raise OSError(e.errno, e.strerror, path) from None
         names = set(os.listdir(tmp))
         if names == {PLAN_JSON} and _is_compact(os.path.join(tmp, PLAN_JSON)):
             _derive_compact(tmp, find_dataset)

@@ -412,7 +412,9 @@ def _ticket_kind(body: bytes) -> str | None:
 @contextlib.contextmanager
 def _one_line_errors(server: NodeServer, what: str, **context: Any):
     """Every failure of a request as one line to its caller: the project's errors (bad request, refusal) as
-    ``foresight: <message>``; Flight's own (auth, unavailable) as they are; anything else (a bug) logged with its
+    ``foresight: <message>``; Flight's own (auth, unavailable) as they are; an OS error on the node's files (disk
+    full, file too large, file gone) as ``foresight: <what> failed on the node: <reason> (errno, file)``, logged
+    and counted as ``os_error``; anything else (a bug) logged with its
     traceback, counted as ``internal`` and answered ``foresight: internal error (<type>)``, never a traceback."""
     try:
         yield
@@ -422,6 +424,11 @@ def _one_line_errors(server: NodeServer, what: str, **context: Any):
         server.metrics.refusals.labels(type(e).__name__).inc()
         log.info(f"{what} refused", extra=dict(context, error=str(e)[:300]))
         raise flight.FlightServerError(f"foresight: {e}"[:1000]) from None
+    except OSError as e:  # the node's disk or files (full, too large, gone, unreadable): a fault, not a bug
+        server.metrics.refusals.labels("os_error").inc()
+        detail = f"{e.strerror or e} (errno {e.errno}, file {e.filename})" if e.filename else f"{e.strerror or e}"
+        log.warning(f"{what} failed on the node's files", extra=dict(context, error=detail[:300]))
+        raise flight.FlightServerError(f"foresight: {what} failed on the node: {detail}"[:1000]) from None
     except Exception as e:
         server.metrics.refusals.labels("internal").inc()
         log.exception(f"{what} failed inside the node", extra=context)

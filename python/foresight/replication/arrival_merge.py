@@ -52,12 +52,14 @@ class ArrivalMerge:
         self.replica_tmp, self.replica_final, self.out_final = replica_tmp, replica_final, out_final
         parent, leaf = os.path.split(out_final)
         self.out_tmp = os.path.join(parent, f".merging-{leaf}")
-        groups = spec.get("groups")
+        groups, depth, reshard = spec.get("groups"), spec.get("depth") or 1, spec.get("reshard")
+        if groups is not None and not isinstance(groups, dict):  # checked here: the site hears of it by name
+            raise CheckpointError("merge groups must map name prefixes to group names", got=repr(groups)[:40])
+        for k, v in (("depth", depth), ("reshard", reshard)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20):
+                raise CheckpointError(f"merge {k} must be an integer >= 1", got=repr(v)[:40])
         self.groups = {str(k): str(v) for k, v in groups.items()} if groups else None
-        self.depth = int(spec.get("depth") or 1)
-        self.reshard = None if spec.get("reshard") is None else int(spec["reshard"])
-        if self.reshard is not None and self.reshard < 1:
-            raise CheckpointError("merge reshard must be >= 1", reshard=self.reshard)
+        self.depth, self.reshard = depth, reshard
         self.rows: list[list[Any]] = []
         self.files: set[str] = set()
         self.files_expected: int | None = None
@@ -84,6 +86,10 @@ class ArrivalMerge:
         """Chunks of data files ``files`` (a DCP rank ships its own file); the output is planned once
         ``files_expected`` files are described (None: at the commit, from the checkpoint's metadata)."""
         chunks_from_rows(rows)  # a bad row is refused now, naming it
+        if not isinstance(meta, Mapping) or isinstance(files, (str, bytes)) or not (
+                files_expected is None or (isinstance(files_expected, int) and not isinstance(files_expected, bool))):
+            raise CheckpointError("replica.layout wants meta as an object, files as a list and files_expected as an "
+                                  "integer", got=repr((type(meta).__name__, type(files).__name__, files_expected))[:80])
         with self._cv:
             self.rows += rows
             self.files |= {check_file_name(str(f)) for f in files}

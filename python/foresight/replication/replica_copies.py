@@ -32,7 +32,7 @@ from foresight.cluster.auth import connect
 from foresight.cluster.requests import check_fields, check_ident
 from foresight.errors import NodeError
 from foresight.replication.replica_requests import check_checkpoint, check_file, ckpt_key
-from foresight.replication.flight_calls import SCHEMA, binary_batch
+from foresight.replication.flight_calls import SCHEMA, OwnedStream, binary_batch
 
 log = logging.getLogger("foresight.replication.replica_manager")  # the manager's one logger
 
@@ -78,23 +78,23 @@ class ReplicaCopies:
             self._unref(name, f, local, 0)
             raise
         size = os.fstat(fd).st_size
+        sent = [0]
 
         def batches():
-            sent = 0
-            try:
-                while sent < size:
-                    k = min(CHUNK, size - sent)
-                    self.limit.consume(k, priority=copy)
-                    data = os.pread(fd, k, sent)
-                    if not data:
-                        raise NodeError("file shrank while being read", path=local.path, offset=sent)
-                    sent += len(data)
-                    yield binary_batch(memoryview(data))
-            finally:
-                os.close(fd)
-                self._unref(name, f, local, sent)
+            while sent[0] < size:
+                k = min(CHUNK, size - sent[0])
+                self.limit.consume(k, priority=copy)
+                data = os.pread(fd, k, sent[0])
+                if not data:
+                    raise NodeError("file shrank while being read", path=local.path, offset=sent[0])
+                sent[0] += len(data)
+                yield binary_batch(memoryview(data))
 
-        return flight.GeneratorStream(SCHEMA, batches())
+        def release() -> None:  # also when the stream is dropped unread (see OwnedStream): the copy stays reclaimable
+            os.close(fd)
+            self._unref(name, f, local, sent[0])
+
+        return flight.GeneratorStream(SCHEMA, OwnedStream(batches(), release))
 
     def _unref(self, name: str, f: str, local: LocalCopy, sent: int) -> None:
         with self._lock:
@@ -182,6 +182,9 @@ class ReplicaCopies:
                     col = chunk.data.column(0)
                     for i in range(len(col)):
                         out.write(col[i].as_buffer())
+                    if out.tell() > task["size"]:  # a holder sending more than the file: stop before the disk fills
+                        raise NodeError("holder sent more bytes than the file has", file=f, source=src["node"],
+                                        expected=task["size"], got=out.tell())
                 out.flush()
                 os.fsync(out.fileno())
             got = file_xxh3(tmp)

@@ -124,7 +124,8 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         self._noted: set[int] = set()  # hints (by lease) whose placement time went into the running mean
         self.inflight = 0
         self.stats = {"reads": 0, "bytes": 0, "copies_made": 0, "copies_failed": 0, "reclaimed": 0,
-                      "wake_failures": 0}
+                      "wake_failures": 0, "round_failures": 0}
+        self._failing: str | None = None  # the error of the rounds failing since the last one that worked
         self._pool = cf.ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="foresight-replica-copy")
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by replicas.wake (a planning node wrote tasks for us): poll now
@@ -155,11 +156,15 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         if not os.path.isdir(d):
             raise NodeError("this node holds no such checkpoint", checkpoint=name, node=self.node_id)
         files, records = {}, {}
+        root = os.path.realpath(self.root)
         for f in sorted(os.listdir(d)):
             p = os.path.join(d, f)
             if not os.path.isfile(p) or f.startswith(".tmp"):
                 continue
             check_file(f)
+            if os.path.commonpath([root, os.path.realpath(p)]) != root:  # a symlink out: never served to the cluster
+                raise NodeError("checkpoint file resolves outside the node's root", checkpoint=name, file=f,
+                                node=self.node_id)
             rec = {"node": self.node_id, "location": self.server.location, "size": os.path.getsize(p),
                    "xxh3": file_xxh3(p), "base": True}
             records[self._k("replicas", ckpt_key(name), f, self.node_id)] = json.dumps(rec)
@@ -365,7 +370,16 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
                 self.reclaim()
                 last["reclaim"] = now
         except Exception as e:  # etcd briefly away: try again next round
-            log.warning("replica manager round failed", extra={"error": str(e)[:300]})
+            self.stats["round_failures"] += 1
+            error = str(e)[:300]
+            if error != self._failing:  # once per outage (a round runs every poll_s: 4 lines a second otherwise)
+                log.warning("replica manager round failed; retrying every round, logged again when the error "
+                            "changes", extra={"error": error, "round_failures": self.stats["round_failures"]})
+            self._failing = error
+        else:
+            if self._failing is not None:
+                log.info("replica manager rounds work again", extra={"round_failures": self.stats["round_failures"]})
+            self._failing = None
 
     def _keep_lease(self) -> None:
         try:

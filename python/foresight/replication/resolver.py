@@ -37,7 +37,7 @@ from foresight.checkpoint import store
 from foresight.checkpoint.checkpointer import load
 from foresight.checkpoint.dcp_reader import ForesightStorageReader
 from foresight.checksum import xxh3_many
-from foresight.errors import CheckpointError
+from foresight.errors import CheckpointError, NodeError
 from foresight.replication.source import LocalSource, RemoteSource
 from foresight.replication.units import DCP_METADATA, ReplicaBuilder, check_name, plan_units
 
@@ -46,11 +46,37 @@ READER_TTL = 10
 
 
 def etcd_client(endpoint: str) -> Any:
+    """An etcd3gw client whose calls raise :class:`NodeError` ("etcd unreachable", naming the endpoint) when etcd is
+    down or restarting, as the cluster layer's calls do, instead of etcd3gw's own exceptions (which a node reported
+    as an internal error, and its callers could not tell from a bug)."""
     import etcd3gw
 
     u = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
-    return etcd3gw.client(host=u.hostname or "127.0.0.1", port=u.port or 2379, protocol=u.scheme or "http",
-                          timeout=10)
+    return _EtcdErrors(etcd3gw.client(host=u.hostname or "127.0.0.1", port=u.port or 2379,
+                                      protocol=u.scheme or "http", timeout=10), endpoint)
+
+
+class _EtcdErrors:
+    """See :func:`etcd_client`: every method of the wrapped client, its failures as :class:`NodeError`."""
+
+    def __init__(self, client: Any, endpoint: str) -> None:
+        self._client, self._endpoint = client, endpoint
+
+    def __getattr__(self, name: str) -> Any:
+        from etcd3gw.exceptions import Etcd3Exception
+
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            except Etcd3Exception as e:
+                raise NodeError(f"etcd unreachable: {type(e).__name__} {e}".strip(), endpoint=self._endpoint,
+                                call=name) from e
+
+        return call
 
 
 def is_complete(path: str) -> bool:

@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import functools
 import hmac
+import math
 import os
+import re
 import threading
 from typing import Any, Callable
 
@@ -92,7 +94,7 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
         self._arrivals: dict[str, list[tuple[int, int, float]]] = {}  # per checkpoint: (unit, length, arrived at)
         self._merges: dict[str, Any] = {}  # checkpoints merged here as their units arrive (ArrivalMerge)
         # as a sender: windows put, most unacknowledged at once, windows sent again after a unit arrived damaged
-        self.sending = {"windows": 0, "in_flight_max": 0, "resent_corrupt": 0}
+        self.sending = {"windows": 0, "in_flight_max": 0, "resent_corrupt": 0, "register_failures": 0}
         self._lock = threading.Condition()
         self._clients: dict[tuple[str, int], flight.FlightClient] = {}
         self._workers = [threading.Thread(target=self._send_loop, name=f"foresight-repl-send-{i}", daemon=True)
@@ -171,6 +173,27 @@ _REQUIRED = {
 }
 
 
+def _number(v: Any, lo: float, hi: float) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and lo <= v <= hi
+
+
+#: Fields the handlers store or act on later (in the sending threads): checked before any handler runs, so a
+#: wrong type or value is refused with the field's name instead of failing later where no caller hears of it.
+_FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "name": lambda v: isinstance(v, str), "src": lambda v: isinstance(v, str), "path": lambda v: isinstance(v, str),
+    "site": lambda v: isinstance(v, str) and _SITE.match(v) is not None,
+    "priority": lambda v: _number(v, 0.0, 1e12),
+    "timeout": lambda v: _number(v, 0.0, 365 * 86400.0),
+    "units": lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 1 << 40,
+    "unit_bytes": lambda v: isinstance(v, int) and not isinstance(v, bool) and 4096 <= v <= 1 << 34,
+}
+_FIELD_WANTED = {"name": "a string", "src": "a string", "path": "a string",
+                 "site": "a site name of 1-128 characters [A-Za-z0-9._-]", "priority": "a number in [0, 1e12]",
+                 "timeout": "a number of seconds in [0, 1 year]", "units": "an integer >= 0",
+                 "unit_bytes": "an integer in [4096, 16 GiB]"}
+_SITE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
 def _clear_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """OS and lookup errors become :class:`CheckpointError` naming the file, which the node reports as a refusal
     (instead of a Python traceback in an UNKNOWN status)."""
@@ -180,7 +203,7 @@ def _clear_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args)
         except OSError as e:
             raise CheckpointError(f"replication: {e.strerror or e}", path=e.filename) from e
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             if isinstance(e, ForesightError):
                 raise
             raise ProtocolError(f"replication request is malformed: {e!r}") from e
@@ -197,8 +220,9 @@ def _decoder(action: str) -> Callable[[Any], dict[str, Any]]:
         missing = [k for k in _REQUIRED[action] if k not in o]
         if missing:
             raise ProtocolError("request lacks fields", action=action, missing=missing)
-        if "name" in o and not isinstance(o["name"], str):
-            raise ProtocolError("name must be a string", action=action)
+        for field, check in _FIELD_CHECKS.items():
+            if o.get(field) is not None and not check(o[field]):
+                raise ProtocolError(f"{field} must be {_FIELD_WANTED[field]}", action=action, got=repr(o[field])[:40])
         return o
 
     return decode

@@ -22,9 +22,10 @@ import os
 from typing import Any
 
 import pyarrow as pa
+from pyarrow import flight
 
 from foresight.checkpoint import store
-from foresight.errors import CheckpointError, ProtocolError
+from foresight.errors import CheckpointError, NodeError, ProtocolError
 from foresight.replication.arrival_merge import ArrivalMerge
 from foresight.replication.flight_calls import _chunks, _command, _unit_parts, json_body
 from foresight.replication.units import DCP_METADATA, JOURNAL, ReplicaBuilder, check_file_name, check_name
@@ -39,7 +40,7 @@ class TransferReceiver:
 
     def replica_status(self, b: dict[str, Any]) -> dict[str, Any]:
         """Units journaled here: ``units`` (ids) and ``extents`` (``[id, file, offset, length]``)."""
-        done = ReplicaBuilder(self.root, check_name(b["name"])).done_extents()
+        done = ReplicaBuilder(self.root, check_name(b["name"]), create=False).done_extents()
         return {"units": sorted(done), "extents": [[i, *e] for i, e in sorted(done.items()) if e is not None]}
 
     def _put_unit(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
@@ -89,7 +90,7 @@ class TransferReceiver:
         """The source committed and every unit arrived: verify, publish by rename, register under the TTL."""
         cmd = _command(descriptor)
         self.check_token(cmd)
-        rb = ReplicaBuilder(self.root, check_name(cmd["name"]))
+        rb = ReplicaBuilder(self.root, check_name(cmd["name"]), create=False)
         body = b"".join(bytes(c) for c in _chunks(reader))
         meta, pos = {}, 0
         for fname, n in cmd["files"]:
@@ -101,13 +102,20 @@ class TransferReceiver:
             with self._lock:
                 self._lock.wait_for(lambda: not self._receiving.get(rb.name) or
                                     len(rb.done_units()) >= int(cmd["units"]), timeout=self.retry_s)
-        path = rb.finalize(meta, int(cmd["units"]))  # never published before every unit is journaled and verified
-        with self._lock:
-            merge = self._merges.get(rb.name)
-        if merge is not None:  # the merged output is published after the replica, never before
-            merge.committed(path)
+        if rb.published(meta):  # a commit sent again after etcd failed it: the replica is in place already
+            path = rb.final
+        else:
+            path = rb.finalize(meta, int(cmd["units"]))  # never published before every unit is journaled, verified
+            with self._lock:
+                merge = self._merges.get(rb.name)
+            if merge is not None:  # the merged output is published after the replica, never before
+                merge.committed(path)
         if self.resolver is not None:
-            self.resolver.register(rb.name, path, self.endpoint, ttl=self.replica_ttl)
+            try:
+                self.resolver.register(rb.name, path, self.endpoint, ttl=self.replica_ttl)
+            except NodeError as e:  # unavailable, not refused: the sender sends the commit again (see above)
+                raise flight.FlightUnavailableError(f"foresight: replica not registered, {e}; published at "
+                                                    f"{path}"[:1000]) from None
         writer.write(pa.py_buffer(json.dumps({"path": path}).encode()))
 
     def _put_replica_layout(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:

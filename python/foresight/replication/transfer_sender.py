@@ -26,7 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from foresight.errors import CheckpointError, ProtocolError
+from foresight.errors import CheckpointError, NodeError, ProtocolError
 from foresight.replication.flight_calls import json_body, put_body, _command
 from foresight.replication.units import Unit, check_file_name, check_name, data_files, meta_files, plan_units
 
@@ -216,7 +216,13 @@ class TransferSender:
         if unreported:  # the writer committed without reporting every byte: committed means all are written
             self._release(t, unreported)
         if self.resolver is not None:
-            self.resolver.register(t.name, path, self.endpoint, source=True)
+            try:  # an advertisement for readers: the replica does not wait on it
+                self.resolver.register(t.name, path, self.endpoint, source=True)
+            except NodeError as e:
+                with self._lock:
+                    self.sending["register_failures"] += 1
+                log.warning("source copy not registered in etcd; the replica is sent anyway",
+                            extra={"checkpoint": t.name, "error": str(e)[:300]})
         self._maybe_publish(t)
         return {"units": len(t.units)}
 

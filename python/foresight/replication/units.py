@@ -44,10 +44,17 @@ TAIL_SHARE = 4  # a file's units shrink to a quarter of what is left once under 
 DCP_METADATA = ".metadata"
 _NAME_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 JOURNAL = ".units"
+#: Most units one checkpoint is cut into (32 TiB at the default unit size): a plan past it is refused before it is
+#: built, so a declared size of 2**60 bytes (a hostile or broken writer) cannot make the node loop and allocate.
+MAX_UNITS = 1 << 20
+#: Largest data file a site receives (64 TiB): a unit header's sizes and offsets past it are refused.
+MAX_FILE_BYTES = 1 << 46
 
 
 def check_name(name: str) -> str:
     """A checkpoint name (``job/step-00000100``): slash-separated safe parts, never escaping a root."""
+    if not isinstance(name, str):
+        raise CheckpointError("checkpoint name must be a string", got=repr(name)[:40])
     parts = name.split("/")
     if not name or not all(_NAME_PART.match(p) for p in parts):
         raise CheckpointError("bad checkpoint name (parts must be [A-Za-z0-9._-], no '..', no leading dot)",
@@ -56,6 +63,8 @@ def check_name(name: str) -> str:
 
 
 def check_file_name(name: str) -> str:
+    if not isinstance(name, str):
+        raise CheckpointError("file name in a checkpoint must be a string", got=repr(name)[:40])
     if "/" in name or not (_NAME_PART.match(name) or name == DCP_METADATA):
         raise CheckpointError("bad file name in a checkpoint", name=name)
     return name
@@ -121,9 +130,19 @@ def unit_ends(size: int, unit_bytes: int = UNIT_BYTES) -> list[int]:
 
 def plan_units(files: Sequence[tuple[str, int]], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     """Cut each data file into units (:func:`unit_ends`; a file's tail shares no unit with the next file)."""
-    units: list[Unit] = []
+    if unit_bytes < 4096:
+        raise CheckpointError("unit_bytes must be at least 4096", unit_bytes=unit_bytes)
+    bound = 0  # units of a file: its full units plus the few shrinking ones of its tail (unit_ends: < 16)
     for name, size in files:
         check_file_name(name)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise CheckpointError("a data file's size must be an integer >= 0", file=name, size=repr(size)[:40])
+        bound += size // unit_bytes + 16
+        if bound > MAX_UNITS:
+            raise CheckpointError(f"checkpoint would be cut into more than {MAX_UNITS} units (sizes declared too "
+                                  "large, or unit_bytes too small)", file=name, size=size, unit_bytes=unit_bytes)
+    units: list[Unit] = []
+    for name, size in files:
         off = 0
         for end in unit_ends(size, unit_bytes):
             units.append(Unit(len(units), name, off, end - off, size))
@@ -193,9 +212,14 @@ class _UnitSink:
     def __init__(self, tmp: str, header: dict[str, Any], files: dict[str, ReplicaFile],
                  held: dict[int, tuple[str, int, int] | None] | None = None, direct: bool = False) -> None:
         self.header = header
-        self.file = check_file_name(str(header["file"]))
-        self.offset, self.length, size = int(header["offset"]), int(header["length"]), int(header["file_size"])
-        if self.offset < 0 or self.length < 0 or self.offset + self.length > size:
+        self.file = check_file_name(header["file"])
+        bad = [k for k in ("id", "offset", "length", "file_size") if isinstance(header.get(k), bool) or
+               not isinstance(header.get(k), int) or not 0 <= header[k] <= MAX_FILE_BYTES]
+        if bad:  # checked before anything is allocated: a size of 1e300 or 2**62 is refused, naming the field
+            raise CheckpointError(f"unit header field {bad[0]} must be an integer in [0, {MAX_FILE_BYTES}]",
+                                  file=self.file, got=repr(header.get(bad[0]))[:40])
+        self.offset, self.length, size = header["offset"], header["length"], header["file_size"]
+        if self.offset + self.length > size:
             raise CheckpointError("unit lies outside its file", file=self.file, offset=self.offset, length=self.length)
         self.pos, self.h = self.offset, xxhash.xxh3_64()
         # journaled already (a sender that had not heard the status yet): its bytes are drained, not rewritten
@@ -234,12 +258,15 @@ class _UnitSink:
 class ReplicaBuilder:
     """Receiver side of one checkpoint: units land in ``<root>/<job>/.replica-<step>``, published by rename."""
 
-    def __init__(self, root: str, name: str) -> None:
+    def __init__(self, root: str, name: str, *, create: bool = True) -> None:
+        """``create=False``: the temp directory is made only when something is written (a status query or a
+        commit that is refused leaves nothing behind)."""
         self.name = check_name(name)
         self.final = os.path.join(root, *name.split("/"))
         parent, leaf = os.path.split(self.final)
         self.tmp = os.path.join(parent, f".replica-{leaf}")
-        os.makedirs(self.tmp, exist_ok=True)
+        if create:
+            os.makedirs(self.tmp, exist_ok=True)
         self.journaled: list[tuple[int, str, int, int]] = []  # the units the last write_units journaled
         self.arrived: list[tuple[int, int, float]] = []  # and (id, length, time its last byte arrived) of each
         self.written = {"direct_bytes": 0, "buffered_bytes": 0, "direct_refused": 0}  # by the last write_units
@@ -284,6 +311,7 @@ class ReplicaBuilder:
         ``(id, file, offset, length)``, ``self.arrived`` as ``(id, length, time.time() its last byte came)``,
         ``self.written`` the bytes written with O_DIRECT (``direct_bytes``) and buffered (``buffered_bytes``) and the
         O_DIRECT opens or writes refused (``direct_refused``)."""
+        os.makedirs(self.tmp, exist_ok=True)
         files: dict[str, ReplicaFile] = {}
         done: list[int] = []
         cur: _UnitSink | None = None
@@ -325,11 +353,31 @@ class ReplicaBuilder:
         self.written["direct_refused"] = sum(f.counts["fallbacks"] for f in files.values())
         return done, len(files) + (1 if done else 0)
 
+    def published(self, meta: dict[str, bytes]) -> bool:
+        """Whether this replica was published already with these commit files (``meta``, which name every tensor's
+        xxh3) and no unit is being journaled for it: a commit sent again after its registration failed finds it
+        so; an empty temp directory of its name is removed."""
+        if os.path.exists(os.path.join(self.tmp, JOURNAL)) or not meta:
+            return False
+        for n, body in meta.items():
+            try:
+                with open(os.path.join(self.final, check_file_name(n)), "rb") as f:
+                    if f.read() != body:
+                        return False
+            except FileNotFoundError:
+                return False
+        try:
+            os.rmdir(self.tmp)
+        except OSError:  # absent, or not empty: files of another transfer of this name are left to it
+            pass
+        return True
+
     def finalize(self, meta: dict[str, bytes], expected_units: int) -> str:
         """All units present + the source's commit files -> verify every tensor -> atomic rename; return the path."""
         missing = set(range(expected_units)) - self.done_units()
         if missing:
             raise CheckpointError("replica incomplete: units missing", name=self.name, missing=len(missing))
+        os.makedirs(self.tmp, exist_ok=True)
         for n, body in meta.items():
             store.write_small_file(os.path.join(self.tmp, check_file_name(n)), body)
         verify_checkpoint(self.tmp)
