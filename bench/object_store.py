@@ -9,8 +9,8 @@ dataset (one epoch) is replayed, step by step, by:
   sample (what a map-style Dataset over S3 does), swept over ``--workers``; the best is the row;
 * ``obstore-ranges``: ``obstore.get_ranges`` per step and object (object_store merges ranges less than 1 MiB
   apart), 4 steps in flight;
-* ``s3torch``: s3torchconnector's CRT client, one ranged read per sample from DataLoader workers (skipped with
-  the reason printed when it does not import);
+* ``s3torch``: s3torchconnector's CRT client, one ranged read per sample from DataLoader workers (its range-based
+  reader unbuffered: a read fetches its own bytes; skipped with the reason printed when it does not import);
 * ``mosaic``: Mosaic Streaming's own ``StreamingDataset`` (mosaicml-streaming, :mod:`mosaic_anchor`) over an MDS
   copy of the same samples in the same bucket (shards of the same size), with a ``cache_limit`` (10% of the
   dataset, or the least it accepts: 4 shards), its own shuffle (it takes no sample order from outside), in a torch
@@ -30,6 +30,21 @@ Requests are counted by each client (foresight's fetcher; one per GET for the pe
 whole-shard downloads: a HEAD and 8 MiB ranged GETs each for the real one, boto3's ``download_file``); for
 ``obstore-ranges`` they are computed with object_store's merge rule (it does not report them).
 
+The full preset keeps the datasets large enough for a realistic geometry (token 512 MiB: 8 shards of Mosaic's
+default 64 MiB, 32,768 samples, 512 steps; media 1.5 GiB: 24 shards, about 1,460 samples) and fits about 35
+minutes on the 2-core VM when quiet: foresight, ``obstore-ranges``, ``mosaic`` and ``mosaic-emul`` replay the whole
+plan, but the per-sample anchors (``dl-boto3``, ``s3torch``), ten times slower on token, replay only its first
+batch and the **first N steps after it** (``--anchor-steps``, 16; the config column says "first N steps after the
+first batch"), the same steps for both; their samples/s, CPU-s/GB and link floor are those N steps' own (timed from
+the first batch in hand: the rate a whole epoch would run at, N being a multiple of every worker count swept so
+each worker delivers whole rounds of batches), their time to the first batch its own figure. Their requests per
+sample (1) and bytes ratio (1.0) are exact by construction; the requests target compares requests per sample.
+Worker counts are swept small (8, 16), Mosaic's workers (2, 4, 8) and predownload with each point over the first
+quarter of its epoch (timed from the start as its row is: its shard downloads are what its configs change), every
+sweep once per dataset at the first round trip, the config it chose then run at each round trip, 3 runs (median).
+An estimate of each section is printed at the start and each section's elapsed time as it ends (``sections`` in
+the JSON, beside the estimates, to recalibrate ``EST_*`` by).
+
 Cache hit rates at a budget of 10% of the dataset, over a 3-epoch plan: foresight's PlanPrefetcher run live
 (direct to the server), and the replays of :mod:`foresight.bucket.policy` (ours: furthest next use with the
 loader's window pinned; LRU; the offline optimum) and Mosaic's shard cache (whole shards, oldest evicted first).
@@ -38,7 +53,8 @@ Usage::
 
     python bench/object_store.py --smoke          # tiny datasets, one round trip, one run: seconds
     python bench/object_store.py --preset quick   # ~200 MB (32 + 160 MiB), 10 and 30 ms, 2 runs, 16 workers
-    python bench/object_store.py                  # full: GiB-sized datasets, 5 runs
+    python bench/object_store.py                  # full: 512 MiB + 1.5 GiB, 3 runs, anchors over 16 steps: ~35 min
+    python bench/object_store.py --smoke --anchor-steps 2 --workers 1,2   # the full preset's anchor head, small
 """
 from __future__ import annotations
 
@@ -91,14 +107,14 @@ PRESETS = {
     "quick": {"token_mib": 32, "media_mib": 160, "shard_mib": 16, "rtts": "10,30", "runs": 2, "workers": "16",
               "token_batch": 64, "media_batch": 8, "mosaic_workers": (2, 8), "mosaic_predownload": (None, 32),
               "anchor_steps": None, "mosaic_sweep_fraction": 1.0, "sweep_once": False},
-    # full: about 35 minutes on the 2-core VM (the estimate printed at the start). 512 MiB of token (8 shards of
-    # Mosaic's default 64 MiB, 32,768 samples, 512 steps) and 1.5 GiB of media (24 shards, about 1,460 samples):
-    # foresight, obstore-ranges, mosaic-emul and the real Mosaic over the whole plan; the per-sample anchors, one or
-    # two orders of magnitude slower (s3torch ~16-30 samples/s: 32,768 samples would take over half an hour a run),
-    # over steps 1-16 (16: a multiple of every worker count swept, so each worker delivers whole rounds of batches
-    # in the span timed and the rate is the steady one)
+    # full: about 34 minutes on the 2-core VM when quiet (the estimate printed at the start; 2-3x that at load
+    # 10-15). 512 MiB of token (8 shards of Mosaic's default 64 MiB, 32,768 samples, 512 steps) and 1.5 GiB of media
+    # (24 shards, about 1,460 samples): foresight, obstore-ranges, mosaic-emul and the real Mosaic over the whole
+    # plan; the per-sample anchors, about ten times slower than foresight on token (dl-boto3 ~400, s3torch ~210
+    # samples/s at 16 workers), over the first batch and steps 1-16 (16: a multiple of every worker count swept, so
+    # each worker delivers whole rounds of batches in the span timed and the rate is the steady one)
     "full": {"token_mib": 512, "media_mib": 1536, "shard_mib": 64, "rtts": "10,30", "runs": 3,
-             "workers": "4,8", "token_batch": 64, "media_batch": 8, "mosaic_workers": (2, 4, 8),
+             "workers": "8,16", "token_batch": 64, "media_batch": 8, "mosaic_workers": (2, 4, 8),
              "mosaic_predownload": (None, 32), "anchor_steps": 16, "mosaic_sweep_fraction": 0.25,
              "sweep_once": True},
 }
@@ -251,7 +267,10 @@ class S3TorchSamples(Boto3Samples):
             os.environ.update(self.env)  # the CRT takes its keys from the environment (this worker's only)
             self._client = S3Client("us-east-1", endpoint=self.env["AWS_ENDPOINT_URL"],
                                     s3client_config=S3ClientConfig(force_path_style=True))
-            self._reader = S3ReaderConstructor.range_based()
+            # buffer_size=0: a read fetches its own range only. The default 8 MiB buffer made every 16 KiB sample
+            # an 8 MiB GET (up to the object's end): the link carried ~500x the token plan's bytes, which the
+            # bytes ratio (counted as the samples' bytes) did not show, and capped the anchor near 16 samples/s
+            self._reader = S3ReaderConstructor.range_based(buffer_size=0)
             self._pid = os.getpid()
         off, n = int(self.offset[i]), int(self.length[i])
         reader = self._client.get_object(self.bucket, self.keys[int(self.shard[i])], reader_constructor=self._reader)
@@ -560,14 +579,20 @@ def pick_best(case: Case, rtt: float, method: str, configs: list[tuple], keys: t
     return best_c
 
 
-# Rough rates for the estimate printed at the start, from the committed quick run (bench/reference/quick, 2-core VM,
-# load 1-3) and a calibration at the full preset's geometry: token in samples/s; media (link-bound) as the epoch's
-# time over the link floor. START_S: each run's own start (clients, DataLoader workers, Mosaic's index).
-EST_TOKEN_RATE = {"foresight": 3500, "foresight-nofill": 3000, "obstore-ranges": 900, "mosaic-emul": 4500,
-                  "mosaic": 2000, "dl-boto3": 300, "s3torch": 25}
+# Rough rates for the estimate printed at the start, for the 2-core VM when quiet (load 1-3, as the committed quick
+# run in bench/reference/quick was measured): token in samples/s, media (link-bound) as the epoch's time over the
+# link floor. obstore-ranges on token at the full preset's geometry (64 MiB shards: 0.89 GETs a sample for 4.6x the
+# plan's bytes) ran 266 samples/s at load 13-17 (123 s an epoch); quiet, its 2.4 GB take ~25 s of the link and its
+# 8 GETs a step one after another ~15-35 s more. The per-sample anchors after their first batch: dl-boto3 329-412,
+# s3torch 202-218 samples/s at 16 workers (load 13-17, latency-bound: 4 and 8 workers gave a quarter and a half).
+# A load of 10-15 makes the whole run 2-3x longer. EST_START_S: a run's own start (clients, Mosaic's index); the
+# DataLoader anchors' per worker (each imports its client: about a CPU-second, on 2 cores).
+EST_TOKEN_RATE = {"foresight": 3500, "foresight-nofill": 3000, "obstore-ranges": 700, "mosaic-emul": 4500,
+                  "mosaic": 2000, "dl-boto3": 400, "s3torch": 210}
 EST_MEDIA_X_FLOOR = {"foresight": 1.25, "foresight-nofill": 1.2, "obstore-ranges": 1.2, "mosaic-emul": 1.2,
-                     "mosaic": 1.9, "dl-boto3": 1.7, "s3torch": 6.6}
-EST_START_S = {"mosaic": 3.0, "dl-boto3": 2.0, "s3torch": 2.0}
+                     "mosaic": 1.9, "dl-boto3": 1.7, "s3torch": 2.0}
+EST_START_S = {"mosaic": 3.0}
+EST_START_PER_WORKER_S = 0.5
 EST_MOSAIC_WORKERS2_SLOWDOWN = 6.0  # media at 2 Mosaic workers: 7 samples/s against 45 at 8 (the quick sweep)
 EST_SETUP_BPS = 20e6  # writing the datasets (when not in --data-dir yet), uploading them, their MDS copies
 EST_HIT_BPS = 100e6  # the hit-rate runs: 3 epochs direct from the server, and the replays
@@ -589,12 +614,12 @@ def estimate(cfg: dict, kinds: list[str], rtts: list[float], runs: int, workers:
             mean = TOKEN_SAMPLE if kind == "token" else (128 * KiB + 2 * MiB) / 2
             samples = nbytes / mean
 
-            def secs(method: str, n: float, slowdown: float = 1.0) -> float:
+            def secs(method: str, n: float, slowdown: float = 1.0, workers: int = 0) -> float:
                 if kind == "token":
                     rate = EST_TOKEN_RATE[method]
                 else:
                     rate = LINK_BPS[0] / mean / EST_MEDIA_X_FLOOR[method]
-                return EST_START_S.get(method, 0.5) + n * slowdown / rate
+                return EST_START_S.get(method, 0.5) + EST_START_PER_WORKER_S * workers + n * slowdown / rate
 
             per_run = 0.0
             sweeps = 0.0
@@ -602,8 +627,10 @@ def estimate(cfg: dict, kinds: list[str], rtts: list[float], runs: int, workers:
             for m in methods:
                 if m in ("dl-boto3", "s3torch"):
                     # a head: its steps, and the first batch's wait (a round of ``w`` batches, one per worker)
-                    per_run += secs(m, samples if head is None else (head + max(workers)) * batch)
-                    sweeps += sum(secs(m, samples if head is None else (head + w) * batch) for w in workers) \
+                    w_run = max(workers)  # the most workers: the sweeps' usual choice (latency-bound)
+                    per_run += secs(m, samples if head is None else (head + w_run) * batch, workers=w_run)
+                    sweeps += sum(secs(m, samples if head is None else (head + w) * batch, workers=w)
+                                  for w in workers) \
                         if swept and len(workers) > 1 else 0.0
                 elif m == "mosaic":
                     per_run += secs(m, samples)
