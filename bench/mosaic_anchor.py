@@ -53,9 +53,10 @@ def streaming_version() -> str:
     return __version__
 
 
-def write_mds(case, work: Path, shard_bytes: int) -> str:
+def write_mds(case, work: Path, shard_bytes: int, **upload) -> str:
     """Write ``case``'s samples (same ids, same bytes) as MDS shards of about ``shard_bytes`` and upload them beside
-    the foresight copy (``<url>-mds``); returns the URL."""
+    the foresight copy (``<url>-mds``; ``upload``: :func:`foresight.bucket.upload.upload_dir`'s ``options`` and
+    ``concurrency``); returns the URL."""
     from foresight.bucket.upload import upload_dir
 
     _, MDSWriter = import_streaming()
@@ -72,7 +73,7 @@ def write_mds(case, work: Path, shard_bytes: int) -> str:
         for fd in fds:
             os.close(fd)
     url = case.url + "-mds"
-    upload_dir(out, url, marker="index.json", what="MDS dataset")
+    upload_dir(out, url, marker="index.json", what="MDS dataset", **upload)
     index = json.loads((out / "index.json").read_text())
     case.mds_shard_bytes = [int(s["raw_data"]["bytes"]) for s in index["shards"]]
     shutil.rmtree(out, ignore_errors=True)
