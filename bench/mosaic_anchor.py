@@ -86,6 +86,14 @@ def cache_limit_for(case, fraction: float) -> int:
     return max(int(total * fraction), 4 * largest + (1 << 20))
 
 
+def block_for(case, limit: int) -> int:
+    """A ``shuffle_block_size`` (samples) whose shards fill half of ``limit``, so that a block's shards fit the
+    cache (its default block, 262,144 samples or more, spans a whole dataset of this bench's size: a random order
+    over every shard, which a cache of a few shards thrashes on)."""
+    mean = sum(case.mds_shard_bytes) / max(1, case.local.num_samples)
+    return max(1, int(limit / 2 / mean))
+
+
 def gets_of(size: int) -> int:
     """Requests of one boto3 ``download_file`` of ``size`` bytes: a HEAD, then one GET, or ranged GETs of 8 MiB."""
     return 1 + (1 if size <= MULTIPART else -(-size // MULTIPART))

@@ -31,7 +31,7 @@ whole-shard downloads: a HEAD and 8 MiB ranged GETs each for the real one, boto3
 ``obstore-ranges`` they are computed with object_store's merge rule (it does not report them).
 
 The full preset keeps the datasets large enough for a realistic geometry (token 512 MiB: 8 shards of Mosaic's
-default 64 MiB, 32,768 samples, 512 steps; media 1.5 GiB: 24 shards, about 1,460 samples) and fits about 35
+default 64 MiB, 32,768 samples, 512 steps; media 1.5 GiB: 24 shards, about 1,460 samples) and fits about 33
 minutes on the 2-core VM when quiet: foresight, ``obstore-ranges``, ``mosaic`` and ``mosaic-emul`` replay the whole
 plan, but the per-sample anchors (``dl-boto3``, ``s3torch``), ten times slower on token, replay only its first
 batch and the **first N steps after it** (``--anchor-steps``, 16; the config column says "first N steps after the
@@ -39,9 +39,12 @@ first batch"), the same steps for both; their samples/s, CPU-s/GB and link floor
 the first batch in hand: the rate a whole epoch would run at, N being a multiple of every worker count swept so
 each worker delivers whole rounds of batches), their time to the first batch its own figure. Their requests per
 sample (1) and bytes ratio (1.0) are exact by construction; the requests target compares requests per sample.
-Worker counts are swept small (8, 16), Mosaic's workers (2, 4, 8) and predownload with each point over the first
-quarter of its epoch (timed from the start as its row is: its shard downloads are what its configs change), every
-sweep once per dataset at the first round trip, the config it chose then run at each round trip, 3 runs (median).
+Worker counts are swept small (8, 16), Mosaic's workers (2, 4) and predownload with each point over the first
+quarter of its epoch (timed from the start as its row is: its shard downloads are what its configs change) and its
+``shuffle_block_size`` sized to half its cache_limit, so that a block's shards fit its cache (its default block spans
+the whole dataset, and its cache of 4 shards thrashed: 314 downloads of a 64 MiB shard for under a quarter of the
+media epoch), every sweep once per dataset at the first round trip, the config it chose then run at each round
+trip, 3 runs (median).
 An estimate of each section is printed at the start and each section's elapsed time as it ends (``sections`` in
 the JSON, beside the estimates, to recalibrate ``EST_*`` by).
 
@@ -53,7 +56,7 @@ Usage::
 
     python bench/object_store.py --smoke          # tiny datasets, one round trip, one run: seconds
     python bench/object_store.py --preset quick   # ~200 MB (32 + 160 MiB), 10 and 30 ms, 2 runs, 16 workers
-    python bench/object_store.py                  # full: 512 MiB + 1.5 GiB, 3 runs, anchors over 16 steps: ~35 min
+    python bench/object_store.py                  # full: 512 MiB + 1.5 GiB, 3 runs, anchors over 16 steps: ~33 min
     python bench/object_store.py --smoke --anchor-steps 2 --workers 1,2   # the full preset's anchor head, small
 """
 from __future__ import annotations
@@ -80,8 +83,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import RESULTS, machine, print_table  # noqa: E402
 from read_path import Meter, result  # noqa: E402
-from mosaic_anchor import (DownloadLog, cache_limit_for, import_streaming, pack_mds, pack_samples,  # noqa: E402
-                           streaming_version, write_mds)
+from mosaic_anchor import (DownloadLog, block_for, cache_limit_for, import_streaming, pack_mds,  # noqa: E402
+                           pack_samples, streaming_version, write_mds)
 
 KiB, MiB = 1 << 10, 1 << 20
 TOKEN_SAMPLE = 16 * KiB
@@ -101,22 +104,29 @@ HIT_LOOKAHEAD = PREFETCH + 2  # the least the loader allows: the pinned window i
 PRESETS = {
     "smoke": {"token_mib": 2, "media_mib": 8, "shard_mib": 1, "rtts": "10", "runs": 1, "workers": "2",
               "token_batch": 16, "media_batch": 2, "mosaic_workers": (2,), "mosaic_predownload": (None,),
-              "anchor_steps": None, "mosaic_sweep_fraction": 1.0, "sweep_once": False},
+              "anchor_steps": None, "mosaic_sweep_fraction": 1.0, "sweep_once": False,
+              "mosaic_block_fit": False},
     # quick: 2 runs, 16 workers only (no sweep): 3 runs of the 8,16 sweep did not fit 25 minutes on the loaded
     # shared 2-core VM (the per-sample anchors take minutes per run at 30 ms)
     "quick": {"token_mib": 32, "media_mib": 160, "shard_mib": 16, "rtts": "10,30", "runs": 2, "workers": "16",
               "token_batch": 64, "media_batch": 8, "mosaic_workers": (2, 8), "mosaic_predownload": (None, 32),
-              "anchor_steps": None, "mosaic_sweep_fraction": 1.0, "sweep_once": False},
-    # full: about 34 minutes on the 2-core VM when quiet (the estimate printed at the start; 2-3x that at load
+              "anchor_steps": None, "mosaic_sweep_fraction": 1.0, "sweep_once": False,
+              "mosaic_block_fit": False},
+    # full: about 33 minutes on the 2-core VM when quiet (the estimate printed at the start; 2-3x that at load
     # 10-15). 512 MiB of token (8 shards of Mosaic's default 64 MiB, 32,768 samples, 512 steps) and 1.5 GiB of media
     # (24 shards, about 1,460 samples): foresight, obstore-ranges, mosaic-emul and the real Mosaic over the whole
     # plan; the per-sample anchors, about ten times slower than foresight on token (dl-boto3 ~400, s3torch ~210
     # samples/s at 16 workers), over the first batch and steps 1-16 (16: a multiple of every worker count swept, so
-    # each worker delivers whole rounds of batches in the span timed and the rate is the steady one)
+    # each worker delivers whole rounds of batches in the span timed and the rate is the steady one). Mosaic's
+    # shuffle_block_size is sized to half its cache_limit (mosaic_block_fit): with its default block (262,144
+    # samples, past the whole dataset) its cache of 4 of 24 media shards thrashed at this size, 314 downloads of a
+    # 64 MiB shard for under a quarter of an epoch at 2 workers (minutes for one sweep point). With the block fitted,
+    # media ran at 49-55 samples/s at 2 workers, 13-26 at 4 and 3.9-21.5 at 8 (each worker's block holds its own
+    # shards in the one cache): 8 workers left out of the sweep (one point took 93 s)
     "full": {"token_mib": 512, "media_mib": 1536, "shard_mib": 64, "rtts": "10,30", "runs": 3,
-             "workers": "8,16", "token_batch": 64, "media_batch": 8, "mosaic_workers": (2, 4, 8),
+             "workers": "8,16", "token_batch": 64, "media_batch": 8, "mosaic_workers": (2, 4),
              "mosaic_predownload": (None, 32), "anchor_steps": 16, "mosaic_sweep_fraction": 0.25,
-             "sweep_once": True},
+             "sweep_once": True, "mosaic_block_fit": True},
 }
 
 
@@ -427,22 +437,24 @@ def run_mosaic_emul(case: Case, rtt: float, env: dict, cache_root: Path) -> dict
 
 
 def run_mosaic(case: Case, rtt: float, env: dict, work: Path, workers: int, predownload: int | None,
-               fraction: float = 1.0) -> dict:
+               fraction: float = 1.0, block_fit: bool = False) -> dict:
     """Mosaic Streaming's StreamingDataset over the MDS copy, its own shuffle (py1e, as its users run it: it
     takes no sample order from outside), a cache_limit of 10% of the dataset (or the least it accepts), in a
     torch DataLoader with ``workers``; S3 through the proxy (``S3_ENDPOINT_URL``). ``fraction`` < 1: only that
-    leading share of its epoch's samples (a sweep point: only its samples/s stands for the config)."""
+    leading share of its epoch's samples (a sweep point: only its samples/s stands for the config).
+    ``block_fit``: its ``shuffle_block_size`` sized to half the cache_limit (:func:`mosaic_anchor.block_for`)."""
     import torch.utils.data as tud
 
     StreamingDataset, _ = import_streaming()
     limit = cache_limit_for(case, BUDGET_FRACTION)
+    block = block_for(case, limit) if block_fit else None
     log = DownloadLog(work)
     local = tempfile.mkdtemp(prefix="mds-", dir=work)
     run_env = dict(env, S3_ENDPOINT_URL=env["AWS_ENDPOINT_URL"], AWS_DEFAULT_REGION="us-east-1")
     with patch.dict(os.environ, run_env), log.patch():
         meter = start_meter()
         ds = StreamingDataset(remote=case.mds_url, local=local, batch_size=case.batch, shuffle=True, shuffle_seed=1,
-                              predownload=predownload, cache_limit=limit)
+                              predownload=predownload, cache_limit=limit, shuffle_block_size=block)
         # Drop the S3 client the dataset made here (it fetched index.json) before the workers fork: forked, they
         # would share its pooled keep-alive connections with this process and each other, and a response read by
         # the wrong process left the right one waiting out its 60 s read timeout (epochs of 3 s or 61 s on the
@@ -461,7 +473,8 @@ def run_mosaic(case: Case, rtt: float, env: dict, work: Path, workers: int, pred
     objects, requests, fetched = log.totals()
     return row(case, "mosaic", rtt, samples, wall, cpu, requests, fetched, ttfb,
                config=f"workers={workers} predownload={predownload or 8 * case.batch} "
-                      f"cache_limit={'none' if limit is None else f'{limit / MiB:.0f}MiB'} shuffle=py1e",
+                      f"cache_limit={'none' if limit is None else f'{limit / MiB:.0f}MiB'} shuffle=py1e"
+                      + (f" shuffle_block_size={block}" if block else ""),
                objects_downloaded=objects)
 
 
@@ -601,7 +614,7 @@ EST_MEDIA_X_FLOOR = {"foresight": 1.25, "foresight-nofill": 1.2, "obstore-ranges
                      "mosaic": 1.9, "dl-boto3": 1.7, "s3torch": 2.0}
 EST_START_S = {"mosaic": 3.0}
 EST_START_PER_WORKER_S = 0.5
-EST_MOSAIC_WORKERS2_SLOWDOWN = 6.0  # media at 2 Mosaic workers: 7 samples/s against 45 at 8 (the quick sweep)
+EST_MOSAIC_MEDIA_SWEEP_SLOWDOWN = 2.0  # its media sweep points at 13-55 samples/s (fitted block, load 8-10)
 EST_SETUP_BPS = 20e6  # writing the datasets (when not in --data-dir yet), uploading them, their MDS copies
 EST_HIT_BPS = 100e6  # the hit-rate runs: 3 epochs direct from the server, and the replays
 
@@ -643,8 +656,8 @@ def estimate(cfg: dict, kinds: list[str], rtts: list[float], runs: int, workers:
                 elif m == "mosaic":
                     per_run += secs(m, samples)
                     grid = [(w, p) for w in cfg["mosaic_workers"] for p in cfg["mosaic_predownload"]]
-                    slow = lambda w: EST_MOSAIC_WORKERS2_SLOWDOWN if kind == "media" and w <= 2 else 1.0  # noqa: E731
-                    sweeps += sum(secs(m, samples * cfg["mosaic_sweep_fraction"], slow(w)) for w, _ in grid) \
+                    slow = EST_MOSAIC_MEDIA_SWEEP_SLOWDOWN if kind == "media" else 1.0
+                    sweeps += sum(secs(m, samples * cfg["mosaic_sweep_fraction"], slow) for _ in grid) \
                         if swept and len(grid) > 1 else 0.0
                 else:
                     per_run += secs(m, samples)
@@ -867,9 +880,11 @@ def main(argv: list[str] | None = None) -> int:
                             frac = cfg["mosaic_sweep_fraction"]
                             chosen[case.kind, "mosaic"] = pick_best(
                                 case, rtt, "mosaic", configs, ("workers", "predownload"), sweep,
-                                lambda *c: run_mosaic(case, rtt, env, work, *c, fraction=frac),
+                                lambda *c: run_mosaic(case, rtt, env, work, *c, fraction=frac,
+                                                      block_fit=cfg["mosaic_block_fit"]),
                                 "" if frac >= 1 else f" (the first {frac:.0%} of its epoch)")
-                        methods["mosaic"] = lambda c=chosen[case.kind, "mosaic"]: run_mosaic(case, rtt, env, work, *c)
+                        methods["mosaic"] = lambda c=chosen[case.kind, "mosaic"]: run_mosaic(
+                            case, rtt, env, work, *c, block_fit=cfg["mosaic_block_fit"])
                     for m, cls in (("dl-boto3", Boto3Samples), ("s3torch", S3TorchSamples)):
                         if m in skipped or not wanted(m):
                             continue
@@ -916,7 +931,7 @@ def main(argv: list[str] | None = None) -> int:
                "rtts_ms": rtts, "rows": rows, "worker_sweep": sweep, "hit_rates": hits, "targets": targets,
                "skipped": skipped, "elapsed_s": time.perf_counter() - t_start, "sections": clock.sections,
                "anchor_steps": cfg["anchor_steps"], "mosaic_sweep_fraction": cfg["mosaic_sweep_fraction"],
-               "sweep_once": cfg["sweep_once"],
+               "sweep_once": cfg["sweep_once"], "mosaic_block_fit": cfg["mosaic_block_fit"],
                "datasets": [{"kind": c.kind, "samples": c.local.num_samples, "bytes": int(c.length.sum()),
                              "steps": len(c.steps), "shards": len(c.keys)} for c in cases]}
     (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str))

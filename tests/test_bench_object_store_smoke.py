@@ -121,3 +121,17 @@ def test_consume_after_first_counts_the_steps_after_the_first_batch():
         pulled.clear()
         samples, ttfb, wall, cpu = bench.consume(batches(), bench.start_meter(), 8, after_first=after_first)
         assert samples == 8 and len(pulled) == want_pulled and ttfb >= 0 and wall >= 0
+
+
+def test_mosaic_block_fits_half_its_cache_limit():
+    """The full preset's Mosaic ``shuffle_block_size``: the samples whose MDS bytes fill half the cache_limit (its
+    default block spans the whole dataset, and its cache of a few 64 MiB shards thrashed on the random order)."""
+    from types import SimpleNamespace
+
+    from bench_presets import load_bench
+
+    anchor = load_bench("mosaic_anchor")
+    case = SimpleNamespace(mds_shard_bytes=[1000] * 8, local=SimpleNamespace(num_samples=400))  # 20 bytes a sample
+    limit = anchor.cache_limit_for(case, 0.10)
+    assert limit == 4 * 1000 + (1 << 20)  # 10% is under four shards: raised to the least Mosaic accepts
+    assert anchor.block_for(case, 4000) == 100  # half of 4000 bytes: two shards, 100 samples
