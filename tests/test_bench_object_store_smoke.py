@@ -102,6 +102,10 @@ def test_object_store_bench_anchor_head(tmp_path):
     if "dl-boto3" in rows:  # per sample: the anchor's prefix against foresight's whole plan
         target = next(t for t in data["targets"] if t["target"] == "requests <= 1/10 of per-sample GETs")
         assert target["value"] == pytest.approx(fs["requests_per_sample"])
+    from bench_presets import load_bench  # BENCHMARKS.md's section says which rows ran over the head only
+
+    section = load_bench("report").object_store(data)
+    assert any("over the first batch and the 2 steps after it only" in note for note in section.notes)
 
 
 def test_consume_after_first_counts_the_steps_after_the_first_batch():
