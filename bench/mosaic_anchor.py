@@ -53,9 +53,10 @@ def streaming_version() -> str:
     return __version__
 
 
-def write_mds(case, work: Path, shard_bytes: int) -> str:
+def write_mds(case, work: Path, shard_bytes: int, **upload) -> str:
     """Write ``case``'s samples (same ids, same bytes) as MDS shards of about ``shard_bytes`` and upload them beside
-    the foresight copy (``<url>-mds``); returns the URL."""
+    the foresight copy (``<url>-mds``; ``upload``: :func:`foresight.bucket.upload.upload_dir`'s ``options`` and
+    ``concurrency``); returns the URL."""
     from foresight.bucket.upload import upload_dir
 
     _, MDSWriter = import_streaming()
@@ -72,7 +73,7 @@ def write_mds(case, work: Path, shard_bytes: int) -> str:
         for fd in fds:
             os.close(fd)
     url = case.url + "-mds"
-    upload_dir(out, url, marker="index.json", what="MDS dataset")
+    upload_dir(out, url, marker="index.json", what="MDS dataset", **upload)
     index = json.loads((out / "index.json").read_text())
     case.mds_shard_bytes = [int(s["raw_data"]["bytes"]) for s in index["shards"]]
     shutil.rmtree(out, ignore_errors=True)
@@ -83,6 +84,14 @@ def cache_limit_for(case, fraction: float) -> int:
     """``fraction`` of the MDS dataset, raised to the least Mosaic accepts (four times its largest shard)."""
     total, largest = sum(case.mds_shard_bytes), max(case.mds_shard_bytes)
     return max(int(total * fraction), 4 * largest + (1 << 20))
+
+
+def block_for(case, limit: int) -> int:
+    """A ``shuffle_block_size`` (samples) whose shards fill half of ``limit``, so that a block's shards fit the
+    cache (its default block, 262,144 samples or more, spans a whole dataset of this bench's size: a random order
+    over every shard, which a cache of a few shards thrashes on)."""
+    mean = sum(case.mds_shard_bytes) / max(1, case.local.num_samples)
+    return max(1, int(limit / 2 / mean))
 
 
 def gets_of(size: int) -> int:

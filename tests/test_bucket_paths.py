@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import shutil
+import threading
 
 import numpy as np
 import obstore
@@ -17,6 +18,7 @@ from foresight import open_dataset
 from foresight.bucket import BucketDataset, BucketURL
 from foresight.bucket.config import open_store
 from foresight.bucket.dataset import BucketMegatronDataset, local_dir_of
+from foresight.bucket.fetch import RangedFetcher
 from foresight.bucket.prefetch import PlanPrefetcher
 from foresight.bucket.upload import upload_dataset, upload_dir
 from foresight.errors import BucketError, FormatError
@@ -348,3 +350,31 @@ def test_a_damaged_plan_copy_in_the_cache_is_fetched_again(s3_env, tmp_path, mon
         again = load_plan("s3://paths/plans/damaged")
         assert again.path == copy and again.digest == plan.digest
         assert np.array_equal(np.load(os.path.join(copy, arrays[0])), np.asarray(plan.arrays[arrays[0][:-4]]))
+
+
+def test_upload_puts_at_most_concurrency_objects_at_a_time(s3_env, tmp_path, monkeypatch):
+    """``concurrency`` bounds the objects in flight (a bench's set-up uploads GiBs into a loaded server 4 at a time:
+    all at once, SeaweedFS answered 500s); the dataset reads back the same."""
+    local = _token_dataset(tmp_path / "tok")
+    assert len(local.shard_paths) >= 2  # shards and maps: 4 objects before the manifest
+    lock, in_flight, most = threading.Lock(), [0], [0]
+    real_put = RangedFetcher.put
+
+    def counted_put(self, *args, **kwargs):  # the real put, its calls in flight counted
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        try:
+            return real_put(self, *args, **kwargs)
+        finally:
+            with lock:
+                in_flight[0] -= 1
+
+    monkeypatch.setattr(RangedFetcher, "put", counted_put)
+    upload_dataset(local.path, "s3://paths/one-by-one", concurrency=1)
+    assert most[0] == 1
+    with open_dataset("s3://paths/one-by-one", cache_dir=tmp_path / "cache") as ds:
+        assert ds.fingerprint == local.fingerprint
+        assert all(ds.read(i) == local.read(i) for i in range(0, ds.num_samples, 17))
+    with pytest.raises(ValueError, match="concurrency must be >= 1"):
+        upload_dir(tmp_path / "tok", "s3://paths/none", marker="manifest.json", concurrency=0)

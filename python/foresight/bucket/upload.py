@@ -21,7 +21,7 @@ from foresight.errors import BucketError
 from foresight.format.manifest import MANIFEST_NAME, parse_manifest
 
 from .config import open_store
-from .fetch import ObjectRef, RangedFetcher
+from .fetch import DEFAULT_CONCURRENCY, ObjectRef, RangedFetcher
 from .url import BucketURL
 
 __all__ = ["upload_dataset", "upload_dir", "refuse_existing"]
@@ -35,9 +35,10 @@ def refuse_existing(fetcher: RangedFetcher, marker: str, what: str) -> None:
 
 
 def upload_dir(local_dir: str | os.PathLike, url: str | BucketURL, *, marker: str, names: list[str] | None = None,
-               overwrite: bool = True, what: str = "dataset", options: dict[str, Any] | None = None) -> list[ObjectRef]:
+               overwrite: bool = True, what: str = "dataset", options: dict[str, Any] | None = None,
+               concurrency: int = DEFAULT_CONCURRENCY) -> list[ObjectRef]:
     """Upload ``names`` (default: every plain file directly in ``local_dir`` but dotfiles) under ``url``,
-    ``marker`` last; returns the objects written (marker last).
+    ``marker`` last, ``concurrency`` objects at a time; returns the objects written (marker last).
 
     An existing ``marker`` under ``url`` is refused with ``overwrite=False`` (:class:`BucketError`, reason
     ``exists``), else deleted first. Objects of an older upload that ``names`` does not hold are left in place
@@ -54,7 +55,7 @@ def upload_dir(local_dir: str | os.PathLike, url: str | BucketURL, *, marker: st
     if missing:  # before any request: a local file missing is not an object missing in the bucket
         raise FileNotFoundError(errno.ENOENT, f"{len(missing)} file(s) of the {what} to upload are missing",
                                 os.path.join(local_dir, missing[0]))
-    with RangedFetcher(open_store(url, options), url) as fetcher:
+    with RangedFetcher(open_store(url, options), url, concurrency=concurrency) as fetcher:
         if not overwrite:
             refuse_existing(fetcher, marker, what)
         elif fetcher.exists(marker):
@@ -66,13 +67,14 @@ def upload_dir(local_dir: str | os.PathLike, url: str | BucketURL, *, marker: st
 
 
 def upload_dataset(local_dir: str | os.PathLike, url: str | BucketURL, *, overwrite: bool = True,
-                   options: dict[str, Any] | None = None) -> list[str]:
-    """Upload the dataset at ``local_dir`` under ``url`` (every shard and map, ``manifest.json`` last); returns the
-    object keys written (manifest last)."""
+                   options: dict[str, Any] | None = None, concurrency: int = DEFAULT_CONCURRENCY) -> list[str]:
+    """Upload the dataset at ``local_dir`` under ``url`` (every shard and map, ``manifest.json`` last,
+    ``concurrency`` objects at a time); returns the object keys written (manifest last)."""
     local_dir = os.fspath(local_dir)
     manifest_path = os.path.join(local_dir, MANIFEST_NAME)
     with open(manifest_path, "rb") as f:
         manifest = parse_manifest(f.read(), path=manifest_path)
     names = [n for s in manifest.shards for n in (s.bin, s.map)] + [MANIFEST_NAME]
-    refs = upload_dir(local_dir, url, marker=MANIFEST_NAME, names=names, overwrite=overwrite, options=options)
+    refs = upload_dir(local_dir, url, marker=MANIFEST_NAME, names=names, overwrite=overwrite, options=options,
+                      concurrency=concurrency)
     return [r.key for r in refs]
