@@ -159,8 +159,9 @@ class BackgroundWriter:
 
     def _write_data(self, fd: int, view: memoryview, total: int, path: str, step: int, tmp: str) -> None:
         """Write the data file; for a step being replicated, in pieces ending where its transfer units end (all
-        submitted at once), reporting each piece as it lands so its unit leaves while the rest is written (send
-        while saving; the last units are small, so little is left to send at the commit)."""
+        a few in flight at once), reporting each piece as it lands so its unit leaves while the rest is written (send
+        while saving; the first units are small, so the first leaves early, and so are the last, so little is left to
+        send at the commit)."""
         wanted = self.replicate is not None and self.replicate.wants(step)
         ends = self.replicate.progress_ends(total) if wanted else []
         if len(ends) <= 1:
