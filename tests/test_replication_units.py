@@ -115,6 +115,51 @@ def test_a_replicated_checkpointer_save_reports_each_unit_as_it_lands(tmp_path):
     assert [k for k, _ in rest[len(reported):]] == ["written", "committed"]
 
 
+def test_a_replicated_checkpointer_save_reports_its_first_unit_before_the_snapshot_is_copied(tmp_path, monkeypatch):
+    """Units leave as soon as their bytes are staged: the writer starts with the snapshot and writes each piece once
+    the snapshot has copied it, so the first unit is written and reported while later tensors are still being
+    copied into the staging slot (it waited for the whole snapshot before). Asserted by the order of events: the
+    copy holds on after its first tensors until the first report came (a bounded wait) and records both."""
+    import threading
+
+    import torch
+
+    from foresight.checkpoint import Checkpointer
+    from foresight.checkpoint.staging import StagedPrefix
+    from foresight.replication.policy import Replication
+
+    events, reported, held = [], threading.Event(), []
+
+    class Recording(Replication):
+        def data_started(self, step, directory, files, **kw):
+            pass
+
+        def data_progress(self, step, written):
+            events.append(("reported", written["data-00000.bin"]))
+            reported.set()
+
+        def committed(self, step, path):
+            events.append(("committed", step))
+
+    advance = StagedPrefix.advance
+
+    def advance_then_wait(self, upto):
+        advance(self, upto)
+        events.append(("staged", upto))
+        if 4 << 20 <= upto < self.total and not held:  # 4 of 16 tensors copied: the first unit (64 KiB) is in
+            held.append(upto)
+            reported.wait(30)
+
+    monkeypatch.setattr(StagedPrefix, "advance", advance_then_wait)
+    rep = Recording(every=1, site="eval-b", node="grpc://127.0.0.1:1", job="job", unit_bytes=1 << 20)
+    with Checkpointer(str(tmp_path / "ck"), replicate=rep) as ck:
+        ck.save({f"w{i}": torch.randn(1 << 18) for i in range(16)}, 1).wait()  # 16 tensors of 1 MiB
+    first = events.index(next(e for e in events if e[0] == "reported"))
+    copied = [e for e in events if e[0] == "staged"]
+    assert copied[-1] == ("staged", copied[-1][1]) and first < events.index(copied[-1])  # before the last copy
+    assert events[-1] == ("committed", 1)
+
+
 def test_a_sender_bounds_the_bytes_in_flight_not_the_windows():
     """Full windows: two unacknowledged per sending thread, as before. The small windows of a save in progress
     (units released one by one as they are written) go without waiting for the previous ones' acknowledgements,

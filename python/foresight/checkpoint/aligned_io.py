@@ -73,14 +73,16 @@ class FileIO:
         self._run(fd, view, file_offset, write=True, path=path)
 
     def write_reporting(self, fd: int, view: memoryview, ends: Sequence[int], on_written: Callable[[int], None], *,
-                        path: str | None = None, ahead: int | None = None, depth: int = PIECES_AHEAD) -> None:
+                        path: str | None = None, ahead: int | None = None, depth: int = PIECES_AHEAD,
+                        before: Callable[[int], Any] | None = None) -> None:
         """Write all of ``view`` at offset 0 in pieces ending at ``ends`` (increasing, the last ``len(view)``;
         4 KiB-aligned for direct I/O), calling ``on_written(end)`` as each lands, in file order: what a replicated
         save reports so its units leave while the rest is written. At most ``depth`` pieces and ``ahead`` bytes
         (default ``8 * chunk_bytes``; at least one piece) are in flight: with the whole file submitted at once the
         device shares itself among all of it and the first piece lands only when most of the file has (its unit
-        then leaves late; 60 ms into a 128 MiB save here). A failure waits for the writes still in flight (the
-        buffer may be reused) and raises the first."""
+        then leaves late; 60 ms into a 128 MiB save here). ``before(end)`` is called before a piece ending at
+        ``end`` is submitted (a snapshot still being copied: it waits for those bytes). A failure waits for the
+        writes still in flight (the buffer may be reused) and raises the first."""
         total = len(view)
         if not ends or ends[-1] != total or any(b <= a for a, b in zip([0, *ends], ends)):
             raise ValueError(f"piece ends must increase from 0 to the {total} bytes written, got {list(ends)[:8]}...")
@@ -93,6 +95,8 @@ class FileIO:
                 while nxt < len(pieces) and (not flying or (len(flying) < depth and
                                                             in_flight + pieces[nxt][1] - pieces[nxt][0] <= ahead)):
                     off, end = pieces[nxt]
+                    if before is not None:
+                        before(end)
                     flying.append((end, end - off, self.submit_write(fd, view[off:end], file_offset=off, path=path)))
                     in_flight += end - off
                     nxt += 1
