@@ -128,3 +128,28 @@ def test_cuda_snapshot_round_trip(tmp_path):
         got = ck.load(1).state_dict
     for k in state:
         assert torch.equal(got[k], expected[k])
+
+
+def test_a_snapshot_that_fails_mid_copy_raises_to_the_caller_only_and_frees_its_slot(tmp_path, monkeypatch):
+    """The writer starts with the snapshot (it writes what is staged); a copy that fails half-way stops it: save()
+    raises that error, nothing is committed, the slot is free again and the next save() neither blocks nor raises
+    the failure a second time."""
+    import foresight.checkpoint.checkpointer as ckmod
+    from foresight.checkpoint import Checkpointer
+
+    real = ckmod.copy_into
+
+    def half_then_fail(views, tensors, *, small, big, offsets=None, staged=None):
+        staged.advance(int(offsets[big[len(big) // 2]]))  # the first half staged: the writer may write it
+        raise RuntimeError("copy failed")
+
+    state = {f"w{i}": torch.randn(1 << 18) for i in range(4)}
+    with Checkpointer(str(tmp_path / "ck"), staging_bytes=8 << 20, slots=1, on_busy="raise") as ck:
+        monkeypatch.setattr(ckmod, "copy_into", half_then_fail)
+        with pytest.raises(RuntimeError, match="copy failed"):
+            ck.save(state, 1)
+        monkeypatch.setattr(ckmod, "copy_into", real)
+        ck.save(state, 2).wait()  # the slot is free (on_busy="raise" would say so) and no failure is pending
+        assert ck.steps() == [2]
+        loaded = ck.load(2)
+    assert all(torch.equal(loaded.state_dict[k], v) for k, v in state.items())
