@@ -70,6 +70,39 @@ def test_fileio_write_reporting_reports_each_piece_end_in_order_and_refuses_bad_
         fio.close()
 
 
+def test_fileio_write_reporting_reports_the_first_piece_before_the_last_is_even_submitted(tmp_path):
+    """A replicated save's first unit leaves as soon as its piece lands, not once the device has worked through the
+    whole file: a few pieces (``depth``) and at most ``ahead`` bytes are in flight (with the whole file submitted at
+    once, the first piece landed only when most of the file had). Asserted by the order of events."""
+    fio = FileIO(chunk_bytes=1 << 20, backend="pread")
+    events = []
+    submit, wait = fio.submit_write, fio.wait
+    fio.submit_write = lambda fd, view, *, file_offset=0, path=None: (
+        events.append(("submit", file_offset + len(view))) or submit(fd, view, file_offset=file_offset, path=path))
+    fio.wait = lambda token: (wait(token), events.append(("landed", None)))
+    try:
+        n = 16 << 20
+        src = mmap.mmap(-1, n)
+        src[:] = np.random.default_rng(3).integers(0, 256, n, dtype=np.uint8).tobytes()
+        path = str(tmp_path / "f.bin")
+        ends = [(i + 1) << 20 for i in range(16)]
+        for ahead, depth, most in ((4 << 20, 8, 4), (64 << 20, 2, 2)):  # the bytes bind, then the pieces
+            events.clear()
+            fd, _ = fio.open(path, write=True)
+            fio.write_reporting(fd, memoryview(src), ends, lambda end: events.append(("reported", end)), path=path,
+                                ahead=ahead, depth=depth)
+            os.close(fd)
+            assert [e for k, e in events if k == "reported"] == ends and open(path, "rb").read() == src[:]
+            first, last = events.index(("reported", ends[0])), events.index(("submit", n))
+            assert first < last  # the first unit was out before the last piece went to the device
+            in_flight = 0
+            for kind, _ in events:  # pieces submitted and not landed (1 MiB each here)
+                in_flight += {"submit": 1, "landed": -1}.get(kind, 0)
+                assert in_flight <= most
+    finally:
+        fio.close()
+
+
 def test_checksums_match_xxhash():
     buf = np.random.default_rng(1).integers(0, 256, 9 << 20, dtype=np.uint8)
     offsets = np.array([0, 10, 4096, 1 << 20, 0], dtype=np.int64)
@@ -95,3 +128,28 @@ def test_cuda_snapshot_round_trip(tmp_path):
         got = ck.load(1).state_dict
     for k in state:
         assert torch.equal(got[k], expected[k])
+
+
+def test_a_snapshot_that_fails_mid_copy_raises_to_the_caller_only_and_frees_its_slot(tmp_path, monkeypatch):
+    """The writer starts with the snapshot (it writes what is staged); a copy that fails half-way stops it: save()
+    raises that error, nothing is committed, the slot is free again and the next save() neither blocks nor raises
+    the failure a second time."""
+    import foresight.checkpoint.checkpointer as ckmod
+    from foresight.checkpoint import Checkpointer
+
+    real = ckmod.copy_into
+
+    def half_then_fail(views, tensors, *, small, big, offsets=None, staged=None):
+        staged.advance(int(offsets[big[len(big) // 2]]))  # the first half staged: the writer may write it
+        raise RuntimeError("copy failed")
+
+    state = {f"w{i}": torch.randn(1 << 18) for i in range(4)}
+    with Checkpointer(str(tmp_path / "ck"), staging_bytes=8 << 20, slots=1, on_busy="raise") as ck:
+        monkeypatch.setattr(ckmod, "copy_into", half_then_fail)
+        with pytest.raises(RuntimeError, match="copy failed"):
+            ck.save(state, 1)
+        monkeypatch.setattr(ckmod, "copy_into", real)
+        ck.save(state, 2).wait()  # the slot is free (on_busy="raise" would say so) and no failure is pending
+        assert ck.steps() == [2]
+        loaded = ck.load(2)
+    assert all(torch.equal(loaded.state_dict[k], v) for k, v in state.items())

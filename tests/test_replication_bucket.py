@@ -24,7 +24,7 @@ from foresight.checkpoint.background_writer import DATA_FILE
 from foresight.errors import CheckpointError
 from foresight.replication.bucket_site import plan_parts
 from foresight.replication.policy import Replication, ReplicatingStorageWriter
-from foresight.replication.units import unit_ends
+from foresight.replication.units import HEAD_UNITS, unit_ends
 
 from replication_helpers import wait_until
 from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
@@ -51,7 +51,8 @@ def test_parts_end_at_unit_ends_and_small_units_are_coalesced():
     units = unit_ends(size, 32 << 20)
     parts = plan_parts(size, 32 << 20)
     assert set(parts) <= set(units) and parts[-1] == size
-    assert parts[:5] == units[:5]  # full units: one part each
+    assert parts[0] == units[1]  # the first unit (2 MiB, the head ramp's) travels with the second
+    assert set(units[HEAD_UNITS:HEAD_UNITS + 4]) <= set(parts)  # full units: one part each
     assert all(b - a >= MIN_PART_BYTES for a, b in zip([0] + parts[:-2], parts[:-1]))  # all but the last
     assert len(parts) < len(units)  # the small tail units travel together
     assert part_ends([1 << 20, 2 << 20]) == [2 << 20]  # a file under 5 MiB: one part

@@ -223,12 +223,13 @@ def test_units_leave_as_their_bytes_are_written_and_publish_waits_for_the_commit
     name = "stream1/step-00000001"
     answer = tr.call("replicate.start", {"name": name, "src": tmp, "site": "eval-b", "unit_bytes": UNIT,
                                          "files": [["data-00000.bin", 10 * UNIT]], "written": {}})
-    n = n_units(10 * UNIT)  # 7 whole units, then smaller ones
+    ends = unit_ends(10 * UNIT, UNIT)  # small units first, whole ones, then smaller ones
+    n = len(ends)
     assert answer == {"units": n, "bytes": 10 * UNIT}
-    assert tr.call("replicate.written", {"name": name, "written": {"data-00000.bin": 2 * UNIT + 5}}) == \
+    assert tr.call("replicate.written", {"name": name, "written": {"data-00000.bin": ends[1] + 5}}) == \
         {"released": 2, "held": n - 2}  # only whole units leave
     wait_until(lambda: sum(n == name for n, *_ in tr.call("replicate.log")["sent"]) == 2, "2 units sent")
-    assert tr.call("replicate.written", {"name": name, "written": {"data-00000.bin": 7 * UNIT}})["held"] == n - 7
+    assert tr.call("replicate.written", {"name": name, "written": {"data-00000.bin": ends[6]}})["held"] == n - 7
     wait_until(lambda: sum(n == name for n, *_ in tr.call("replicate.log")["sent"]) == 7, "7 units sent")
     assert store.committed_steps(os.path.join(ev.root, "stream1")) == []  # nothing visible before the commit
     final = next(phases)
@@ -236,7 +237,7 @@ def test_units_leave_as_their_bytes_are_written_and_publish_waits_for_the_commit
     rep.committed(1, final)  # the commit says every byte is written: the held units leave, then it publishes
     info = rep.wait(1, timeout=60)
     assert files_of(info["path"]) == files_of(final) and info["units_put"] == n
-    assert info["bytes_left_at_commit"] == 3 * UNIT
+    assert info["bytes_left_at_commit"] == 10 * UNIT - ends[6]
     rep.close()
 
 
@@ -246,8 +247,10 @@ def test_the_site_writes_a_saves_units_past_its_page_cache_until_the_commit(site
     commit); those sent after the commit go through its page cache, which the verification then reads."""
     from foresight.io.direct_write import DIRECT_MIN
 
+    from foresight.replication.send_windows import UNIT_WIRE_CHUNK
+
     tr, ev = sites["train"], sites["eval"]
-    unit, size = 2 << 20, 8 << 20  # units of 2, 1.5, 1.125 MiB, then smaller ones
+    unit, size = 2 << 20, 8 << 20  # units of 128, 256, 512 KiB, 1, 1.53 MiB, then smaller ones
     phases = write_checkpoint_phases(os.path.join(tr.root, "direct1"), 1, size)
     tmp = next(phases)
     name = "direct1/step-00000001"
@@ -256,8 +259,8 @@ def test_the_site_writes_a_saves_units_past_its_page_cache_until_the_commit(site
     before = ev.call("replicate.log")["received"]
     tr.call("replicate.start", {"name": name, "src": tmp, "site": "eval-b", "unit_bytes": unit,
                                 "files": [["data-00000.bin", size]], "written": {}})
-    tr.call("replicate.written", {"name": name, "written": {"data-00000.bin": ends[2]}})
-    wait_until(lambda: sum(n == name for n, *_ in tr.call("replicate.log")["sent"]) == 3, "3 units sent")
+    tr.call("replicate.written", {"name": name, "written": {"data-00000.bin": ends[4]}})
+    wait_until(lambda: sum(n == name for n, *_ in tr.call("replicate.log")["sent"]) == 5, "5 units sent")
     rep = Replication(every=1, site="eval-b", node=tr.url, job="direct1", unit_bytes=unit)
     final = next(phases)
     rep._started[1] = name
@@ -266,8 +269,10 @@ def test_the_site_writes_a_saves_units_past_its_page_cache_until_the_commit(site
     assert files_of(info["path"]) == files_of(final)
     after = ev.call("replicate.log")["received"]
     got = {k: after[k] - before[k] for k in ("direct_bytes", "buffered_bytes", "direct_refused")}
-    direct = sum(n for n in lengths[:3] if n >= DIRECT_MIN)  # aligned units: each whole, if large enough
-    assert direct == sum(lengths[:3])
+    # a unit's body arrives in pieces of UNIT_WIRE_CHUNK: those large enough go O_DIRECT (all aligned here)
+    pieces = [min(UNIT_WIRE_CHUNK, n - p) for n in lengths[:5] for p in range(0, n, UNIT_WIRE_CHUNK)]
+    direct = sum(k for k in pieces if k >= DIRECT_MIN)
+    assert direct >= 2 << 20
     if got["direct_refused"]:  # a file system without O_DIRECT: every unit buffered (logged)
         assert got["direct_bytes"] == 0 and got["buffered_bytes"] == size
     else:
@@ -313,6 +318,10 @@ def test_checkpointer_sends_while_saving(sites):
     size = os.path.getsize(os.path.join(src, "data-00000.bin"))
     assert sorted(i for i, _, _ in arrived) == list(range(n_units(size)))
     assert sum(n for _, n, _ in arrived) == size and max(at for *_, at in arrived) <= info["ready_at"]
+    # and when each piece of a body arrived (a unit received in part counts for the bytes received)
+    pieces = sites["eval"].call("replicate.log", {"name": "stream2/step-00000001"})["arrived_pieces"]
+    assert sum(n for _, n in pieces) == size and len(pieces) >= len(arrived)
+    assert max(at for at, _ in pieces) <= max(at for *_, at in arrived)
     rep.close()
 
 

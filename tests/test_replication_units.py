@@ -8,6 +8,7 @@ import pytest
 
 from foresight.replication.scheduler import PriorityLane, priority_of
 from foresight.replication.units import (
+    HEAD_UNITS,
     ReplicaBuilder,
     Unit,
     check_name,
@@ -52,17 +53,24 @@ def send(src, rb, units, only=None):
         os.close(fd)
 
 
-def test_a_files_last_units_are_small_so_little_is_left_when_its_last_byte_lands():
-    """A file sent while it is written has its last unit complete just before the commit: units are whole until
-    the last four units' worth, then a quarter of what is left (aligned), down to unit/16."""
+def test_a_files_first_and_last_units_are_small_so_little_waits_at_either_end():
+    """A file sent while it is written has its first unit complete after a sixteenth of a unit is written (the
+    first units double up to a whole one) and its last unit just before the commit: units are whole until the last
+    four units' worth, then a quarter of what is left (aligned), down to unit/16."""
     unit = 8 << 20
     for size in (100 << 20, (100 << 20) + 12345, 3 * unit, unit // 3):
         ends = unit_ends(size, unit)
         lengths = np.diff([0, *ends])
         assert ends[-1] == size and (lengths > 0).all()
-        whole = int(np.argmax(lengths < unit)) if (lengths < unit).any() else len(lengths)
-        assert (lengths[:whole] == unit).all() and size - whole * unit < 4 * unit
-        tail = lengths[whole:]
+        ramp = [unit >> (4 - i) for i in range(HEAD_UNITS)]  # 1/16, 1/8, 1/4, 1/2 of a unit
+        if size >= 8 * unit:
+            assert lengths[:HEAD_UNITS].tolist() == ramp
+        assert all(n <= cap for n, cap in zip(lengths, ramp))
+        head = min(HEAD_UNITS, len(lengths))
+        body = lengths[head:]
+        whole = int(np.argmax(body < unit)) if (body < unit).any() else len(body)
+        assert (body[:whole] == unit).all() and size - int(lengths[:head].sum()) - whole * unit < 4 * unit
+        tail = body[whole:]
         assert (np.diff(tail[:-1]) <= 0).all()  # shrinking toward the end
         assert tail[-1] <= unit // 16 and all(e % 4096 == 0 for e in ends[:-1])  # direct I/O cuts
     units = plan_units([("a.bin", 100 << 20), ("b.bin", 5000)], unit)
@@ -107,6 +115,51 @@ def test_a_replicated_checkpointer_save_reports_each_unit_as_it_lands(tmp_path):
     assert [k for k, _ in rest[len(reported):]] == ["written", "committed"]
 
 
+def test_a_replicated_checkpointer_save_reports_its_first_unit_before_the_snapshot_is_copied(tmp_path, monkeypatch):
+    """Units leave as soon as their bytes are staged: the writer starts with the snapshot and writes each piece once
+    the snapshot has copied it, so the first unit is written and reported while later tensors are still being
+    copied into the staging slot (it waited for the whole snapshot before). Asserted by the order of events: the
+    copy holds on after its first tensors until the first report came (a bounded wait) and records both."""
+    import threading
+
+    import torch
+
+    from foresight.checkpoint import Checkpointer
+    from foresight.checkpoint.staging import StagedPrefix
+    from foresight.replication.policy import Replication
+
+    events, reported, held = [], threading.Event(), []
+
+    class Recording(Replication):
+        def data_started(self, step, directory, files, **kw):
+            pass
+
+        def data_progress(self, step, written):
+            events.append(("reported", written["data-00000.bin"]))
+            reported.set()
+
+        def committed(self, step, path):
+            events.append(("committed", step))
+
+    advance = StagedPrefix.advance
+
+    def advance_then_wait(self, upto):
+        advance(self, upto)
+        events.append(("staged", upto))
+        if 4 << 20 <= upto < self.total and not held:  # 4 of 16 tensors copied: the first unit (64 KiB) is in
+            held.append(upto)
+            reported.wait(30)
+
+    monkeypatch.setattr(StagedPrefix, "advance", advance_then_wait)
+    rep = Recording(every=1, site="eval-b", node="grpc://127.0.0.1:1", job="job", unit_bytes=1 << 20)
+    with Checkpointer(str(tmp_path / "ck"), replicate=rep) as ck:
+        ck.save({f"w{i}": torch.randn(1 << 18) for i in range(16)}, 1).wait()  # 16 tensors of 1 MiB
+    first = events.index(next(e for e in events if e[0] == "reported"))
+    copied = [e for e in events if e[0] == "staged"]
+    assert copied[-1] == ("staged", copied[-1][1]) and first < events.index(copied[-1])  # before the last copy
+    assert events[-1] == ("committed", 1)
+
+
 def test_a_sender_bounds_the_bytes_in_flight_not_the_windows():
     """Full windows: two unacknowledged per sending thread, as before. The small windows of a save in progress
     (units released one by one as they are written) go without waiting for the previous ones' acknowledgements,
@@ -130,7 +183,7 @@ def test_a_sender_bounds_the_bytes_in_flight_not_the_windows():
 def test_units_rebuild_a_bit_identical_replica(tmp_path):
     src = make_source(tmp_path)
     units = plan_units([("data-00000.bin", 300_000)], unit_bytes=64 << 10)
-    assert units[0].length == 64 << 10 and len(units) == len(unit_ends(300_000, 64 << 10)) > 5
+    assert max(u.length for u in units) <= 64 << 10 and len(units) == len(unit_ends(300_000, 64 << 10)) > 5
     assert sum(u.length for u in units) == 300_000
     rb = ReplicaBuilder(str(tmp_path / "dst"), "job/step-00000007")
     send(src, rb, units)
@@ -241,6 +294,18 @@ def test_lane_is_fifo_among_equals_and_closes():
     assert lane.pop(timeout=0) == ("a", 0)
     lane.close()
     assert lane.pop() is None
+
+
+def test_a_window_takes_units_up_to_its_bytes_whatever_the_first_units_size():
+    """A file's first units are small (the head ramp): a window opened by one still stops at the window's bytes,
+    it does not take as many whole units as would fit in small ones."""
+    units = [Unit(i, "a.bin", 0, n, 0) for i, n in enumerate([1, 2, 4, 8, 8, 8, 8])]
+    lane = PriorityLane()
+    lane.add("a", units, 1.0)
+    _, first = lane.pop(timeout=0)
+    window = [first, *lane.take("a", 64, max_bytes=16 - first.length)]
+    assert [u.length for u in window] == [1, 2, 4, 8] and lane.pending("a") == 3
+    assert lane.take("a", 64, max_bytes=7) == [] and lane.take("a", 2) == units[4:6]  # no cap: by count
 
 
 def test_wan_link_delays_every_round_trip():

@@ -30,7 +30,7 @@ from foresight.checkpoint.exit_safe_pool import ExitSafePool
 from foresight.checkpoint.layout import Layout
 from foresight.checkpoint.queue_worker import QueueWorker
 from foresight.checkpoint.save_handle import SaveHandle
-from foresight.checkpoint.staging import StagingPool
+from foresight.checkpoint.staging import StagedPrefix, StagingPool
 from foresight.checkpoint.tier_drain import TierDrain, retain
 from foresight.checksum import xxh3_many
 from foresight.errors import CheckpointError
@@ -52,6 +52,7 @@ class WriteJob:
     skeleton: Any
     extra_state: Any
     event: Any  # the CUDA event of the snapshot's device-to-host copies, or None
+    staged: StagedPrefix | None = None  # how much of the slot the snapshot has copied (None: all of it)
 
 
 class BackgroundWriter:
@@ -95,7 +96,8 @@ class BackgroundWriter:
             data_path = os.path.join(tmp, DATA_FILE)
             total = job.layout.total
             view = job.slot.memoryview(total)
-            sums = self._hash_pool.submit(xxh3_many, view, job.layout.offsets, job.layout.nbytes)
+            staged = job.staged
+            sums = self._hash_pool.submit(_hash_staged, staged, view, job.layout.offsets, job.layout.nbytes)
             fd, _ = self._fio.open(data_path, write=True, direct=self.direct)
             try:
                 if total:
@@ -103,12 +105,14 @@ class BackgroundWriter:
                         os.posix_fallocate(fd, 0, total)  # no extending writes: they serialise in ext4 DIO
                     except OSError as e:
                         raise CheckpointError(f"cannot allocate data file: {e.strerror}", path=data_path) from e
-                self._write_data(fd, view, total, data_path, h.step, tmp)
+                self._write_data(fd, view, total, data_path, h.step, tmp, staged)
                 os.fsync(fd)
             except OSError as e:
                 raise CheckpointError(f"cannot write data file: {e.strerror}", path=data_path) from e
             finally:
                 os.close(fd)
+                if staged is not None and staged.error is not None:
+                    sums.exception()  # the hash worker let go of the slot too (it raised at the failed snapshot)
             digests = sums.result()
             t1 = time.perf_counter()
             h.timings["write"] = t1 - t0
@@ -157,19 +161,23 @@ class BackgroundWriter:
             h._fail(e if isinstance(e, CheckpointError) else
                     CheckpointError(f"checkpoint write failed: {e}", step=h.step, tier=root))
 
-    def _write_data(self, fd: int, view: memoryview, total: int, path: str, step: int, tmp: str) -> None:
+    def _write_data(self, fd: int, view: memoryview, total: int, path: str, step: int, tmp: str,
+                    staged: StagedPrefix | None) -> None:
         """Write the data file; for a step being replicated, in pieces ending where its transfer units end (all
-        submitted at once), reporting each piece as it lands so its unit leaves while the rest is written (send
-        while saving; the last units are small, so little is left to send at the commit)."""
+        a few in flight at once), reporting each piece as it lands so its unit leaves while the rest is written (send
+        while saving; the first units are small, so the first leaves early, and so are the last, so little is left to
+        send at the commit)."""
         wanted = self.replicate is not None and self.replicate.wants(step)
         ends = self.replicate.progress_ends(total) if wanted else []
         if len(ends) <= 1:
+            if staged is not None:
+                staged.wait(total)
             self._fio.write(fd, view, path=path)
             return
         # the sequence this save gets if it commits (only this thread assigns them): a bucket site names it so
         self._replication_hook("data_started", step, tmp, [(DATA_FILE, total)], seq=self._next_seq)
         self._fio.write_reporting(fd, view, ends, lambda end: self._replication_hook(
-            "data_progress", step, {DATA_FILE: end}), path=path)
+            "data_progress", step, {DATA_FILE: end}), path=path, before=None if staged is None else staged.wait)
 
     def _replication_hook(self, name: str, *args: Any, **kwargs: Any) -> None:
         if self.replicate is None:
@@ -178,3 +186,10 @@ class BackgroundWriter:
             getattr(self.replicate, name)(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - a replica is an extra: its failure never fails the save
             warnings.warn(f"foresight.checkpoint: replication {name} failed: {e}", RuntimeWarning, stacklevel=1)
+
+
+def _hash_staged(staged: StagedPrefix | None, view: memoryview, offsets: Any, nbytes: Any) -> Any:
+    """The tensors' xxh3 once the snapshot has copied them all (the hash worker waits for it, not the writer)."""
+    if staged is not None:
+        staged.wait(len(view))
+    return xxh3_many(view, offsets, nbytes)

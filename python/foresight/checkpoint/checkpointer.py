@@ -3,9 +3,11 @@ the module-level ``save``/``load``/``latest_step``.
 
 ``save`` flattens the state dict, copies every tensor into a pinned staging slot (batched for small
 tensors, multi-threaded memcpy for big ones, async D2H copies for CUDA tensors) and returns a
-:class:`SaveHandle`. A writer thread then writes the slot to the fastest tier as one aligned region
-(checksumming tensors meanwhile), commits atomically (:mod:`.store`), frees the slot, and hands the
-committed directory to a drain thread that copies it to each slower tier. Each tier keeps at most
+:class:`SaveHandle`. A writer thread writes the slot to the fastest tier as one aligned region (for CPU
+tensors it starts with the snapshot: a replicated step's pieces are written, and their units leave, as soon as the
+copy has staged them; :class:`~.staging.StagedPrefix`), checksums the tensors once all are copied, commits
+atomically (:mod:`.store`), frees the slot, and hands the committed directory to a drain thread that copies it to
+each slower tier. Each tier keeps at most
 ``keep`` checkpoints. A background failure is re-raised by ``handle.wait()`` or by the next ``save()``
 (or ``close()``), whichever comes first; it is never dropped. The parts live in their own modules:
 :mod:`.save_handle` (what ``save`` returns), :mod:`.background_writer` (the writer thread and its queue),
@@ -47,7 +49,7 @@ from foresight.checkpoint.bucket_tier import close_tiers, is_bucket_url, open_ti
 from foresight.checkpoint.layout import plan_layout
 from foresight.checkpoint.loading import LoadedCheckpoint, latest_step, load, tiers_of
 from foresight.checkpoint.save_handle import SaveHandle
-from foresight.checkpoint.staging import StagingPool, copy_into
+from foresight.checkpoint.staging import StagedPrefix, StagingPool, copy_into
 from foresight.checkpoint.startup_recovery import lock_roots, recover_roots, release, undrained
 from foresight.checkpoint.state_tree import encode_extra_state, flatten
 from foresight.checkpoint.tier_drain import TierDrain, copy_checkpoint
@@ -209,20 +211,34 @@ class Checkpointer:
                                      on_busy=self.on_busy)
         slot = self._pool.acquire(layout.total)
         handle = SaveHandle(step, self)
+        handle.nbytes = layout.total
+        staged = StagedPrefix(layout.total)
+        on_cpu = not any(t.device.type == "cuda" for t in tensors)
+        job = WriteJob(handle, self._pool, slot, layout, names, dtypes, [list(s) for s in shapes], skeleton, extra,
+                       None, staged)
+        if on_cpu:  # the writer starts now and writes each piece once copied (its unit leaves during the snapshot)
+            with self._lock:
+                self._unreported.append(handle)
+            self._writer.put(job)
         try:
             views = slot.views((tuple(dtypes), tuple(shapes)), layout, dtypes, shapes)
             big = [i for i, n in enumerate(nbytes) if n >= 1 << 20]
             small = [i for i, n in enumerate(nbytes) if n < 1 << 20]
-            event = copy_into(views, tensors, small=small, big=big)
-        except BaseException:
-            self._pool.release(slot)
+            job.event = copy_into(views, tensors, small=small, big=big, offsets=layout.offsets, staged=staged)
+        except BaseException as e:
+            if not on_cpu:
+                self._pool.release(slot)
+                raise
+            staged.fail(e)  # the writer gives the slot back and drops the save; the caller gets this error, not it
+            self._writer.join()
+            self._forget(handle)
             raise
         handle.timings["snapshot"] = time.perf_counter() - t0
-        handle.nbytes = layout.total
-        with self._lock:
-            self._unreported.append(handle)
-        self._writer.put(WriteJob(handle, self._pool, slot, layout, names, dtypes, [list(s) for s in shapes], skeleton,
-                                  extra, event))
+        if not on_cpu:  # the writer waits for the copies' CUDA event, then writes the whole slot
+            staged.advance(layout.total)
+            with self._lock:
+                self._unreported.append(handle)
+            self._writer.put(job)
         return handle
 
     def load(self, step: int | str = "latest", *, into: Any = None, verify: bool | None = None) -> LoadedCheckpoint:

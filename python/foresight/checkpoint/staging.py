@@ -122,18 +122,55 @@ class StagingPool:
         self._free.clear()
 
 
+class StagedPrefix:
+    """How much of a slot the snapshot has copied: the writer thread may write bytes ``[0, upto)`` while the rest is
+    still being copied (a replicated save's first units then leave during the snapshot).
+
+    >>> s = StagedPrefix(100); s.advance(40); s.wait(40, timeout=0), s.wait(41, timeout=0)
+    (True, False)
+    """
+
+    def __init__(self, total: int) -> None:
+        self.total, self.upto = total, 0
+        self.error: BaseException | None = None
+        self._cv = threading.Condition()
+
+    def advance(self, upto: int) -> None:
+        with self._cv:
+            self.upto = max(self.upto, min(int(upto), self.total))
+            self._cv.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """The snapshot failed: a writer waiting on it raises instead of writing bytes never copied."""
+        with self._cv:
+            self.error = error
+            self._cv.notify_all()
+
+    def wait(self, upto: int, timeout: float | None = None) -> bool:
+        """Block until bytes ``[0, upto)`` are staged (``timeout``: at most that long; returns whether they are)."""
+        with self._cv:
+            ok = self._cv.wait_for(lambda: self.error is not None or self.upto >= min(upto, self.total), timeout)
+            if self.error is not None:
+                raise CheckpointError(f"the snapshot failed: {self.error}")
+            return ok
+
+
 def copy_into(views: list[torch.Tensor], tensors: list[torch.Tensor], *, small: list[int],
-              big: list[int]) -> Any:
+              big: list[int], offsets: Any = None, staged: StagedPrefix | None = None) -> Any:
     """Copy ``tensors`` into their staging ``views``; return a CUDA event to wait on, or ``None``.
 
     CPU tensors: small ones in one batched ``_foreach_copy_`` call, big ones with ``copy_`` (multi-threaded
-    memcpy that releases the GIL). CUDA tensors: ``non_blocking`` copies on a side stream that first waits
-    for the current stream; the current stream then waits for the copies, so training may overwrite the
-    tensors right away without racing the snapshot.
+    memcpy that releases the GIL), in slot order. CUDA tensors: ``non_blocking`` copies on a side stream that first
+    waits for the current stream; the current stream then waits for the copies, so training may overwrite the
+    tensors right away without racing the snapshot. ``staged`` (with the tensors' slot ``offsets``) is advanced as
+    the CPU copies complete a prefix of the slot; it is left to the caller once CUDA tensors are among them.
     """
     cuda_idx = [i for i in small + big if tensors[i].device.type == "cuda"]
     cpu_small = [i for i in small if tensors[i].device.type != "cuda"]
     cpu_big = [i for i in big if tensors[i].device.type != "cuda"]
+    if offsets is not None:
+        cpu_big.sort(key=lambda i: int(offsets[i]))
+    progress = staged is not None and offsets is not None and not cuda_idx
     with torch.no_grad():
         if cpu_small:
             src = [tensors[i] for i in cpu_small]
@@ -144,7 +181,11 @@ def copy_into(views: list[torch.Tensor], tensors: list[torch.Tensor], *, small: 
                 for d, s in zip(dst, src):
                     d.copy_(s)
         for i in cpu_big:
+            if progress:  # everything before this tensor's place is copied (small ones first, big ones in order)
+                staged.advance(int(offsets[i]))
             views[i].copy_(tensors[i])
+        if progress:
+            staged.advance(staged.total)
         if cuda_idx and torch.cuda.is_available():
             current = torch.cuda.current_stream()
             side = torch.cuda.Stream()

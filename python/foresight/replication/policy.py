@@ -148,7 +148,7 @@ class Replication:
 
     def progress_ends(self, size: int) -> list[int]:
         """Where a writer of a ``size``-byte data file reports progress (:meth:`data_progress`): at each transfer
-        unit's end (:func:`~foresight.replication.units.unit_ends`: small units near the file's end), each
+        unit's end (:func:`~foresight.replication.units.unit_ends`: small units at the file's start and end), each
         4 KiB-aligned (direct I/O writes pieces that start aligned; a unit then leaves at the next report)."""
         ends = sorted({e - e % 4096 for e in unit_ends(size, int(self.unit_bytes or UNIT_BYTES))[:-1]} - {0})
         return [*ends, size] if size else []

@@ -103,14 +103,21 @@ class PriorityLane:
             self._closed = True
             self._cv.notify_all()
 
-    def take(self, key: Hashable, n: int) -> list[Any]:
+    def take(self, key: Hashable, n: int, *, max_bytes: int | None = None) -> list[Any]:
         """Up to ``n`` more units of transfer ``key`` at once, within the budget (a sender's window: they share
-        one acknowledgement). Counts as part of the dispatch that popped the window's first unit."""
+        one acknowledgement); ``max_bytes``: only while their ``length`` adds up to at most that. Counts as part
+        of the dispatch that popped the window's first unit."""
         with self._cv:
             e = self._entries.get(key)
             if e is None or n <= 0:
                 return []
             n = min(n, len(e.units), n if self._budget is None else self._budget)
+            if max_bytes is not None:
+                k, total = 0, 0
+                while k < n and total + e.units[k].length <= max_bytes:
+                    total += e.units[k].length
+                    k += 1
+                n = k
             if self._budget is not None:
                 self._budget -= n
             out = [e.units.popleft() for _ in range(n)]

@@ -28,7 +28,6 @@ from pyarrow import flight
 
 from foresight.errors import CheckpointError
 from foresight.replication.flight_calls import SCHEMA, _ack, _site_endpoint, binary_batch
-from foresight.replication.source import WIRE_CHUNK
 from foresight.replication.transfer_sender import Transfer
 from foresight.replication.units import Unit, read_unit
 
@@ -40,6 +39,8 @@ WINDOW_BYTES = 64 << 20  # a sender's window: units sent back to back under one 
 WINDOW_UNITS = 64
 WINDOWS_IN_FLIGHT = 2  # per sending thread, full windows' bytes unacknowledged: the next one streams while the
 # previous one is synced and acknowledged
+UNIT_WIRE_CHUNK = 1 << 20  # a unit's body goes in record batches this large: the site writes (and reports) the
+# first bytes of a unit while the rest is on the way, not once a whole 8 MiB batch arrived
 MAX_WINDOWS_IN_FLIGHT = 16  # per sending thread, however small (units released one by one while a save writes them)
 # a site whose node answers but has not mounted replication yet (it is starting): wait for it like for one down
 _NOT_MOUNTED = ("no DoPut for 'replica.", "unknown action")
@@ -181,7 +182,8 @@ class WindowSender:
                     return  # the lane is closed
                 name, unit = item
                 # a window: this transfer's next units, sent back to back in one stream under one acknowledgement
-                units = [unit, *self.lane.take(name, max(1, min(WINDOW_UNITS, WINDOW_BYTES // max(1, unit.length))) - 1)]
+                # (at most WINDOW_BYTES: a file's first units are small, the ones after them whole)
+                units = [unit, *self.lane.take(name, WINDOW_UNITS - 1, max_bytes=WINDOW_BYTES - unit.length)]
                 with self._lock:
                     t = self.transfers.get(name)
                 if t is None or t.done.is_set():
@@ -284,8 +286,8 @@ class WindowSender:
                 body, digest = read_unit(t.fds[u.file], u)
                 mv = memoryview(body)
                 header = pa.py_buffer(json.dumps(u.header(digest)).encode())
-                for pos in range(0, max(len(mv), 1), WIRE_CHUNK):
-                    batch = binary_batch(mv[pos:pos + WIRE_CHUNK])
+                for pos in range(0, max(len(mv), 1), UNIT_WIRE_CHUNK):
+                    batch = binary_batch(mv[pos:pos + UNIT_WIRE_CHUNK])
                     if pos == 0:
                         writer.write_with_metadata(batch, header)
                     else:

@@ -10,7 +10,8 @@ The same handlers run on every site's node; which role they play depends on the 
   be published), ``replicate.abort``, ``replicate.urgent`` (raise a transfer's priority), ``replicate.wait``,
   ``replicate.pause``/``replicate.resume`` (``{"units": n}`` lets exactly n more units go: throttling, and a
   deterministic order for tests), ``replicate.log`` (units in the order they were acknowledged; with ``name``,
-  also ``arrived``: when each unit of that checkpoint arrived, as the receiving site);
+  also ``arrived``: when each unit of that checkpoint arrived whole, and ``arrived_pieces``: when each piece of
+  their bodies arrived, as the receiving site);
 - evaluation site (receiver): ``DoPut`` of ``replica.units`` (a window of units back to back, each opened by its
   JSON header in the batch metadata; verified, synced once per file, journaled and acknowledged together; a unit
   journaled already is drained; ``direct``: units of a save in progress, written with O_DIRECT (``received``
@@ -91,7 +92,8 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
         self.received = {"windows": 0, "units": 0, "syncs": 0, "direct_bytes": 0, "buffered_bytes": 0,
                          "direct_refused": 0}
         self._receiving: dict[str, int] = {}  # windows being received per checkpoint
-        self._arrivals: dict[str, list[tuple[int, int, float]]] = {}  # per checkpoint: (unit, length, arrived at)
+        # per checkpoint: (unit, length, arrived at) of each unit, (arrived at, bytes) of each piece of their bodies
+        self._arrivals: dict[str, tuple[list[tuple[int, int, float]], list[tuple[float, int]]]] = {}
         self._merges: dict[str, Any] = {}  # checkpoints merged here as their units arrive (ArrivalMerge)
         # as a sender: windows put, most unacknowledged at once, windows sent again after a unit arrived damaged
         self.sending = {"windows": 0, "in_flight_max": 0, "resent_corrupt": 0, "register_failures": 0}
@@ -123,7 +125,9 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
             "replicate.resume": self.resume,
             "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received, "sending": self.sending,
                                         "layout_failures": self.layout_failures,
-                                        **({"arrived": self.arrivals(b["name"])} if b.get("name") else {})},
+                                        **({"arrived": self.arrivals(b["name"]),
+                                            "arrived_pieces": self.arrived_pieces(b["name"])}
+                                           if b.get("name") else {})},
             "replica.status": self.replica_status, "replica.merged": self.replica_merged,
         }
         out: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"replication.ping": lambda b: {"site": self.site}}

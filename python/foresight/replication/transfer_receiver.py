@@ -70,9 +70,10 @@ class TransferReceiver:
             self.received["syncs"] += syncs
             for k, n in rb.written.items():  # bytes written with O_DIRECT / buffered, O_DIRECT refusals
                 self.received[k] += n
-            arrivals = self._arrivals.pop(rb.name, [])  # re-inserted: the most recent checkpoints are kept
+            arrivals, pieces = self._arrivals.pop(rb.name, ([], []))  # re-inserted: the most recent ones are kept
             arrivals.extend(rb.arrived)
-            self._arrivals[rb.name] = arrivals
+            pieces.extend(rb.pieces)
+            self._arrivals[rb.name] = arrivals, pieces
             for old in list(self._arrivals)[:max(0, len(self._arrivals) - KEEP_MERGES)]:
                 del self._arrivals[old]
             merge = self._merges.get(rb.name)
@@ -82,9 +83,16 @@ class TransferReceiver:
 
     def arrivals(self, name: str) -> list[list[Any]]:
         """``[[unit id, length, time its last byte arrived], ...]`` of the units of ``name`` received here (of
-        the last :data:`KEEP_MERGES` checkpoints): how much had crossed the link at a given moment."""
+        the last :data:`KEEP_MERGES` checkpoints): which units were here whole at a given moment."""
         with self._lock:
-            return [list(a) for a in self._arrivals.get(check_name(name), [])]
+            return [list(a) for a in self._arrivals.get(check_name(name), ([], []))[0]]
+
+    def arrived_pieces(self, name: str) -> list[list[Any]]:
+        """``[[time it arrived, bytes], ...]`` of each piece of a unit body of ``name`` received here (a unit is
+        sent in pieces of :data:`~foresight.replication.send_windows.UNIT_WIRE_CHUNK`): how many bytes had crossed
+        the link at a given moment, units received in part included."""
+        with self._lock:
+            return [list(a) for a in self._arrivals.get(check_name(name), ([], []))[1]]
 
     def _put_commit(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
         """The source committed and every unit arrived: verify, publish by rename, register under the TTL."""

@@ -41,6 +41,7 @@ from foresight.replication.replica_file import ReplicaFile
 # 1 MiB 12.8 MB/s, 4 MiB 34, 16 MiB 87, 32 MiB 100, 64 MiB 76 (too few units left to keep both streams busy).
 UNIT_BYTES = 32 << 20
 TAIL_SHARE = 4  # a file's units shrink to a quarter of what is left once under 4 units are left (unit_ends)
+HEAD_UNITS = 4  # a file's first units: unit/16, /8, /4, /2 (unit_ends): the first leaves after little is written
 DCP_METADATA = ".metadata"
 _NAME_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 JOURNAL = ".units"
@@ -109,13 +110,16 @@ class Unit:
 def unit_ends(size: int, unit_bytes: int = UNIT_BYTES) -> list[int]:
     """Where a file of ``size`` bytes is cut into units: the end offset of each, in order.
 
-    Units are ``unit_bytes`` long until the file's last ``TAIL_SHARE * unit_bytes`` bytes, which shrink with what
-    is left (a quarter of it, 4 KiB-aligned, down to ``unit_bytes / 16``): a file written while it is sent has
-    its last unit complete moments before the commit, so a small last unit leaves little to send after it.
+    Units are ``unit_bytes`` long in the middle of the file. The first ones ramp up from ``unit_bytes / 16``,
+    doubling (:data:`HEAD_UNITS` of them): a file sent while it is written has its first unit complete (and on the
+    wire) after a sixteenth of a unit is written, not a whole one, so the link fills that much sooner. The file's
+    last ``TAIL_SHARE * unit_bytes`` bytes shrink with what is left (a quarter of it, 4 KiB-aligned, down to
+    ``unit_bytes / 16``): its last unit completes moments before the commit, so a small last unit leaves little to
+    send after it.
 
-    >>> ends = unit_ends(32 << 20, 8 << 20)   # unit sizes in MiB: 8, 6, 4.5, 3.4, ..., 0.5, 0.5, 0.5, 0.3
-    >>> [round((b - a) / 2**20, 1) for a, b in zip([0] + ends[:4], ends[:4])], len(ends)
-    ([8.0, 6.0, 4.5, 3.4], 14)
+    >>> ends = unit_ends(48 << 20, 8 << 20)   # unit sizes in MiB: 0.5, 1, 2, 4, 8, 8, 6.1, 4.6, ..., 0.5, 0.3
+    >>> [round((b - a) / 2**20, 1) for a, b in zip([0] + ends[:8], ends[:8])], len(ends)
+    ([0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 6.1, 4.6], 19)
     """
     if unit_bytes < 4096:
         raise ValueError(f"unit_bytes must be >= 4096, got {unit_bytes}")
@@ -123,7 +127,8 @@ def unit_ends(size: int, unit_bytes: int = UNIT_BYTES) -> list[int]:
     ends, off = [], 0
     while off < size:
         left = size - off
-        off += min(left, unit_bytes, max(smallest, left // TAIL_SHARE // 4096 * 4096))
+        head = smallest << len(ends) if len(ends) < HEAD_UNITS else unit_bytes
+        off += min(left, unit_bytes, head, max(smallest, left // TAIL_SHARE // 4096 * 4096))
         ends.append(off)
     return ends
 
@@ -269,6 +274,7 @@ class ReplicaBuilder:
             os.makedirs(self.tmp, exist_ok=True)
         self.journaled: list[tuple[int, str, int, int]] = []  # the units the last write_units journaled
         self.arrived: list[tuple[int, int, float]] = []  # and (id, length, time its last byte arrived) of each
+        self.pieces: list[tuple[float, int]] = []  # and (time, bytes) of each piece of a body as it arrived
         self.written = {"direct_bytes": 0, "buffered_bytes": 0, "direct_refused": 0}  # by the last write_units
 
     def done_units(self) -> set[int]:
@@ -309,6 +315,7 @@ class ReplicaBuilder:
         :mod:`~foresight.replication.replica_file`); else through the page cache.
         Returns the unit ids journaled and the syncs made; ``self.journaled`` lists them as
         ``(id, file, offset, length)``, ``self.arrived`` as ``(id, length, time.time() its last byte came)``,
+        ``self.pieces`` each piece of a body as ``(time.time() it came, bytes)`` (what had crossed the link when),
         ``self.written`` the bytes written with O_DIRECT (``direct_bytes``) and buffered (``buffered_bytes``) and the
         O_DIRECT opens or writes refused (``direct_refused``)."""
         os.makedirs(self.tmp, exist_ok=True)
@@ -319,6 +326,7 @@ class ReplicaBuilder:
         held = self.done_extents()  # a unit journaled already (same id, same extent) is drained, not rewritten
         extents: list[tuple[int, str, int, int]] = []
         arrived: list[tuple[int, int, float]] = []
+        pieces: list[tuple[float, int]] = []
         try:
             for header, chunk in parts:
                 if header is not None:
@@ -330,6 +338,7 @@ class ReplicaBuilder:
                     cur = _UnitSink(self.tmp, header, files, held=held, direct=direct)
                 elif cur is None:
                     raise CheckpointError("unit body before its header", name=self.name)
+                pieces.append((time.time(), len(memoryview(chunk).cast("B"))))  # as it came off the wire
                 cur.write(chunk)
             if cur is not None:
                 done.append(cur.finish())
@@ -348,7 +357,7 @@ class ReplicaBuilder:
                 os.fdatasync(jfd)
             finally:
                 os.close(jfd)
-        self.journaled, self.arrived = extents, arrived
+        self.journaled, self.arrived, self.pieces = extents, arrived, pieces
         self.written = {k: sum(f.counts[k] for f in files.values()) for k in ("direct_bytes", "buffered_bytes")}
         self.written["direct_refused"] = sum(f.counts["fallbacks"] for f in files.values())
         return done, len(files) + (1 if done else 0)
