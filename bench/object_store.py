@@ -33,11 +33,14 @@ whole-shard downloads: a HEAD and 8 MiB ranged GETs each for the real one, boto3
 The full preset keeps the datasets large enough for a realistic geometry (token 512 MiB: 8 shards of Mosaic's
 default 64 MiB, 32,768 samples, 512 steps; media 1.5 GiB: 24 shards, about 1,460 samples) and fits about 33
 minutes on the 2-core VM when quiet: foresight, ``obstore-ranges``, ``mosaic`` and ``mosaic-emul`` replay the whole
-plan, but the per-sample anchors (``dl-boto3``, ``s3torch``), ten times slower on token, replay only a span of it: the
-batches their workers can hold when the first batch lands (workers x ``DL_PREFETCH_FACTOR``: they were fetched
-during that wait, so timing them would count bytes the clock never saw; a 1 MiB-sample anchor showed 8x the link's
-rate so) and then **N steps** (``--anchor-steps``, 16; the config column says "N steps after the first K batches"),
-the same steps for both at one worker count; their samples/s, CPU-s/GB and link floor are those N steps' own (the
+plan, but the per-sample anchors (``dl-boto3``, ``s3torch``), ten times slower on token, replay only a span of it: past
+the batches their workers can hold when the first batch lands (workers x ``DL_PREFETCH_FACTOR``: fetched during
+that wait, so timing them would count bytes the clock never saw), **N steps** rounded up to whole rounds of
+batches (``--anchor-steps``, 16; the config column says "N steps after the first K batches"). A DataLoader's
+workers fetch one batch each at a time, so batches land in rounds of ``workers``: the clock starts as the last
+batch of a round is handed out and stops at the last of a later round (timed from mid-round, the rest of that
+round was already in hand, and a 1 MiB-sample anchor showed 1.5-8x the link's rate). The same steps for both
+anchors at one worker count; their samples/s, CPU-s/GB and link floor are those N steps' own (the
 workers in their steady state: the rate a whole epoch runs at), their time to the first batch its own figure.
 Their requests per sample (1) and bytes ratio (1.0) are exact by construction; the requests target compares
 requests per sample. Worker counts are swept small (8, 16), Mosaic's workers (2, 4) and predownload with each
@@ -315,8 +318,9 @@ def run_dataloader(case: Case, rtt: float, env: dict, workers: int, cls=Boto3Sam
     import torch.utils.data as tud
 
     head = case.head_steps is not None
-    if head:  # timed past the batches the workers can hold when the first lands: those were fetched in its wait
-        case = case.head(case.head_steps, skip=1 + workers * DL_PREFETCH_FACTOR)
+    if head:  # whole rounds, past the batches the workers held when the first landed (see the module doc)
+        skip = workers * (1 + DL_PREFETCH_FACTOR)
+        case = case.head(anchor_span(case.head_steps, workers) - skip, skip=skip)
     meter = start_meter()
     dl = tud.DataLoader(cls(case, env), batch_sampler=[s.tolist() for s in case.steps], num_workers=workers,
                         collate_fn=pack_samples, prefetch_factor=DL_PREFETCH_FACTOR, persistent_workers=False)
@@ -634,6 +638,12 @@ EST_SETUP_BPS = 20e6  # writing the datasets (when not in --data-dir yet), uploa
 EST_HIT_BPS = 100e6  # the hit-rate runs: 3 epochs direct from the server, and the replays
 
 
+def anchor_span(steps: int, workers: int) -> int:
+    """Steps a per-sample anchor's head replays: the batches its workers hold at the first batch, then ``steps`` in
+    whole rounds of ``workers`` (:func:`run_dataloader`)."""
+    return workers * (1 + DL_PREFETCH_FACTOR) + -(-steps // workers) * workers
+
+
 def estimate(cfg: dict, kinds: list[str], rtts: list[float], runs: int, workers: list[int], methods: list[str],
              hit_rates: bool) -> dict[str, float]:
     """Seconds each section of the run should take (setup, each dataset at each round trip, the hit rates), from
@@ -664,9 +674,9 @@ def estimate(cfg: dict, kinds: list[str], rtts: list[float], runs: int, workers:
                 if m in ("dl-boto3", "s3torch"):
                     # a head: its steps after the first batch and the batches the workers hold then
                     w_run = max(workers)  # the most workers: the sweeps' usual choice (latency-bound)
-                    per_run += secs(m, samples if head is None else (head + 1 + w_run * DL_PREFETCH_FACTOR) * batch,
+                    per_run += secs(m, samples if head is None else anchor_span(head, w_run) * batch,
                                     workers=w_run)
-                    sweeps += sum(secs(m, samples if head is None else (head + 1 + w * DL_PREFETCH_FACTOR) * batch,
+                    sweeps += sum(secs(m, samples if head is None else anchor_span(head, w) * batch,
                                        workers=w)
                                   for w in workers) \
                         if swept and len(workers) > 1 else 0.0
