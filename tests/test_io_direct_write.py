@@ -21,6 +21,12 @@ def _writer(tmp_path, size):
     return path, fd, CacheWriter([path], [fd])
 
 
+def _assert_landed(path: str, offset: int, data: np.ndarray) -> None:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        assert f.read(data.size) == data.tobytes()
+
+
 def test_a_large_unaligned_write_lands_every_byte_and_goes_direct(tmp_path):
     data = np.random.default_rng(1).integers(0, 256, size=3 * DIRECT_MIN + 123, dtype=np.uint8)
     path, fd, w = _writer(tmp_path, data.size + 5000)
@@ -30,9 +36,7 @@ def test_a_large_unaligned_write_lands_every_byte_and_goes_direct(tmp_path):
     finally:
         w.close()
         os.close(fd)
-    with open(path, "rb") as f:
-        f.seek(777)
-        assert f.read(data.size) == data.tobytes()
+    _assert_landed(path, 777, data)
 
 
 def test_a_write_refused_with_einval_falls_back_to_buffered_writes(tmp_path, monkeypatch, caplog):
@@ -120,6 +124,4 @@ def test_a_large_buffered_write_goes_in_pieces_cut_at_multiples_of_buffered_piec
     finally:
         w.close()
         os.close(fd)
-    with open(path, "rb") as f:
-        f.seek(777)
-        assert f.read(data.size) == data.tobytes()
+    _assert_landed(path, 777, data)
