@@ -31,18 +31,17 @@ whole-shard downloads: a HEAD and 8 MiB ranged GETs each for the real one, boto3
 ``obstore-ranges`` they are computed with object_store's merge rule (it does not report them).
 
 The full preset keeps the datasets large enough for a realistic geometry (token 512 MiB: 8 shards of Mosaic's
-default 64 MiB, 32,768 samples, 512 steps; media 1.5 GiB: 24 shards, about 1,460 samples) and fits about 33
-minutes on the 2-core VM when quiet: foresight, ``obstore-ranges``, ``mosaic`` and ``mosaic-emul`` replay the whole
-plan, but the per-sample anchors (``dl-boto3``, ``s3torch``), ten times slower on token, replay only a span of it: past
-the batches their workers can hold when the first batch lands (workers x ``DL_PREFETCH_FACTOR``: fetched during
-that wait, so timing them would count bytes the clock never saw), **N steps** rounded up to whole rounds of
-batches (``--anchor-steps``, 16; the config column says "N steps after the first K batches"). A DataLoader's
-workers fetch one batch each at a time, so batches land in rounds of ``workers``: the clock starts as the last
-batch of a round is handed out and stops at the last of a later round (timed from mid-round, the rest of that
-round was already in hand, and a 1 MiB-sample anchor showed 1.5-8x the link's rate). The same steps for both
-anchors at one worker count; their samples/s, CPU-s/GB and link floor are those N steps' own (the
-workers in their steady state: the rate a whole epoch runs at), their time to the first batch its own figure.
-Their requests per sample (1) and bytes ratio (1.0) are exact by construction; the requests target compares
+default 64 MiB, 32,768 samples, 512 steps; media 1.5 GiB: 24 shards, about 1,460 samples) and fits about 35
+minutes on the 2-core VM when quiet: every method replays the whole plan, except the per-sample anchors
+(``dl-boto3``, ``s3torch``) on token, ten times slower there, which are timed over a span of **N steps** (64,
+``--anchor-steps``) in whole rounds of ``workers`` batches: the difference of a pass of ``workers`` + N steps and a
+pass of ``workers`` steps, both from the plan's start (the config column says "N steps: a K-step pass less a
+J-step pass"). Their start, worker spawn and last-round drain cancel; their samples/s, CPU-s/GB and link floor are
+the span's own, their time to the first batch its own figure. A span timed inside one pass overstates them: a
+DataLoader fetches up to workers x ``DL_PREFETCH_FACTOR`` batches ahead and its workers drift apart, so some of
+the span's bytes were fetched before any clock start (three full runs timed that way showed a 1 MiB-sample anchor
+at 8x, 1.5x and 1.2-1.4x the link's rate and were not committed). Their requests per sample (1) and bytes ratio
+(1.0) are exact by construction; the requests target compares
 requests per sample. Worker counts are swept small (8, 16), Mosaic's workers (2, 4) and predownload with each
 point over the first quarter of its epoch (timed from the start as its row is: its shard downloads are what its
 configs change) and its ``shuffle_block_size`` sized to half its cache_limit, so that a block's shards fit its
@@ -60,8 +59,8 @@ Usage::
 
     python bench/object_store.py --smoke          # tiny datasets, one round trip, one run: seconds
     python bench/object_store.py --preset quick   # ~200 MB (32 + 160 MiB), 10 and 30 ms, 2 runs, 16 workers
-    python bench/object_store.py                  # full: 512 MiB + 1.5 GiB, 3 runs, anchors over 16 steps: ~33 min
-    python bench/object_store.py --smoke --anchor-steps 2 --workers 1,2   # the full preset's anchor head, small
+    python bench/object_store.py                  # full: 512 MiB + 1.5 GiB, 3 runs, token anchors over a span: ~35 min
+    python bench/object_store.py --smoke --anchor-steps 2 --workers 1,2   # the full preset's anchor span, small
 """
 from __future__ import annotations
 
@@ -102,9 +101,9 @@ HIT_EPOCHS = 3
 HIT_LOOKAHEAD = PREFETCH + 2  # the least the loader allows: the pinned window is the budget the optimum keeps free
 # mosaic_workers / mosaic_predownload: the StreamingDataset configurations swept (predownload in batches per worker;
 # None: its default, 8 batches); the best one is the row.
-# anchor_steps: the per-sample anchors (dl-boto3, s3torch) replay this many steps after the batches their workers
-# can have in flight when the first batch lands (workers x DL_PREFETCH_FACTOR), and report samples/s over those
-# steps (None: the whole plan). mosaic_sweep_fraction: each Mosaic sweep point runs over
+# anchor_steps: per dataset, the per-sample anchors (dl-boto3, s3torch) are timed over a span of this many steps
+# (rounded up to whole rounds of workers), as the difference of two runs from the plan's start (None or absent:
+# the whole plan; see run_dataloader). mosaic_sweep_fraction: each Mosaic sweep point runs over
 # this leading share of its epoch, timed from the start as its row is (1.0: the whole plan). sweep_once: every sweep
 # runs at the first round trip only, its best config is then run at each round trip.
 PRESETS = {
@@ -121,10 +120,11 @@ PRESETS = {
     # full: about 33 minutes on the 2-core VM when quiet (the estimate printed at the start; 2-3x that at load
     # 10-15). 512 MiB of token (8 shards of Mosaic's default 64 MiB, 32,768 samples, 512 steps) and 1.5 GiB of media
     # (24 shards, about 1,460 samples): foresight, obstore-ranges, mosaic-emul and the real Mosaic over the whole
-    # plan; the per-sample anchors, about ten times slower than foresight on token (dl-boto3 ~400, s3torch ~210
-    # samples/s at 16 workers), over 16 steps after the batches their workers had in flight at the first batch (up to
-    # workers x DL_PREFETCH_FACTOR = 64: timed from the first batch, those steps were fetched during its wait, and
-    # a 1 MiB-sample anchor showed 8x the link's rate; past them the workers are in their steady state). Mosaic's
+    # plan, and so do the per-sample anchors on media (~16 s a run at the link's rate); on token, about ten times
+    # slower than foresight there (dl-boto3 ~400, s3torch ~210 samples/s at 16 workers), they are timed over a span
+    # of 64 steps: a run of workers + 64 steps less a run of workers steps (run_dataloader). Three heads timed
+    # inside one run were stopped as biased (docs/buckets.md): batches the workers fetched before the clock started
+    # made a 1 MiB-sample anchor show 1.2-8x the link's rate. Mosaic's
     # shuffle_block_size is sized to half its cache_limit (mosaic_block_fit): with its default block (262,144
     # samples, past the whole dataset) its cache of 4 of 24 media shards thrashed at this size, 314 downloads of a
     # 64 MiB shard for under a quarter of an epoch at 2 workers (minutes for one sweep point). With the block fitted,
@@ -132,7 +132,7 @@ PRESETS = {
     # shards in the one cache): 8 workers left out of the sweep (one point took 93 s)
     "full": {"token_mib": 512, "media_mib": 1536, "shard_mib": 64, "rtts": "10,30", "runs": 3,
              "workers": "8,16", "token_batch": 64, "media_batch": 8, "mosaic_workers": (2, 4),
-             "mosaic_predownload": (None, 32), "anchor_steps": 16, "mosaic_sweep_fraction": 0.25,
+             "mosaic_predownload": (None, 32), "anchor_steps": {"token": 64}, "mosaic_sweep_fraction": 0.25,
              "sweep_once": True, "mosaic_block_fit": True},
 }
 
@@ -181,14 +181,13 @@ class Case:
         self.needed_bytes = int(self.length[np.unique(self.acc.ids)].sum())
         self.step0_bytes = int(self.length[self.steps[0]].sum()) if self.steps else 0
         self.head_steps: int | None = None  # set on a head(): the steps timed
-        self.head_skip = 0  # set on a head(): the batches taken before the clock starts
+        self.head_skip = 0  # set on a head(): the steps before the span
         self.whole = self  # the case a head() was cut from
 
     def head(self, steps: int, skip: int = 1) -> "Case":
-        """This case cut to its first ``skip`` batches (the first batch and those a reader can have in flight when
-        it lands) and the ``steps`` steps after them, the figures (samples, bytes, the bytes the plan needs, hence
-        the link floor) being those of the ``steps``: the span the slow per-sample anchors are timed over
-        (``consume(..., skip=skip)``). ``skip`` is at least 1 and leaves at least one step to time."""
+        """This case cut to its first ``skip`` + ``steps`` steps, the figures (samples, bytes, the bytes the plan
+        needs, hence the link floor) being those of the last ``steps``: the span the slow per-sample anchors are
+        timed over (:func:`run_dataloader`). ``skip`` is at least 1 and leaves at least one step to time."""
         whole = self.whole
         skip = max(1, min(int(skip), len(whole.steps) - 1))
         view = copy.copy(whole)
@@ -220,30 +219,20 @@ def start_meter() -> Meter:
     return m
 
 
-def consume(batches, meter: Meter, total: int, *, skip: int = 0) -> tuple[int, float, float, float]:
+def consume(batches, meter: Meter, total: int) -> tuple[int, float, float, float]:
     """Take batches (dicts with ``lengths``) until ``total`` samples are in hand; (samples, time to the first
     batch, wall, CPU). Every method is timed alike: from before its client or dataset is made (connections,
     worker start and dataset open included) to its last batch in hand; the teardown after it (closing, joining
-    workers) is left out. Samples past ``total`` (Mosaic pads its last batches with repeats) are not counted.
-    ``skip``: samples, wall and CPU are those after the first ``skip`` batches in hand (``total`` counts those
-    only; the time to the first batch is still its own figure): the per-sample anchors' rate over a span of the
-    plan in their steady state (:meth:`Case.head`)."""
-    samples, ttfb, lap, taken = 0, None, (0.0, 0.0), 0
+    workers) is left out. Samples past ``total`` (Mosaic pads its last batches with repeats) are not counted."""
+    samples, ttfb = 0, None
     for batch in batches:
         if ttfb is None:
             ttfb = time.perf_counter() - meter._t0
-        if taken < skip:
-            taken += 1
-            if taken == skip:
-                lap = meter.stop()  # (wall, CPU) so far: the span timed starts here
-                if total <= 0:
-                    break
-            continue
         samples += len(batch["lengths"])
         if samples >= total:
             break
     wall, cpu = meter.stop()
-    return min(samples, total), ttfb, wall - lap[0], cpu - lap[1]
+    return min(samples, total), ttfb, wall, cpu
 
 
 def row(case: Case, method: str, rtt: float, samples: int, wall: float, cpu: float, requests: float,
@@ -314,27 +303,50 @@ class S3TorchSamples(Boto3Samples):
         return np.frombuffer(body, dtype=np.uint8)
 
 
-def run_dataloader(case: Case, rtt: float, env: dict, workers: int, cls=Boto3Samples, method="dl-boto3") -> dict:
+def dataloader_pass(case: Case, steps: list[np.ndarray], env: dict, workers: int, cls) -> tuple:
+    """One DataLoader over ``steps`` (a prefix of the plan), timed as every method is (:func:`consume`)."""
     import torch.utils.data as tud
 
-    head = case.head_steps is not None
-    if head:  # whole rounds, past the batches the workers held when the first landed (see the module doc)
-        skip = workers * (1 + DL_PREFETCH_FACTOR)
-        case = case.head(anchor_span(case.head_steps, workers) - skip, skip=skip)
     meter = start_meter()
-    dl = tud.DataLoader(cls(case, env), batch_sampler=[s.tolist() for s in case.steps], num_workers=workers,
+    dl = tud.DataLoader(cls(case, env), batch_sampler=[s.tolist() for s in steps], num_workers=workers,
                         collate_fn=pack_samples, prefetch_factor=DL_PREFETCH_FACTOR, persistent_workers=False)
     it = iter(dl)
     try:
-        samples, ttfb, wall, cpu = consume(it, meter, case.samples, skip=case.head_skip if head else 0)
+        return consume(it, meter, int(sum(s.size for s in steps)))
     finally:
         del it, dl
         gc.collect()
-    # one GET per sample, each exactly its bytes: the samples timed and their bytes (a head: those after the first)
-    config = f"workers={workers}" + (f", {case.head_steps} steps after the first {case.head_skip} batches"
-                                     if head else "")
-    return row(case, method, rtt, samples, wall, cpu, samples, case.read_bytes, ttfb, config=config,
-               **({"head_steps": case.head_steps, "head_skip": case.head_skip} if head else {}))
+
+
+def span_figures(short: tuple, long: tuple) -> tuple[int, float, float]:
+    """(samples, wall, CPU) of the steps a ``long`` pass ran past a ``short`` one, both from the plan's start
+    (each a :func:`consume` result): their start, worker spawn and the drain of their last round cancel."""
+    samples, wall, cpu = long[0] - short[0], long[2] - short[2], long[3] - short[3]
+    if samples <= 0 or wall <= 0:
+        raise ValueError(f"a span needs the long pass to take longer: {samples} samples in {wall:.3f} s")
+    return samples, wall, max(cpu, 0.0)
+
+
+def run_dataloader(case: Case, rtt: float, env: dict, workers: int, cls=Boto3Samples, method="dl-boto3") -> dict:
+    """A per-sample anchor over the whole plan, or, on a head (``case.head_steps``), over a span of it: the
+    difference of a pass of ``workers`` + the span's steps and a pass of ``workers`` steps, both from the start,
+    the span rounded up to whole rounds of ``workers``. Timing a span inside one pass overstates the anchor: a
+    DataLoader fetches up to ``workers x prefetch_factor`` batches ahead, and its workers drift apart, so whatever
+    point the clock starts at, some of the span's bytes were already fetched (1.2-8x the link's rate on 1 MiB
+    samples, docs/buckets.md). Two passes from the start differ only by the span's rounds: the anchor's start
+    (which a whole-plan row pays) is left out of its rate, in its favour."""
+    if case.head_steps is None:
+        samples, ttfb, wall, cpu = dataloader_pass(case, case.steps, env, workers, cls)
+        # one GET per sample, each exactly its bytes
+        return row(case, method, rtt, samples, wall, cpu, samples, case.read_bytes, ttfb, config=f"workers={workers}")
+    span = case.head(-(-case.head_steps // workers) * workers, skip=workers)
+    base, n = span.head_skip, span.head_steps
+    short = dataloader_pass(case, span.steps[:base], env, workers, cls)
+    long = dataloader_pass(case, span.steps, env, workers, cls)
+    samples, wall, cpu = span_figures(short, long)
+    config = f"workers={workers}, {n} steps: a {base + n}-step pass less a {base}-step pass"
+    return row(span, method, rtt, samples, wall, cpu, samples, span.read_bytes, long[1], config=config,
+               head_steps=n, head_skip=base)
 
 
 def obstore_requests(case: Case, ids: np.ndarray) -> tuple[int, int]:
@@ -639,9 +651,15 @@ EST_HIT_BPS = 100e6  # the hit-rate runs: 3 epochs direct from the server, and t
 
 
 def anchor_span(steps: int, workers: int) -> int:
-    """Steps a per-sample anchor's head replays: the batches its workers hold at the first batch, then ``steps`` in
-    whole rounds of ``workers`` (:func:`run_dataloader`)."""
-    return workers * (1 + DL_PREFETCH_FACTOR) + -(-steps // workers) * workers
+    """Steps a per-sample anchor replays to time a span of ``steps``: a pass of ``workers`` steps and one of
+    ``workers`` + the span in whole rounds of ``workers`` (:func:`run_dataloader`)."""
+    return 2 * workers + -(-steps // workers) * workers
+
+
+def anchor_steps_of(cfg: dict, kind: str) -> int | None:
+    """The span the per-sample anchors are timed over on ``kind`` (None: the whole plan)."""
+    steps = cfg["anchor_steps"]
+    return steps.get(kind) if isinstance(steps, dict) else steps
 
 
 def estimate(cfg: dict, kinds: list[str], rtts: list[float], runs: int, workers: list[int], methods: list[str],
@@ -649,7 +667,6 @@ def estimate(cfg: dict, kinds: list[str], rtts: list[float], runs: int, workers:
     """Seconds each section of the run should take (setup, each dataset at each round trip, the hit rates), from
     the rates above: a guide to plan a run by, printed at its start and set beside each section's elapsed time."""
     out = {}
-    head = cfg["anchor_steps"]
     total_bytes = 0
     for kind in kinds:
         total_bytes += cfg[f"{kind}_mib"] * MiB
@@ -657,6 +674,7 @@ def estimate(cfg: dict, kinds: list[str], rtts: list[float], runs: int, workers:
     for rtt in rtts:
         for kind in kinds:
             batch, nbytes = cfg[f"{kind}_batch"], cfg[f"{kind}_mib"] * MiB
+            head = anchor_steps_of(cfg, kind)
             mean = TOKEN_SAMPLE if kind == "token" else (128 * KiB + 2 * MiB) / 2
             samples = nbytes / mean
 
@@ -672,13 +690,14 @@ def estimate(cfg: dict, kinds: list[str], rtts: list[float], runs: int, workers:
             swept = not cfg["sweep_once"] or rtt == rtts[0]
             for m in methods:
                 if m in ("dl-boto3", "s3torch"):
-                    # a head: its steps after the first batch and the batches the workers hold then
-                    w_run = max(workers)  # the most workers: the sweeps' usual choice (latency-bound)
-                    per_run += secs(m, samples if head is None else anchor_span(head, w_run) * batch,
-                                    workers=w_run)
-                    sweeps += sum(secs(m, samples if head is None else anchor_span(head, w) * batch,
-                                       workers=w)
-                                  for w in workers) \
+                    # a span: two passes from the start, each with its own start
+                    def anchor(w: int) -> float:
+                        if head is None:
+                            return secs(m, samples, workers=w)
+                        return secs(m, anchor_span(head, w) * batch, workers=w) + secs(m, 0, workers=w)
+
+                    per_run += anchor(max(workers))  # the most workers: the sweeps' usual choice (latency-bound)
+                    sweeps += sum(anchor(w) for w in workers) \
                         if swept and len(workers) > 1 else 0.0
                 elif m == "mosaic":
                     per_run += secs(m, samples)
@@ -812,8 +831,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only these methods, comma-separated (e.g. foresight,mosaic): a before/after subset")
     ap.add_argument("--no-hit-rates", action="store_true", help="skip the cache hit-rate runs")
     ap.add_argument("--anchor-steps", type=int, default=None,
-                    help="the per-sample anchors (dl-boto3, s3torch) over this many steps after the batches their "
-                         "workers hold at the first batch, their samples/s over those steps (0: the whole plan; "
+                    help="time the per-sample anchors (dl-boto3, s3torch) over a span of this many steps of every "
+                         "dataset: a pass of workers + N steps less a pass of workers steps (0: the whole plan; "
                          "default: the preset's)")
     args = ap.parse_args(argv)
     only = set(args.methods.split(",")) if args.methods else None
@@ -900,7 +919,8 @@ def main(argv: list[str] | None = None) -> int:
                         "mosaic-emul": lambda: run_mosaic_emul(case, rtt, env, work),
                     }
                     swept = not cfg["sweep_once"] or rtt == rtts[0]  # else: the first round trip's choices
-                    head = case if cfg["anchor_steps"] is None else case.head(cfg["anchor_steps"])
+                    span = anchor_steps_of(cfg, case.kind)
+                    head = case if span is None else case.head(span)
                     if "mosaic" not in skipped and wanted("mosaic"):
                         configs = [(w, p if p is None else p * case.batch) for w in cfg["mosaic_workers"]
                                    for p in cfg["mosaic_predownload"]]
@@ -958,7 +978,8 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"machine": machine(), "preset": preset, "smoke": preset == "smoke", "runs": runs, "mbit": args.mbit,
                "rtts_ms": rtts, "rows": rows, "worker_sweep": sweep, "hit_rates": hits, "targets": targets,
                "skipped": skipped, "elapsed_s": time.perf_counter() - t_start, "sections": clock.sections,
-               "anchor_steps": cfg["anchor_steps"], "mosaic_sweep_fraction": cfg["mosaic_sweep_fraction"],
+               "anchor_steps": {c.kind: anchor_steps_of(cfg, c.kind) for c in cases},
+               "mosaic_sweep_fraction": cfg["mosaic_sweep_fraction"],
                "sweep_once": cfg["sweep_once"], "mosaic_block_fit": cfg["mosaic_block_fit"],
                "datasets": [{"kind": c.kind, "samples": c.local.num_samples, "bytes": int(c.length.sum()),
                              "steps": len(c.steps), "shards": len(c.keys)} for c in cases]}

@@ -102,11 +102,14 @@ def object_store(payload: dict) -> Section:
     s.notes.append(f"SeaweedFS on loopback behind the WAN bed's delaying proxy ({payload['mbit']:g} Mbit/s shared "
                    f"pipe; round trips {', '.join(f'{r:g}' for r in payload['rtts_ms'])} ms); {sets}; "
                    f"{payload['runs']} run(s) per method, the median row shown")
-    if payload.get("anchor_steps"):
-        s.notes.append(f"the per-sample anchors (dl-boto3, s3torch) over {payload['anchor_steps']} steps only, "
-                       f"after the batches their workers hold when the first batch lands (the config column says "
-                       f"how many): their samples/s, CPU and link floor are those steps' own, their time to the "
-                       f"first batch its own figure")
+    spans = payload.get("anchor_steps") or {}
+    spans = spans if isinstance(spans, dict) else {d["kind"]: spans for d in payload["datasets"]}
+    for kind, steps in spans.items():
+        if steps:
+            s.notes.append(f"the per-sample anchors (dl-boto3, s3torch) on {kind} over a span of {steps} steps: a "
+                           f"pass of workers + {steps} steps less a pass of workers steps, both from the plan's "
+                           f"start (the config column says which): their samples/s, CPU and link floor are the "
+                           f"span's own, their start left out, their time to the first batch its own figure")
     if payload.get("sweep_once") or (payload.get("mosaic_sweep_fraction") or 1) < 1:
         s.notes.append("sweeps (worker counts; Mosaic's workers and predownload"
                        + (f", each point over the first {payload['mosaic_sweep_fraction']:.0%} of its epoch"
