@@ -5,8 +5,10 @@ The same server, delaying proxy, datasets, plan and methods as bench/object_stor
 the other anchors: a before/after check of the fetch path's CPU in a minute. CPU time (user + sys) is far less
 disturbed by other load on a shared machine than wall time, but not free of it (see docs/buckets.md, "Where the
 fill's CPU went"): take the medians of several runs. A first run, not counted, pays the imports and the first
-connections. Per thread: the CPU of the threads alive when the last batch is in hand (``foresight-bucket``: the
-fetcher's GETs, checks and writes; ``tokio``: obstore's runtime; ``MainThread``: the loader and the open).
+connections. Per thread: the CPU (the scheduler's count) of every thread alive during the run, read every
+``SAMPLE_S`` and at the last batch, grouped by name (``foresight-bucket``: the fetcher's GETs, checks and writes;
+``tokio``: obstore's runtime; ``MainThread``: the loader's arena, the open and the consumer; ``python``: the I/O
+engine's threads, the loader's read back of the cache; ``foresight-loader``, ``foresight-bucket-prefetch``).
 
 Usage::
 
@@ -29,24 +31,50 @@ from unittest.mock import patch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import object_store as ob  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
-GROUPS = ("foresight-bucket-prefetch", "foresight-bucket", "tokio", "MainThread")
+GROUPS = ("foresight-bucket-prefetch", "foresight-bucket", "foresight-loader", "tokio", "MainThread")
+SAMPLE_S = 0.2  # how often the threads' CPU is read during a run (so threads that end before its last batch count;
+# reading /proc for ~70 threads costs ~1 ms a time: at 0.2 s under 0.01 CPU-s/GB of a media epoch)
 
 
 def threads_cpu() -> dict[int, tuple[str, float]]:
-    """CPU-s of each live thread of this process, with its name (Python's where it has one)."""
+    """CPU-s of each live thread of this process, with its name (Python's where it has one). From the scheduler's
+    own count (``schedstat``, ns): the tick-sampled utime/stime of ``stat`` left over half of a media epoch's CPU
+    out of the sum over its ~70 threads, most of them briefly busy."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
         except OSError:  # ended meanwhile
             continue
-        comm = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(tid)] = (names.get(int(tid), comm), (int(fields[11]) + int(fields[12])) / TICK)
+        out[int(tid)] = (names.get(int(tid), comm), ns / 1e9)
     return out
+
+
+class ThreadSampler:
+    """The last CPU-s read of every thread alive at some point of a run: read every ``SAMPLE_S`` on a thread of
+    its own, so a thread that ends before the last batch (the prefetcher's, once the plan is fetched) still
+    counts, up to its last ``SAMPLE_S``."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, tuple[str, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self.seen.update(threads_cpu())
+
+    def __enter__(self) -> "ThreadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def group(name: str) -> str:
@@ -61,6 +89,7 @@ def run_foresight(case: ob.Case, env: dict, work: Path, fill: bool) -> dict:
 
     cache_dir = tempfile.mkdtemp(prefix="fs-", dir=work)
     at_end: dict = {}
+    sampler = ThreadSampler().__enter__()
     try:
         with patch.dict(os.environ, env):
             before = threads_cpu()
@@ -75,16 +104,21 @@ def run_foresight(case: ob.Case, env: dict, work: Path, fill: bool) -> dict:
                     for batch in loader:
                         seen += len(batch["lengths"])
                         if seen >= case.samples:
+                            sampler.__exit__()
+                            at_end.update(sampler.seen)
                             at_end.update(threads_cpu())
                         yield batch
 
                 samples, ttfb, wall, cpu = ob.consume(batches(), meter, case.samples)
                 stats = ds.fetcher.stats.as_dict()
     finally:
+        sampler.__exit__()
         shutil.rmtree(cache_dir, ignore_errors=True)
     gb = case.read_bytes / 1e9
     per: dict[str, float] = {}
     for tid, (name, c) in at_end.items():
+        if name == "bench-sampler":
+            continue
         per[group(name)] = per.get(group(name), 0.0) + c - before.get(tid, (name, 0.0))[1]
     return {"cpu_s_per_gb": cpu / gb, "samples_per_s": samples / wall,
             "requests_per_sample": (stats["requests"] - base["requests"]) / samples,
