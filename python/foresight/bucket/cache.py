@@ -66,7 +66,7 @@ from foresight.io.direct_write import CacheWriter
 
 log = logging.getLogger("foresight.bucket")
 
-__all__ = ["SampleCache", "CacheStats", "punch_hole", "INDEX_DIR"]
+__all__ = ["SampleCache", "CacheStats", "punch_hole", "allocate_index", "INDEX_DIR"]
 
 INDEX_DIR = ".foresight-cache"
 FETCH_CHUNK = 256 << 20  # bytes of samples fetched (and held in memory) at once
@@ -88,6 +88,22 @@ def punch_hole(fd: int, offset: int, length: int) -> int:
         err = ctypes.get_errno()
         raise OSError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
     return end - start
+
+
+def allocate_index(fd: int, entries: int, path: str) -> None:
+    """Give the index file ``fd`` (``entries`` bytes) every block it will ever need, now. The index is a shared
+    mapping: a mark stored into a page of a sparse file makes the file system allocate its block then, and on a
+    full disk the kernel answers that store with SIGBUS, which kills the process without a word. Allocated here,
+    a full disk is a ``cache_full`` :class:`BucketError` naming the index (at layout or open), never a dead rank."""
+    if entries <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, entries)  # quick when already allocated; glibc writes zeros where unsupported
+    except OSError as e:
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise BucketError(f"cannot allocate the cache index: {os.strerror(e.errno)}" + (
+            " (free the disk or use another cache directory)" if full else ""), "cache_full" if full else "cache",
+            path=path) from None
 
 
 def _around(starts: np.ndarray, lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -159,6 +175,11 @@ class SampleCache:
             os.close(self._index_fd)
             raise BucketError(f"cache index holds {entries} entries, the dataset {self.num_samples}", "checksum",
                               path=index_path)
+        try:
+            allocate_index(self._index_fd, entries, index_path)  # a copy laid out before the index was allocated
+        except BaseException:
+            os.close(self._index_fd)
+            raise
         self.present = np.memmap(index_path, dtype=np.uint8, mode="r+", shape=(self.num_samples,)) \
             if self.num_samples else np.zeros(0, np.uint8)
         self._fds = [os.open(p, os.O_RDWR) for p in shard_paths]
