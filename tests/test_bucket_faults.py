@@ -459,3 +459,31 @@ def test_marking_a_sample_on_a_full_cache_disk_never_kills_the_process(s3_env, s
     child = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True,
                            env=dict(os.environ, CACHE=str(small_ext4), BYTES=many.read(9000).hex()))
     assert child.returncode == 0 and b"ok" in child.stdout, (child.returncode, child.stderr.decode()[-2000:])
+
+
+def test_a_copy_laid_out_anew_never_shares_marks_with_a_reader_of_the_old_one(s3_env, tmp_path, local):
+    """The dataset's manifest is uploaded again (here: the same dataset, the manifest's bytes changed, its shard
+    objects and their ETags unchanged) while a reader (another job's loader, a node's open dataset) still has
+    the old copy open, and a new open lays the copy out anew. The old reader's marks must not land in the new
+    copy's index (they would say present samples whose bytes the new sparse files never got: zeros served as
+    data), and the old reader, whose reads by path now reach the new files, is refused by name instead of
+    serving what its old index says is there."""
+    url = BucketURL.parse("s3://faults/relayout")
+    upload_dataset(local.path, url)
+    cache = tmp_path / "cache"
+    old = open_dataset(str(url), cache_dir=cache)
+    try:
+        old.lookup(np.arange(3))  # present in the old copy
+        with open(os.path.join(local.path, "manifest.json"), "rb") as f:
+            raw = f.read()
+        obstore.put(open_store(url), url.key("manifest.json"), raw + b"\n")  # a new ETag, the same dataset
+        with open_dataset(str(url), cache_dir=cache) as new:  # laid out anew (the old reader is still open)
+            for ids in (np.arange(3), np.arange(5)):  # present in its index / to be fetched
+                with pytest.raises(BucketError) as e:
+                    old.lookup(ids)
+                assert e.value.reason == "changed" and "laid out anew" in str(e.value), str(e.value)
+            assert not new.cache.present.any()  # nothing the old reader did is marked here
+            new.lookup(np.arange(8))
+            assert all(new.read(i) == local.read(i) for i in range(8))
+    finally:
+        old.close()

@@ -106,6 +106,10 @@ def allocate_index(fd: int, entries: int, path: str) -> None:
             path=path) from None
 
 
+def _file_id(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
 def _around(starts: np.ndarray, lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The pieces of ``[0, n)`` outside the extents ``[starts, starts + lengths)`` (sorted, disjoint): their starts
     and ends (empty pieces dropped)."""
@@ -180,6 +184,8 @@ class SampleCache:
         except BaseException:
             os.close(self._index_fd)
             raise
+        self._index_path = index_path
+        self._index_id = _file_id(os.fstat(self._index_fd))
         self.present = np.memmap(index_path, dtype=np.uint8, mode="r+", shape=(self.num_samples,)) \
             if self.num_samples else np.zeros(0, np.uint8)
         self._fds = [os.open(p, os.O_RDWR) for p in shard_paths]
@@ -247,6 +253,7 @@ class SampleCache:
         returned wrong bytes): nothing of that GET is marked (the checked samples of the call's other GETs are).
         Without ``claim`` (a lookup), absent samples that a claim holds are waited for, not fetched
         (:mod:`foresight.bucket.claims`; ``stats.claim_waits``); with it (a claim's owner fetching), none is."""
+        self._check_copy()
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         ids, first = np.unique(ids, return_index=True)
         rank = np.zeros(ids.size, np.int64) if order is None else np.asarray(order, dtype=np.int64)[first]
@@ -305,6 +312,18 @@ class SampleCache:
                 self._unlock(held)
         finally:
             self._release()
+
+    def _check_copy(self) -> None:
+        """:class:`BucketError` (``changed``) when another open laid this copy out anew since this one opened it
+        (the dataset's manifest changed in the bucket): its index and shard files were replaced by new ones, which
+        reads by path now reach, while this cache holds the old ones; its marks say nothing about the new files."""
+        try:
+            same = _file_id(os.stat(self._index_path)) == self._index_id
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise BucketError("the cache copy was laid out anew by another open since this one opened it (the "
+                              "dataset changed in the bucket): reopen the dataset", "changed", path=self.local_dir)
 
     def _count_claim_waits(self, n: int) -> None:
         with self._stats_lock:

@@ -168,10 +168,21 @@ def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef, raw: b
 
 
 def _make_index(path: str, entries: int) -> None:
-    """The index of present samples: one zero byte per sample, its blocks allocated (:func:`allocate_index`)."""
-    with open(path, "wb") as f:
-        f.truncate(entries)
-        allocate_index(f.fileno(), entries, path)
+    """The index of present samples: one zero byte per sample, its blocks allocated (:func:`allocate_index`).
+
+    A new file renamed over the old one, never the old one truncated in place: a process that still has the
+    previous copy open maps that index and keeps fetching into that copy's (unlinked) shard files; marking the
+    new copy's index instead would say present samples whose bytes the new sparse files never got."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.truncate(entries)
+            allocate_index(f.fileno(), entries, path)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _refuse_foreign(local: str) -> None:
