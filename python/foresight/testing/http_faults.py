@@ -2,8 +2,9 @@
 
 It forwards every request as it came (method, path, headers, body: a SigV4 signature stays valid, since the
 ``Host`` header is passed through unchanged) and answers the ones a :class:`Fault` picks itself: ``503 SlowDown``
-or ``500 InternalError`` with S3's XML error body, or forwards them after a delay. A fault picks requests by
-method and path pattern, then the first ``times`` of those, or a ``fraction`` of them drawn from a seeded
+or ``500 InternalError`` with S3's XML error body, forwards them after a delay, or forwards them and drops the
+server's reply (a request that took effect, its answer lost). A fault picks requests by method and path
+pattern, then the first ``times`` of those, or a ``fraction`` of them drawn from a seeded
 generator. Every request is recorded (:attr:`FaultProxy.requests`): what it asked for, and whether it was
 forwarded or answered by a fault, so a test counts attempts and bytes instead of timing anything.
 
@@ -43,12 +44,15 @@ _HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transf
 @dataclass
 class Fault:
     """Which requests to answer with ``status`` (503 SlowDown, 500 InternalError; 0: forward them) after
-    ``delay_s``: those whose method is ``method`` (None: any) and whose path (with query) matches the regex
+    ``delay_s`` (``drop_reply`` with status 0: forward them, then close the connection without passing the
+    server's answer on: a request that took effect whose reply was lost, as when a link drops after the server
+    acted): those whose method is ``method`` (None: any) and whose path (with query) matches the regex
     ``path``, then the first ``times`` of them (None: no limit), each with probability ``fraction`` (a generator
     seeded with ``seed``: the same requests in the same order draw the same faults)."""
 
     status: int = 503
     path: str = ""
+    drop_reply: bool = False  # with status 0: forward, let the server act, then close without answering
     method: str | None = "GET"
     times: int | None = None
     fraction: float = 1.0
@@ -128,6 +132,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         finally:
             upstream.close()
+        if fault is not None and fault.drop_reply:  # the server acted; the client hears nothing but a close
+            self.close_connection = True
+            proxy._record(ProxiedRequest(self.command, self.path, self.headers.get("Range"), resp.status, True, 0,
+                                         False))
+            return
         headers = {k: v for k, v in resp.getheaders() if k.lower() not in _HOP}
         if self.command == "HEAD":  # the object's size, not this answer's body
             headers["Content-Length"] = resp.getheader("Content-Length") or "0"
