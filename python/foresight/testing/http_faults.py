@@ -53,6 +53,8 @@ class Fault:
     status: int = 503
     path: str = ""
     drop_reply: bool = False  # with status 0: forward, let the server act, then close without answering
+    drop_headers: tuple[str, ...] = ()  # with status 0: forward without these request headers, signed anew
+    #   with the proxy's ``keys`` (a server that ignores them: ``("If-Match",)`` is a store that ignores If-Match)
     method: str | None = "GET"
     times: int | None = None
     fraction: float = 1.0
@@ -119,9 +121,11 @@ class _Handler(BaseHTTPRequestHandler):
         upstream = http.client.HTTPConnection(*proxy.target, timeout=proxy.timeout_s)
         try:
             upstream.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
-            for name, value in self.headers.items():
-                if name.lower() not in _HOP:
-                    upstream.putheader(name, value)
+            headers = [(n, v) for n, v in self.headers.items() if n.lower() not in _HOP]
+            if fault is not None and fault.drop_headers:
+                headers = proxy._resigned(self.command, self.path, headers, body, fault.drop_headers)
+            for name, value in headers:
+                upstream.putheader(name, value)
             if body or self.command in ("PUT", "POST"):
                 upstream.putheader("Content-Length", str(len(body)))
             upstream.endheaders(body or None)
@@ -171,8 +175,9 @@ class FaultProxy:
     the ``with``) stops it."""
 
     def __init__(self, target: tuple[str, int], faults: list[Fault] | None = None, *,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, keys: tuple[str, str, str] | None = None) -> None:
         self.target = target
+        self.keys = keys  # (access key, secret key, region): to sign anew requests a fault changed
         self.faults = list(faults or [])
         self.timeout_s = timeout_s
         self.requests: list[ProxiedRequest] = []
@@ -191,6 +196,22 @@ class FaultProxy:
     def _pick(self, method: str, path: str) -> Fault | None:
         with self._lock:
             return next((f for f in self.faults if f.picks(method, path)), None)
+
+    def _resigned(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes,
+                  drop: tuple[str, ...]) -> list[tuple[str, str]]:
+        """``headers`` without ``drop``, the request signed anew (SigV4, botocore's) with :attr:`keys`."""
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
+        from botocore.credentials import Credentials
+
+        if self.keys is None:
+            raise ValueError("FaultProxy(keys=...) is needed to drop request headers (the request is signed anew)")
+        gone = {h.lower() for h in drop} | {"authorization", "x-amz-date"}
+        kept = {n: v for n, v in headers if n.lower() not in gone}
+        host = next(v for n, v in headers if n.lower() == "host")
+        request = AWSRequest(method=method, url=f"http://{host}{path}", headers=kept, data=body)
+        S3SigV4Auth(Credentials(*self.keys[:2]), "s3", self.keys[2]).add_auth(request)
+        return list(request.headers.items())
 
     def _record(self, request: ProxiedRequest) -> None:
         with self._lock:
