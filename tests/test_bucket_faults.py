@@ -474,6 +474,9 @@ def test_a_copy_laid_out_anew_never_shares_marks_with_a_reader_of_the_old_one(s3
     old = open_dataset(str(url), cache_dir=cache)
     try:
         old.lookup(np.arange(3))  # present in the old copy
+        index_dir = os.path.join(old.path, ".foresight-cache")
+        with open(os.path.join(index_dir, "present.tmp-999999"), "wb") as f:  # what a layout killed midway leaves
+            f.write(bytes(local.num_samples))
         with open(os.path.join(local.path, "manifest.json"), "rb") as f:
             raw = f.read()
         obstore.put(open_store(url), url.key("manifest.json"), raw + b"\n")  # a new ETag, the same dataset
@@ -483,6 +486,7 @@ def test_a_copy_laid_out_anew_never_shares_marks_with_a_reader_of_the_old_one(s3
                     old.lookup(ids)
                 assert e.value.reason == "changed" and "laid out anew" in str(e.value), str(e.value)
             assert not new.cache.present.any()  # nothing the old reader did is marked here
+            assert not [n for n in os.listdir(index_dir) if ".tmp-" in n]  # the killed layout's leftovers went
             new.lookup(np.arange(8))
             assert all(new.read(i) == local.read(i) for i in range(8))
     finally:

@@ -201,13 +201,18 @@ def _refuse_foreign(local: str) -> None:
 
 def _clear(local: str) -> None:
     """Remove an older copy (or a layout cut short): its plain files (shards, maps, manifest, a pair's ``.idx``/
-    ``.bin``, temporary files). Directories and dotfiles are left: they are the index directory and the copies of
-    other URLs nested under this prefix (a plan at ``s3://b/plans/p1`` under a dataset at ``s3://b``, and its
-    mirror's records ``.p1.foresight-mirror.*``)."""
+    ``.bin``, temporary files, the index directory's temporary files too). Directories and dotfiles are left: they
+    are the index directory and the copies of other URLs nested under this prefix (a plan at ``s3://b/plans/p1``
+    under a dataset at ``s3://b``, and its mirror's records ``.p1.foresight-mirror.*``)."""
     for name in os.listdir(local):
         path = os.path.join(local, name)
         if not name.startswith(".") and (os.path.islink(path) or not os.path.isdir(path)):
             os.unlink(path)
+    index_dir = os.path.join(local, INDEX_DIR)
+    for name in os.listdir(index_dir) if os.path.isdir(index_dir) else ():
+        if ".tmp-" in name:  # a temporary file (index, state) of a layout killed midway; the caller holds the lock
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(index_dir, name))
 
 
 def _lay_out_megatron(local: str, fetcher: RangedFetcher, idx_ref: ObjectRef) -> dict[str, Any]:
