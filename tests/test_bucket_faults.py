@@ -26,7 +26,7 @@ from foresight.format import DatasetWriter
 from foresight.loader import Loader
 from foresight.plan import build_plan
 from foresight.testing.http_faults import Fault, FaultProxy
-from full_disk import full_disk  # noqa: F401  (fixture)
+from full_disk import full_disk, small_ext4  # noqa: F401  (fixtures)
 from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
 
 PATIENT = RetryPolicy(attempts=100, budget_s=120, base_s=0.05, max_backoff_s=0.5)
@@ -430,3 +430,64 @@ def test_a_cache_place_holding_files_it_did_not_lay_out_is_left_alone(s3_env, tm
     os.unlink(os.path.join(path, ".foresight-cache", "state.json"))  # a layout cut short: ours, laid out again
     with open_dataset("s3://faults/same-name", cache_dir=tmp_path / "other") as ds:
         assert ds.read(5) == local.read(5)
+
+
+def test_marking_a_sample_on_a_full_cache_disk_never_kills_the_process(s3_env, small_ext4, tmp_path):
+    """The index of present samples is a shared mapping of its file: a mark landing on a page of it that holds no
+    block yet needs one from the disk, and on a full disk the kernel answers that store with SIGBUS (the process
+    dies without a word). Here a sample's bytes are already in its shard file (a process killed between writing
+    and marking them) and the disk fills up; refetching it writes in place and marks it: that must work (the
+    index holds its blocks from the layout on), never kill the process."""
+    from seaweed_helpers import token_dataset
+
+    many = token_dataset(tmp_path / "many", docs=12_000, max_len=4, shard_bytes=1 << 30, seed=3)
+    upload_dataset(many.path, "s3://faults/marks")
+    code = ("import os, numpy as np\n"
+            "from foresight import open_dataset\n"
+            "ds = open_dataset('s3://faults/marks', cache_dir=os.environ['CACHE'])\n"
+            "i = 9000  # its mark lies on the index's third page\n"
+            "ext = ds.cache.lookup(np.array([i]))  # where it lies (the local reader's lookup: no fetch)\n"
+            "with open(ds.shard_paths[int(ext.shard[0])], 'r+b') as f:  # written, never marked\n"
+            "    f.seek(int(ext.offset[0])); f.write(bytes.fromhex(os.environ['BYTES']))\n"
+            "with open(os.path.join(os.environ['CACHE'], 'filler'), 'wb', buffering=0) as f:  # the disk fills\n"
+            "    try:\n"
+            "        while True: f.write(bytes(4096))\n"
+            "    except OSError: pass\n"
+            "ds.lookup(np.array([i]))\n"
+            "assert ds.read(i) == bytes.fromhex(os.environ['BYTES'])\n"
+            "print('ok')\n")
+    child = subprocess.run([sys.executable, "-c", code], timeout=120, capture_output=True,
+                           env=dict(os.environ, CACHE=str(small_ext4), BYTES=many.read(9000).hex()))
+    assert child.returncode == 0 and b"ok" in child.stdout, (child.returncode, child.stderr.decode()[-2000:])
+
+
+def test_a_copy_laid_out_anew_never_shares_marks_with_a_reader_of_the_old_one(s3_env, tmp_path, local):
+    """The dataset's manifest is uploaded again (here: the same dataset, the manifest's bytes changed, its shard
+    objects and their ETags unchanged) while a reader (another job's loader, a node's open dataset) still has
+    the old copy open, and a new open lays the copy out anew. The old reader's marks must not land in the new
+    copy's index (they would say present samples whose bytes the new sparse files never got: zeros served as
+    data), and the old reader, whose reads by path now reach the new files, is refused by name instead of
+    serving what its old index says is there."""
+    url = BucketURL.parse("s3://faults/relayout")
+    upload_dataset(local.path, url)
+    cache = tmp_path / "cache"
+    old = open_dataset(str(url), cache_dir=cache)
+    try:
+        old.lookup(np.arange(3))  # present in the old copy
+        index_dir = os.path.join(old.path, ".foresight-cache")
+        with open(os.path.join(index_dir, "present.tmp-999999"), "wb") as f:  # what a layout killed midway leaves
+            f.write(bytes(local.num_samples))
+        with open(os.path.join(local.path, "manifest.json"), "rb") as f:
+            raw = f.read()
+        obstore.put(open_store(url), url.key("manifest.json"), raw + b"\n")  # a new ETag, the same dataset
+        with open_dataset(str(url), cache_dir=cache) as new:  # laid out anew (the old reader is still open)
+            for ids in (np.arange(3), np.arange(5)):  # present in its index / to be fetched
+                with pytest.raises(BucketError) as e:
+                    old.lookup(ids)
+                assert e.value.reason == "changed" and "laid out anew" in str(e.value), str(e.value)
+            assert not new.cache.present.any()  # nothing the old reader did is marked here
+            assert not [n for n in os.listdir(index_dir) if ".tmp-" in n]  # the killed layout's leftovers went
+            new.lookup(np.arange(8))
+            assert all(new.read(i) == local.read(i) for i in range(8))
+    finally:
+        old.close()

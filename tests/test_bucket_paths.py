@@ -378,3 +378,35 @@ def test_upload_puts_at_most_concurrency_objects_at_a_time(s3_env, tmp_path, mon
         assert all(ds.read(i) == local.read(i) for i in range(0, ds.num_samples, 17))
     with pytest.raises(ValueError, match="concurrency must be >= 1"):
         upload_dir(tmp_path / "tok", "s3://paths/none", marker="manifest.json", concurrency=0)
+
+
+def test_a_replaced_bin_behind_a_store_ignoring_if_match_is_refused_not_read(s3_env, tmp_path, monkeypatch):
+    """Every GET carries If-Match with the ETag the copy recorded at open, but not every S3-compatible store
+    honours it on GET (gateways, older versions answer 206 with the current object). A Megatron ``.bin`` has no
+    per-sample checksums: the ETag is its only guard. Replaced (same size) behind such a store, its GETs must be
+    refused by the ETag the answer carries, never read as the samples of the copy's ``.idx``."""
+    from foresight.bucket import RetryPolicy
+    from foresight.testing.http_faults import Fault, FaultProxy
+
+    prefix = _megatron_pair(tmp_path / "mg")
+    local = open_dataset(prefix)
+    _upload_pair(prefix, "s3://paths/ignores/wiki")
+    url = BucketURL.parse("s3://paths/ignores/wiki.bin")
+    env = s3_env.env()
+    ignore = Fault(status=0, method="GET", path=r"\.bin$", drop_headers=("If-Match",))
+    with FaultProxy(("127.0.0.1", s3_env.ports["s3.port"]), [ignore],
+                    keys=(env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"], "us-east-1")) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        with open_dataset("s3://paths/ignores/wiki", cache_dir=tmp_path / "cache",
+                          retry=RetryPolicy(attempts=2, budget_s=5)) as ds:
+            ds.lookup(np.array([0]))
+            assert ds.read(0) == local.read(0)
+            with open(prefix + ".bin", "rb") as f:
+                data = bytearray(f.read())
+            data[:] = bytes(255 - b for b in data)  # every byte differs, same size: a new ETag
+            obstore.put(open_store(url), url.prefix, bytes(data))
+            with pytest.raises(BucketError) as e:
+                ds.lookup(np.array([5, 6]))
+            assert e.value.reason == "changed" and "wiki.bin" in str(e.value), str(e.value)
+            assert not ds.cache.present[[5, 6]].any()
+        assert ignore.fired >= 2  # the GETs went without If-Match

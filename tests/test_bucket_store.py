@@ -262,6 +262,30 @@ def test_service_specific_endpoints_and_an_unknown_profile(tmp_path, monkeypatch
     assert env["AWS_SECRET_ACCESS_KEY"] not in str(e.value)
 
 
+def test_a_refused_endpoint_never_quotes_the_credentials_or_query_it_carries(monkeypatch):
+    """An endpoint the client cannot take is named in the error, but keys written into it (``https://KEY:SECRET@
+    host``: how some tools take them) or a presigned-style query (``?X-Amz-Security-Token=...``) are not quoted,
+    wherever the endpoint came from (options, the environment); the host is, so the error still says which."""
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/aws-config")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/aws-credentials")
+    for name in [n for n in os.environ if n.startswith("AWS_ENDPOINT")]:
+        monkeypatch.delenv(name)
+    bad = ["https://AKIAEXAMPLEKEY:wJalrXUtnFEMIsecretKEY@s3.example.com",
+           "s3.example.com/bucket?X-Amz-Security-Token=FQoGZXIvYXdzEXAMPLETOKEN&x=1",
+           "https://s3.example.com/?X-Amz-Credential=AKIAEXAMPLEKEY#frag-secret",
+           "ftp://user:pa55word-secret@s3.example.com:21/"]
+    for endpoint in bad:
+        for how in ("options", "env"):
+            if how == "env":
+                monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+            with pytest.raises(ValueError) as e:
+                resolve_options({"endpoint": endpoint} if how == "options" else None)
+            text = str(e.value)
+            for secret in ("wJalrXUtnFEMIsecretKEY", "AKIAEXAMPLEKEY", "EXAMPLETOKEN", "frag-secret", "pa55word"):
+                assert secret not in text, (how, text)
+            assert "s3.example.com" in text and "\n" not in text, text
+
+
 def test_endpoint_as_users_write_it(s3_env, monkeypatch):
     """A trailing slash, a double one or spaces around the endpoint still reach the server; one without a scheme
     (``127.0.0.1:8333``, a common slip) is a one-line error naming where it came from, not the client's panic."""

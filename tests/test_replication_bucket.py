@@ -21,7 +21,7 @@ from foresight.bucket.objects import BucketPrefix
 from foresight.checkpoint import ForesightStorageReader, store
 from foresight.checkpoint.bucket_tier import BucketTier
 from foresight.checkpoint.background_writer import DATA_FILE
-from foresight.errors import CheckpointError
+from foresight.errors import BucketError, CheckpointError
 from foresight.replication.bucket_site import plan_parts
 from foresight.replication.policy import Replication, ReplicatingStorageWriter
 from foresight.replication.units import HEAD_UNITS, unit_ends
@@ -648,3 +648,39 @@ def test_a_bucket_option_the_client_does_not_take_is_refused_before_any_save(tmp
     with pytest.raises(ValueError, match="retries"):
         Replication(every=1, site="s3://eval/p", job="j", bucket_options={"retries": 3})
     Replication(every=1, site="s3://eval/p", job="j", bucket_options={"part_concurrency": 2, "concurrency": 4})
+
+
+def test_a_completion_whose_reply_was_lost_is_not_a_failure(s3_env, monkeypatch):
+    """CompleteMultipartUpload is not idempotent: once it took effect the upload is gone, and a retry of it (the
+    first reply lost on the way back) is answered NoSuchUpload. That retry must find the object the parts made
+    (its size and multipart ETag), not fail the publish as "object not found" and send the checkpoint again."""
+    from foresight.testing.http_faults import Fault, FaultProxy
+
+    url = make_bucket("lost-reply") + "/job"
+    parts_data = [os.urandom(MIN_PART_BYTES), os.urandom(1 << 20)]
+    with FaultProxy(("127.0.0.1", s3_env.ports["s3.port"]),
+                    [Fault(status=0, method="POST", path=r"uploadId=", times=1, drop_reply=True)]) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        with BucketPrefix(url, **PATIENT) as b:
+            mp = MultipartClient(b.fetcher)
+            try:
+                up = mp.create("step/data.bin")
+                parts = [mp.upload_part(up, k + 1, d) for k, d in enumerate(parts_data)]
+                ref = mp.complete(up, parts)
+                assert proxy.count(method="POST", path=r"uploadId=", injected=True) == 1  # the reply was lost
+                assert ref.size == sum(map(len, parts_data))
+                assert b.get(ref) == b"".join(parts_data)
+            finally:
+                mp.close()
+    # a completion that truly failed (the upload aborted, no object) still fails, naming the object
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.endpoint)
+    with BucketPrefix(url, **QUICK) as b:
+        mp = MultipartClient(b.fetcher)
+        try:
+            up = mp.create("step/other.bin")
+            parts = [mp.upload_part(up, 1, parts_data[1])]
+            mp.abort(up)
+            with pytest.raises(BucketError, match="other.bin"):
+                mp.complete(up, parts)
+        finally:
+            mp.close()

@@ -66,7 +66,7 @@ from foresight.io.direct_write import CacheWriter
 
 log = logging.getLogger("foresight.bucket")
 
-__all__ = ["SampleCache", "CacheStats", "punch_hole", "INDEX_DIR"]
+__all__ = ["SampleCache", "CacheStats", "punch_hole", "allocate_index", "INDEX_DIR"]
 
 INDEX_DIR = ".foresight-cache"
 FETCH_CHUNK = 256 << 20  # bytes of samples fetched (and held in memory) at once
@@ -88,6 +88,26 @@ def punch_hole(fd: int, offset: int, length: int) -> int:
         err = ctypes.get_errno()
         raise OSError(err, f"fallocate(PUNCH_HOLE) failed: {os.strerror(err)}")
     return end - start
+
+
+def allocate_index(fd: int, entries: int, path: str) -> None:
+    """Give the index file ``fd`` (``entries`` bytes) every block it will ever need, now. The index is a shared
+    mapping: a mark stored into a page of a sparse file makes the file system allocate its block then, and on a
+    full disk the kernel answers that store with SIGBUS, which kills the process without a word. Allocated here,
+    a full disk is a ``cache_full`` :class:`BucketError` naming the index (at layout or open), never a dead rank."""
+    if entries <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, entries)  # quick when already allocated; glibc writes zeros where unsupported
+    except OSError as e:
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise BucketError(f"cannot allocate the cache index: {os.strerror(e.errno)}" + (
+            " (free the disk or use another cache directory)" if full else ""), "cache_full" if full else "cache",
+            path=path) from None
+
+
+def _file_id(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 def _around(starts: np.ndarray, lengths: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -159,6 +179,13 @@ class SampleCache:
             os.close(self._index_fd)
             raise BucketError(f"cache index holds {entries} entries, the dataset {self.num_samples}", "checksum",
                               path=index_path)
+        try:
+            allocate_index(self._index_fd, entries, index_path)  # a copy laid out before the index was allocated
+        except BaseException:
+            os.close(self._index_fd)
+            raise
+        self._index_path = index_path
+        self._index_id = _file_id(os.fstat(self._index_fd))
         self.present = np.memmap(index_path, dtype=np.uint8, mode="r+", shape=(self.num_samples,)) \
             if self.num_samples else np.zeros(0, np.uint8)
         self._fds = [os.open(p, os.O_RDWR) for p in shard_paths]
@@ -226,6 +253,7 @@ class SampleCache:
         returned wrong bytes): nothing of that GET is marked (the checked samples of the call's other GETs are).
         Without ``claim`` (a lookup), absent samples that a claim holds are waited for, not fetched
         (:mod:`foresight.bucket.claims`; ``stats.claim_waits``); with it (a claim's owner fetching), none is."""
+        self._check_copy()
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         ids, first = np.unique(ids, return_index=True)
         rank = np.zeros(ids.size, np.int64) if order is None else np.asarray(order, dtype=np.int64)[first]
@@ -284,6 +312,18 @@ class SampleCache:
                 self._unlock(held)
         finally:
             self._release()
+
+    def _check_copy(self) -> None:
+        """:class:`BucketError` (``changed``) when another open laid this copy out anew since this one opened it
+        (the dataset's manifest changed in the bucket): its index and shard files were replaced by new ones, which
+        reads by path now reach, while this cache holds the old ones; its marks say nothing about the new files."""
+        try:
+            same = _file_id(os.stat(self._index_path)) == self._index_id
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise BucketError("the cache copy was laid out anew by another open since this one opened it (the "
+                              "dataset changed in the bucket): reopen the dataset", "changed", path=self.local_dir)
 
     def _count_claim_waits(self, n: int) -> None:
         with self._stats_lock:

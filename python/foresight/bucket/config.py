@@ -13,7 +13,8 @@ Example::
     obstore.get_range(store, "wiki/manifest.json", start=0, length=100)
 
 :func:`redact` removes every credential value known here from a text (error messages of the client may quote
-request details); foresight's own messages never include them in the first place.
+request details); foresight's own messages never include them in the first place, and quote an endpoint only
+through :func:`shown_url` (no user info, query or fragment: where keys written into a URL would be).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Any
 
 from .url import BucketURL
 
-__all__ = ["open_store", "resolve_options", "redact"]
+__all__ = ["open_store", "resolve_options", "redact", "shown_url"]
 
 # A profile's key -> obstore's S3 config key.
 _PROFILE_KEYS = {
@@ -123,7 +124,7 @@ def resolve_options(options: dict[str, Any] | None = None) -> dict[str, Any]:
     endpoint = str(merged.get("endpoint") or "").strip()
     if endpoint:
         if not _ENDPOINT.match(endpoint):
-            raise ValueError(f"S3 endpoint {endpoint!r} (from {source}) is not an http:// or https:// URL "
+            raise ValueError(f"S3 endpoint {shown_url(endpoint)!r} (from {source}) is not an http:// or https:// URL "
                              "(e.g. http://127.0.0.1:8333 or https://s3.example.com)")
         merged["endpoint"] = endpoint
     if endpoint.lower().startswith("http://"):
@@ -146,6 +147,18 @@ def open_store(url: BucketURL, options: dict[str, Any] | None = None, *, timeout
     opts.setdefault("virtual_hosted_style_request", False)
     return S3Store(url.bucket, config=opts, client_options=client_options,
                    retry_config={"max_retries": 0, "retry_timeout": datetime.timedelta(seconds=1)})
+
+
+_USERINFO = re.compile(r"^([a-z][a-z0-9+.\-]*://)?[^/?#@\s]*@", re.IGNORECASE)
+
+
+def shown_url(url: str) -> str:
+    """``url`` fit for a message: keys written into it (``https://KEY:SECRET@host``) and its query and fragment
+    (``?X-Amz-Security-Token=...``: presigned-style credentials) replaced by ``***``; the scheme, host and path
+    kept, so the message still says which endpoint."""
+    text = _USERINFO.sub(lambda m: f"{m.group(1) or ''}***@", url.strip(), count=1)
+    cut = min((i for i in (text.find("?"), text.find("#")) if i >= 0), default=-1)
+    return redact(text if cut < 0 else text[:cut] + text[cut] + "***")
 
 
 def redact(text: str, options: dict[str, Any] | None = None) -> str:

@@ -43,7 +43,7 @@ from foresight.format.reader import ShardedDataset
 from foresight.format.types import Extents
 from foresight.io.durable import fsync_dir
 
-from .cache import INDEX_DIR, SampleCache
+from .cache import INDEX_DIR, SampleCache, allocate_index
 from .config import open_store
 from .fetch import DEFAULT_CONCURRENCY, ObjectRef, RangedFetcher, RetryPolicy
 from .url import BucketURL
@@ -159,14 +159,30 @@ def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef, raw: b
     # every map and shard at once: one round trip for the whole layout, not three per shard
     got = fetcher.map(one, [("map", s) for s in manifest.shards] + [("bin", s) for s in manifest.shards])
     shard_refs = got[len(manifest.shards):]
-    present = os.path.join(index_dir, "present")
-    with open(present, "wb") as f:
-        f.truncate(manifest.num_samples)
+    _make_index(os.path.join(index_dir, "present"), manifest.num_samples)
     _write_atomic(os.path.join(local, MANIFEST_NAME), raw)
     fsync_dir(local)
     state = {"url": str(fetcher.url), "manifest": _ref_json(manifest_ref), "shards": [_ref_json(r) for r in shard_refs]}
     _write_atomic(os.path.join(index_dir, STATE_NAME), json.dumps(state).encode())
     return state
+
+
+def _make_index(path: str, entries: int) -> None:
+    """The index of present samples: one zero byte per sample, its blocks allocated (:func:`allocate_index`).
+
+    A new file renamed over the old one, never the old one truncated in place: a process that still has the
+    previous copy open maps that index and keeps fetching into that copy's (unlinked) shard files; marking the
+    new copy's index instead would say present samples whose bytes the new sparse files never got."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.truncate(entries)
+            allocate_index(f.fileno(), entries, path)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _refuse_foreign(local: str) -> None:
@@ -185,13 +201,18 @@ def _refuse_foreign(local: str) -> None:
 
 def _clear(local: str) -> None:
     """Remove an older copy (or a layout cut short): its plain files (shards, maps, manifest, a pair's ``.idx``/
-    ``.bin``, temporary files). Directories and dotfiles are left: they are the index directory and the copies of
-    other URLs nested under this prefix (a plan at ``s3://b/plans/p1`` under a dataset at ``s3://b``, and its
-    mirror's records ``.p1.foresight-mirror.*``)."""
+    ``.bin``, temporary files, the index directory's temporary files too). Directories and dotfiles are left: they
+    are the index directory and the copies of other URLs nested under this prefix (a plan at ``s3://b/plans/p1``
+    under a dataset at ``s3://b``, and its mirror's records ``.p1.foresight-mirror.*``)."""
     for name in os.listdir(local):
         path = os.path.join(local, name)
         if not name.startswith(".") and (os.path.islink(path) or not os.path.isdir(path)):
             os.unlink(path)
+    index_dir = os.path.join(local, INDEX_DIR)
+    for name in os.listdir(index_dir) if os.path.isdir(index_dir) else ():
+        if ".tmp-" in name:  # a temporary file (index, state) of a layout killed midway; the caller holds the lock
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(index_dir, name))
 
 
 def _lay_out_megatron(local: str, fetcher: RangedFetcher, idx_ref: ObjectRef) -> dict[str, Any]:
@@ -207,8 +228,7 @@ def _lay_out_megatron(local: str, fetcher: RangedFetcher, idx_ref: ObjectRef) ->
         pair = MegatronDataset(os.path.join(local, name))
     except FormatError as e:  # named by its objects; no state written, so the next open lays out anew
         raise FormatError(f"Megatron pair {fetcher.url.child(name)}.idx/.bin does not check: {e}") from None
-    with open(os.path.join(local, INDEX_DIR, "present"), "wb") as f:
-        f.truncate(pair.num_samples)
+    _make_index(os.path.join(local, INDEX_DIR, "present"), pair.num_samples)
     pair.close()
     fsync_dir(local)
     state = {"url": str(fetcher.url.child(name)), "kind": "megatron", "idx": _ref_json(idx_ref),
@@ -332,8 +352,8 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
             try:
                 ds = _open_layout(local, url, fetcher, state)
             except _DAMAGED as e:  # a kept copy whose files were cut, removed or written by another version
-                if lay_out is None:  # just laid out: what fails is the dataset itself, not the copy
-                    raise
+                if lay_out is None or getattr(e, "reason", None) == "cache_full":  # just laid out: what fails is
+                    raise  # the dataset itself; a full disk: the copy is sound, kept for when there is room
                 log.warning("bucket cache %s: the kept copy of %s is damaged (%s): laid out anew, its samples "
                             "fetched again", local, url, " ".join(f"{type(e).__name__}: {e}".split())[:300])
                 _drop(local, url, state, quiet=True)

@@ -4,7 +4,8 @@ The extents of many samples (``file`` index, ``offset``, ``length``) go through 
 (:func:`foresight.io.coalesce.coalesce`) with object-storage caps: holes up to ``max_gap`` (1 MiB) are cheaper
 fetched than a second request (one round trip of 10-30 ms is 1-4 MB at S3's per-connection rates), transfers up to
 ``max_transfer`` (16 MiB). Every request is pinned to the object's ETag as it was when the dataset was opened
-(``If-Match``), so an object replaced since then is refused by name instead of mixing old and new bytes.
+(``If-Match``), so an object replaced since then is refused by name instead of mixing old and new bytes; the ETag
+each answer carries is compared too, for a store that ignores ``If-Match`` on GET and answers with the current object.
 
 Failures: a missing object or bucket, denied access and a changed object raise :class:`BucketError` at once;
 anything else (connection refused or reset, timeouts, 5xx) is retried with exponential backoff and jitter until
@@ -284,12 +285,16 @@ class RangedFetcher:
             options: dict[str, Any] = {"range": (start, end)}
             if ref.etag:
                 options["if_match"] = ref.etag
-            return obstore.get(store, key, options=options).bytes()
+            got = obstore.get(store, key, options=options)
+            return got.meta.get("e_tag"), got.bytes()
 
         if end > ref.size:
             raise BucketError(f"range [{start}, {end}) past the object's end ({ref.size} bytes)", "changed",
                               object=str(ref.url))
-        data = self.call(ref.url, get, ref.key)
+        etag, data = self.call(ref.url, get, ref.key)
+        if ref.etag and etag and _etag(etag) != _etag(ref.etag):  # a store that ignores If-Match on GET answers
+            raise BucketError(f"{_WHAT['changed']}: GET answered ETag {etag}, the copy holds {ref.etag}",  # the
+                              "changed", object=str(ref.url))  # current object: its ETag is the one guard left
         if len(data) != end - start:
             raise BucketError(f"short ranged GET: {len(data)} of {end - start} bytes at offset {start}", "changed",
                               object=str(ref.url))
@@ -459,6 +464,11 @@ class RangedFetcher:
                 state["inflight"] += n
             futures.append(self._pool.submit(tracked, k, n))
         return futures
+
+
+def _etag(etag: str) -> str:
+    """An ETag without its quotes or weak prefix (``W/"abc"`` and ``abc`` name the same version)."""
+    return etag.removeprefix("W/").strip('"')
 
 
 def _epoch(when: Any) -> float | None:

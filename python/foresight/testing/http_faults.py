@@ -2,8 +2,9 @@
 
 It forwards every request as it came (method, path, headers, body: a SigV4 signature stays valid, since the
 ``Host`` header is passed through unchanged) and answers the ones a :class:`Fault` picks itself: ``503 SlowDown``
-or ``500 InternalError`` with S3's XML error body, or forwards them after a delay. A fault picks requests by
-method and path pattern, then the first ``times`` of those, or a ``fraction`` of them drawn from a seeded
+or ``500 InternalError`` with S3's XML error body, forwards them after a delay, or forwards them and drops the
+server's reply (a request that took effect, its answer lost). A fault picks requests by method and path
+pattern, then the first ``times`` of those, or a ``fraction`` of them drawn from a seeded
 generator. Every request is recorded (:attr:`FaultProxy.requests`): what it asked for, and whether it was
 forwarded or answered by a fault, so a test counts attempts and bytes instead of timing anything.
 
@@ -43,12 +44,17 @@ _HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transf
 @dataclass
 class Fault:
     """Which requests to answer with ``status`` (503 SlowDown, 500 InternalError; 0: forward them) after
-    ``delay_s``: those whose method is ``method`` (None: any) and whose path (with query) matches the regex
+    ``delay_s`` (``drop_reply`` with status 0: forward them, then close the connection without passing the
+    server's answer on: a request that took effect whose reply was lost, as when a link drops after the server
+    acted): those whose method is ``method`` (None: any) and whose path (with query) matches the regex
     ``path``, then the first ``times`` of them (None: no limit), each with probability ``fraction`` (a generator
     seeded with ``seed``: the same requests in the same order draw the same faults)."""
 
     status: int = 503
     path: str = ""
+    drop_reply: bool = False  # with status 0: forward, let the server act, then close without answering
+    drop_headers: tuple[str, ...] = ()  # with status 0: forward without these request headers, signed anew
+    #   with the proxy's ``keys`` (a server that ignores them: ``("If-Match",)`` is a store that ignores If-Match)
     method: str | None = "GET"
     times: int | None = None
     fraction: float = 1.0
@@ -115,9 +121,11 @@ class _Handler(BaseHTTPRequestHandler):
         upstream = http.client.HTTPConnection(*proxy.target, timeout=proxy.timeout_s)
         try:
             upstream.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
-            for name, value in self.headers.items():
-                if name.lower() not in _HOP:
-                    upstream.putheader(name, value)
+            headers = [(n, v) for n, v in self.headers.items() if n.lower() not in _HOP]
+            if fault is not None and fault.drop_headers:
+                headers = proxy._resigned(self.command, self.path, headers, body, fault.drop_headers)
+            for name, value in headers:
+                upstream.putheader(name, value)
             if body or self.command in ("PUT", "POST"):
                 upstream.putheader("Content-Length", str(len(body)))
             upstream.endheaders(body or None)
@@ -128,6 +136,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         finally:
             upstream.close()
+        if fault is not None and fault.drop_reply:  # the server acted; the client hears nothing but a close
+            self.close_connection = True
+            proxy._record(ProxiedRequest(self.command, self.path, self.headers.get("Range"), resp.status, True, 0,
+                                         False))
+            return
         headers = {k: v for k, v in resp.getheaders() if k.lower() not in _HOP}
         if self.command == "HEAD":  # the object's size, not this answer's body
             headers["Content-Length"] = resp.getheader("Content-Length") or "0"
@@ -162,8 +175,9 @@ class FaultProxy:
     the ``with``) stops it."""
 
     def __init__(self, target: tuple[str, int], faults: list[Fault] | None = None, *,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, keys: tuple[str, str, str] | None = None) -> None:
         self.target = target
+        self.keys = keys  # (access key, secret key, region): to sign anew requests a fault changed
         self.faults = list(faults or [])
         self.timeout_s = timeout_s
         self.requests: list[ProxiedRequest] = []
@@ -182,6 +196,22 @@ class FaultProxy:
     def _pick(self, method: str, path: str) -> Fault | None:
         with self._lock:
             return next((f for f in self.faults if f.picks(method, path)), None)
+
+    def _resigned(self, method: str, path: str, headers: list[tuple[str, str]], body: bytes,
+                  drop: tuple[str, ...]) -> list[tuple[str, str]]:
+        """``headers`` without ``drop``, the request signed anew (SigV4, botocore's) with :attr:`keys`."""
+        from botocore.auth import S3SigV4Auth
+        from botocore.awsrequest import AWSRequest
+        from botocore.credentials import Credentials
+
+        if self.keys is None:
+            raise ValueError("FaultProxy(keys=...) is needed to drop request headers (the request is signed anew)")
+        gone = {h.lower() for h in drop} | {"authorization", "x-amz-date"}
+        kept = {n: v for n, v in headers if n.lower() not in gone}
+        host = next(v for n, v in headers if n.lower() == "host")
+        request = AWSRequest(method=method, url=f"http://{host}{path}", headers=kept, data=body)
+        S3SigV4Auth(Credentials(*self.keys[:2]), "s3", self.keys[2]).add_auth(request)
+        return list(request.headers.items())
 
     def _record(self, request: ProxiedRequest) -> None:
         with self._lock:
