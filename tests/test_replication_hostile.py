@@ -297,3 +297,35 @@ def test_a_copy_pulled_from_a_holder_sending_too_much_stops_at_the_files_size(ma
         assert os.listdir(left) == []
     finally:
         holder.shutdown()
+
+
+def _serve(root, *args, timeout=120):
+    """``foresight node serve --site`` run to its end or its ready file: (exit code or None if serving, log)."""
+    import subprocess
+    import sys
+    import time
+
+    from foresight.testing.processes import stop_process
+
+    ready = os.path.join(root, "ready.json")
+    proc = subprocess.Popen([sys.executable, "-m", "foresight", "node", "serve", "--root", root, "--port", "0",
+                             "--ready-file", ready, "--site", "train-a", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and not os.path.exists(ready) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    code = proc.poll()
+    if code is None:
+        stop_process(proc, "site", grace=60)
+    return code, proc.stdout.read().decode(errors="replace")
+
+
+def test_replication_without_a_token_refuses_to_serve_on_a_non_loopback_address_unless_told_to(tmp_path):
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    code, out = _serve(root, "--host", "0.0.0.0")
+    assert code not in (None, 0) and "--replication-token" in out and "--replication-no-token" in out, out
+    assert "Traceback" not in out
+    assert _serve(root, "--host", "0.0.0.0", "--replication-token", "site-token-1")[0] is None
+    assert _serve(root, "--host", "0.0.0.0", "--replication-no-token")[0] is None  # the operator's explicit choice
+    assert _serve(root, "--host", "127.0.0.1")[0] is None  # loopback: only this host's callers

@@ -130,7 +130,11 @@ def _add_replication_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--site", default=None, help="this node's site; mounts checkpoint replication")
     g.add_argument("--route", action="append", default=[], metavar="SITE=URL",
                    help="Flight endpoint (e.g. a WAN gateway) of another site's node; others are found in etcd")
-    g.add_argument("--replication-token", default="", help="shared by the sites of one deployment")
+    g.add_argument("--replication-token", default="", help="shared by the sites of one deployment; required when "
+                   "--host is not a loopback address (unless --replication-no-token)")
+    g.add_argument("--replication-no-token", action="store_true",
+                   help="serve replication with no token on a non-loopback --host: anyone reaching the port may "
+                        "send, abort or read checkpoints (a trusted network only)")
     g.add_argument("--replication-unit-mib", type=int, default=32, help="transfer unit size in MiB (large tensors are cut into units; small ones packed)")
     g.add_argument("--replication-unit-bytes", type=int, default=None, help=argparse.SUPPRESS)  # tests: tiny units
     g.add_argument("--replication-streams", type=int, default=2, help="units in flight per sender")
