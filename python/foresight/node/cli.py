@@ -140,6 +140,9 @@ def _add_replication_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replication-streams", type=int, default=2, help="units in flight per sender")
     g.add_argument("--replication-ttl", type=int, default=3600, help="seconds a received replica stays registered")
     g.add_argument("--replication-fifo", action="store_true", help="no priority lane: arrival order (a baseline)")
+    g.add_argument("--replication-max-wait-s", type=float, default=300.0,
+                   help="longest one replicate.wait call holds a server thread; a caller waiting longer asks again "
+                        "(default %(default)s)")
     g.add_argument("--replication-retry-s", type=float, default=60.0,
                    help="how long a sender waits for a site that is down or restarting")
 

@@ -36,7 +36,8 @@ def prepare_from_args(args: argparse.Namespace) -> Any:
     return ReplicationService(args.site, args.root, etcd=etcd, routes=routes, token=args.replication_token,
                               unit_bytes=args.replication_unit_bytes or args.replication_unit_mib << 20,
                               streams=args.replication_streams, replica_ttl=args.replication_ttl,
-                              fifo=args.replication_fifo, retry_s=args.replication_retry_s)
+                              fifo=args.replication_fifo, retry_s=args.replication_retry_s,
+                              max_wait_s=args.replication_max_wait_s)
 
 
 def is_loopback(host: str) -> bool:
