@@ -385,3 +385,36 @@ def test_callers_that_give_up_a_wait_free_its_server_thread(site, tmp_path):
         site.call("replicate.abort", {"name": "job-w/step-00000001"})
     finally:
         site.call("replicate.resume")
+
+
+def test_the_replica_managers_stats_and_wake_check_their_callers(tmp_path):
+    """``replicas.stats`` is the operator's (the node's admin token); ``replicas.wake`` (it makes the node read etcd
+    at once) takes the token of a job already bound there, as the planning node forwards it: no token, a made-up
+    job or a wrong token is refused."""
+    from node_helpers import NodeProc, flight_action
+    from replication_helpers import Etcd
+
+    etcd = Etcd(str(tmp_path / "etcd"))
+    os.makedirs(tmp_path / "root")
+    n = None
+    try:
+        n = NodeProc(str(tmp_path / "root"), str(tmp_path / "work"), "--etcd", etcd.endpoint, "--admin-token",
+                     "admin-token-77", name="rm")
+        client = flight.connect(n.location)
+        for token in (None, "job-a-token-1"):
+            with pytest.raises(flight.FlightUnauthenticatedError, match="admin token"):
+                flight_action(client, "replicas.stats", {}, job="job-a", token=token)
+        assert "copies_made" in flight_action(client, "replicas.stats", {}, token="admin-token-77")
+        with pytest.raises(flight.FlightServerError, match="no such checkpoint"):  # binds job-a's token first
+            flight_action(client, "replicas.publish", {"job": "job-a", "checkpoint": "job-a/step-1"}, job="job-a",
+                          token="job-a-token-1")
+        for job, token, message in ((None, None, "job header"), ("made-up", "made-up-token-1", "no token is bound"),
+                                    ("job-a", "wrong-token-12", "bad token")):
+            with pytest.raises(flight.FlightUnauthenticatedError, match=message):
+                flight_action(client, "replicas.wake", {}, job=job, token=token)
+        assert flight_action(client, "replicas.wake", {}, job="job-a", token="job-a-token-1")["node"]
+        client.close()
+    finally:
+        if n is not None:
+            n.terminate()
+        etcd.close()
