@@ -6,7 +6,8 @@ restart which files its ranks will read and how many at once (``set_replication_
 :mod:`foresight.replication.hint_client`), and the node that receives the hint plans the extra copies
 (:func:`~foresight.replication.replica_plan.plan_replicas`: its reads in one etcd round trip) and writes the hint
 and one *task* per copy in one etcd transaction; each task names the file's holders, least loaded first. Each
-target node picks up its tasks (at once: the planning node wakes it with ``replicas.wake``; else within
+target node picks up its tasks (at once: the planning node wakes it with ``replicas.wake``, carrying the hint's job
+token, which the target checks against the job's binding; else within
 ``poll_s``), pulls the file from a holder the task names over Flight (``DoGet ckpt.get`` with the task's grant),
 writes it under a temp name, checks its xxh3 against the base copy's, renames it into place, then registers it
 under the hint's lease and marks the task done in one write. Ranks read through

@@ -7,7 +7,8 @@ The same handlers run on every site's node; which role they play depends on the 
   units, queue those written in the :class:`~.scheduler.PriorityLane`; ``extend``: a DCP rank adds its own file to
   the transfer), ``replicate.written`` (a writer's
   progress: the units it completed leave now), ``replicate.commit`` (the source committed: the replica may now
-  be published), ``replicate.abort``, ``replicate.urgent`` (raise a transfer's priority), ``replicate.wait``,
+  be published), ``replicate.abort``, ``replicate.urgent`` (raise a transfer's priority), ``replicate.wait`` (at most ``max_wait_s`` per call, ended
+  when its caller goes away: :mod:`~foresight.replication.waits`),
   ``replicate.pause``/``replicate.resume`` (``{"units": n}`` lets exactly n more units go: throttling, and a
   deterministic order for tests), ``replicate.log`` (units in the order they were acknowledged; with ``name``,
   also ``arrived``: when each unit of that checkpoint arrived whole, and ``arrived_pieces``: when each piece of
