@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import obstore
@@ -19,6 +20,7 @@ import pytest
 
 from foresight.bucket import BucketURL, RetryPolicy
 from foresight.bucket.config import open_store
+from foresight.bucket.dataset import local_dir_of
 from foresight.bucket.upload import upload_dataset
 from foresight.errors import BucketError
 from foresight import open_dataset
@@ -417,7 +419,7 @@ def test_a_cache_place_holding_files_it_did_not_lay_out_is_left_alone(s3_env, tm
     (the index directory made first) is laid out again as before."""
     upload_dataset(local.path, "s3://faults/same-name")
     cache = tmp_path / "cache"
-    place = cache / "faults" / "same-name"
+    place = Path(local_dir_of(BucketURL.parse("s3://faults/same-name"), cache))  # the environment's endpoint's place
     place.parent.mkdir(parents=True)
     shutil.copytree(local.path, place)
     before = sorted(os.listdir(place))

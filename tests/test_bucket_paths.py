@@ -172,7 +172,7 @@ def test_plan_over_bucket_datasets_to_a_bucket_and_back(s3_env, tmp_path, monkey
     assert load_plan("s3://paths/plans/p1").path == plan.path and os.stat(plan_json).st_ino == inode
 
     # the writer's own copy is recorded as the bucket's: opening it there fetches nothing
-    written = os.path.join(str(tmp_path / "cache-a"), "paths", "plans", "p1", "plan.json")
+    written = os.path.join(local_dir_of(BucketURL.parse("s3://paths/plans/p1"), tmp_path / "cache-a"), "plan.json")
     written_inode = os.stat(written).st_ino
     monkeypatch.setenv("FORESIGHT_BUCKET_CACHE", str(tmp_path / "cache-a"))
     assert load_plan("s3://paths/plans/p1").path == os.path.dirname(written)
@@ -410,3 +410,47 @@ def test_a_replaced_bin_behind_a_store_ignoring_if_match_is_refused_not_read(s3_
             assert e.value.reason == "changed" and "wiki.bin" in str(e.value), str(e.value)
             assert not ds.cache.present[[5, 6]].any()
         assert ignore.fired >= 2  # the GETs went without If-Match
+
+
+def test_two_endpoints_with_the_same_bucket_and_key_are_cached_apart(s3_env, tmp_path):
+    """Two S3 servers hold a Megatron pair under the same bucket/key with the same ``.idx`` (so the same ETag) and
+    different ``.bin`` bytes: read through one cache root, each endpoint's dataset gives its own bytes (the cache
+    place is keyed by the endpoint), and reopening an endpoint's dataset finds its own copy again."""
+    from foresight.testing.seaweed import SeaweedServer
+
+    other = SeaweedServer(str(tmp_path / "seaweed-2"))
+    other.start()
+    try:
+        a, b = _megatron_pair(tmp_path / "a", seed=3), _megatron_pair(tmp_path / "b", seed=3)
+        with open(b + ".bin", "r+b") as f:  # same lengths (same .idx), other tokens
+            data = bytearray(f.read())
+            f.seek(0)
+            f.write(bytes(x ^ 0x5A for x in data))
+        assert open(a + ".idx", "rb").read() == open(b + ".idx", "rb").read()
+        keys_b = {"endpoint": other.endpoint, "access_key_id": other.env()["AWS_ACCESS_KEY_ID"],
+                  "secret_access_key": other.secret_key}
+        _upload_pair(a, "s3://twin/mg/wiki")  # the session server, from the environment
+        folder, name = os.path.split(b)
+        upload_dir(folder, "s3://twin/mg", marker=name + ".idx", names=[name + ".bin", name + ".idx"],
+                   options=keys_b)
+        local_a, local_b = open_dataset(a), open_dataset(b)
+        cache = tmp_path / "cache"
+        n = local_a.num_samples
+        with open_dataset("s3://twin/mg/wiki", cache_dir=cache) as ds_a, \
+                open_dataset("s3://twin/mg/wiki", cache_dir=cache, options=keys_b) as ds_b:
+            assert [ds_a.read(i) for i in range(n)] == [local_a.read(i) for i in range(n)]
+            assert [ds_b.read(i) for i in range(n)] == [local_b.read(i) for i in range(n)]
+            assert [ds_a.read(i) for i in range(n)] == [local_a.read(i) for i in range(n)]  # A's copy untouched
+            assert ds_a.path != ds_b.path
+            path_a, path_b = ds_a.path, ds_b.path
+        # the same endpoints again (a restart): the same places, every sample already there
+        with open_dataset("s3://twin/mg/wiki", cache_dir=cache) as ds_a, \
+                open_dataset("s3://twin/mg/wiki", cache_dir=cache, options=keys_b) as ds_b:
+            assert (ds_a.path, ds_b.path) == (path_a, path_b)
+            assert ds_a.fetcher.stats.bytes == 0 == ds_b.fetcher.stats.bytes
+            assert ds_b.read(n - 1) == local_b.read(n - 1) and ds_a.read(n - 1) == local_a.read(n - 1)
+            # a plan's recorded location (the cached prefix) reopens through its own endpoint (the keys: the caller's)
+            with open_dataset(path_b, options={k: v for k, v in keys_b.items() if k != "endpoint"}) as by_path:
+                assert by_path.read(0) == local_b.read(0)
+    finally:
+        other.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import obstore
@@ -15,6 +16,7 @@ import pytest
 
 from foresight.bucket import BucketURL
 from foresight.bucket.config import open_store
+from foresight.bucket.dataset import local_dir_of
 from foresight.bucket.upload import upload_dataset
 from foresight.cluster.auth import call_options, connect
 from foresight.format import DatasetWriter, open_dataset
@@ -125,7 +127,7 @@ def test_node_over_a_bucket_serves_the_local_loaders_tensors_in_few_requests(s3_
     finally:
         node.terminate()
     # the cache directory is the bucket root's local side: each dataset's cache, the plans
-    mirror = tmp_path / "cache" / "nodes" / "root"
+    mirror = Path(local_dir_of(BucketURL.parse("s3://nodes/root"), tmp_path / "cache"))  # the endpoint's place
     assert (mirror / "media" / "manifest.json").is_file() and (mirror / "plans" / "p1" / "plan.json").is_file()
 
 
@@ -297,7 +299,8 @@ def test_node_fetches_only_the_samples_it_decodes(s3_env, tmp_path):
     codes = np.asarray(ds.modality_codes())
     video_only = [s for s in np.unique(ext.shard) if (codes[ext.shard == s] == codes[8]).all()]
     assert video_only  # the layout this test needs: shards holding videos alone
-    present = np.fromfile(tmp_path / "cache" / "nodes" / "mixed" / "media" / ".foresight-cache" / "present",
+    present = np.fromfile(os.path.join(local_dir_of(BucketURL.parse("s3://nodes/mixed/media"), tmp_path / "cache"),
+                                     ".foresight-cache", "present"),
                           dtype=np.uint8)
     assert present[codes != codes[8]].any()  # the images were fetched
     assert not present[np.isin(ext.shard, video_only)].any()  # nothing of the video-only shards

@@ -249,3 +249,67 @@ def test_every_malformed_request_gets_a_one_line_error(node, what, call, body, m
         assert health["ok"]  # the node survived it
     finally:
         client.close()
+
+
+# -- operator actions: status (and the replica manager's replicas.stats) --------------------------------------
+
+
+def _non_loopback_address() -> str | None:
+    """An address of this host that is not loopback (none: a machine with loopback only)."""
+    import socket
+
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 9))  # no packet is sent: the route picks the source address
+            found.append(s.getsockname()[0])
+        except OSError:
+            pass
+    try:
+        found += [i[4][0] for i in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+    except OSError:
+        pass
+    return next((a for a in found if not ipaddress.ip_address(a).is_loopback), None)
+
+
+def test_status_needs_the_admin_token_and_health_stays_open(root, tmp_path):
+    """``status`` names every job, its progress and the bucket root: with ``--admin-token`` it is answered only to
+    callers presenting it; ``health`` (the liveness probe clients use before registering) needs nothing."""
+    n = NodeProc(root["root"], str(tmp_path), "--cpu-threshold", "101", "--admin-token", "admin-token-77",
+                 name="admin")
+    try:
+        client = connect(n.location)
+        for token in (None, "wrong-admin-token", TOKEN):
+            with pytest.raises(flight.FlightUnauthenticatedError, match="admin token"):
+                _act(client, "status", {}, token=token)
+        assert "jobs" in _act(client, "status", {}, token="admin-token-77")
+        assert _act(client, "health", {})["ok"]
+        client.close()
+        import subprocess
+        import sys
+
+        out = subprocess.run([sys.executable, "-m", "foresight", "node", "status", "--node", n.location, "--json"],
+                             capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, FORESIGHT_NODE_ADMIN_TOKEN="admin-token-77"))
+        assert out.returncode == 0 and "error" not in json.loads(out.stdout)[0], out.stdout + out.stderr
+    finally:
+        n.terminate()
+
+
+def test_without_an_admin_token_status_is_answered_on_the_nodes_host_only(root, tmp_path):
+    addr = _non_loopback_address()
+    if addr is None:
+        pytest.skip("this host has no address but loopback: no caller from elsewhere to be")
+    n = NodeProc(root["root"], str(tmp_path), "--cpu-threshold", "101", "--host", "0.0.0.0", name="open")
+    try:
+        port = n.location.rsplit(":", 1)[1]
+        remote = connect(f"grpc://{addr}:{port}")
+        with pytest.raises(flight.FlightUnauthenticatedError, match="admin token"):
+            _act(remote, "status", {})
+        assert _act(remote, "health", {})["ok"]
+        remote.close()
+        local = connect(f"grpc://127.0.0.1:{port}")
+        assert "jobs" in _act(local, "status", {})  # the operator on the node's host (node status, tests)
+        local.close()
+    finally:
+        n.terminate()

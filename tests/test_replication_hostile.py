@@ -297,3 +297,124 @@ def test_a_copy_pulled_from_a_holder_sending_too_much_stops_at_the_files_size(ma
         assert os.listdir(left) == []
     finally:
         holder.shutdown()
+
+
+def _serve(root, *args, timeout=120):
+    """``foresight node serve --site`` run to its end or its ready file: (exit code or None if serving, log)."""
+    import subprocess
+    import sys
+    import time
+
+    from foresight.testing.processes import stop_process
+
+    ready = os.path.join(root, "ready.json")
+    proc = subprocess.Popen([sys.executable, "-m", "foresight", "node", "serve", "--root", root, "--port", "0",
+                             "--ready-file", ready, "--site", "train-a", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and not os.path.exists(ready) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    code = proc.poll()
+    if code is None:
+        stop_process(proc, "site", grace=60)
+    return code, proc.stdout.read().decode(errors="replace")
+
+
+def test_replication_without_a_token_refuses_to_serve_on_a_non_loopback_address_unless_told_to(tmp_path):
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    code, out = _serve(root, "--host", "0.0.0.0")
+    assert code not in (None, 0) and "--replication-token" in out and "--replication-no-token" in out, out
+    assert "Traceback" not in out
+    assert _serve(root, "--host", "0.0.0.0", "--replication-token", "site-token-1")[0] is None
+    assert _serve(root, "--host", "0.0.0.0", "--replication-no-token")[0] is None  # the operator's explicit choice
+    assert _serve(root, "--host", "127.0.0.1")[0] is None  # loopback: only this host's callers
+
+
+def test_a_wait_is_capped_by_the_node_and_replication_wait_waits_on_over_capped_calls(tmp_path):
+    """``replicate.wait`` with no timeout (or one past the node's cap) is answered 'timed out' at the cap (a caller
+    cannot hold a server thread for ever); ``Replication.wait`` with no timeout waits on over capped calls."""
+    import threading
+
+    from foresight.replication.policy import Replication
+    from replication_helpers import wait_until
+
+    ev = Site("eval-b", str(tmp_path / "eval"))
+    tr = Site("train-a", str(tmp_path / "train"), routes={"eval-b": ev.url}, max_wait_s=1)
+    try:
+        tr.call("replicate.pause")
+        rep = Replication(every=1, site="eval-b", node=tr.url, job="job")
+        phases = write_checkpoint_phases(os.path.join(tr.root, "job"), 1, 200_000)
+        rep.data_written(1, next(phases))
+        final = next(phases)
+        rep.committed(1, final)
+        name = "job/" + os.path.basename(final)
+        for timeout in (None, 3600):
+            with pytest.raises(flight.FlightServerError, match="timed out waiting for the replica.*at most 1"):
+                tr.call("replicate.wait", {"name": name, "timeout": timeout})
+        got = {}
+        waiting = threading.Thread(target=lambda: got.update(rep.wait(1)))  # no timeout: capped calls, repeated
+        waiting.start()
+        wait_until(lambda: tr.call("replicate.log")["wait_capped"] >= 4, "the waiter to be capped again")
+        tr.call("replicate.resume")
+        waiting.join(120)
+        assert got["path"] == os.path.join(ev.root, "job", os.path.basename(final))
+        rep.close()
+    finally:
+        tr.stop()
+        ev.stop()
+
+
+def test_callers_that_give_up_a_wait_free_its_server_thread(site, tmp_path):
+    """Waits whose callers' deadlines pass (their calls cancelled) end on the node too: no thread left waiting
+    (the node's cap is far off here)."""
+    from replication_helpers import wait_until
+
+    src = next(write_checkpoint_phases(os.path.join(site.root, "job-w"), 1, 100_000))
+    site.call("replicate.pause")
+    try:
+        site.call("replicate.start", {"name": "job-w/step-00000001", "src": src, "site": "eval-b"})
+        for _ in range(4):
+            client = flight.connect(site.url)
+            with pytest.raises(flight.FlightTimedOutError):
+                list(client.do_action(flight.Action("replicate.wait",
+                                                    json.dumps({"name": "job-w/step-00000001"}).encode()),
+                                      flight.FlightCallOptions(timeout=0.5)))
+            client.close()
+        wait_until(lambda: site.call("replicate.log")["waiters"] == 0, "the abandoned waits to end")
+        site.call("replicate.abort", {"name": "job-w/step-00000001"})
+    finally:
+        site.call("replicate.resume")
+
+
+def test_the_replica_managers_stats_and_wake_check_their_callers(tmp_path):
+    """``replicas.stats`` is the operator's (the node's admin token); ``replicas.wake`` (it makes the node read etcd
+    at once) takes the token of a job already bound there, as the planning node forwards it: no token, a made-up
+    job or a wrong token is refused."""
+    from node_helpers import NodeProc, flight_action
+    from replication_helpers import Etcd
+
+    etcd = Etcd(str(tmp_path / "etcd"))
+    os.makedirs(tmp_path / "root")
+    n = None
+    try:
+        n = NodeProc(str(tmp_path / "root"), str(tmp_path / "work"), "--etcd", etcd.endpoint, "--admin-token",
+                     "admin-token-77", name="rm")
+        client = flight.connect(n.location)
+        for token in (None, "job-a-token-1"):
+            with pytest.raises(flight.FlightUnauthenticatedError, match="admin token"):
+                flight_action(client, "replicas.stats", {}, job="job-a", token=token)
+        assert "copies_made" in flight_action(client, "replicas.stats", {}, token="admin-token-77")
+        with pytest.raises(flight.FlightServerError, match="no such checkpoint"):  # binds job-a's token first
+            flight_action(client, "replicas.publish", {"job": "job-a", "checkpoint": "job-a/step-1"}, job="job-a",
+                          token="job-a-token-1")
+        for job, token, message in ((None, None, "job header"), ("made-up", "made-up-token-1", "no token is bound"),
+                                    ("job-a", "wrong-token-12", "bad token")):
+            with pytest.raises(flight.FlightUnauthenticatedError, match=message):
+                flight_action(client, "replicas.wake", {}, job=job, token=token)
+        assert flight_action(client, "replicas.wake", {}, job="job-a", token="job-a-token-1")["node"]
+        client.close()
+    finally:
+        if n is not None:
+            n.terminate()
+        etcd.close()

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import configparser
 import datetime
+import hashlib
 import os
 import re
+import urllib.parse
 from typing import Any
 
 from .url import BucketURL
 
-__all__ = ["open_store", "resolve_options", "redact", "shown_url"]
+__all__ = ["open_store", "resolve_options", "redact", "shown_url", "endpoint_place", "ENDPOINT_PLACE_PREFIX"]
 
 # A profile's key -> obstore's S3 config key.
 _PROFILE_KEYS = {
@@ -131,6 +133,27 @@ def resolve_options(options: dict[str, Any] | None = None) -> dict[str, Any]:
         merged.setdefault("client_options", {}).setdefault("allow_http", True)
     merged.setdefault("region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
     return merged
+
+
+#: What an endpoint's directory name in a cache starts with: ``_`` is never in an S3 bucket name, so no bucket's
+#: place under a cache root can be taken for an endpoint's.
+ENDPOINT_PLACE_PREFIX = "_endpoint-"
+
+
+def endpoint_place(options: dict[str, Any] | None = None) -> str | None:
+    """The directory a cache keeps the objects of the endpoint ``options`` resolve to (:func:`resolve_options`) in,
+    or None for the provider's default (AWS: a bucket's name is unique there). Two endpoints may hold different
+    objects under one bucket and key, so their caches must not share a place; the name is a function of the
+    endpoint alone (host, port, path; case and a trailing slash ignored), so it is the same after a restart."""
+    endpoint = str(resolve_options(options).get("endpoint") or "")
+    if not endpoint:
+        return None
+    parts = urllib.parse.urlsplit(endpoint)
+    host = (parts.hostname or "").lower()
+    port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    canonical = f"{host}:{port}{parts.path.rstrip('/')}"
+    readable = re.sub(r"[^a-z0-9.-]+", "-", f"{host}-{port}")[:64]
+    return f"{ENDPOINT_PLACE_PREFIX}{readable}-{hashlib.sha256(canonical.encode()).hexdigest()[:12]}"
 
 
 def open_store(url: BucketURL, options: dict[str, Any] | None = None, *, timeout_s: float = 30.0,

@@ -44,7 +44,7 @@ from foresight.format.types import Extents
 from foresight.io.durable import fsync_dir
 
 from .cache import INDEX_DIR, SampleCache, allocate_index
-from .config import open_store
+from .config import endpoint_place, open_store, resolve_options
 from .fetch import DEFAULT_CONCURRENCY, ObjectRef, RangedFetcher, RetryPolicy
 from .url import BucketURL
 
@@ -57,12 +57,17 @@ STATE_NAME = "state.json"  # written last: its presence marks a complete layout
 BOOT_NAME = "boot_id"  # the boot during which the index's marks were made (their bytes may be in its page cache)
 
 
-def local_dir_of(url: BucketURL, cache_dir: str | os.PathLike) -> str:
+def local_dir_of(url: BucketURL, cache_dir: str | os.PathLike, options: dict[str, Any] | None = None) -> str:
     """Where ``url``'s dataset is mirrored under ``cache_dir``: ``cache_dir/bucket/prefix`` (``cache_dir/bucket``
-    for a bucket's root). Another URL's copy may lie inside it (``s3://b`` holds ``s3://b/plans/p1``'s): what
-    writes here touches only its own plain files, never a directory or a dotfile (:func:`_clear`)."""
+    for a bucket's root) for the provider's default endpoint, ``cache_dir/_endpoint-<host>-<port>-<hash>/bucket/
+    prefix`` for the endpoint ``options`` (or the environment, the profile) name
+    (:func:`~foresight.bucket.config.endpoint_place`): two endpoints' objects under one bucket and key are different
+    data. Another URL's copy may lie inside it (``s3://b`` holds ``s3://b/plans/p1``'s): what writes here touches
+    only its own plain files, never a directory or a dotfile (:func:`_clear`)."""
     parts = url.prefix.split("/") if url.prefix else []
-    return os.path.join(os.path.abspath(os.fspath(cache_dir)), url.bucket, *parts)
+    root = os.path.abspath(os.fspath(cache_dir))
+    place = endpoint_place(options)
+    return os.path.join(root, *([place] if place else []), url.bucket, *parts)
 
 
 def is_cache_dir(path: str) -> bool:
@@ -89,13 +94,17 @@ def reopen_cache_dir(path: str, **kwargs: Any) -> "BucketDataset | BucketMegatro
     state_path = os.path.join(path, INDEX_DIR, STATE_NAME)
     try:
         with open(state_path, "rb") as f:
-            url = BucketURL.parse(json.loads(f.read())["url"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
+            state = json.loads(f.read())
+        url, endpoint = BucketURL.parse(state["url"]), state.get("endpoint")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise BucketError(f"cache state unreadable: {type(e).__name__}", "checksum", path=state_path) from None
     root = os.path.abspath(path)
     for _ in range(1 + (len(url.prefix.split("/")) if url.prefix else 0)):
         root = os.path.dirname(root)
-    if local_dir_of(url, root) != os.path.abspath(path):
+    if endpoint:  # laid out from another endpoint than the provider's: read through that one again
+        root = os.path.dirname(root)
+        kwargs["options"] = {"endpoint": endpoint, **(kwargs.get("options") or {})}
+    if local_dir_of(url, root, kwargs.get("options")) != os.path.abspath(path):
         raise BucketError(f"cache directory is not where {url} is cached under any root", "checksum", path=path)
     return open_bucket_dataset(url, root, **kwargs)
 
@@ -132,7 +141,8 @@ def _ref_json(ref: ObjectRef) -> dict[str, Any]:
     return {"key": ref.key, "size": ref.size, "etag": ref.etag}
 
 
-def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef, raw: bytes) -> dict[str, Any]:
+def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef, raw: bytes,
+             endpoint: str | None = None) -> dict[str, Any]:
     """Fetch the maps whole, head the shards, create the sparse files and the index (``raw``: the manifest's
     bytes, fetched by the caller); returns the state (written last)."""
     index_dir = os.path.join(local, INDEX_DIR)
@@ -162,7 +172,8 @@ def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef, raw: b
     _make_index(os.path.join(index_dir, "present"), manifest.num_samples)
     _write_atomic(os.path.join(local, MANIFEST_NAME), raw)
     fsync_dir(local)
-    state = {"url": str(fetcher.url), "manifest": _ref_json(manifest_ref), "shards": [_ref_json(r) for r in shard_refs]}
+    state = {"url": str(fetcher.url), "manifest": _ref_json(manifest_ref), "shards": [_ref_json(r) for r in shard_refs],
+             **({"endpoint": endpoint} if endpoint else {})}
     _write_atomic(os.path.join(index_dir, STATE_NAME), json.dumps(state).encode())
     return state
 
@@ -215,7 +226,8 @@ def _clear(local: str) -> None:
                 os.unlink(os.path.join(index_dir, name))
 
 
-def _lay_out_megatron(local: str, fetcher: RangedFetcher, idx_ref: ObjectRef) -> dict[str, Any]:
+def _lay_out_megatron(local: str, fetcher: RangedFetcher, idx_ref: ObjectRef,
+                      endpoint: str | None = None) -> dict[str, Any]:
     """Fetch the ``.idx`` whole, head the ``.bin``, lay it out sparse, check the pair and create the index;
     returns the state (written last)."""
     _clear(local)
@@ -232,7 +244,7 @@ def _lay_out_megatron(local: str, fetcher: RangedFetcher, idx_ref: ObjectRef) ->
     pair.close()
     fsync_dir(local)
     state = {"url": str(fetcher.url.child(name)), "kind": "megatron", "idx": _ref_json(idx_ref),
-             "shards": [_ref_json(bin_ref)]}
+             "shards": [_ref_json(bin_ref)], **({"endpoint": endpoint} if endpoint else {})}
     _write_atomic(os.path.join(local, INDEX_DIR, STATE_NAME), json.dumps(state).encode())
     return state
 
@@ -317,7 +329,8 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
     caps = {k: v for k, v in (("max_gap", max_gap), ("max_transfer", max_transfer)) if v is not None}
     fetcher = RangedFetcher(store, url, concurrency=concurrency, retry=retry, **caps)
     try:
-        local = local_dir_of(url, cache_dir)
+        local = local_dir_of(url, cache_dir, options)
+        endpoint = resolve_options(options).get("endpoint") or None  # recorded: a reopen by path reads from it
         _refuse_foreign(local)
         os.makedirs(os.path.join(local, INDEX_DIR), exist_ok=True)
         with open(os.path.join(local, INDEX_DIR, "lock"), "a+b") as lock:
@@ -326,7 +339,7 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
             got = _get_or_none(fetcher, MANIFEST_NAME)  # small: fetched whole, not headed first
             if got is not None:
                 manifest_ref, raw = got
-                lay_out = partial(_lay_out, local, fetcher, manifest_ref, raw)
+                lay_out = partial(_lay_out, local, fetcher, manifest_ref, raw, endpoint)
                 if state is None or state.get("manifest") != _ref_json(manifest_ref):
                     _drop(local, url, state)
                     with _cache_writes(local):
@@ -343,7 +356,7 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
                 if fingerprint == "content":
                     raise ValueError(f"{url}: fingerprint='content' hashes every byte of the .bin, which would "
                                      "fetch it whole; a bucket Megatron pair takes fingerprint='index'")
-                lay_out = partial(_lay_out_megatron, local, fetcher, idx_ref)
+                lay_out = partial(_lay_out_megatron, local, fetcher, idx_ref, endpoint)
                 if state is None or state.get("idx") != _ref_json(idx_ref):
                     _drop(local, url, state)
                     with _cache_writes(local):

@@ -126,7 +126,7 @@ def mirror_prefix(url: str | BucketURL, cache_dir: str | os.PathLike, *, marker:
     still the bucket's). Raises :class:`BucketError` (``not_found``) naming ``url`` when it holds no ``marker``:
     "no plan.json: not a plan"."""
     url = url if isinstance(url, BucketURL) else BucketURL.parse(url)
-    local = local_dir_of(url, cache_dir)
+    local = local_dir_of(url, cache_dir, options)
     with _locked(local), RangedFetcher(open_store(url, options), url) as fetcher:
         try:
             head = fetcher.head(marker)
@@ -162,7 +162,7 @@ def publish_prefix(url: str | BucketURL, cache_dir: str | os.PathLike, write: Ca
     ``marker`` last (see :func:`~foresight.bucket.upload.upload_dir`: an existing one is refused unless
     ``overwrite``). Returns the local directory, recorded as the mirror of what was uploaded."""
     url = url if isinstance(url, BucketURL) else BucketURL.parse(url)
-    local = local_dir_of(url, cache_dir)
+    local = local_dir_of(url, cache_dir, options)
     with _locked(local):
         if not overwrite:  # refused before the local write, which may replace a mirror of the plan already there
             refuse_existing_at(url, marker, what, options=options)

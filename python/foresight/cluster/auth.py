@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
+import urllib.parse
 from typing import Callable
 
 import pyarrow.flight as flight
@@ -69,6 +71,36 @@ def caller_of(context) -> str:
         return "tls:" + identity.decode("utf-8", "replace")
     peer = context.peer() or "unknown"
     return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
+
+
+def is_loopback_peer(context) -> bool:
+    """Whether the call comes from this host over loopback (gRPC's peer ``ipv4:127.0.0.1:port``,
+    ``ipv6:[::1]:port``; a Unix socket counts as local too)."""
+    peer = context.peer() or ""
+    if peer.startswith("unix:"):
+        return True
+    kind, _, rest = peer.partition(":")
+    host = rest.rsplit(":", 1)[0].strip("[]") if kind in ("ipv4", "ipv6") else ""
+    try:
+        return ipaddress.ip_address(urllib.parse.unquote(host)).is_loopback
+    except ValueError:
+        return False
+
+
+def check_admin(context, admin_token: str) -> None:
+    """The node's operator actions (``status``, ``replicas.stats``): with an admin token, only a caller presenting
+    it (in the token header); without one, only callers on the node's own host (loopback). Raises
+    ``FlightUnauthenticatedError`` otherwise."""
+    mw = context.get_middleware("auth")
+    token = None if mw is None else mw.token
+    if admin_token:
+        if token and hmac.compare_digest(token.encode(), admin_token.encode()):
+            return
+        raise flight.FlightUnauthenticatedError("foresight: this action needs the node's admin token "
+                                                "(node serve --admin-token; node status --admin-token)")
+    if not is_loopback_peer(context):
+        raise flight.FlightUnauthenticatedError("foresight: without an admin token this action is answered on the "
+                                                "node's host only; serve with --admin-token to ask from elsewhere")
 
 
 class Admission:
@@ -142,5 +174,6 @@ def connect(location: str, *, tls_root: str | None = None, cert: tuple[str, str]
     return flight.FlightClient(location, **kwargs)
 
 
-__all__ = ["ADMISSION_MODES", "HEADER_JOB", "HEADER_TOKEN", "Admission", "caller_of", "cluster_job", "token_digest",
-           "HeaderMiddleware", "HeaderMiddlewareFactory", "call_options", "connect", "read_pem"]
+__all__ = ["ADMISSION_MODES", "HEADER_JOB", "HEADER_TOKEN", "Admission", "caller_of", "check_admin", "cluster_job",
+           "is_loopback_peer", "token_digest", "HeaderMiddleware", "HeaderMiddlewareFactory", "call_options", "connect",
+           "read_pem"]

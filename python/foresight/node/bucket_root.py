@@ -6,7 +6,8 @@ manifest is fetched once per ETag and fingerprinted as a local one is (so a clie
 its dataset by the same fingerprint). A plan directory in the bucket (``<name>/plan.json`` and its arrays) is
 copied into the local root once per version of its objects and listed by digest like an uploaded one. Datasets
 open through :func:`foresight.open_dataset` with the cache directory, as ``cache_dir/bucket/prefix/<name>``; the
-node's local root (plans, the datasets' caches) is ``cache_dir/bucket/prefix``. A missing bucket or wrong keys
+node's local root (plans, the datasets' caches) is ``cache_dir/bucket/prefix`` (under the endpoint's own place when
+an endpoint is set: :func:`~foresight.bucket.dataset.local_dir_of`). A missing bucket or wrong keys
 fail the first listing: the node does not start, with one line naming the bucket (and never a secret).
 
 :class:`JobPrefetch` drives one :class:`~foresight.bucket.prefetch.PlanPrefetcher` per bucket dataset of a job
@@ -63,7 +64,7 @@ class BucketRootIndex(RootIndex):
         self.failed_scans = 0
         self._fetcher = RangedFetcher(open_store(self.url, options), self.url, concurrency=8, retry=retry)
         try:
-            local = local_dir_of(self.url, self.cache_dir)
+            local = local_dir_of(self.url, self.cache_dir, options)
             os.makedirs(local, exist_ok=True)
             super().__init__(local, depth)
         except BaseException:

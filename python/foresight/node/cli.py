@@ -19,7 +19,7 @@ import sys
 import threading
 
 from foresight.bucket.opener import open_dataset
-from foresight.cluster.auth import connect
+from foresight.cluster.auth import call_options, connect
 from foresight.cluster.membership import Cluster
 from foresight.cluster.throttle import ServiceLimit, parse_amounts
 from foresight.format.cli import parse_size
@@ -29,6 +29,8 @@ from foresight.node.server import NodeServer
 from foresight.node.stream_drain import CANCEL_WAIT_S, DEFAULT_SHUTDOWN_GRACE_S
 from foresight.replication.node_options import mount_from_args, prepare_from_args
 
+#: Environment variable holding the nodes' admin token (``--admin-token`` of ``node serve`` and ``node status``).
+ADMIN_TOKEN_ENV = "FORESIGHT_NODE_ADMIN_TOKEN"
 #: SIGTERM to exit is at most ``--shutdown-grace-s`` plus this: cancelling streams, leaving etcd, freeing jobs.
 EXIT_MARGIN_S = CANCEL_WAIT_S + 10.0
 
@@ -57,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--tls-cert", default=None, help="PEM certificate: serve grpc+tls (with --tls-key)")
     s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     s.add_argument("--client-ca", default=None, help="require client certificates signed by this CA (mutual TLS)")
+    s.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN_ENV, ""),
+                   help=f"what `node status` (and replicas.stats) must present (default ${ADMIN_TOKEN_ENV}); none: "
+                        "they are answered to callers on this host only")
     s.add_argument("--max-jobs", type=int, default=8, help="jobs registered at once (more are refused)")
     s.add_argument("--max-jobs-per-caller", type=int, default=None,
                    help="distinct jobs one caller (TLS identity, else host) may register at once (default: half of "
@@ -109,6 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     st.add_argument("--node", action="append", default=None, help="node location (repeatable) instead of etcd")
     st.add_argument("--tls-root", default=None, help="PEM CA that signed the nodes' certificates (grpc+tls)")
     st.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    st.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN_ENV, ""),
+                    help=f"the nodes' --admin-token (default ${ADMIN_TOKEN_ENV}); none: ask nodes on this host only")
     p = sub.add_parser("place", help="place a dataset's shards on nodes and record it in etcd")
     p.add_argument("dataset", help="the dataset directory (read for its fingerprint and shard count)")
     p.add_argument("--etcd", required=True, help="etcd endpoint(s), comma-separated")
@@ -130,12 +137,19 @@ def _add_replication_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--site", default=None, help="this node's site; mounts checkpoint replication")
     g.add_argument("--route", action="append", default=[], metavar="SITE=URL",
                    help="Flight endpoint (e.g. a WAN gateway) of another site's node; others are found in etcd")
-    g.add_argument("--replication-token", default="", help="shared by the sites of one deployment")
+    g.add_argument("--replication-token", default="", help="shared by the sites of one deployment; required when "
+                   "--host is not a loopback address (unless --replication-no-token)")
+    g.add_argument("--replication-no-token", action="store_true",
+                   help="serve replication with no token on a non-loopback --host: anyone reaching the port may "
+                        "send, abort or read checkpoints (a trusted network only)")
     g.add_argument("--replication-unit-mib", type=int, default=32, help="transfer unit size in MiB (large tensors are cut into units; small ones packed)")
     g.add_argument("--replication-unit-bytes", type=int, default=None, help=argparse.SUPPRESS)  # tests: tiny units
     g.add_argument("--replication-streams", type=int, default=2, help="units in flight per sender")
     g.add_argument("--replication-ttl", type=int, default=3600, help="seconds a received replica stays registered")
     g.add_argument("--replication-fifo", action="store_true", help="no priority lane: arrival order (a baseline)")
+    g.add_argument("--replication-max-wait-s", type=float, default=300.0,
+                   help="longest one replicate.wait call holds a server thread; a caller waiting longer asks again "
+                        "(default %(default)s)")
     g.add_argument("--replication-retry-s", type=float, default=60.0,
                    help="how long a sender waits for a site that is down or restarting")
 
@@ -171,7 +185,7 @@ def _serve(args: argparse.Namespace) -> int:
         served_shards=(lambda fp: cluster.served_shards(node_id_box[0], fp)) if cluster else None,
         admission=args.admission, issued_tokens=cluster.job_token_digest if cluster else None,
         max_jobs_per_caller=args.max_jobs_per_caller, cache_dir=args.cache_dir, cache_budget=args.cache_budget,
-        cache_lookahead=args.cache_lookahead)
+        cache_lookahead=args.cache_lookahead, admin_token=args.admin_token)
     node_id_box.append(server.node_id)
     mount_from_args(server, replication)
     metrics_port = (server.metrics.serve_http(args.metrics_port, args.metrics_host)
@@ -253,7 +267,8 @@ def _node_statuses(args: argparse.Namespace) -> list[dict]:
     for loc in locations:
         try:
             client = connect(loc, tls_root=args.tls_root)
-            res = list(client.do_action(flight.Action("status", b"{}"), flight.FlightCallOptions(timeout=10)))
+            res = list(client.do_action(flight.Action("status", b"{}"),
+                                        call_options(None, args.admin_token or None, timeout=10)))
             out.append(json.loads(res[0].body.to_pybytes()))
             client.close()
         except Exception as e:  # one unreachable node must not hide the others

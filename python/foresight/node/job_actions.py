@@ -74,6 +74,7 @@ class JobActions:
                 "jobs": len(self._jobs), "max_jobs": self.max_jobs, "streams": self._inflight.count}
 
     def _status(self, context, req: dict) -> dict:
+        self.authorize_operator(context)  # every job's name and progress, the bucket root: the operator's
         self.metrics.cpu.set(self.guard.cpu_percent)
         self.metrics.guard.set(1 if self.guard.engaged else 0)
         self.metrics.jobs.set(len(self._jobs))

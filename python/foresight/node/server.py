@@ -37,7 +37,7 @@ import foresight.loader  # noqa: F401
 import foresight.media  # noqa: F401
 from foresight.bucket import BucketDataset, RetryPolicy, is_bucket_url
 from foresight.bucket.opener import open_dataset
-from foresight.cluster.auth import Admission, HeaderMiddlewareFactory, read_pem
+from foresight.cluster.auth import Admission, HeaderMiddlewareFactory, check_admin, read_pem
 from foresight.cluster.metrics import NodeMetrics
 from foresight.errors import ForesightError, NodeError, ProtocolError
 from foresight.io import IOEngine
@@ -97,6 +97,9 @@ class NodeServer(JobActions, flight.FlightServerBase):
             (only tokens issued in the cluster admit); issued_tokens: ``job -> sha256 of its issued token or None``
             (:meth:`Cluster.job_token_digest`); see :class:`~foresight.cluster.auth.Admission`.
         max_jobs_per_caller: distinct jobs one caller may have registered at once (default ``max_jobs // 2``).
+        admin_token: what the operator actions (``status``, ``replicas.stats``) need in the token header; empty:
+            they are answered to callers on this host only (:func:`~foresight.cluster.auth.check_admin`).
+            ``health`` (liveness, what the node advertises in etcd anyway) needs nothing.
     """
 
     def __init__(self, root: str, *, location: str = "grpc://127.0.0.1:0", tls: tuple[str, str] | None = None,
@@ -109,7 +112,7 @@ class NodeServer(JobActions, flight.FlightServerBase):
                  issued_tokens: Callable[[str], str | None] | None = None, max_jobs_per_caller: int | None = None,
                  cpu_measure: str = "process", cache_dir: str | None = None, cache_budget: int | None = None,
                  cache_lookahead: int = 8, bucket_options: dict[str, Any] | None = None,
-                 bucket_retry: RetryPolicy = RetryPolicy()) -> None:
+                 bucket_retry: RetryPolicy = RetryPolicy(), admin_token: str = "") -> None:
         if is_bucket_url(root):  # checked before the port is bound: a bad bucket or bad keys never serve
             cache_dir = cache_dir or os.environ.get("FORESIGHT_BUCKET_CACHE")
             if not cache_dir:
@@ -139,6 +142,7 @@ class NodeServer(JobActions, flight.FlightServerBase):
         self.instance = f"{os.getpid()}-{time.time_ns()}"  # changes on restart: clients re-register
         self.max_jobs, self.max_queue_bytes, self.max_lead = int(max_jobs), int(max_queue_bytes), int(max_lead)
         self.admission = Admission(admission, issued=issued_tokens)
+        self.admin_token = admin_token
         self.max_jobs_per_caller = max(1, self.max_jobs // 2 if max_jobs_per_caller is None else max_jobs_per_caller)
         self._callers: dict[str, tuple[str, str]] = {}  # node job id -> (caller, cluster job)
         self.decode_threads = decode_threads
@@ -205,6 +209,14 @@ class NodeServer(JobActions, flight.FlightServerBase):
         """Add a ``DoGet`` for JSON tickets whose ``kind`` field is ``kind``: ``handler(context, ticket_object)``
         returns a Flight data stream and checks the caller's credentials itself."""
         self._gets[kind] = handler
+
+    def authorize_operator(self, context) -> None:
+        """An operator action's caller: the admin token, else a caller on this host (see ``admin_token``)."""
+        try:
+            check_admin(context, self.admin_token)
+        except flight.FlightUnauthenticatedError:
+            self.metrics.refusals.labels("token").inc()
+            raise
 
     def authorize(self, context, job_id: str) -> NodeJob:
         """The registered job named by the request, after checking the call's job header and token."""

@@ -22,7 +22,8 @@ import threading
 from collections.abc import Callable, Iterator
 
 import psutil
-import pyarrow.flight as flight
+
+from foresight.node.owned_stream import OwnedStream
 
 #: Default seconds streams in flight may run on after :meth:`NodeServer.stop` (SIGTERM) before they are cancelled.
 DEFAULT_SHUTDOWN_GRACE_S = 10.0
@@ -70,33 +71,11 @@ class InFlightStreams:
         return self._cancel.is_set()
 
 
-class CountedStream:
+def CountedStream(streams: InFlightStreams, batches: list) -> OwnedStream:
     """The record batches of one DoGet, counted in the server's in-flight streams until the last one is taken,
-    the stream is dropped (client gone, call cancelled) or the server cancels it at shutdown."""
-
-    def __init__(self, streams: InFlightStreams, batches: list) -> None:
-        self._streams, self._batches, self._open = streams, iter(batches), True
-
-    def __iter__(self) -> CountedStream:
-        return self
-
-    def __next__(self):
-        if self._streams.cancelled:
-            self._end()
-            raise flight.FlightCancelledError("foresight: node shut down; stream cancelled")
-        try:
-            return next(self._batches)
-        except StopIteration:
-            self._end()
-            raise
-
-    def _end(self) -> None:
-        if self._open:
-            self._open = False
-            self._streams.ended()
-
-    def __del__(self) -> None:
-        self._end()
+    the stream fails or is dropped (client gone, call cancelled) or the server cancels it at shutdown."""
+    return OwnedStream(batches, streams.ended, cancelled=lambda: streams.cancelled,
+                       cancel_message="foresight: node shut down; stream cancelled")
 
 
 def cut_connections(port: int) -> int:

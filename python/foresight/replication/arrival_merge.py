@@ -116,6 +116,11 @@ class ArrivalMerge:
             self.events.append(["committed"])
             self._cv.notify_all()
 
+    @property
+    def finished(self) -> threading.Event:
+        """Set once the merge is published or failed (what a bounded wait waits on)."""
+        return self._done
+
     def wait(self, timeout: float | None) -> dict[str, list[str]]:
         if not self._done.wait(timeout):
             raise CheckpointError("timed out waiting for the merged output", path=self.out_final)

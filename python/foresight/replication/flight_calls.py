@@ -13,7 +13,6 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -31,40 +30,6 @@ def binary_batch(view: memoryview) -> pa.RecordBatch:
     offsets = pa.py_buffer(np.array([0, len(view)], np.int32).tobytes())
     arr = pa.Array.from_buffers(pa.binary(), 1, [None, offsets, pa.py_buffer(view)])
     return pa.record_batch([arr], schema=SCHEMA)
-
-
-class OwnedStream:
-    """The record batches of a DoGet that holds something (an open file, a read reference): ``release`` runs once,
-    when the batches end or fail or when the stream is dropped unread. A generator's ``finally`` is not enough:
-    Flight drops the stream without starting it when the client is gone before the schema is written, and an
-    unstarted generator runs no ``finally`` (the file stayed open, the copy referenced for ever).
-
-    Example::
-
-        fd = os.open(path, os.O_RDONLY)
-        return flight.GeneratorStream(SCHEMA, OwnedStream(batches_of(fd), lambda: os.close(fd)))
-    """
-
-    def __init__(self, batches: Iterator[pa.RecordBatch], release: Callable[[], None]) -> None:
-        self._batches, self._release = batches, release
-
-    def __iter__(self) -> OwnedStream:
-        return self
-
-    def __next__(self) -> pa.RecordBatch:
-        try:
-            return next(self._batches)
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-    def __del__(self) -> None:
-        self.close()
 
 
 def _site_endpoint(resolver: Any, site: str) -> str | None:

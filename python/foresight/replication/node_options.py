@@ -9,7 +9,9 @@ Example::
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
+import socket
 from typing import Any
 
 
@@ -19,6 +21,7 @@ def prepare_from_args(args: argparse.Namespace) -> Any:
     is constructed leaves no window in which a restarted site refuses units ("no DoPut for 'replica.unit'")."""
     if not getattr(args, "site", None) or not os.path.isdir(args.root):
         return None  # no replication; or no root: the node server names the problem
+    check_token_policy(args.host, args.replication_token, getattr(args, "replication_no_token", False))
     # verifying a DCP replica unpickles its .metadata, which imports torch.distributed.checkpoint (seconds on a
     # busy host): pay that once at start-up, not inside the first replica's commit-to-ready time
     import torch.distributed.checkpoint.metadata  # noqa: F401
@@ -33,7 +36,33 @@ def prepare_from_args(args: argparse.Namespace) -> Any:
     return ReplicationService(args.site, args.root, etcd=etcd, routes=routes, token=args.replication_token,
                               unit_bytes=args.replication_unit_bytes or args.replication_unit_mib << 20,
                               streams=args.replication_streams, replica_ttl=args.replication_ttl,
-                              fifo=args.replication_fifo, retry_s=args.replication_retry_s)
+                              fifo=args.replication_fifo, retry_s=args.replication_retry_s,
+                              max_wait_s=args.replication_max_wait_s)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback one (only this machine's callers reach it)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: loopback only if every address it resolves to is
+        try:
+            infos = socket.getaddrinfo(host, None)
+        except OSError:
+            return False
+        return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def check_token_policy(host: str, token: str, no_token: bool) -> None:
+    """Replication without a token takes every caller's word: on a non-loopback address that is anyone on the
+    network (send, abort, read checkpoints), so it needs the operator's explicit ``--replication-no-token``.
+    The node's own job calls always carry a token; this mirrors that for the node-to-node replication calls."""
+    if token or no_token or is_loopback(host):
+        return
+    raise SystemExit(f"foresight node serve: --site on --host {host} (not loopback) needs --replication-token "
+                     "(shared by the sites of one deployment); pass --replication-no-token to serve replication "
+                     "unauthenticated on a trusted network")
 
 
 def mount_from_args(server: Any, service: Any) -> Any:

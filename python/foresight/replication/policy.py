@@ -49,6 +49,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,7 @@ from foresight.replication.bucket_site import RANK_WAIT_S, BucketSite
 from foresight.replication.scheduler import priority_of
 from foresight.replication.flight_calls import call, put_body
 from foresight.replication.units import UNIT_BYTES, check_name, unit_ends
+from foresight.replication.waits import TIMED_OUT
 
 log = logging.getLogger("foresight.replicate")
 RETRY_EVERY_S = 30.0  # a save whose replication could not be started is retried this often (in the background)
@@ -418,7 +420,15 @@ class Replication:
             self.retry_pending()
         if self.to_bucket:
             return self.bucket_site().wait(step, timeout)
-        return self._call("replicate.wait", {"name": name, "timeout": timeout})
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:  # the node caps each call (--replication-max-wait-s): ask again until our own timeout
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return self._call("replicate.wait", {"name": name, "timeout": left})
+            except CheckpointError as e:
+                capped = TIMED_OUT in str(e) and "max_wait_s=" in str(e)
+                if not capped or (deadline is not None and time.monotonic() >= deadline):
+                    raise
 
     def close(self) -> None:
         self._closed.set()

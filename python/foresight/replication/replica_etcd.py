@@ -219,8 +219,9 @@ class ReplicaEtcd:
         return self.cluster._get_prefix(base)
 
     # -- authentication ------------------------------------------------------------------------------------
-    def _authorize(self, context: Any, job: str) -> None:
-        """The call carries ``job``'s header and the token the job's first call bound (in etcd, hashed)."""
+    def _authorize(self, context: Any, job: str, *, bind: bool = True) -> None:
+        """The call carries ``job``'s header and the token the job's first call bound (in etcd, hashed); ``bind``
+        False: a job with no binding yet is refused instead of bound by this call."""
         mw = context.get_middleware("auth") if context is not None else None
         token = None if mw is None else mw.token
         if mw is None or mw.job != job or not token or len(token) < 8:
@@ -231,8 +232,11 @@ class ReplicaEtcd:
             key = self._k("hints", job, "token")
             salt = secrets.token_hex(8)
             mine = {"salt": salt, "sha256": hashlib.sha256((salt + token).encode()).hexdigest()}
-            self.cluster._call(lambda c: c.create(key, json.dumps(mine)))  # first caller binds; others read it
+            if bind:
+                self.cluster._call(lambda c: c.create(key, json.dumps(mine)))  # first caller binds; others read it
             binding = self._get1(key)
+            if binding is None and not bind:
+                raise flight.FlightUnauthenticatedError(f"foresight: no token is bound for job {job!r}")
             if binding is None:
                 raise NodeError("job token binding vanished from etcd", job=job)
             self._bindings[job] = binding

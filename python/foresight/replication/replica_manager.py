@@ -6,7 +6,8 @@ restart which files its ranks will read and how many at once (``set_replication_
 :mod:`foresight.replication.hint_client`), and the node that receives the hint plans the extra copies
 (:func:`~foresight.replication.replica_plan.plan_replicas`: its reads in one etcd round trip) and writes the hint
 and one *task* per copy in one etcd transaction; each task names the file's holders, least loaded first. Each
-target node picks up its tasks (at once: the planning node wakes it with ``replicas.wake``; else within
+target node picks up its tasks (at once: the planning node wakes it with ``replicas.wake``, carrying the hint's job
+token, which the target checks against the job's binding; else within
 ``poll_s``), pulls the file from a holder the task names over Flight (``DoGet ckpt.get`` with the task's grant),
 writes it under a temp name, checks its xxh3 against the base copy's, renames it into place, then registers it
 under the hint's lease and marks the task done in one write. Ranks read through
@@ -52,7 +53,7 @@ from typing import Any
 import pyarrow.flight as flight
 
 from foresight.checksum import file_xxh3
-from foresight.cluster.auth import connect
+from foresight.cluster.auth import call_options, connect
 from foresight.cluster.requests import check_fields
 from foresight.cluster.throttle import ServiceLimit
 from foresight.errors import NodeError
@@ -140,9 +141,9 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         server.register_action("set_replication_hints", decode_hints, self._set_hints, job_scoped=False,
                                max_bytes=MAX_HINTS_BYTES)  # up to MAX_FILES hints: a restart of thousands of ranks
         server.register_action("replicas.wake", lambda o: check_fields(o, (), (), "replicas.wake") or {},
-                               lambda context, req: self.wake(), job_scoped=False)  # only polls sooner: no auth
+                               self._wake_call, job_scoped=False)
         server.register_action("replicas.stats", lambda o: check_fields(o, (), (), "replicas.stats") or {},
-                               lambda context, req: self.describe(), job_scoped=False)
+                               self._stats_call, job_scoped=False)
         server.register_get("ckpt.get", self._get)
         self._thread = threading.Thread(target=self._loop, name="foresight-replica-manager", daemon=True)
         self._thread.start()
@@ -239,7 +240,8 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
             lease.revoke()  # another node accepted a hint for it a moment ago
             raise HintError("a hint for this checkpoint is live; release it first (replicas.release) or let it "
                             "expire", checkpoint=name)
-        self._wake_targets({n for f in plan.files for n in f.new_nodes}, live)
+        self._wake_targets({n for f in plan.files for n in f.new_nodes}, live, job,
+                           context.get_middleware("auth").token)  # the hint's token: targets check it
         log.info("replication hint accepted", extra={"job": job, "checkpoint": name, "ttl_s": req["ttl_s"],
                                                      "copy_bytes": plan.copy_bytes, "new": plan.new_replicas})
         return dict(record, wasteful=[f.path for f in plan.wasteful()])
@@ -249,7 +251,23 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
         self._wake.set()
         return {"node": self.node_id}
 
-    def _wake_targets(self, nodes: set[str], live: dict[str, dict]) -> None:
+    def _wake_call(self, context: Any, req: dict) -> dict:
+        """``replicas.wake`` makes this node read etcd now: only for a caller holding a job's token (the planning
+        node forwards the hint's), checked against the job's binding without creating one (a made-up job is
+        refused, and leaves no key in etcd)."""
+        mw = context.get_middleware("auth")
+        job = None if mw is None else mw.job
+        if not job:
+            raise flight.FlightUnauthenticatedError("foresight: replicas.wake needs the job header and its token")
+        self._authorize(context, job, bind=False)
+        return self.wake()
+
+    def _stats_call(self, context: Any, req: dict) -> dict:
+        """``replicas.stats``: the operator's (the node's admin token, or a caller on this host)."""
+        self.server.authorize_operator(context)
+        return self.describe()
+
+    def _wake_targets(self, nodes: set[str], live: dict[str, dict], job: str, token: str) -> None:
         """Tell each target of new tasks at once, from a thread (the hint's reply does not wait); a target not
         reached finds its tasks at its next poll (logged, ``stats['wake_failures']``)."""
         def send(node: str) -> None:
@@ -259,7 +277,7 @@ class ReplicaManager(ReplicaEtcd, ReplicaCopies):
             try:
                 client = connect(live[node]["location"])
                 try:
-                    list(client.do_action(flight.Action("replicas.wake", b"{}"), flight.FlightCallOptions(timeout=5)))
+                    list(client.do_action(flight.Action("replicas.wake", b"{}"), call_options(job, token, timeout=5)))
                 finally:
                     client.close()
             except Exception as e:  # the target polls anyway

@@ -7,7 +7,8 @@ The same handlers run on every site's node; which role they play depends on the 
   units, queue those written in the :class:`~.scheduler.PriorityLane`; ``extend``: a DCP rank adds its own file to
   the transfer), ``replicate.written`` (a writer's
   progress: the units it completed leave now), ``replicate.commit`` (the source committed: the replica may now
-  be published), ``replicate.abort``, ``replicate.urgent`` (raise a transfer's priority), ``replicate.wait``,
+  be published), ``replicate.abort``, ``replicate.urgent`` (raise a transfer's priority), ``replicate.wait`` (at most ``max_wait_s`` per call, ended
+  when its caller goes away: :mod:`~foresight.replication.waits`),
   ``replicate.pause``/``replicate.resume`` (``{"units": n}`` lets exactly n more units go: throttling, and a
   deterministic order for tests), ``replicate.log`` (units in the order they were acknowledged; with ``name``,
   also ``arrived``: when each unit of that checkpoint arrived whole, and ``arrived_pieces``: when each piece of
@@ -60,6 +61,7 @@ from foresight.replication.send_windows import RETRY_S, WindowSender
 from foresight.replication.transfer_receiver import TransferReceiver
 from foresight.replication.transfer_sender import Transfer, TransferSender
 from foresight.replication.units import UNIT_BYTES
+from foresight.replication.waits import MAX_WAIT_S, wait_event
 
 
 class ReplicationService(TransferSender, WindowSender, TransferReceiver, CheckpointReads):
@@ -71,12 +73,15 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
         replica_ttl: seconds a received replica stays registered (its etcd lease).
         retry_s: how long a sender waits (retrying with back-off) for a site that is down or still starting;
             after a restart the transfer resumes with the units the site has not journaled.
+        max_wait_s: the longest one ``replicate.wait``/``replica.merged`` call holds a server thread (a caller
+            asking more, or no timeout, hears "timed out ... at most N s" and asks again).
         streams: units in flight at once per sender (the WAN link stays busy during each unit's round trip).
     """
 
     def __init__(self, site: str, root: str, *, etcd: str | None = None, routes: dict[str, str] | None = None,
                  endpoint: str = "", token: str = "", unit_bytes: int = UNIT_BYTES, streams: int = 2,
-                 replica_ttl: int = 3600, fifo: bool = False, retry_s: float = RETRY_S) -> None:
+                 replica_ttl: int = 3600, fifo: bool = False, retry_s: float = RETRY_S,
+                 max_wait_s: float = MAX_WAIT_S) -> None:
         self.site, self.root, self.token, self.retry_s = site, os.path.realpath(root), token, float(retry_s)
         self.endpoint, self.routes, self.unit_bytes, self.replica_ttl = endpoint, dict(routes or {}), unit_bytes, replica_ttl
         os.makedirs(self.root, exist_ok=True)
@@ -97,6 +102,9 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
         self._merges: dict[str, Any] = {}  # checkpoints merged here as their units arrive (ArrivalMerge)
         # as a sender: windows put, most unacknowledged at once, windows sent again after a unit arrived damaged
         self.sending = {"windows": 0, "in_flight_max": 0, "resent_corrupt": 0, "register_failures": 0}
+        self.max_wait_s = float(max_wait_s)
+        self.waiters = 0  # server threads in replicate.wait / replica.merged now
+        self.wait_capped = 0  # waits answered "timed out" at max_wait_s
         self._lock = threading.Condition()
         self._clients: dict[tuple[str, int], flight.FlightClient] = {}
         self._workers = [threading.Thread(target=self._send_loop, name=f"foresight-repl-send-{i}", daemon=True)
@@ -124,7 +132,8 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
             "replicate.urgent": self.urgent, "replicate.wait": self.wait, "replicate.pause": self.pause,
             "replicate.resume": self.resume,
             "replicate.log": lambda b: {"sent": self.sent_log, "received": self.received, "sending": self.sending,
-                                        "layout_failures": self.layout_failures,
+                                        "layout_failures": self.layout_failures, "waiters": self.waiters,
+                                        "wait_capped": self.wait_capped,
                                         **({"arrived": self.arrivals(b["name"]),
                                             "arrived_pieces": self.arrived_pieces(b["name"])}
                                            if b.get("name") else {})},
@@ -135,9 +144,26 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
             out[name] = functools.partial(self._checked, fn)
         return out
 
-    def _checked(self, fn: Callable[[dict[str, Any]], dict[str, Any]], body: dict[str, Any]) -> dict[str, Any]:
+    def _checked(self, fn: Callable[..., dict[str, Any]], body: dict[str, Any], *extra: Any) -> dict[str, Any]:
         self.check_token(body)
-        return fn(body)
+        return fn(body, *extra)
+
+    def _bounded_wait(self, event: threading.Event, timeout: float | None, cancelled: Callable[[], bool] | None,
+                      what: str, **context: Any) -> None:
+        """:func:`~foresight.replication.waits.wait_event` under the node's cap, counted (``replicate.log``:
+        ``waiters`` now, ``wait_capped`` so far)."""
+        with self._lock:
+            self.waiters += 1
+        try:
+            wait_event(event, timeout, max_wait_s=self.max_wait_s, cancelled=cancelled, what=what, **context)
+        except CheckpointError as e:
+            if "max_wait_s" in e.context:
+                with self._lock:
+                    self.wait_capped += 1
+            raise
+        finally:
+            with self._lock:
+                self.waiters -= 1
 
     def check_token(self, body: dict[str, Any]) -> None:
         """Sites of one deployment share a replication token (node-to-node calls carry no job)."""
@@ -147,8 +173,11 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
     def mount(self, server: Any) -> None:
         """Register the actions, DoPut and DoGet kinds on a node server's handler registry."""
         for name, fn in self.handlers().items():
-            server.register_action(name, _decoder(name), _clear_errors(lambda context, req, fn=fn: fn(req)),
-                                   job_scoped=False)
+            if name in _WAITING:  # the wait ends when its caller goes away
+                handler = _clear_errors(lambda context, req, fn=fn: fn(req, context.is_cancelled))
+            else:
+                handler = _clear_errors(lambda context, req, fn=fn: fn(req))
+            server.register_action(name, _decoder(name), handler, job_scoped=False)
         server.register_put("replica.unit", _clear_errors(self._put_unit))
         server.register_put("replica.units", _clear_errors(self._put_units))
         server.register_put("replica.commit", _clear_errors(self._put_commit))
@@ -167,6 +196,9 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
             raise CheckpointError("path is outside this node's root", path=path, root=self.root)
         return real
 
+
+#: Actions that block until something happens: bounded by the node's cap and their caller's presence.
+_WAITING = frozenset({"replicate.wait", "replica.merged"})
 
 _REQUIRED = {
     "replication.ping": (), "replicate.start": ("name", "src", "site"), "replicate.written": ("name", "written"),

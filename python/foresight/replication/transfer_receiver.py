@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 from pyarrow import flight
@@ -158,7 +158,7 @@ class TransferReceiver:
                 merge.committed(rb.final)  # published already: merge it all now
         return {"planned": merge.status()["planned"]}
 
-    def replica_merged(self, b: dict[str, Any]) -> dict[str, Any]:
+    def replica_merged(self, b: dict[str, Any], cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
         """The merge of ``name``: with ``wait`` (default) block until published (``timeout``) and return its paths;
         ``wait: false`` returns its state as it is (``done``, ``events``, ``stats``)."""
         name = check_name(b["name"])
@@ -169,7 +169,8 @@ class TransferReceiver:
                 return {"done": False, "planned": False, "events": [], "stats": {}, "paths": None, "error": None}
             raise CheckpointError("no merge of this checkpoint at this site (no replica.layout came)", name=name)
         if b.get("wait", True):
-            merge.wait(b.get("timeout"))
+            self._bounded_wait(merge.finished, b.get("timeout"), cancelled, "the merged output", name=name)
+            merge.wait(0)  # done: its error, if any
         return merge.status()
 
 

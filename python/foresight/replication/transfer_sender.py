@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 
@@ -241,10 +241,11 @@ class TransferSender:
         self.lane.reprioritize(t.name, t.priority)
         return {}
 
-    def wait(self, b: dict[str, Any]) -> dict[str, Any]:
+    def wait(self, b: dict[str, Any], cancelled: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """Block until the replica is published (at most ``timeout`` and the node's cap; ends when the caller goes
+        away: :mod:`~foresight.replication.waits`)."""
         t = self._transfer(b["name"])
-        if not t.done.wait(b.get("timeout")):
-            raise CheckpointError("timed out waiting for the replica", name=t.name)
+        self._bounded_wait(t.done, b.get("timeout"), cancelled, "the replica", name=t.name)
         if t.error:
             raise CheckpointError(f"replication failed: {t.error}", name=t.name, site=t.site)
         return {"path": t.path, "units": len(t.units), "bytes_sent": t.bytes_sent, "units_put": t.units_put,

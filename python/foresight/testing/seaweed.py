@@ -79,8 +79,12 @@ class SeaweedServer:
         args += [f"-{flag}={port}" for flag, port in self.ports.items()]
         log = open(self.log_path, "ab")
         try:
+            # no AWS_* of the caller's: weed mini takes AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY as its identity
+            # over -s3.config (a second server started in a test with another server's keys in its environment
+            # answered "access denied" to its own keys)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
             self.proc = start_tethered(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       cwd=self.workdir)
+                                       cwd=self.workdir, env=env)
         finally:
             log.close()
         self._wait_ready()

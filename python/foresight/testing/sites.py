@@ -27,7 +27,8 @@ class SiteProcess:
 
     def __init__(self, site: str, root: str, *, etcd: str | None = None, routes: dict[str, str] | None = None,
                  unit_bytes: int = 32 << 20, streams: int = 2, replica_ttl: int = 3600, port: int = 0,
-                 fifo: bool = False, timeout: float = 120.0, token: str = "", retry_s: float | None = None) -> None:
+                 fifo: bool = False, timeout: float = 120.0, token: str = "", retry_s: float | None = None,
+                 max_wait_s: float | None = None) -> None:
         self.site, self.root, self.token = site, root, token
         os.makedirs(root, exist_ok=True)
         self.ready_file = f"{os.path.abspath(root)}.{site}.ready.json"
@@ -44,6 +45,8 @@ class SiteProcess:
             args += ["--replication-token", token]
         if retry_s is not None:
             args += ["--replication-retry-s", str(retry_s)]
+        if max_wait_s is not None:
+            args += ["--replication-max-wait-s", str(max_wait_s)]
         for s, url in (routes or {}).items():
             args += ["--route", f"{s}={url}"]
         self.log_path = f"{os.path.abspath(root)}.{site}.log"
