@@ -409,26 +409,42 @@ def _ticket_kind(body: bytes) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
+def _for_caller(server: NodeServer, text: str) -> str:
+    """``text`` as a remote caller may read it: the node's own absolute paths (its data root or bucket cache, as
+    given and with symlinks resolved) become ``<root>``, so an error still names the file, relative to the root,
+    without telling a caller where the node keeps its data. The node's log keeps the full paths."""
+    for prefix in sorted({str(server.root), os.path.realpath(str(server.root))}, key=len, reverse=True):
+        if len(prefix) > 1:
+            text = text.replace(prefix.rstrip("/"), "<root>")
+    return text
+
+
 @contextlib.contextmanager
 def _one_line_errors(server: NodeServer, what: str, **context: Any):
     """Every failure of a request as one line to its caller: the project's errors (bad request, refusal) as
     ``foresight: <message>``; Flight's own (auth, unavailable) as they are; an OS error on the node's files (disk
     full, file too large, file gone) as ``foresight: <what> failed on the node: <reason> (errno, file)``, logged
     and counted as ``os_error``; anything else (a bug) logged with its
-    traceback, counted as ``internal`` and answered ``foresight: internal error (<type>)``, never a traceback."""
+    traceback, counted as ``internal`` and answered ``foresight: internal error (<type>)``, never a traceback.
+    What the caller reads names files relative to the data root (:func:`_for_caller`)."""
     try:
         yield
-    except flight.FlightError:
-        raise
+    except flight.FlightError as e:
+        text = str(e)
+        shown = _for_caller(server, text)
+        if shown == text:
+            raise
+        raise type(e)(shown) from None
     except ForesightError as e:
         server.metrics.refusals.labels(type(e).__name__).inc()
         log.info(f"{what} refused", extra=dict(context, error=str(e)[:300]))
-        raise flight.FlightServerError(f"foresight: {e}"[:1000]) from None
+        raise flight.FlightServerError(_for_caller(server, f"foresight: {e}")[:1000]) from None
     except OSError as e:  # the node's disk or files (full, too large, gone, unreadable): a fault, not a bug
         server.metrics.refusals.labels("os_error").inc()
         detail = f"{e.strerror or e} (errno {e.errno}, file {e.filename})" if e.filename else f"{e.strerror or e}"
         log.warning(f"{what} failed on the node's files", extra=dict(context, error=detail[:300]))
-        raise flight.FlightServerError(f"foresight: {what} failed on the node: {detail}"[:1000]) from None
+        raise flight.FlightServerError(_for_caller(server, f"foresight: {what} failed on the node: {detail}")[:1000]) \
+            from None
     except Exception as e:
         server.metrics.refusals.labels("internal").inc()
         log.exception(f"{what} failed inside the node", extra=context)
