@@ -268,6 +268,19 @@ class NodeServer(JobActions, flight.FlightServerBase):
         self.metrics.copied.inc(part.copied_bytes)
         return stream
 
+    # Flight's other RPCs: pyarrow's defaults answer UNIMPLEMENTED with the server's Python traceback
+    def list_flights(self, context, criteria):
+        raise _not_served("ListFlights")
+
+    def get_flight_info(self, context, descriptor):
+        raise _not_served("GetFlightInfo")
+
+    def get_schema(self, context, descriptor):
+        raise _not_served("GetSchema")
+
+    def do_exchange(self, context, descriptor, reader, writer):
+        raise _not_served("DoExchange")
+
     def do_put(self, context, descriptor, reader, writer):
         kind = descriptor.path[0].decode("utf-8", "replace") if descriptor.path else ""
         handler = self._puts.get(kind)
@@ -407,6 +420,11 @@ def _ticket_kind(body: bytes) -> str | None:
         return None
     kind = parse_request(body, "ticket").get("kind")
     return kind if isinstance(kind, str) else None
+
+
+def _not_served(rpc: str) -> flight.FlightError:
+    return flight.FlightServerError(f"foresight: the node does not serve {rpc}; it answers DoAction, DoGet, DoPut "
+                                    "and ListActions")
 
 
 def _for_caller(server: NodeServer, text: str) -> str:
