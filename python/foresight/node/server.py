@@ -41,6 +41,7 @@ from foresight.cluster.auth import Admission, HeaderMiddlewareFactory, read_pem
 from foresight.cluster.metrics import NodeMetrics
 from foresight.errors import ForesightError, NodeError, ProtocolError
 from foresight.io import IOEngine
+from foresight.node.engines import EnginePool
 from foresight.node.guard import CpuGuard
 from foresight.node.job_actions import JobActions
 from foresight.node.bucket_root import BucketRootIndex, JobPrefetch
@@ -155,8 +156,7 @@ class NodeServer(JobActions, flight.FlightServerBase):
         self._register_lock = threading.Lock()
         self._opened: dict[tuple[str, str], Any] = {}
         self._open_lock = threading.Lock()
-        self._local = threading.local()
-        self._engines: list = []
+        self._engines = EnginePool(lambda: IOEngine(queue_depth=64))  # for steps prepared on call threads
         self._draining = threading.Event()
         self._stopped = threading.Event()
         self.shutdown_grace_s = float(shutdown_grace_s)
@@ -169,7 +169,8 @@ class NodeServer(JobActions, flight.FlightServerBase):
                                       ("progress", self._progress, True), ("unregister_job", self._unregister, True)):
             self.register_action(name, ACTION_DECODERS[name], handler, job_scoped=scoped)
         self.register_put("plan", self._put_plan)
-        self.scheduler = Scheduler(self._produce, workers=workers, engine_factory=self._new_engine,
+        # each worker opens an engine and closes it when it ends (Scheduler.close joins them)
+        self.scheduler = Scheduler(self._produce, workers=workers, engine_factory=lambda: IOEngine(queue_depth=64),
                                    on_change=self._queue_metrics)
         self._janitor = threading.Thread(target=self._janitor_loop, name="foresight-node-janitor", daemon=True)
         self._janitor.start()
@@ -257,7 +258,7 @@ class NodeServer(JobActions, flight.FlightServerBase):
             q = self.scheduler.queues.get(job.job)
             if q is None:
                 raise NodeError("job was unregistered", job=job.job)
-            part = q.take(t["step"], lambda s: self._produce(job, s, self._engine()))
+            part = q.take(t["step"], lambda s: self._produce_here(job, s))
             if job.prefetch is not None:  # the node reads no step up to this one again: the window moves on
                 job.prefetch.advance(t["step"])
             self.scheduler.wake()
@@ -315,16 +316,10 @@ class NodeServer(JobActions, flight.FlightServerBase):
         return JobPrefetch(job, start_step=step, lookahead=max(self.cache_lookahead, job.lead + 2),
                            budget_bytes=self.cache_budget)
 
-    def _new_engine(self):
-        engine = IOEngine(queue_depth=64)
-        self._engines.append(engine)
-        return engine
-
-    def _engine(self):
-        engine = getattr(self._local, "engine", None)
-        if engine is None:
-            engine = self._local.engine = self._new_engine()
-        return engine
+    def _produce_here(self, job: NodeJob, step: int) -> Any:
+        """A step prepared on the call thread that asked for it, with an engine borrowed for that step."""
+        with self._engines.borrow() as engine:
+            return self._produce(job, step, engine)
 
     def _produce(self, job: NodeJob, step: int, engine) -> Any:
         if job.refused is not None:  # its dataset changed: read nothing more through its old maps
@@ -392,11 +387,7 @@ class NodeServer(JobActions, flight.FlightServerBase):
             self._drop_job(job_id)
         self.guard.stop()
         self.metrics.close()
-        for engine in self._engines:
-            try:
-                engine.close()
-            except Exception:  # engines of finished threads may already be closed
-                pass
+        self._engines.close()
         if isinstance(self.index, BucketRootIndex):
             self.index.close()
         self._stopped.set()
