@@ -322,6 +322,28 @@ def test_fuzz_register_job_with_hostile_specs(root, node, client, good, modality
 
 
 @FUZZ
+@given(datasets=st.lists(st.sampled_from(["media", "plans/p1", "plans", ".uploads", "media/maps"]), max_size=4),
+       world=st.integers(min_value=1, max_value=5) | st.just(1 << 20), rank=st.integers(min_value=0, max_value=5),
+       step=st.sampled_from([0, 2, 3, 1 << 40]))
+def test_fuzz_register_job_with_inconsistent_sizes(root, node, client, good, datasets, world, rank, step):
+    """Dataset lists that do not match the plan, world sizes that do not divide the batch, ranks outside them,
+    steps past the plan's end: refused clearly, or served and then the job goes away cleanly."""
+    body = json.dumps(job_request(root, job="fuzzsize", datasets=datasets, world_size=world, rank=rank,
+                                  step=step)).encode()
+    if _ok_or_refused(lambda: _act(client, "register_job", body, job="fuzzsize", token="token-of-fuzz"), root):
+        assert datasets == ["media"] and rank < world and 2 % world == 0
+        for s in range(3):
+            try:
+                reader = client.do_get(flight.Ticket(encode_ticket("fuzzsize", rank=rank, step=s)),
+                                       call_options("fuzzsize", "token-of-fuzz", timeout=TIMEOUT))
+                reader.read_all()
+            except flight.FlightError as e:
+                _assert_clear(e, root)
+        _act(client, "unregister_job", b'{"job": "fuzzsize"}', job="fuzzsize", token="token-of-fuzz")
+    _alive(client)
+
+
+@FUZZ
 @given(field=st.sampled_from(["datasets", "plan"]), path=hostile_paths | st.text(max_size=80))
 def test_fuzz_register_job_with_hostile_paths(root, node, client, good, field, path):
     value = [path] if field == "datasets" else path
