@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from typing import Any, Callable
@@ -422,9 +423,9 @@ def _for_caller(server: NodeServer, text: str) -> str:
     """``text`` as a remote caller may read it: the node's own absolute paths (its data root or bucket cache, as
     given and with symlinks resolved) become ``<root>``, so an error still names the file, relative to the root,
     without telling a caller where the node keeps its data. The node's log keeps the full paths."""
-    for prefix in sorted({str(server.root), os.path.realpath(str(server.root))}, key=len, reverse=True):
-        if len(prefix) > 1:
-            text = text.replace(prefix.rstrip("/"), "<root>")
+    for prefix in sorted({str(server.root).rstrip("/"), os.path.realpath(str(server.root))}, key=len, reverse=True):
+        if len(prefix) > 1:  # the whole name only: a root /data leaves /data2 as it is
+            text = re.sub(re.escape(prefix) + r"(?![\w.-])", "<root>", text)
     return text
 
 
