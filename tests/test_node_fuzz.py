@@ -20,7 +20,9 @@ from foresight.cluster.auth import call_options
 from foresight.node.protocol import ACTION_DECODERS, encode_ticket
 from node_helpers import TOKEN, NodeProc, job_request, make_root
 
-FUZZ = settings(max_examples=int(os.environ.get("FORESIGHT_FUZZ_EXAMPLES", "100")), deadline=None, suppress_health_check=list(HealthCheck))
+#: examples per property (FORESIGHT_FUZZ_EXAMPLES=1000 for a longer hunt: about 40 s here)
+FUZZ = settings(max_examples=int(os.environ.get("FORESIGHT_FUZZ_EXAMPLES", "100")), deadline=None,
+                suppress_health_check=list(HealthCheck))
 TIMEOUT = 60.0  # client-side: a hang fails the call instead of the run
 
 json_values = st.recursive(
@@ -382,10 +384,6 @@ def test_fuzz_tickets_get_clear_errors(root, node, client, good, ticket, token):
     if token == TOKEN and ticket in {encode_ticket("good", rank=0, step=s) for s in range(3)}:
         get()
     else:
-        try:
-            json.loads(ticket)
-        except ValueError:
-            pass
         _ok_or_refused(get, root)
     _alive(client)
 
