@@ -29,13 +29,22 @@ from .rng import keyed_rng
 STARTS = ("random", "center", "begin")
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_seconds(v: Any) -> bool:
+    """A finite number of seconds (not a bool; JSON's 1e999 parses as infinity)."""
+    return (_is_int(v) or isinstance(v, (float, np.floating))) and bool(np.isfinite(v))
+
+
 def _check_window(window_s: Any, start: Any) -> None:
-    if window_s is not None and not window_s > 0:
-        raise ValueError(f"window_s must be > 0 or None, got {window_s!r}")
+    if window_s is not None and not (_is_seconds(window_s) and window_s > 0):
+        raise ValueError(f"window_s must be > 0 seconds (finite) or None, got {window_s!r}")
     if isinstance(start, str):
         if start not in STARTS:
             raise ValueError(f"start must be a number of seconds or one of {STARTS}, got {start!r}")
-    elif not isinstance(start, (int, float)) or isinstance(start, bool) or start < 0:
+    elif not _is_seconds(start) or start < 0:
         raise ValueError(f"start must be >= 0 seconds or one of {STARTS}, got {start!r}")
 
 
@@ -59,7 +68,7 @@ class FrameSampling(_DictRoundTrip):
     start: str | float = "random"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_frames, int) or self.num_frames < 1:
+        if not _is_int(self.num_frames) or self.num_frames < 1:
             raise ValueError(f"num_frames must be an int >= 1, got {self.num_frames!r}")
         _check_window(self.window_s, self.start)
 
@@ -74,8 +83,10 @@ class AudioSampling(_DictRoundTrip):
     mono: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.rate, int) or self.rate <= 0:
+        if not _is_int(self.rate) or self.rate <= 0:
             raise ValueError(f"rate must be a positive int, got {self.rate!r}")
+        if not isinstance(self.mono, bool):
+            raise ValueError(f"mono must be true or false, got {self.mono!r}")
         _check_window(self.window_s, self.start)
 
 

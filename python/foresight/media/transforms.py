@@ -49,6 +49,20 @@ def _tuple(x: Any) -> Any:
     return tuple(x) if isinstance(x, list) else x
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v: Any) -> bool:
+    """A finite number (not a bool): specs arrive as JSON from other hosts, where 1e999 parses as infinity."""
+    return (_is_int(v) or isinstance(v, (float, np.floating))) and math.isfinite(v)
+
+
+def _reals(v: Any, name: str, lengths: tuple[int, ...]) -> None:
+    if not isinstance(v, tuple) or len(v) not in lengths or not all(_is_real(x) for x in v):
+        raise ValueError(f"{name} must be {' or '.join(map(str, lengths))} finite numbers, got {v!r}"[:200])
+
+
 @dataclasses.dataclass(frozen=True)
 class TransformSpec:
     """What to do with one media sample; JSON round-trips (``to_json`` / ``from_json``)."""
@@ -75,6 +89,22 @@ class TransformSpec:
             object.__setattr__(self, "frames", FrameSampling.from_dict(self.frames))
         if isinstance(self.audio, dict):
             object.__setattr__(self, "audio", AudioSampling.from_dict(self.audio))
+        # types first: a spec is also a request from another host (a node's register_job), checked whole here
+        if self.frames is not None and not isinstance(self.frames, FrameSampling):
+            raise ValueError(f"frames must be a FrameSampling (object) or None, got {self.frames!r}"[:200])
+        if self.audio is not None and not isinstance(self.audio, AudioSampling):
+            raise ValueError(f"audio must be an AudioSampling (object) or None, got {self.audio!r}"[:200])
+        if self.size is not None and (not isinstance(self.size, tuple) or not all(_is_int(x) for x in self.size)):
+            raise ValueError(f"size must be (height, width) of positive ints, got {self.size!r}"[:200])
+        _reals(self.scale, "scale", (2,))
+        _reals(self.ratio, "ratio", (2,))
+        if not _is_real(self.flip):
+            raise ValueError(f"flip is a probability in [0, 1], got {self.flip!r}"[:200])
+        for name in ("mean", "std"):  # per channel (3, RGB) or one for all, broadcast over the channels-last pixels
+            if getattr(self, name) is not None:
+                _reals(getattr(self, name), name, (1, 3))
+        if self.std is not None and min(self.std) <= 0:
+            raise ValueError(f"std must be > 0, got {self.std!r}")
         if self.modality == "video" and self.frames is None:
             object.__setattr__(self, "frames", FrameSampling())
         if self.modality == "audio" and self.audio is None:

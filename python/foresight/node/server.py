@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from typing import Any, Callable
@@ -41,6 +42,7 @@ from foresight.cluster.auth import Admission, HeaderMiddlewareFactory, check_adm
 from foresight.cluster.metrics import NodeMetrics
 from foresight.errors import ForesightError, NodeError, ProtocolError
 from foresight.io import IOEngine
+from foresight.node.engines import EnginePool
 from foresight.node.guard import CpuGuard
 from foresight.node.job_actions import JobActions
 from foresight.node.bucket_root import BucketRootIndex, JobPrefetch
@@ -159,8 +161,7 @@ class NodeServer(JobActions, flight.FlightServerBase):
         self._register_lock = threading.Lock()
         self._opened: dict[tuple[str, str], Any] = {}
         self._open_lock = threading.Lock()
-        self._local = threading.local()
-        self._engines: list = []
+        self._engines = EnginePool(lambda: IOEngine(queue_depth=64))  # for steps prepared on call threads
         self._draining = threading.Event()
         self._stopped = threading.Event()
         self.shutdown_grace_s = float(shutdown_grace_s)
@@ -173,7 +174,8 @@ class NodeServer(JobActions, flight.FlightServerBase):
                                       ("progress", self._progress, True), ("unregister_job", self._unregister, True)):
             self.register_action(name, ACTION_DECODERS[name], handler, job_scoped=scoped)
         self.register_put("plan", self._put_plan)
-        self.scheduler = Scheduler(self._produce, workers=workers, engine_factory=self._new_engine,
+        # each worker opens an engine and closes it when it ends (Scheduler.close joins them)
+        self.scheduler = Scheduler(self._produce, workers=workers, engine_factory=lambda: IOEngine(queue_depth=64),
                                    on_change=self._queue_metrics)
         self._janitor = threading.Thread(target=self._janitor_loop, name="foresight-node-janitor", daemon=True)
         self._janitor.start()
@@ -269,7 +271,7 @@ class NodeServer(JobActions, flight.FlightServerBase):
             q = self.scheduler.queues.get(job.job)
             if q is None:
                 raise NodeError("job was unregistered", job=job.job)
-            part = q.take(t["step"], lambda s: self._produce(job, s, self._engine()))
+            part = q.take(t["step"], lambda s: self._produce_here(job, s))
             if job.prefetch is not None:  # the node reads no step up to this one again: the window moves on
                 job.prefetch.advance(t["step"])
             self.scheduler.wake()
@@ -279,6 +281,19 @@ class NodeServer(JobActions, flight.FlightServerBase):
         self.metrics.served(job.job, part.kind, nbytes=part.nbytes, samples=part.samples)
         self.metrics.copied.inc(part.copied_bytes)
         return stream
+
+    # Flight's other RPCs: pyarrow's defaults answer UNIMPLEMENTED with the server's Python traceback
+    def list_flights(self, context, criteria):
+        raise _not_served("ListFlights")
+
+    def get_flight_info(self, context, descriptor):
+        raise _not_served("GetFlightInfo")
+
+    def get_schema(self, context, descriptor):
+        raise _not_served("GetSchema")
+
+    def do_exchange(self, context, descriptor, reader, writer):
+        raise _not_served("DoExchange")
 
     def do_put(self, context, descriptor, reader, writer):
         kind = descriptor.path[0].decode("utf-8", "replace") if descriptor.path else ""
@@ -314,16 +329,10 @@ class NodeServer(JobActions, flight.FlightServerBase):
         return JobPrefetch(job, start_step=step, lookahead=max(self.cache_lookahead, job.lead + 2),
                            budget_bytes=self.cache_budget)
 
-    def _new_engine(self):
-        engine = IOEngine(queue_depth=64)
-        self._engines.append(engine)
-        return engine
-
-    def _engine(self):
-        engine = getattr(self._local, "engine", None)
-        if engine is None:
-            engine = self._local.engine = self._new_engine()
-        return engine
+    def _produce_here(self, job: NodeJob, step: int) -> Any:
+        """A step prepared on the call thread that asked for it, with an engine borrowed for that step."""
+        with self._engines.borrow() as engine:
+            return self._produce(job, step, engine)
 
     def _produce(self, job: NodeJob, step: int, engine) -> Any:
         if job.refused is not None:  # its dataset changed: read nothing more through its old maps
@@ -391,11 +400,7 @@ class NodeServer(JobActions, flight.FlightServerBase):
             self._drop_job(job_id)
         self.guard.stop()
         self.metrics.close()
-        for engine in self._engines:
-            try:
-                engine.close()
-            except Exception:  # engines of finished threads may already be closed
-                pass
+        self._engines.close()
         if isinstance(self.index, BucketRootIndex):
             self.index.close()
         self._stopped.set()
@@ -421,26 +426,47 @@ def _ticket_kind(body: bytes) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
+def _not_served(rpc: str) -> flight.FlightError:
+    return flight.FlightServerError(f"foresight: the node does not serve {rpc}; it answers DoAction, DoGet, DoPut "
+                                    "and ListActions")
+
+
+def _for_caller(server: NodeServer, text: str) -> str:
+    """``text`` as a remote caller may read it: the node's own absolute paths (its data root or bucket cache, as
+    given and with symlinks resolved) become ``<root>``, so an error still names the file, relative to the root,
+    without telling a caller where the node keeps its data. The node's log keeps the full paths."""
+    for prefix in sorted({str(server.root).rstrip("/"), os.path.realpath(str(server.root))}, key=len, reverse=True):
+        if len(prefix) > 1:  # the whole name only: a root /data leaves /data2 as it is
+            text = re.sub(re.escape(prefix) + r"(?![\w.-])", "<root>", text)
+    return text
+
+
 @contextlib.contextmanager
 def _one_line_errors(server: NodeServer, what: str, **context: Any):
     """Every failure of a request as one line to its caller: the project's errors (bad request, refusal) as
     ``foresight: <message>``; Flight's own (auth, unavailable) as they are; an OS error on the node's files (disk
     full, file too large, file gone) as ``foresight: <what> failed on the node: <reason> (errno, file)``, logged
     and counted as ``os_error``; anything else (a bug) logged with its
-    traceback, counted as ``internal`` and answered ``foresight: internal error (<type>)``, never a traceback."""
+    traceback, counted as ``internal`` and answered ``foresight: internal error (<type>)``, never a traceback.
+    What the caller reads names files relative to the data root (:func:`_for_caller`)."""
     try:
         yield
-    except flight.FlightError:
-        raise
+    except flight.FlightError as e:
+        text = str(e)
+        shown = _for_caller(server, text)
+        if shown == text:
+            raise
+        raise type(e)(shown) from None
     except ForesightError as e:
         server.metrics.refusals.labels(type(e).__name__).inc()
         log.info(f"{what} refused", extra=dict(context, error=str(e)[:300]))
-        raise flight.FlightServerError(f"foresight: {e}"[:1000]) from None
+        raise flight.FlightServerError(_for_caller(server, f"foresight: {e}")[:1000]) from None
     except OSError as e:  # the node's disk or files (full, too large, gone, unreadable): a fault, not a bug
         server.metrics.refusals.labels("os_error").inc()
         detail = f"{e.strerror or e} (errno {e.errno}, file {e.filename})" if e.filename else f"{e.strerror or e}"
         log.warning(f"{what} failed on the node's files", extra=dict(context, error=detail[:300]))
-        raise flight.FlightServerError(f"foresight: {what} failed on the node: {detail}"[:1000]) from None
+        raise flight.FlightServerError(_for_caller(server, f"foresight: {what} failed on the node: {detail}")[:1000]) \
+            from None
     except Exception as e:
         server.metrics.refusals.labels("internal").inc()
         log.exception(f"{what} failed inside the node", extra=context)
