@@ -454,3 +454,28 @@ def test_two_endpoints_with_the_same_bucket_and_key_are_cached_apart(s3_env, tmp
                 assert by_path.read(0) == local_b.read(0)
     finally:
         other.stop()
+
+
+def test_a_copy_laid_out_before_endpoint_places_still_reopens_by_its_path(s3_env, tmp_path):
+    """A cache laid out before copies were kept under their endpoint's place: ``cache/bucket/prefix`` with no
+    endpoint in its state, the endpoint set in the environment. A plan's recorded location (that directory) still
+    opens its dataset, through the endpoint the caller reads from now (its copy at that endpoint's place), instead
+    of being refused as 'not where it is cached under any root'."""
+    local = _token_dataset(tmp_path / "tok", seed=4)
+    upload_dataset(local.path, "s3://legacy/tok")
+    cache = tmp_path / "cache"
+    with open_dataset("s3://legacy/tok", cache_dir=cache) as ds:
+        ds.read(0)
+        new_place = ds.path
+    old_place = str(cache / "legacy" / "tok")  # where the previous version laid it out
+    assert new_place != old_place
+    shutil.move(new_place, old_place)
+    state_path = os.path.join(old_place, ".foresight-cache", "state.json")
+    with open(state_path) as f:
+        state = json.load(f)
+    state.pop("endpoint")  # the previous version recorded none
+    with open(state_path, "w") as f:
+        json.dump(state, f)
+    with open_dataset(old_place) as ds:
+        assert [ds.read(i) for i in range(local.num_samples)] == [local.read(i) for i in range(local.num_samples)]
+        assert ds.path == new_place
