@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import socket
 from typing import Any
@@ -22,6 +23,9 @@ def prepare_from_args(args: argparse.Namespace) -> Any:
     if not getattr(args, "site", None) or not os.path.isdir(args.root):
         return None  # no replication; or no root: the node server names the problem
     check_token_policy(args.host, args.replication_token, getattr(args, "replication_no_token", False))
+    if not positive_finite(args.replication_max_wait_s):  # 0: every wait answered at once, its caller asks again
+        raise SystemExit(f"foresight node serve: --replication-max-wait-s {args.replication_max_wait_s:g} is not a "
+                         "positive number of seconds (the longest one replicate.wait call holds a server thread)")
     # verifying a DCP replica unpickles its .metadata, which imports torch.distributed.checkpoint (seconds on a
     # busy host): pay that once at start-up, not inside the first replica's commit-to-ready time
     import torch.distributed.checkpoint.metadata  # noqa: F401
@@ -38,6 +42,12 @@ def prepare_from_args(args: argparse.Namespace) -> Any:
                               streams=args.replication_streams, replica_ttl=args.replication_ttl,
                               fifo=args.replication_fifo, retry_s=args.replication_retry_s,
                               max_wait_s=args.replication_max_wait_s)
+
+
+def positive_finite(x: float) -> bool:
+    """Whether ``x`` is a usable cap: a wait capped at 0 s (or less, or nan) returns at once and its caller, told
+    to ask again, asks in a busy loop; an infinite one is no cap."""
+    return math.isfinite(x) and x > 0
 
 
 def is_loopback(host: str) -> bool:
