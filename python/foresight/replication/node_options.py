@@ -15,6 +15,8 @@ import os
 import socket
 from typing import Any
 
+from foresight.cluster.auth import is_loopback_address
+
 
 def prepare_from_args(args: argparse.Namespace) -> Any:
     """The :class:`~foresight.replication.service.ReplicationService` the options ask for (None without
@@ -55,13 +57,13 @@ def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return is_loopback_address(ipaddress.ip_address(host.strip("[]")))
     except ValueError:  # a host name: loopback only if every address it resolves to is
         try:
             infos = socket.getaddrinfo(host, None)
         except OSError:
             return False
-        return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+        return bool(infos) and all(is_loopback_address(ipaddress.ip_address(i[4][0].split("%")[0])) for i in infos)
 
 
 def check_token_policy(host: str, token: str, no_token: bool) -> None:
