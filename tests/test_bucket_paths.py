@@ -454,3 +454,54 @@ def test_two_endpoints_with_the_same_bucket_and_key_are_cached_apart(s3_env, tmp
                 assert by_path.read(0) == local_b.read(0)
     finally:
         other.stop()
+
+
+def test_a_copy_laid_out_before_endpoint_places_still_reopens_by_its_path(s3_env, tmp_path):
+    """A cache laid out before copies were kept under their endpoint's place: ``cache/bucket/prefix`` with no
+    endpoint in its state, the endpoint set in the environment. A plan's recorded location (that directory) still
+    opens its dataset, through the endpoint the caller reads from now (its copy at that endpoint's place), instead
+    of being refused as 'not where it is cached under any root'."""
+    local = _token_dataset(tmp_path / "tok", seed=4)
+    upload_dataset(local.path, "s3://legacy/tok")
+    cache = tmp_path / "cache"
+    with open_dataset("s3://legacy/tok", cache_dir=cache) as ds:
+        ds.read(0)
+        new_place = ds.path
+    old_place = str(cache / "legacy" / "tok")  # where the previous version laid it out
+    assert new_place != old_place
+    shutil.move(new_place, old_place)
+    state_path = os.path.join(old_place, ".foresight-cache", "state.json")
+    with open(state_path) as f:
+        state = json.load(f)
+    state.pop("endpoint")  # the previous version recorded none
+    with open(state_path, "w") as f:
+        json.dump(state, f)
+    with open_dataset(old_place) as ds:
+        assert [ds.read(i) for i in range(local.num_samples)] == [local.read(i) for i in range(local.num_samples)]
+        assert ds.path == new_place
+
+
+def test_a_plans_dataset_is_found_by_search_under_a_cache_root_with_endpoint_places(s3_env, tmp_path):
+    """A plan whose recorded location is gone finds its dataset under ``search=[cache_dir]``: the endpoint's place
+    (``cache_dir/_endpoint-.../``) is one more directory level, which the bounded search depth must not count (a
+    dataset at ``s3://bucket/a/b/name`` was found under the cache before endpoints had places, and then was not)."""
+    local = _token_dataset(tmp_path / "tok", seed=6)
+    upload_dataset(local.path, "s3://search/a/b/tok")
+    cache = tmp_path / "cache"
+    with open_dataset("s3://search/a/b/tok", cache_dir=cache) as ds:
+        plan = build_plan([(ds, 1.0)], seed=1, global_batch_size=8, seq_len=24, num_steps=4)
+        plan.save(str(tmp_path / "plan"))
+    sources_path = tmp_path / "plan" / "sources.json"
+    doc = json.loads(sources_path.read_text())
+    for s in doc["sources"]:  # the recorded location and bucket gone: only the search can find it
+        for key in ("path", "relative", "url"):
+            s.pop(key, None)
+    sources_path.write_text(json.dumps(doc))
+    from foresight.plan import open_plan_datasets
+
+    found = open_plan_datasets(load_plan(str(tmp_path / "plan")), search=[str(cache)])
+    try:
+        assert found[0].read(0) == local.read(0)
+    finally:
+        for d in found:
+            d.close()

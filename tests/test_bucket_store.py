@@ -8,6 +8,7 @@ import numpy as np
 import obstore
 import pytest
 
+from foresight import open_dataset
 from foresight.bucket import BucketURL, RangedFetcher, RetryPolicy
 from foresight.bucket.config import open_store, resolve_options
 from foresight.errors import BucketError
@@ -284,6 +285,24 @@ def test_a_refused_endpoint_never_quotes_the_credentials_or_query_it_carries(mon
             for secret in ("wJalrXUtnFEMIsecretKEY", "AKIAEXAMPLEKEY", "EXAMPLETOKEN", "frag-secret", "pa55word"):
                 assert secret not in text, (how, text)
             assert "s3.example.com" in text and "\n" not in text, text
+
+
+def test_an_endpoint_with_a_bad_port_or_host_is_refused_naming_it(monkeypatch, tmp_path):
+    """An endpoint whose port is not a number, past 65535, or whose IPv6 host is not closed: opening a dataset
+    through it raised urllib's bare "Port could not be cast to integer value as 'abc'" (the cache place is keyed by
+    the endpoint's port), naming neither the endpoint nor where it came from; now the same one-line refusal as any
+    endpoint the client cannot take."""
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent/aws-config")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent/aws-credentials")
+    for name in [n for n in os.environ if n.startswith("AWS_ENDPOINT")]:
+        monkeypatch.delenv(name)
+    keys = {"access_key_id": "a", "secret_access_key": "b"}
+    for endpoint in ("http://127.0.0.1:abc", "http://127.0.0.1:99999", "http://[::1", "http://:8333"):
+        with pytest.raises(ValueError) as e:
+            open_dataset("s3://bkt/x", cache_dir=tmp_path / "cache", options={"endpoint": endpoint, **keys})
+        text = str(e.value)
+        assert text.startswith("S3 endpoint ") and "options['endpoint']" in text and "\n" not in text, text
+        assert not os.path.exists(tmp_path / "cache"), endpoint
 
 
 def test_endpoint_as_users_write_it(s3_env, monkeypatch):

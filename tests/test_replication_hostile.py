@@ -331,6 +331,17 @@ def test_replication_without_a_token_refuses_to_serve_on_a_non_loopback_address_
     assert _serve(root, "--host", "127.0.0.1")[0] is None  # loopback: only this host's callers
 
 
+def test_a_wait_cap_that_is_not_a_positive_number_refuses_to_serve(tmp_path):
+    """``--replication-max-wait-s 0`` (or negative, nan) answered every ``replicate.wait`` 'timed out' at once, so
+    ``Replication.wait`` with no timeout asked again in a busy loop for ever: refused at start, one line naming it."""
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    for bad in ("0", "-5", "nan", "inf"):
+        code, out = _serve(root, "--replication-max-wait-s", bad)
+        assert code not in (None, 0) and "--replication-max-wait-s" in out and "Traceback" not in out, (bad, out)
+    assert _serve(root, "--replication-max-wait-s", "0.5")[0] is None
+
+
 def test_a_wait_is_capped_by_the_node_and_replication_wait_waits_on_over_capped_calls(tmp_path):
     """``replicate.wait`` with no timeout (or one past the node's cap) is answered 'timed out' at the cap (a caller
     cannot hold a server thread for ever); ``Replication.wait`` with no timeout waits on over capped calls."""

@@ -323,7 +323,8 @@ class SampleCache:
             same = False
         if not same:
             raise BucketError("the cache copy was laid out anew by another open since this one opened it (the "
-                              "dataset changed in the bucket): reopen the dataset", "changed", path=self.local_dir)
+                              "dataset changed in the bucket, or that open found the copy damaged): reopen the "
+                              "dataset", "changed", path=self.local_dir)
 
     def _count_claim_waits(self, n: int) -> None:
         with self._stats_lock:

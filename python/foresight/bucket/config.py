@@ -128,11 +128,25 @@ def resolve_options(options: dict[str, Any] | None = None) -> dict[str, Any]:
         if not _ENDPOINT.match(endpoint):
             raise ValueError(f"S3 endpoint {shown_url(endpoint)!r} (from {source}) is not an http:// or https:// URL "
                              "(e.g. http://127.0.0.1:8333 or https://s3.example.com)")
+        why = _unparsable(endpoint)  # its host and port key the cache place (endpoint_place): checked here, named
+        if why:
+            raise ValueError(f"S3 endpoint {shown_url(endpoint)!r} (from {source}) is not a usable URL: {why} "
+                             "(e.g. http://127.0.0.1:8333 or https://s3.example.com)")
         merged["endpoint"] = endpoint
     if endpoint.lower().startswith("http://"):
         merged.setdefault("client_options", {}).setdefault("allow_http", True)
     merged.setdefault("region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
     return merged
+
+
+def _unparsable(endpoint: str) -> str:
+    """Why ``endpoint`` (scheme checked) has no host or port to connect to, or "" when it has both."""
+    try:
+        parts = urllib.parse.urlsplit(endpoint)
+        parts.port  # noqa: B018 - raises for a port that is not a number, or past 65535
+    except ValueError as e:
+        return str(e)  # urllib's words: the port's text or "Invalid IPv6 URL", never the rest of the URL
+    return "" if parts.hostname else "no host"
 
 
 #: What an endpoint's directory name in a cache starts with: ``_`` is never in an S3 bucket name, so no bucket's

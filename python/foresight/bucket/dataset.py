@@ -104,7 +104,12 @@ def reopen_cache_dir(path: str, **kwargs: Any) -> "BucketDataset | BucketMegatro
     if endpoint:  # laid out from another endpoint than the provider's: read through that one again
         root = os.path.dirname(root)
         kwargs["options"] = {"endpoint": endpoint, **(kwargs.get("options") or {})}
-    if local_dir_of(url, root, kwargs.get("options")) != os.path.abspath(path):
+    here = os.path.abspath(path)
+    parts = url.prefix.split("/") if url.prefix else []
+    legacy = not endpoint and here == os.path.join(root, url.bucket, *parts)  # no endpoint recorded: the provider's
+    # default, or a copy laid out before endpoints had places (any endpoint): read through the caller's endpoint now,
+    # at its own place (a copy there, or a new one), never the old copy's bytes as another endpoint's
+    if not legacy and local_dir_of(url, root, kwargs.get("options")) != here:
         raise BucketError(f"cache directory is not where {url} is cached under any root", "checksum", path=path)
     return open_bucket_dataset(url, root, **kwargs)
 

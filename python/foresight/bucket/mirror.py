@@ -2,7 +2,8 @@
 while its marker object is unchanged, and published from there.
 
 ``mirror_prefix(url, cache_dir, marker="plan.json")`` fetches every object directly under ``url`` into
-``cache_dir/bucket/prefix`` (the place :func:`~foresight.bucket.dataset.local_dir_of` gives a bucket dataset) and
+``cache_dir/bucket/prefix`` (the place :func:`~foresight.bucket.dataset.local_dir_of` gives a bucket dataset: under
+the endpoint's own directory when an endpoint is set) and
 returns that directory. Beside it, ``.NAME.foresight-mirror.json`` records the marker's ETag: the next call heads the
 marker alone and reuses the copy when the ETag is the same (one request), else fetches the whole prefix again into
 a temporary directory renamed into place. ``.NAME.foresight-mirror.lock`` makes the processes of a host fetch it

@@ -80,11 +80,18 @@ def is_loopback_peer(context) -> bool:
     if peer.startswith("unix:"):
         return True
     kind, _, rest = peer.partition(":")
-    host = rest.rsplit(":", 1)[0].strip("[]") if kind in ("ipv4", "ipv6") else ""
+    host = urllib.parse.unquote(rest).rsplit(":", 1)[0] if kind in ("ipv4", "ipv6") else ""  # ipv6:%5B::1%5D:port
     try:
-        return ipaddress.ip_address(urllib.parse.unquote(host)).is_loopback
+        return is_loopback_address(ipaddress.ip_address(host.strip("[]")))
     except ValueError:
         return False
+
+
+def is_loopback_address(addr: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Loopback, also as an IPv4-mapped IPv6 address: a dual-stack socket (``[::]``) sees a caller at 127.0.0.1
+    as ``::ffff:127.0.0.1``, which Python before 3.13 does not call loopback."""
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback
 
 
 def check_admin(context, admin_token: str) -> None:
@@ -175,5 +182,5 @@ def connect(location: str, *, tls_root: str | None = None, cert: tuple[str, str]
 
 
 __all__ = ["ADMISSION_MODES", "HEADER_JOB", "HEADER_TOKEN", "Admission", "caller_of", "check_admin", "cluster_job",
-           "is_loopback_peer", "token_digest", "HeaderMiddleware", "HeaderMiddlewareFactory", "call_options", "connect",
+           "is_loopback_address", "is_loopback_peer", "token_digest", "HeaderMiddleware", "HeaderMiddlewareFactory", "call_options", "connect",
            "read_pem"]

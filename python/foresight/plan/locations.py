@@ -21,6 +21,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from foresight.bucket.config import ENDPOINT_PLACE_PREFIX
 from foresight.bucket.opener import open_dataset
 from foresight.errors import BucketError, FormatError, PlanError
 
@@ -79,13 +80,16 @@ def _open(path: str, mode: str):
 
 
 def _candidates(search: Sequence[str]):
-    """Dataset directories and Megatron prefixes under the search roots (bounded depth)."""
+    """Dataset directories and Megatron prefixes under the search roots (bounded depth; a bucket cache's endpoint
+    place does not count as a level)."""
     for root in search:
         root = os.path.abspath(root)
         if not os.path.isdir(root):
             continue
         for dirpath, dirnames, filenames in os.walk(root):
-            if os.path.relpath(dirpath, root).count(os.sep) >= _SEARCH_DEPTH:
+            rel = os.path.relpath(dirpath, root)
+            # a bucket cache's endpoint place (cache/_endpoint-.../bucket/prefix) is not a level of the user's tree
+            if rel.count(os.sep) - rel.startswith(ENDPOINT_PLACE_PREFIX) >= _SEARCH_DEPTH:
                 dirnames[:] = []
             if "manifest.json" in filenames:
                 dirnames[:] = []

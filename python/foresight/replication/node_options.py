@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import socket
 from typing import Any
+
+from foresight.cluster.auth import is_loopback_address
 
 
 def prepare_from_args(args: argparse.Namespace) -> Any:
@@ -22,6 +25,9 @@ def prepare_from_args(args: argparse.Namespace) -> Any:
     if not getattr(args, "site", None) or not os.path.isdir(args.root):
         return None  # no replication; or no root: the node server names the problem
     check_token_policy(args.host, args.replication_token, getattr(args, "replication_no_token", False))
+    if not positive_finite(args.replication_max_wait_s):  # 0: every wait answered at once, its caller asks again
+        raise SystemExit(f"foresight node serve: --replication-max-wait-s {args.replication_max_wait_s:g} is not a "
+                         "positive number of seconds (the longest one replicate.wait call holds a server thread)")
     # verifying a DCP replica unpickles its .metadata, which imports torch.distributed.checkpoint (seconds on a
     # busy host): pay that once at start-up, not inside the first replica's commit-to-ready time
     import torch.distributed.checkpoint.metadata  # noqa: F401
@@ -40,18 +46,24 @@ def prepare_from_args(args: argparse.Namespace) -> Any:
                               max_wait_s=args.replication_max_wait_s)
 
 
+def positive_finite(x: float) -> bool:
+    """Whether ``x`` is a usable cap: a wait capped at 0 s (or less, or nan) returns at once and its caller, told
+    to ask again, asks in a busy loop; an infinite one is no cap."""
+    return math.isfinite(x) and x > 0
+
+
 def is_loopback(host: str) -> bool:
     """Whether every address ``host`` names is a loopback one (only this machine's callers reach it)."""
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return is_loopback_address(ipaddress.ip_address(host.strip("[]")))
     except ValueError:  # a host name: loopback only if every address it resolves to is
         try:
             infos = socket.getaddrinfo(host, None)
         except OSError:
             return False
-        return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+        return bool(infos) and all(is_loopback_address(ipaddress.ip_address(i[4][0].split("%")[0])) for i in infos)
 
 
 def check_token_policy(host: str, token: str, no_token: bool) -> None:

@@ -82,6 +82,8 @@ class ReplicationService(TransferSender, WindowSender, TransferReceiver, Checkpo
                  endpoint: str = "", token: str = "", unit_bytes: int = UNIT_BYTES, streams: int = 2,
                  replica_ttl: int = 3600, fifo: bool = False, retry_s: float = RETRY_S,
                  max_wait_s: float = MAX_WAIT_S) -> None:
+        if not (math.isfinite(float(max_wait_s)) and float(max_wait_s) > 0):  # 0: every wait answered at once,
+            raise ValueError(f"max_wait_s={max_wait_s!r}: not a positive number of seconds")  # its caller asks again
         self.site, self.root, self.token, self.retry_s = site, os.path.realpath(root), token, float(retry_s)
         self.endpoint, self.routes, self.unit_bytes, self.replica_ttl = endpoint, dict(routes or {}), unit_bytes, replica_ttl
         os.makedirs(self.root, exist_ok=True)
