@@ -315,13 +315,14 @@ def test_without_an_admin_token_status_is_answered_on_the_nodes_host_only(root, 
         n.terminate()
 
 
-def test_without_an_admin_token_status_is_answered_to_loopback_callers_of_a_dual_stack_node(root, tmp_path):
-    """A node on ``--host [::]`` (IPv6 and IPv4 on one socket): ``status`` answers callers at 127.0.0.1 and at
-    ``[::1]``. gRPC names an IPv6 peer ``ipv6:%5B::1%5D:port`` (brackets percent-encoded), which was not taken for
-    loopback, so the operator on the node's own host was refused over IPv6."""
+@pytest.mark.parametrize("any_host", ["[::]", "::"])
+def test_without_an_admin_token_status_is_answered_to_loopback_callers_of_a_dual_stack_node(root, tmp_path, any_host):
+    """A node on ``--host [::]`` or ``::`` (IPv6 and IPv4 on one socket): ``status`` answers callers at 127.0.0.1 and
+    at ``[::1]``. gRPC names an IPv6 peer ``ipv6:%5B::1%5D:port`` (brackets percent-encoded), which was not taken for
+    loopback, so the operator on the node's own host was refused over IPv6; ``::`` unbracketed made no location."""
     if not os.path.exists("/proc/net/if_inet6"):
         pytest.skip("no IPv6 on this host")
-    n = NodeProc(root["root"], str(tmp_path), "--cpu-threshold", "101", "--host", "[::]", name="dual")
+    n = NodeProc(root["root"], str(tmp_path), "--cpu-threshold", "101", "--host", any_host, name="dual")
     try:
         port = n.location.rsplit(":", 1)[1]
         for host in ("127.0.0.1", "[::1]"):

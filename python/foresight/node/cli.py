@@ -35,6 +35,12 @@ ADMIN_TOKEN_ENV = "FORESIGHT_NODE_ADMIN_TOKEN"
 EXIT_MARGIN_S = CANCEL_WAIT_S + 10.0
 
 
+def url_host(host: str) -> str:
+    """``host`` as a URL's host: an IPv6 address bracketed (``::`` -> ``[::]``), anything else as given. Unbracketed,
+    ``grpc://:::7000`` is no location, so ``--host ::`` could not serve."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="node_command", metavar="ACTION", required=True)
     s = sub.add_parser("serve", help="serve a data root over Arrow Flight (foreground; SIGTERM stops it cleanly)")
@@ -175,7 +181,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     replication = prepare_from_args(args)  # its slow imports before the node answers: mounted before serving
     server = NodeServer(
-        args.root, location=f"{scheme}://{args.host}:{args.port}",
+        args.root, location=f"{scheme}://{url_host(args.host)}:{args.port}",
         tls=(args.tls_cert, args.tls_key) if args.tls_cert else None, client_ca=args.client_ca,
         node_id=args.node_id, max_jobs=args.max_jobs, max_queue_bytes=args.max_queue_bytes, max_lead=args.max_lead,
         cpu_threshold=args.cpu_threshold, cpu_measure=args.cpu_measure, decode_threads=args.decode_threads,
