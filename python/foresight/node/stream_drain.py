@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 
 import psutil
 
-from foresight.node.owned_stream import OwnedStream
+from foresight.cluster.owned_stream import OwnedStream
 
 #: Default seconds streams in flight may run on after :meth:`NodeServer.stop` (SIGTERM) before they are cancelled.
 DEFAULT_SHUTDOWN_GRACE_S = 10.0

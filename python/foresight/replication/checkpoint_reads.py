@@ -20,7 +20,7 @@ import pyarrow as pa
 from pyarrow import flight
 
 from foresight.errors import CheckpointError
-from foresight.node.owned_stream import OwnedStream
+from foresight.cluster.owned_stream import OwnedStream
 from foresight.replication.flight_calls import SCHEMA, binary_batch
 from foresight.replication.source import WIRE_CHUNK
 from foresight.replication.units import check_file_name, check_name, data_files

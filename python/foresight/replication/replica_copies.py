@@ -31,7 +31,7 @@ from foresight.checksum import file_xxh3
 from foresight.cluster.auth import connect
 from foresight.cluster.requests import check_fields, check_ident
 from foresight.errors import NodeError
-from foresight.node.owned_stream import OwnedStream
+from foresight.cluster.owned_stream import OwnedStream
 from foresight.replication.replica_requests import check_checkpoint, check_file, ckpt_key
 from foresight.replication.flight_calls import SCHEMA, binary_batch
 
