@@ -16,11 +16,14 @@ Example::
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Callable, Hashable
 
 from foresight.errors import BucketError
+
+log = logging.getLogger("foresight.bucket")
 
 __all__ = ["wait_for_lock", "holders", "touch", "LOCK_WAIT_S", "MAX_PAUSE_S", "check_wait_s"]
 
@@ -88,6 +91,7 @@ def wait_for_lock(try_lock: Callable[[], bool], *, fd: int, path: str, what: str
     passes in which ``progress()`` (asked once per ``wait_s``) stayed the same."""
     if try_lock():
         return
+    log.debug("waiting for %s on %s", what, path)  # (a wait on a blocking lock showed in /proc/locks; this does not)
     mark = progress()
     deadline = time.monotonic() + wait_s
     pause = 0.0005
