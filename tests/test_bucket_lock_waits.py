@@ -218,3 +218,24 @@ def test_lock_wait_s_must_be_positive(s3_env, tmp_path, local):
     upload_dataset(local.path, url)
     with pytest.raises(ValueError, match="lock_wait_s"):
         open_dataset(url, cache_dir=tmp_path / "cache", lock_wait_s=0)
+
+
+def test_a_lookup_waits_past_lock_wait_s_while_the_holder_makes_progress(s3_env, tmp_path, local, monkeypatch):
+    """A holder whose fetch takes longer than ``lock_wait_s`` in all, but marks a sample every GET (a GET at a
+    time, each held back by a proxy for a fraction of the bound), is waited for to the end: the lookup then finds
+    every sample present and fetches none (progress, not the total wait, is what is bounded)."""
+    url = "s3://lockwait/progress"
+    upload_dataset(local.path, url)
+    cache = str(tmp_path / "cache")
+    ids = np.arange(0, 48, 4, dtype=np.int64)  # 12 GETs at max_gap 0, concurrency 1: 12 x 0.5 s, > 2.5 s in all
+    with FaultProxy(("127.0.0.1", s3_env.ports["s3.port"]),
+                    [Fault(status=0, path=r"^/lockwait/.*\.bin", delay_s=0.5)]) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        with open_dataset(url, cache_dir=cache, lock_wait_s=2.5) as ds:
+            index = os.path.join(ds.cache.local_dir, INDEX_DIR, "present")
+            with _child(FETCH, *map(str, ids.tolist()), env=dict(os.environ, URL=url, CACHE=cache)) as child:
+                _until_held(child, index, lambda fd: fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, int(ids[0]),
+                                                                 os.SEEK_SET))
+                ds.lookup(ids)
+                assert ds.cache.present[ids].all() and ds.cache.stats.misses == 0
+                assert child.wait() == 0

@@ -133,7 +133,11 @@ def _layout_lock(local: str, wait_s: float) -> Iterator[Callable[[], None]]:
 
         wait_for_lock(try_lock, fd=fd, path=path, wait_s=wait_s, progress=lambda: os.fstat(fd).st_mtime_ns,
                       what="the layout of this cache copy (another process is laying it out or opening it)")
-        yield partial(touch, fd)
+        touch(fd)  # taken and (below) let go: the lock passing from one open to the next is progress too (the
+        try:  # ranks and DataLoader workers of a host open one after another, each waiting for all before it)
+            yield partial(touch, fd)
+        finally:
+            touch(fd)
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -410,6 +414,7 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
                 with _cache_writes(local):
                     state = lay_out()
                 ds = _open_layout(local, url, fetcher, state, lock_wait_s)
+            beat()
             try:  # under the layout lock: no mark of this boot is made before the check
                 _scrub_after_reboot(ds, local, beat)
             except BaseException:
