@@ -50,8 +50,8 @@ def touch(fd: int) -> None:
 
 
 def holders(fd: int) -> list[int]:
-    """The pids ``/proc/locks`` shows holding a lock on ``fd``'s file (other than this process); empty when it
-    shows none (another pid namespace, no procfs)."""
+    """The pids ``/proc/locks`` shows holding a lock on ``fd``'s file (other than this process; any range, not only
+    the one waited for); empty when it shows none (another pid namespace, no procfs, OFD locks)."""
     st = os.fstat(fd)
     dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     found = []
@@ -109,6 +109,7 @@ def wait_for_lock(try_lock: Callable[[], bool], *, fd: int, path: str, what: str
             continue
         pids = holders(fd)
         held_by = ", ".join(f"pid {p}" + (f" ({s})" if (s := _state(p)) else "") for p in pids)
-        raise BucketError(f"waited {wait_s:g} s for {what}: its lock is held by "
-                          f"{held_by or 'another process'}, which made no progress meanwhile (stopped, or stuck on "
-                          "its disk?); open_bucket_dataset's lock_wait_s sets this wait", "lock_timeout", path=path)
+        raise BucketError(f"waited {wait_s:g} s for {what}: its lock is held by another process" +
+                          (f" (locks on this file: {held_by})" if held_by else "") + ", which made no progress "
+                          "meanwhile (stopped, or stuck on its disk?); open_bucket_dataset's lock_wait_s sets this "
+                          "wait", "lock_timeout", path=path)
