@@ -108,8 +108,9 @@ def test_open_dataset_needs_a_cache_dir(monkeypatch):
 
 
 def test_two_processes_wanting_the_same_samples_fetch_them_once(s3_env, tmp_path):
-    """A holds the record locks of samples 0-39 mid-fetch; B, wanting 20-59, blocks on them (seen in /proc/locks),
-    then finds 20-39 present once A marks them, and fetches only 40-59."""
+    """A holds the record locks of samples 0-39 mid-fetch; B, wanting 20-59, waits on them (its debug line says
+    so: the wait tries the lock without blocking, so /proc/locks shows no blocked waiter), then finds 20-39 present
+    once A marks them, and fetches only 40-59."""
     local = _bytes_dataset(tmp_path / "local", n=60)
     upload_dataset(local.path, "s3://loader/once")
     cache = tmp_path / "cache"
@@ -135,13 +136,18 @@ def test_two_processes_wanting_the_same_samples_fetch_them_once(s3_env, tmp_path
                 break
             time.sleep(0.05)
         assert (tmp_path / "holding").exists()
-        plain = hold.replace("os.pwrite = held\n", "")
-        b = subprocess.Popen([sys.executable, "-c", plain], env=dict(env, LO="20", HI="60"), stdout=subprocess.PIPE)
-        for _ in range(1200):  # B's lock request waits behind A's: /proc/locks shows it with "->"
-            if any(line.split()[5] == str(b.pid) for line in _proc_locks() if "->" in line) or b.poll() is not None:
+        plain = hold.replace("os.pwrite = held\n", "").replace(
+            "import os, time, numpy as np\n", "import logging, os, sys, time, numpy as np\n"
+            "logging.basicConfig(stream=sys.stderr, format='%(message)s')\n"
+            "logging.getLogger('foresight.bucket').setLevel(logging.DEBUG)\n")
+        b = subprocess.Popen([sys.executable, "-c", plain], env=dict(env, LO="20", HI="60"), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        waiting = None
+        for line in b.stderr:  # B's lock request waits behind A's (until B ends, if it never waits)
+            if line.startswith("waiting for samples 20-59"):  # one run: its lock waits on A's 20-39
+                waiting = line
                 break
-            time.sleep(0.05)
-        assert b.poll() is None, "B finished while A held the locks"
+        assert waiting is not None and b.poll() is None, "B finished while A held the locks"
         (tmp_path / "go").touch()
         out_a, _ = a.communicate(timeout=120)
         out_b, _ = b.communicate(timeout=120)
@@ -154,11 +160,6 @@ def test_two_processes_wanting_the_same_samples_fetch_them_once(s3_env, tmp_path
                 p.wait()
     with open_dataset("s3://loader/once", cache_dir=cache) as ds:
         assert ds.cache.present.all() and all(ds.read(i) == local.read(i) for i in range(60))
-
-
-def _proc_locks() -> list[str]:
-    with open("/proc/locks") as f:
-        return [line for line in f if len(line.split()) > 5]
 
 
 def test_large_fetches_are_cut_into_chunks(s3_env, tmp_path, monkeypatch):

@@ -63,7 +63,8 @@ class BucketError(ForesightError, OSError):
     """An object store could not serve an object (missing, access denied, changed since it was opened, still failing
     after the retry budget) or its local cache could not take it. ``reason`` is one of ``not_found``, ``denied``,
     ``changed``, ``unavailable``, ``checksum`` (an object's bytes), ``cache_full``, ``cache``, ``exists`` (an upload
-    that would replace a dataset or plan without overwrite); the message names the
+    that would replace a dataset or plan without overwrite), ``lock_timeout`` (another process of the host held a
+    cache lock and made no progress for ``lock_wait_s``: the lock file is named); the message names the
     object (``s3://bucket/key``) or the cache directory and never holds a credential."""
 
     def __init__(self, message: str, reason: str, **context: Any) -> None:

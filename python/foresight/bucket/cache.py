@@ -8,7 +8,9 @@ Safety under concurrent processes (ranks of one host, restarts):
 
 - one fetch per byte per host: a process takes POSIX record locks (``fcntl.lockf``) on the index bytes of the
   samples it is about to fetch, in ascending order (no lock cycle between processes), re-reads the index under them
-  and fetches only what is still missing; a second process wanting the same samples waits, then finds them present;
+  and fetches only what is still missing; a second process wanting the same samples waits, then finds them present
+  (while the holder makes progress: one stopped while holding them is a ``lock_timeout`` after ``lock_wait_s``,
+  :mod:`foresight.bucket.lockwait`);
 - coalescing runs only between samples that are absent: a present sample is never fetched again as part of a gap
   (nor its bytes rewritten while another process reads them); an absent sample that a transfer holds whole (a gap)
   is checked and marked too, when no other process holds its lock;
@@ -60,6 +62,7 @@ from foresight.format.types import Extents
 
 from .claims import Claims, FetchClaim
 from .fetch import ObjectRef, RangedFetcher
+from .lockwait import LOCK_WAIT_S, check_wait_s, wait_for_lock
 from .pins import SamplePins, claim_unpinned, id_runs, open_pin_file
 from foresight.io import IOEngine
 from foresight.io.direct_write import CacheWriter
@@ -155,8 +158,11 @@ class SampleCache:
 
     def __init__(self, local_dir: str, fetcher: RangedFetcher, refs: Sequence[ObjectRef], shard_paths: Sequence[str],
                  lookup: Callable[[np.ndarray], Extents], checksums: np.ndarray | None, *,
-                 num_samples: int | None = None) -> None:
+                 num_samples: int | None = None, lock_wait_s: float = LOCK_WAIT_S) -> None:
         self.local_dir = local_dir
+        # how long a sample's lock (another process's fetch or eviction) is waited for while no sample is marked
+        # or unmarked anywhere in the index (:mod:`foresight.bucket.lockwait`)
+        self.lock_wait_s = check_wait_s(lock_wait_s)
         self.fetcher = fetcher
         self.refs = list(refs)
         self.lookup = lookup
@@ -195,7 +201,7 @@ class SampleCache:
     def pins(self) -> SamplePins:
         """A new reader's pins on this cache's samples (:mod:`foresight.bucket.pins`): what it holds, no process's
         :meth:`evict` punches."""
-        return SamplePins(os.path.join(self.local_dir, INDEX_DIR))
+        return SamplePins(os.path.join(self.local_dir, INDEX_DIR), wait_s=self.lock_wait_s, progress=self._marks)
 
     def claim(self, on_wanted: Callable[[], None], wait_s: float) -> FetchClaim:
         """A new claim (:mod:`foresight.bucket.claims`): the absent samples it holds, other callers of
@@ -216,12 +222,33 @@ class SampleCache:
         self.present = np.zeros(0, np.uint8)
 
     # -- locks on index bytes --------------------------------------------------------------------------------------
+    def _marks(self) -> int:
+        """Samples marked in the shared index: what moves while any process's fetch (or eviction) goes on, the
+        sign of progress a lock waiter looks for once per ``lock_wait_s``."""
+        return int(np.count_nonzero(self.present))
+
+    def _try_lock(self, start: int, n: int) -> bool:
+        try:
+            fcntl.lockf(self._index_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, n, start, os.SEEK_SET)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                return False
+            raise
+        return True
+
     def _lock_runs(self, ids: np.ndarray) -> list[tuple[int, int]]:
+        """Lock the index bytes of sorted unique ``ids`` (ascending runs), waiting while another process fetches
+        or evicts them, at most ``lock_wait_s`` with no sample marked or unmarked anywhere (a holder stopped or
+        stuck: ``lock_timeout`` naming the index and the samples)."""
         held = []
         try:
             for start, n in zip(*id_runs(ids)):
-                fcntl.lockf(self._index_fd, fcntl.LOCK_EX, int(n), int(start), os.SEEK_SET)
-                held.append((int(start), int(n)))
+                start, n = int(start), int(n)
+                wait_for_lock(lambda: self._try_lock(start, n), fd=self._index_fd, path=self._index_path,
+                              what=f"sample{f's {start}-{start + n - 1}' if n > 1 else f' {start}'}" +
+                              f" (another process is fetching or evicting {'them' if n > 1 else 'it'})",
+                              wait_s=self.lock_wait_s, progress=self._marks)
+                held.append((start, n))
         except BaseException:
             self._unlock(held)
             raise
@@ -531,10 +558,12 @@ class SampleCache:
             self.present[:] = 0
         return n
 
-    def scrub(self, ids: np.ndarray | None = None) -> np.ndarray:
+    def scrub(self, ids: np.ndarray | None = None, *, on_progress: Callable[[], None] | None = None) -> np.ndarray:
         """Re-hash the present samples of ``ids`` (all present ones by default) from the local files and unmark
         those whose bytes no longer match the map (a disk or a hand corrupted them): the next :meth:`ensure`
-        refetches them. Returns the ids found corrupt (each logged once, counted in ``stats.corrupt``)."""
+        refetches them. Returns the ids found corrupt (each logged once, counted in ``stats.corrupt``).
+        ``on_progress()`` is called after each chunk re-hashed (an open's scrub holds the layout lock: its waiters
+        see it move)."""
         if self.checksums is None:
             raise ValueError(f"{self.local_dir}: this dataset has no per-sample checksums (a Megatron pair): "
                              "nothing to scrub against; delete the cache directory to refetch it")
@@ -555,6 +584,8 @@ class SampleCache:
                     engine.read_batch(fds[part], ext.offset[part], lengths,
                                       (region.ctypes.data + dest).astype(np.uint64), allow_eof=True)
                     bad_parts.append(ids[part][xxh3_many(region, dest, lengths) != self.checksums[ids[part]]])
+                    if on_progress is not None:
+                        on_progress()
             bad = np.concatenate(bad_parts)
             if bad.size:
                 held = self._lock_runs(bad)

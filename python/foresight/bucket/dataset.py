@@ -32,7 +32,7 @@ import logging
 import os
 import shutil
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -46,6 +46,7 @@ from foresight.io.durable import fsync_dir
 from .cache import INDEX_DIR, SampleCache, allocate_index
 from .config import endpoint_place, open_store, resolve_options
 from .fetch import DEFAULT_CONCURRENCY, ObjectRef, RangedFetcher, RetryPolicy
+from .lockwait import LOCK_WAIT_S, check_wait_s, touch, wait_for_lock
 from .url import BucketURL
 
 log = logging.getLogger("foresight.bucket")
@@ -114,6 +115,31 @@ def reopen_cache_dir(path: str, **kwargs: Any) -> "BucketDataset | BucketMegatro
     return open_bucket_dataset(url, root, **kwargs)
 
 
+@contextlib.contextmanager
+def _layout_lock(local: str, wait_s: float) -> Iterator[Callable[[], None]]:
+    """The copy's layout lock (``flock`` on ``.foresight-cache/lock``), held through the ``with``; yields the
+    holder's ``beat()``: it touches the lock file, the progress its waiters look for. A wait in which the lock
+    file does not move for ``wait_s`` (a holder stopped, or stuck on its disk) is a ``lock_timeout``."""
+    path = os.path.join(local, INDEX_DIR, "lock")
+    with open(path, "a+b") as lock:
+        fd = lock.fileno()
+
+        def try_lock() -> bool:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            return True
+
+        wait_for_lock(try_lock, fd=fd, path=path, wait_s=wait_s, progress=lambda: os.fstat(fd).st_mtime_ns,
+                      what="the layout of this cache copy (another process is laying it out or opening it)")
+        touch(fd)  # taken and (below) let go: the lock passing from one open to the next is progress too (the
+        try:  # ranks and DataLoader workers of a host open one after another, each waiting for all before it)
+            yield partial(touch, fd)
+        finally:
+            touch(fd)
+
+
 def _write_atomic(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
@@ -147,9 +173,10 @@ def _ref_json(ref: ObjectRef) -> dict[str, Any]:
 
 
 def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef, raw: bytes,
-             endpoint: str | None = None) -> dict[str, Any]:
+             endpoint: str | None = None, beat: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Fetch the maps whole, head the shards, create the sparse files and the index (``raw``: the manifest's
-    bytes, fetched by the caller); returns the state (written last)."""
+    bytes, fetched by the caller); returns the state (written last). ``beat()`` after each map or shard: the
+    layout lock's waiters see the layout move (:func:`_layout_lock`)."""
     index_dir = os.path.join(local, INDEX_DIR)
     _clear(local)
     manifest = parse_manifest(raw, path=str(manifest_ref.url))
@@ -162,6 +189,7 @@ def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef, raw: b
                 raise BucketError(f"map object is {map_ref.size} bytes, the manifest says {s.map_bytes}", "changed",
                                   object=str(map_ref.url))
             _write_atomic(os.path.join(local, s.map), data)
+            beat()
             return None
         bin_ref = fetcher.head(s.bin)
         if bin_ref.size != s.bin_bytes:
@@ -169,6 +197,7 @@ def _lay_out(local: str, fetcher: RangedFetcher, manifest_ref: ObjectRef, raw: b
                               object=str(bin_ref.url))
         with open(os.path.join(local, s.bin), "wb") as f:
             f.truncate(s.bin_bytes)  # sparse: no block allocated until fetched bytes land
+        beat()
         return bin_ref
 
     # every map and shard at once: one round trip for the whole layout, not three per shard
@@ -232,13 +261,15 @@ def _clear(local: str) -> None:
 
 
 def _lay_out_megatron(local: str, fetcher: RangedFetcher, idx_ref: ObjectRef,
-                      endpoint: str | None = None) -> dict[str, Any]:
+                      endpoint: str | None = None, beat: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Fetch the ``.idx`` whole, head the ``.bin``, lay it out sparse, check the pair and create the index;
     returns the state (written last)."""
     _clear(local)
     name = idx_ref.key.rsplit("/", 1)[-1][:-len(".idx")]
     bin_ref = fetcher.head(name + ".bin")
+    beat()
     fetcher.download(idx_ref, os.path.join(local, name + ".idx"))
+    beat()
     with open(os.path.join(local, name + ".bin"), "wb") as f:
         f.truncate(bin_ref.size)  # sparse
     try:  # the .idx checked against the .bin's size, as a local pair is
@@ -290,7 +321,8 @@ def _boot_id() -> str:
         return ""
 
 
-def _scrub_after_reboot(ds: "BucketDataset | BucketMegatronDataset", local: str) -> None:
+def _scrub_after_reboot(ds: "BucketDataset | BucketMegatronDataset", local: str,
+                        beat: Callable[[], None] = lambda: None) -> None:
     """Marks are made once bytes are written, not synced: a machine crash may have lost bytes whose marks reached
     the disk. On the first open in a boot other than the recorded one, re-hash the marked samples (unmarking those
     that differ), then record this boot (before any mark of it is made: the caller holds the layout lock)."""
@@ -307,7 +339,7 @@ def _scrub_after_reboot(ds: "BucketDataset | BucketMegatronDataset", local: str)
         log.warning("bucket cache %s: first open since a reboot: %d marked samples forgotten (refetched on next use; "
                     "no per-sample checksums to check them against)", ds.path, ds.cache.unmark_all())
     elif ds.cache.present.any():
-        bad = ds.cache.scrub()
+        bad = ds.cache.scrub(on_progress=beat)  # a large cache takes minutes: the lock's waiters see it move
         log.warning("bucket cache %s: first open since a reboot: the marked samples re-hashed, %d unmarked (refetched "
                     "on next use)", ds.path, bad.size)
     _write_atomic(path, now.encode())
@@ -317,7 +349,8 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
                         options: dict[str, Any] | None = None, concurrency: int = DEFAULT_CONCURRENCY,
                         max_gap: int | None = None,
                         max_transfer: int | None = None,
-                        retry: RetryPolicy = RetryPolicy()) -> "BucketDataset | BucketMegatronDataset":
+                        retry: RetryPolicy = RetryPolicy(),
+                        lock_wait_s: float = LOCK_WAIT_S) -> "BucketDataset | BucketMegatronDataset":
     """Open the foresight dataset at ``url`` (``s3://bucket/prefix``) through a cache under ``cache_dir``.
 
     The prefix holds a foresight dataset (``manifest.json``) or names a Megatron-LM pair (``url + ".idx"``,
@@ -326,8 +359,12 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
     ``max_transfer`` the coalescer's caps for object storage (1 MiB / 16 MiB by default); ``retry`` the requests'
     timeouts and the budget of retries of transient failures (:class:`RetryPolicy`). ``fingerprint="content"``
     (hash every byte of a Megatron ``.bin``) is refused for a Megatron pair here: it would fetch the whole object.
+    ``lock_wait_s`` (300): how long a wait on another process of the host (its layout of this copy, its fetch or
+    eviction of a sample) goes on while that process makes no progress, before a ``lock_timeout``
+    :class:`BucketError` naming the lock file (:mod:`foresight.bucket.lockwait`).
     """
     url = url if isinstance(url, BucketURL) else BucketURL.parse(url)
+    lock_wait_s = check_wait_s(lock_wait_s)
     if fingerprint not in ("index", "content"):
         raise ValueError(f"fingerprint must be 'index' or 'content', got {fingerprint!r}")
     store = open_store(url, options, timeout_s=retry.request_timeout_s, connect_timeout_s=retry.connect_timeout_s)
@@ -338,13 +375,12 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
         endpoint = resolve_options(options).get("endpoint") or None  # recorded: a reopen by path reads from it
         _refuse_foreign(local)
         os.makedirs(os.path.join(local, INDEX_DIR), exist_ok=True)
-        with open(os.path.join(local, INDEX_DIR, "lock"), "a+b") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # one process lays out; the others wait, then reuse it
+        with _layout_lock(local, lock_wait_s) as beat:  # one process lays out; the others wait, then reuse it
             state = _read_state(local)
             got = _get_or_none(fetcher, MANIFEST_NAME)  # small: fetched whole, not headed first
             if got is not None:
                 manifest_ref, raw = got
-                lay_out = partial(_lay_out, local, fetcher, manifest_ref, raw, endpoint)
+                lay_out = partial(_lay_out, local, fetcher, manifest_ref, raw, endpoint, beat)
                 if state is None or state.get("manifest") != _ref_json(manifest_ref):
                     _drop(local, url, state)
                     with _cache_writes(local):
@@ -361,14 +397,14 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
                 if fingerprint == "content":
                     raise ValueError(f"{url}: fingerprint='content' hashes every byte of the .bin, which would "
                                      "fetch it whole; a bucket Megatron pair takes fingerprint='index'")
-                lay_out = partial(_lay_out_megatron, local, fetcher, idx_ref, endpoint)
+                lay_out = partial(_lay_out_megatron, local, fetcher, idx_ref, endpoint, beat)
                 if state is None or state.get("idx") != _ref_json(idx_ref):
                     _drop(local, url, state)
                     with _cache_writes(local):
                         state = lay_out()
                     lay_out = None
             try:
-                ds = _open_layout(local, url, fetcher, state)
+                ds = _open_layout(local, url, fetcher, state, lock_wait_s)
             except _DAMAGED as e:  # a kept copy whose files were cut, removed or written by another version
                 if lay_out is None or getattr(e, "reason", None) == "cache_full":  # just laid out: what fails is
                     raise  # the dataset itself; a full disk: the copy is sound, kept for when there is room
@@ -377,15 +413,16 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
                 _drop(local, url, state, quiet=True)
                 with _cache_writes(local):
                     state = lay_out()
-                ds = _open_layout(local, url, fetcher, state)
+                ds = _open_layout(local, url, fetcher, state, lock_wait_s)
+            beat()
             try:  # under the layout lock: no mark of this boot is made before the check
-                _scrub_after_reboot(ds, local)
+                _scrub_after_reboot(ds, local, beat)
             except BaseException:
                 ds.close()
                 raise
         ds._reopen = (str(url), os.fspath(cache_dir), {"options": options, "concurrency": concurrency,
                                                        "max_gap": max_gap, "max_transfer": max_transfer,
-                                                       "retry": retry})
+                                                       "retry": retry, "lock_wait_s": lock_wait_s})
         return ds
     except BaseException:
         fetcher.close()
@@ -398,12 +435,12 @@ def open_bucket_dataset(url: str | BucketURL, cache_dir: str | os.PathLike, *, f
 _DAMAGED = (FormatError, BucketError, FileNotFoundError, KeyError, TypeError, ValueError)
 
 
-def _open_layout(local: str, url: BucketURL, fetcher: RangedFetcher,
-                 state: dict[str, Any]) -> "BucketDataset | BucketMegatronDataset":
+def _open_layout(local: str, url: BucketURL, fetcher: RangedFetcher, state: dict[str, Any],
+                 lock_wait_s: float = LOCK_WAIT_S) -> "BucketDataset | BucketMegatronDataset":
     """The dataset over the laid-out copy ``state`` describes (local files only: no request)."""
     refs = [ObjectRef(BucketURL(url.bucket, r["key"]), int(r["size"]), r["etag"]) for r in state["shards"]]
     kind = BucketMegatronDataset if state.get("kind") == "megatron" else BucketDataset
-    ds = kind(local, url, fetcher, refs)
+    ds = kind(local, url, fetcher, refs, lock_wait_s=lock_wait_s)
     laid = [os.path.getsize(p) for p in ds.shard_paths]
     if laid != [r.size for r in refs]:  # a sparse file cut short or grown: reads past a cut would come back short
         ds.close()
@@ -480,25 +517,27 @@ class BucketDataset(_FetchesOnLookup, ShardedDataset):
 
     kind = "foresight"
 
-    def __init__(self, local_dir: str, url: BucketURL, fetcher: RangedFetcher, refs: list[ObjectRef]) -> None:
+    def __init__(self, local_dir: str, url: BucketURL, fetcher: RangedFetcher, refs: list[ObjectRef], *,
+                 lock_wait_s: float = LOCK_WAIT_S) -> None:
         super().__init__(local_dir)
         self.url = url
         self.fetcher = fetcher
         # the local reader's lookup (the cache's own calls must not fetch again)
         self.cache = SampleCache(local_dir, fetcher, refs, self.shard_paths, partial(ShardedDataset.lookup, self),
-                                 self.checksums())
+                                 self.checksums(), lock_wait_s=lock_wait_s)
 
 
 class BucketMegatronDataset(_FetchesOnLookup, MegatronDataset):
     """A Megatron-LM pair in a bucket: a :class:`MegatronDataset` over the cached ``.idx`` and the sparse ``.bin``
     whose :meth:`lookup` fetches what is missing first (ranged, coalesced GETs held to the ``.bin``'s ETag)."""
 
-    def __init__(self, local_dir: str, url: BucketURL, fetcher: RangedFetcher, refs: list[ObjectRef]) -> None:
+    def __init__(self, local_dir: str, url: BucketURL, fetcher: RangedFetcher, refs: list[ObjectRef], *,
+                 lock_wait_s: float = LOCK_WAIT_S) -> None:
         super().__init__(os.path.join(local_dir, url.prefix.rsplit("/", 1)[-1]))
         self.url = url
         self.fetcher = fetcher
         self.cache = SampleCache(local_dir, fetcher, refs, self.shard_paths, partial(MegatronDataset.lookup, self), None,
-                                 num_samples=self.num_samples)
+                                 num_samples=self.num_samples, lock_wait_s=lock_wait_s)
 
 
 def _reopen(url: str, cache_dir: str, kwargs: dict[str, Any]) -> "BucketDataset | BucketMegatronDataset":

@@ -15,7 +15,9 @@ description locks (``F_OFD_SETLK``, Linux 3.15+), not classic POSIX record locks
   the open: its pins then last until the child exits too.)
 
 An evictor's exclusive lock is held only while it unmarks and punches; a reader pinning a sample then waits that
-long, and afterwards finds it absent and fetches it again (pin first, then make present, then read).
+long, and afterwards finds it absent and fetches it again (pin first, then make present, then read). An evictor
+that stops while it holds one (SIGSTOP, a stuck disk) is waited for at most ``wait_s`` without progress, then a
+``lock_timeout`` names the pin file (:mod:`foresight.bucket.lockwait`).
 
 Example::
 
@@ -33,9 +35,11 @@ import fcntl
 import os
 import struct
 import threading
-from typing import Iterator
+from typing import Callable, Hashable, Iterator
 
 import numpy as np
+
+from .lockwait import LOCK_WAIT_S, wait_for_lock
 
 __all__ = ["SamplePins", "PINS_NAME", "open_pin_file", "claim_unpinned", "id_runs"]
 
@@ -71,12 +75,19 @@ def open_pin_file(index_dir: str) -> int:
 
 
 class SamplePins:
-    """One reader's pins on a shared cache's samples (see the module doc); thread-safe, ``close()`` lets all go."""
+    """One reader's pins on a shared cache's samples (see the module doc); thread-safe, ``close()`` lets all go.
+    A pin waits on an evictor at most ``wait_s`` in which ``progress()`` (the cache's marks) stays the same: an
+    evictor stopped while it holds a sample is a ``lock_timeout`` naming the pin file, never a hang
+    (:mod:`foresight.bucket.lockwait`)."""
 
-    def __init__(self, index_dir: str) -> None:
+    def __init__(self, index_dir: str, *, wait_s: float = LOCK_WAIT_S,
+                 progress: Callable[[], Hashable] = lambda: None) -> None:
+        self._path = os.path.join(index_dir, PINS_NAME)
         self._fd = open_pin_file(index_dir)
         self._ids = np.zeros(0, dtype=np.int64)
         self._lock = threading.Lock()
+        self._wait_s = float(wait_s)
+        self._progress = progress
 
     @property
     def ids(self) -> np.ndarray:
@@ -90,8 +101,19 @@ class SamplePins:
         with self._lock:
             if self._fd < 0:
                 raise ValueError("pins closed")
-            for start, n in zip(*id_runs(np.setdiff1d(want, self._ids, assume_unique=True))):
-                _ofd_lock(self._fd, fcntl.F_RDLCK, int(start), int(n), wait=True)
+            got: list[tuple[int, int]] = []
+            try:
+                for start, n in zip(*id_runs(np.setdiff1d(want, self._ids, assume_unique=True))):
+                    start, n = int(start), int(n)
+                    wait_for_lock(lambda: _ofd_lock(self._fd, fcntl.F_RDLCK, start, n, wait=False), fd=self._fd,
+                                  path=self._path, wait_s=self._wait_s, progress=self._progress,
+                                  what=f"a pin on sample{f's {start}-{start + n - 1}' if n > 1 else f' {start}'}" +
+                                  f" (another process is evicting {'them' if n > 1 else 'it'})")
+                    got.append((start, n))
+            except BaseException:  # the pins held before stay; none of the new ones is left half taken
+                for start, n in got:
+                    _ofd_lock(self._fd, fcntl.F_UNLCK, start, n, wait=False)
+                raise
             for start, n in zip(*id_runs(np.setdiff1d(self._ids, want, assume_unique=True))):
                 _ofd_lock(self._fd, fcntl.F_UNLCK, int(start), int(n), wait=False)
             self._ids = want
