@@ -24,13 +24,14 @@ from foresight.replication.policy import Replication, ReplicatingStorageWriter
 from foresight.testing.http_faults import Fault, FaultProxy
 from replication_helpers import wait_until
 from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
-from test_checkpoint_bucket import assert_state_equal, make_bucket, state
+from test_checkpoint_bucket import assert_state_equal, make_bucket, objects_under, state
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 PATIENT = {"retry": RetryPolicy(attempts=400, budget_s=120, base_s=0.05, max_backoff_s=0.5)}
 QUICK = {"retry": RetryPolicy(attempts=2, budget_s=5, base_s=0.01, max_backoff_s=0.05), "part_bytes": 5 << 20}
 LATER_PARTS = r"partNumber=[2-9]"  # the data object's 2nd and later parts (12 MiB in 5 MiB parts)
+CREATE = r"\?uploads"  # CreateMultipartUpload: POST <key>?uploads
 
 
 def open_uploads(s3_env, bucket: str) -> list[dict]:
@@ -200,6 +201,7 @@ def test_an_upload_left_open_by_an_earlier_attempt_is_never_published_by_the_nex
         assert b.get(b.head("__0_data.bin")) == own
     assert sent_whole == 1  # rank 1's, from the directory
     assert open_uploads(s3_env, "repl-stale") == []
+    assert [n for n in objects_under(site) if "/.uploads/" in n] == []  # both attempts' journal entries gone
 
 
 def newer_than(s3_env, bucket: str, when) -> None:
@@ -220,7 +222,7 @@ def test_a_create_whose_reply_was_lost_leaves_no_upload_open_after_the_publish(s
     with fc.Checkpointer(str(tmp_path / "src")) as ck:
         path = ck.save(state(3), 9).wait().path
     size = os.path.getsize(os.path.join(path, DATA_FILE))
-    proxy.faults.append(Fault(status=0, method="POST", path=r"\?uploads", times=1, drop_reply=True))
+    proxy.faults.append(Fault(status=0, method="POST", path=CREATE, times=1, drop_reply=True))
     rep = Replication(every=1, site=site, job="j", unit_bytes=UNIT, bucket_options=PATIENT, retry_every_s=3600)
     try:
         rep.data_started(9, path, [(DATA_FILE, size)], seq=store.read_marker(path)["seq"])
@@ -230,6 +232,29 @@ def test_a_create_whose_reply_was_lost_leaves_no_upload_open_after_the_publish(s
         assert rep.bucket_site().stats["files_sent_whole"] == 0
     finally:
         rep.close()
-    assert proxy.count(method="POST", path=r"\?uploads", injected=True) == 1
+    assert proxy.count(method="POST", path=CREATE, injected=True) == 1
     assert open_uploads(s3_env, "repl-lost-create") == []
     assert_state_equal(fc.load(root=f"{site}/j").state_dict, state(3))
+
+
+def test_a_dcp_save_whose_create_reply_was_lost_leaves_no_upload_open(s3_env, proxy):
+    base = make_bucket("dcp-lost-create")
+    proxy.faults.append(Fault(status=0, method="POST", path=CREATE, times=1, drop_reply=True))
+    writer = ForesightStorageWriter(base + "/step-1", bucket_options={**PATIENT, "part_bytes": 5 << 20})
+    dcp.save(state(1), storage_writer=writer, no_dist=True)
+    writer.close()
+    assert proxy.count(method="POST", path=CREATE, injected=True) == 1
+    assert open_uploads(s3_env, "dcp-lost-create") == []
+    target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in state(0).items()}
+    dcp.load(target, storage_reader=ForesightStorageReader(base + "/step-1"), no_dist=True)
+    assert torch.equal(target["w"], state(1)["w"])
+
+
+def test_a_checkpointer_drain_whose_create_reply_was_lost_leaves_no_upload_open(s3_env, proxy, tmp_path):
+    root = make_bucket("ck-lost-create") + "/run"
+    proxy.faults.append(Fault(status=0, method="POST", path=CREATE, times=1, drop_reply=True))
+    with fc.Checkpointer([str(tmp_path / "fast"), root], bucket_options={**PATIENT, "part_bytes": 5 << 20}) as ck:
+        ck.save(state(1), 10).wait()
+    assert proxy.count(method="POST", path=CREATE, injected=True) == 1
+    assert open_uploads(s3_env, "ck-lost-create") == []
+    assert fc.load("latest", tiers=[str(tmp_path / "other"), root], bucket_options=QUICK).step == 10
