@@ -3,6 +3,7 @@ fault proxy in front of it: a DCP save whose data object's later parts fail, and
 step to a bucket tier. What was acknowledged (an earlier checkpoint) stays."""
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -15,18 +16,22 @@ from torch.distributed.checkpoint.api import CheckpointException
 import foresight.checkpoint as fc
 from foresight.bucket import RetryPolicy
 from foresight.bucket.objects import BucketPrefix
-from foresight.checkpoint import ForesightStorageReader, ForesightStorageWriter
+from foresight.checkpoint import ForesightStorageReader, ForesightStorageWriter, store
+from foresight.checkpoint.background_writer import DATA_FILE
 from foresight.errors import CheckpointError
+from foresight.replication.bucket_site import plan_parts
 from foresight.replication.policy import Replication, ReplicatingStorageWriter
 from foresight.testing.http_faults import Fault, FaultProxy
 from replication_helpers import wait_until
 from seaweed_helpers import s3_env, seaweed  # noqa: F401  (fixtures)
-from test_checkpoint_bucket import make_bucket, state
+from test_checkpoint_bucket import assert_state_equal, make_bucket, objects_under, state
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
+PATIENT = {"retry": RetryPolicy(attempts=400, budget_s=120, base_s=0.05, max_backoff_s=0.5)}
 QUICK = {"retry": RetryPolicy(attempts=2, budget_s=5, base_s=0.01, max_backoff_s=0.05), "part_bytes": 5 << 20}
 LATER_PARTS = r"partNumber=[2-9]"  # the data object's 2nd and later parts (12 MiB in 5 MiB parts)
+CREATE = r"\?uploads"  # CreateMultipartUpload: POST <key>?uploads
 
 
 def open_uploads(s3_env, bucket: str) -> list[dict]:
@@ -151,3 +156,105 @@ def test_a_dcp_save_interrupted_mid_upload_leaves_no_upload_open(s3_env, proxy):
     finally:
         t.join()
         writer.close()
+
+
+UNIT = 2 << 20  # replication units of 2 MiB: a file of a few units is several 5 MiB parts
+
+
+def _rank_save(site: str, path, fname: str, body: bytes, save: str, **kw) -> Replication:
+    """One DCP rank's side of save ``save``: its data file announced and written whole (its parts leave)."""
+    rep = Replication(every=1, site=site, job="j", unit_bytes=UNIT, bucket_options=QUICK, retry_every_s=3600, **kw)
+    (path / fname).write_bytes(body)
+    rep.data_started(10, str(path), [(fname, len(body))], leaf="step-10", shared=True, save=save)
+    rep.data_progress(10, {fname: len(body)})
+    return rep
+
+
+def test_an_upload_left_open_by_an_earlier_attempt_is_never_published_by_the_next(s3_env, tmp_path):
+    """A DCP save of step-10 crashed after rank 1 had sent every part of its file (the upload stays open: no hook
+    ran). The job restarts and saves step-10 again, same sizes, other values; rank 1 of the new attempt never
+    sends its parts (slow, or dead). The coordinator must not complete the old attempt's upload (its parts match
+    the plan's sizes): the replica holds the new attempt's bytes (sent from the directory), and the stale upload
+    is aborted by the publish."""
+    site = make_bucket("repl-stale") + "/eval"
+    path = tmp_path / "step-10"
+    path.mkdir()
+    size = 4 * UNIT + 4096
+    old, new, own = os.urandom(size), os.urandom(size), os.urandom(size)
+    first = _rank_save(site, path, "__1_data.bin", old, "attempt-1")
+    wait_until(lambda: first.bucket_site().stats["parts_sent"] == len(plan_parts(size, UNIT)), "rank 1's parts")
+    first.close()  # the crash: nothing aborts rank 1's upload
+    stale = open_uploads(s3_env, "repl-stale")
+    assert len(stale) == 1
+    newer_than(s3_env, "repl-stale", stale[0]["Initiated"])
+    (path / "__1_data.bin").write_bytes(new)  # the new attempt's rank 1 file (its parts are never sent)
+    (path / ".metadata").write_bytes(b"metadata")
+    coord = _rank_save(site, path, "__0_data.bin", own, "attempt-2", rank_wait_s=2.0)
+    try:
+        coord.committed(10, str(path))
+        coord.wait(10, timeout=120)
+        sent_whole = coord.bucket_site().stats["files_sent_whole"]
+    finally:
+        coord.close()
+    with BucketPrefix(site + "/j/step-10") as b:
+        assert b.get(b.head("__1_data.bin")) == new
+        assert b.get(b.head("__0_data.bin")) == own
+    assert sent_whole == 1  # rank 1's, from the directory
+    assert open_uploads(s3_env, "repl-stale") == []
+    assert [n for n in objects_under(site) if "/.uploads/" in n] == []  # both attempts' journal entries gone
+
+
+def newer_than(s3_env, bucket: str, when) -> None:
+    """Wait until the server's clock is past ``when`` (its listings have 1 s steps): what is created next is
+    newer than what was created before, as the server stamps it."""
+    with BucketPrefix(f"s3://{bucket}/.clock") as b:
+        def past() -> bool:
+            b.put(".clock", b"")
+            return b.list()[".clock"].modified > when.timestamp()
+        wait_until(past, "the server's clock to move on", timeout=30)
+        b.delete([".clock"])
+
+
+def test_a_create_whose_reply_was_lost_leaves_no_upload_open_after_the_publish(s3_env, proxy, tmp_path):
+    """CreateMultipartUpload took effect but its reply was lost; the retry creates a second upload, which the
+    parts go to. The first, empty and known to nobody, must be aborted by the publish that succeeds."""
+    site = make_bucket("repl-lost-create") + "/eval"
+    with fc.Checkpointer(str(tmp_path / "src")) as ck:
+        path = ck.save(state(3), 9).wait().path
+    size = os.path.getsize(os.path.join(path, DATA_FILE))
+    proxy.faults.append(Fault(status=0, method="POST", path=CREATE, times=1, drop_reply=True))
+    rep = Replication(every=1, site=site, job="j", unit_bytes=UNIT, bucket_options=PATIENT, retry_every_s=3600)
+    try:
+        rep.data_started(9, path, [(DATA_FILE, size)], seq=store.read_marker(path)["seq"])
+        rep.data_progress(9, {DATA_FILE: size})
+        rep.committed(9, path)
+        rep.wait(9, timeout=120)
+        assert rep.bucket_site().stats["files_sent_whole"] == 0
+    finally:
+        rep.close()
+    assert proxy.count(method="POST", path=CREATE, injected=True) == 1
+    assert open_uploads(s3_env, "repl-lost-create") == []
+    assert_state_equal(fc.load(root=f"{site}/j").state_dict, state(3))
+
+
+def test_a_dcp_save_whose_create_reply_was_lost_leaves_no_upload_open(s3_env, proxy):
+    base = make_bucket("dcp-lost-create")
+    proxy.faults.append(Fault(status=0, method="POST", path=CREATE, times=1, drop_reply=True))
+    writer = ForesightStorageWriter(base + "/step-1", bucket_options={**PATIENT, "part_bytes": 5 << 20})
+    dcp.save(state(1), storage_writer=writer, no_dist=True)
+    writer.close()
+    assert proxy.count(method="POST", path=CREATE, injected=True) == 1
+    assert open_uploads(s3_env, "dcp-lost-create") == []
+    target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in state(0).items()}
+    dcp.load(target, storage_reader=ForesightStorageReader(base + "/step-1"), no_dist=True)
+    assert torch.equal(target["w"], state(1)["w"])
+
+
+def test_a_checkpointer_drain_whose_create_reply_was_lost_leaves_no_upload_open(s3_env, proxy, tmp_path):
+    root = make_bucket("ck-lost-create") + "/run"
+    proxy.faults.append(Fault(status=0, method="POST", path=CREATE, times=1, drop_reply=True))
+    with fc.Checkpointer([str(tmp_path / "fast"), root], bucket_options={**PATIENT, "part_bytes": 5 << 20}) as ck:
+        ck.save(state(1), 10).wait()
+    assert proxy.count(method="POST", path=CREATE, injected=True) == 1
+    assert open_uploads(s3_env, "ck-lost-create") == []
+    assert fc.load("latest", tiers=[str(tmp_path / "other"), root], bucket_options=QUICK).step == 10

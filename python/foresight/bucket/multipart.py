@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +36,9 @@ from foresight.errors import BucketError
 from .config import resolve_options
 from .fetch import ObjectRef, RangedFetcher
 
-__all__ = ["MIN_PART_BYTES", "MAX_PARTS", "MultipartClient", "Upload", "Part", "part_ends"]
+log = logging.getLogger("foresight.bucket")
+
+__all__ = ["MIN_PART_BYTES", "MAX_PARTS", "MultipartClient", "Upload", "Part", "abort_left_open", "part_ends"]
 
 MIN_PART_BYTES = 5 << 20  # S3: every part but the last holds at least 5 MiB
 MAX_PARTS = 10_000
@@ -201,3 +205,33 @@ class MultipartClient:
 
     def close(self) -> None:
         self.client.close()
+
+
+def abort_left_open(fetcher: RangedFetcher, names: Collection[str], *, under: str = "",
+                    options: dict[str, Any] | None = None) -> list[Upload]:
+    """Abort the multipart uploads still open for objects ``names`` (relative to ``fetcher``'s prefix, all of them
+    under ``under``), to be called once those objects are complete: a CreateMultipartUpload whose reply was lost
+    took effect, and the retry made a second upload, which the parts went to; the first, empty, is known to nobody
+    else and would stay open (billed, never expiring without a lifecycle rule). Only those names: another writer's
+    uploads elsewhere under the prefix are left alone. Returns the uploads aborted. A failure is logged, never
+    raised: the objects are complete, and an upload left open is invisible to readers."""
+    want = set(names)
+    try:
+        mp = MultipartClient(fetcher, options, max_connections=2)
+    except ImportError as e:  # boto3 missing (the bucket extra installs it): obstore lists no uploads
+        log.warning("cannot look for uploads left open under %s: %s", fetcher.url, e)
+        return []
+    try:
+        ups = [up for up in mp.open_uploads(under) if up.name in want]
+        for up in ups:
+            mp.abort(up)
+    except BucketError as e:
+        log.warning("cannot abort the uploads left open under %s: %s", fetcher.url.child(under.rstrip("/")) if under else
+                    fetcher.url, e)
+        return []
+    finally:
+        mp.close()
+    if ups:
+        log.info("aborted %d upload(s) left open (retried creates) under %s", len(ups),
+                 fetcher.url.child(under.rstrip("/")) if under else fetcher.url)
+    return ups

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from foresight.bucket.fetch import ObjectRef
+from foresight.bucket.multipart import abort_left_open
 from foresight.bucket.objects import BucketPrefix
 from foresight.bucket.url import is_bucket_url
 from foresight.checkpoint import store
@@ -96,6 +97,7 @@ class BucketTier:
     def __init__(self, root: str, *, objects: BucketPrefix | None = None, **bucket_options: Any) -> None:
         self.root = root
         self._owned = objects is None  # ``objects``: a client of this very prefix, shared (closed by its owner)
+        self._options = bucket_options.get("options")  # endpoint and keys, for the multipart calls of a drain
         self.objects = BucketPrefix(root, **bucket_options) if objects is None else objects
         # commit name -> its verified marker, as last listed; replaced whole, never mutated (the drain thread lists
         # while a load on another thread reads)
@@ -195,6 +197,9 @@ class BucketTier:
         objects = dict(self.objects.fetcher.map(put, files))
         self.objects.put(f"{name}/{store.COMMIT}", store.sealed_marker(marker, objects=objects))
         self._markers = {**self._markers, name: dict(marker, objects=objects)}
+        # a create retried after its reply was lost left an upload open (empty): the commit is whole, abort it
+        abort_left_open(self.objects.fetcher, [f"{name}/{f}" for f in files], under=f"{name}/",
+                        options=self._options)
         return str(self.objects.url.child(name))
 
     def retain(self, keep: int | None, *, max_age_s: float | None = None, now: float | None = None) -> list[int]:

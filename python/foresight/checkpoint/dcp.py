@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from foresight.bucket.multipart import abort_left_open
 from foresight.bucket.objects import BucketPrefix
 from foresight.bucket.url import is_bucket_url
 from foresight.checkpoint import store
@@ -372,6 +373,9 @@ class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageW
                 raise CheckpointError(f"DCP data object is not as written ({ref.size} bytes, ETag {ref.etag}; "
                                       f"expected at least {needed} bytes, ETag {etag})", path=str(ref.url))
         objects.put(name, pickle.dumps(metadata))  # last: a checkpoint without it is incomplete
+        # a create retried after its reply was lost left an upload open (empty) for one of these objects; only
+        # theirs: without collectives the other ranks' objects are not this finish's
+        abort_left_open(objects.fetcher, [*written, name], options=(self.bucket_options or {}).get("options"))
 
     def wait_drain(self) -> None:
         """Wait for the background copy to ``drain_to``; raise CheckpointError if it failed."""
@@ -415,6 +419,7 @@ class ForesightStorageWriter(_DirectoryCheckpoint, BlockingAsyncStager, StorageW
                 for f in files:
                     if f.endswith(METADATA):
                         objects.put(f, os.path.join(src, f))
+                abort_left_open(objects.fetcher, files, options=(self.bucket_options or {}).get("options"))
         except BaseException as e:  # noqa: BLE001 - reported by wait_drain
             self._drain_error = e
 

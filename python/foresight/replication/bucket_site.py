@@ -23,6 +23,13 @@ completed and its object checked by a HEAD, the small files uploaded, and the ch
   has, with the planned sizes (it waits up to ``rank_wait_s`` for all the ranks, then sends the file itself from
   the checkpoint directory, which the node path also requires to be shared).
 
+A DCP rank's upload is tied to its save: right after creating it, the rank puts an empty journal entry
+``<site>/<job>/.uploads/<directory>/<save id>/<file>/<upload id>`` (S3 lists no upload's metadata), and the
+coordinator completes only the upload its save's entry names: an upload an earlier attempt at the same directory
+left open (a save retried after a crash: same sizes, other bytes) is never completed. Once a publish's marker is in,
+the uploads still open under its prefix are aborted (a create whose reply was lost and was retried left one; so did
+earlier attempts), but for those another save of the directory journaled no earlier than this one (in progress).
+
 Nothing is visible before the marker but completed objects of the publish in progress; an upload that is never
 completed is invisible. A save that aborts, or a publish that fails, aborts every multipart upload open under its
 prefix. A DCP save's abort first puts an abort record, ``<site>/<job>/.aborted/<save id>`` (the id the coordinator
@@ -52,6 +59,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -74,6 +82,14 @@ log = logging.getLogger("foresight.replicate")
 RANK_WAIT_S = 120.0  # how long a DCP coordinator waits for another rank's parts before sending its file itself
 ABORTS = ".aborted"  # <site>/<job>/.aborted/<save id>: a DCP save the coordinator aborted (ranks check it)
 ABORT_RECORD_S = 24 * 3600.0  # an abort record is kept this long (a rank's upload created later than that leaks)
+UPLOADS = ".uploads"  # <site>/<job>/.uploads/<prefix>/<save id>/<file>/<upload id>: a DCP save's upload, by its save
+
+
+def journal_name(prefix: str, save: str, fname: str = "", upload_id: str = "") -> str:
+    """The (empty) object that ties upload ``upload_id`` of ``<prefix>/<fname>`` to DCP save ``save``: S3 lists no
+    upload's metadata, so this is how a coordinator finds the upload of *this* save, never an earlier attempt's.
+    Shorter forms (no ``upload_id``, no ``fname``, no ``save``) are the folders to list."""
+    return "/".join(p for p in (UPLOADS, prefix, save, fname, upload_id) if p)
 
 
 def plan_parts(size: int, unit_bytes: int) -> list[int]:
@@ -218,12 +234,15 @@ class BucketSite:
                         return  # (an upload made now could come after the publish listed the open ones)
                     try:
                         fs.upload = self.multipart.create(fs.name)
+                        if t.save:  # before the abort record's check: an abort that misses it finds the entry
+                            self.objects.put(self._journal(t, fs), b"")
                     except BaseException as e:
                         if t.error is None:  # before the lock is released: the parts queued on it see it
                             t.error = e
                         raise
                     if self._aborted_meanwhile(t):  # the abort's listing may have missed it: never leave it open
                         self.multipart.abort(fs.upload)
+                        self.objects.delete([self._journal(t, fs)])
                         self._count("uploads_aborted_late")
                         log.info("replication to a bucket: upload of %s created after its save was aborted; "
                                  "aborted", self.url.child(fs.name))
@@ -237,6 +256,9 @@ class BucketSite:
             if t.error is None:
                 t.error = e
             log.warning("replication to a bucket: part %d of %s failed: %s", k + 1, self.url.child(fs.name), e)
+
+    def _journal(self, t: _Transfer, fs: _FileSend) -> str:
+        return journal_name(t.prefix, t.save, fs.name.rsplit("/", 1)[1], fs.upload.upload_id)
 
     def _aborted_meanwhile(self, t: _Transfer) -> bool:
         """Whether ``t``'s save was aborted: here (``t.aborted``, set before the abort lists the open uploads) or,
@@ -294,6 +316,7 @@ class BucketSite:
             snap.close()
             if t is not None:
                 _close_files(t)
+        self._sweep_logged(prefix, t.save if t is not None else "")
         self._retain_logged()
 
     # -- retention -------------------------------------------------------------------------------------------------
@@ -308,7 +331,7 @@ class BucketSite:
         records: dict[str, ObjectRef] = {}
         for name, ref in self.objects.list().items():
             head, _, rest = name.partition("/")
-            if head == ABORTS:
+            if head in (ABORTS, UPLOADS):
                 records[name] = ref
             elif rest and not head.startswith(".") and not is_commit_name(head):
                 sets.setdefault(head, {})[rest] = ref
@@ -326,6 +349,10 @@ class BucketSite:
                 delete_set(self.objects, n, list(objs), DCP_METADATA)
         old = (time.time() if now is None else now) - ABORT_RECORD_S
         stale = [n for n, r in records.items() if r.modified is not None and r.modified < old]
+        for n in stale:  # a journal entry this old: its save crashed long ago (a live one is swept by its publish)
+            parts = n.split("/")
+            if parts[0] == UPLOADS and len(parts) == 5:  # .uploads/<prefix>/<save>/<file>/<upload id>
+                self.multipart.abort(Upload(f"{parts[1]}/{parts[3]}", parts[4]))
         if stale:
             self.objects.delete(stale)
         deleted += doomed
@@ -352,6 +379,8 @@ class BucketSite:
                     f.exception()
         if prefix:
             self._abort_open(prefix)
+            if t is not None:
+                self._forget_logged(prefix, t.save)
         with self._cond:
             self._state[step] = ("failed", e)
             self._cond.notify_all()
@@ -377,7 +406,8 @@ class BucketSite:
             if fs is not None:
                 log.warning("replication to a bucket: resending %s whole after %s", self.url.child(fs.name),
                             t.error)
-            other = self._rank_upload(f"{prefix}/{fname}", size, ranks_by) if ranks and fs is None and size else None
+            other = self._rank_upload(prefix, t.save, fname, size, ranks_by) if ranks and fs is None and size \
+                else None
             if other is not None:
                 refs[fname] = self._complete(*other)
             else:
@@ -409,26 +439,84 @@ class BucketSite:
             raise t.error
         return self._complete(fs.upload, [fs.parts[k] for k in sorted(fs.parts)])
 
-    def _rank_upload(self, name: str, size: int, deadline: float) -> tuple[Upload, list[Part]] | None:
-        """Another rank's upload of ``name`` once the server lists every part of its plan (waits until
-        ``deadline``, the publish's one ``rank_wait_s`` for all ranks: looked up once past it); None when it does
-        not come (the caller sends the file itself)."""
+    def _rank_upload(self, prefix: str, save: str, fname: str, size: int,
+                     deadline: float) -> tuple[Upload, list[Part]] | None:
+        """Another rank's upload of ``<prefix>/<fname>`` in save ``save`` (the one its journal entry names; an
+        upload left open by an earlier attempt at this directory has the sizes of the plan too, not its bytes) once
+        the server lists every part of its plan (waits until ``deadline``, the publish's one ``rank_wait_s`` for
+        all ranks: looked up once past it); None when it does not come (the caller sends the file itself)."""
+        name = f"{prefix}/{fname}"
+        if not save:  # no save id (a single process): no upload can be told to be this save's
+            return None
         ends = plan_parts(size, self.unit_bytes)
         want = [(k + 1, e - (ends[k - 1] if k else 0)) for k, e in enumerate(ends)]
         pause = 0.05
         while True:
-            for up in self.multipart.open_uploads(name):
-                if up.name != name:
+            for uid in self._journaled(prefix, save, fname):
+                try:
+                    parts = self.multipart.list_parts(Upload(name, uid))
+                except BucketError as e:  # aborted (the rank's own late abort): not this save's upload now
+                    if e.reason != "not_found":
+                        raise
                     continue
-                parts = self.multipart.list_parts(up)
                 if [(p.number, p.size) for p in parts] == want:
-                    return up, parts
+                    return Upload(name, uid), parts
             if time.monotonic() + pause > deadline:
                 log.warning("replication to a bucket: no complete upload of %s from its rank after %.0f s; "
                             "sending it from here", self.url.child(name), self.rank_wait_s)
                 return None
             time.sleep(pause)
             pause = min(1.0, pause * 2)
+
+    def _journaled(self, prefix: str, save: str, fname: str) -> list[str]:
+        """The upload ids journaled for ``<prefix>/<fname>`` in save ``save``."""
+        return [n.rsplit("/", 1)[1] for n in self.objects.list(journal_name(prefix, save, fname))]
+
+    def _forget(self, prefix: str, save: str) -> None:
+        """Delete save ``save``'s journal entries under ``prefix`` (its uploads are completed or aborted)."""
+        if save:
+            gone = list(self.objects.list(journal_name(prefix, save)))
+            if gone:
+                self.objects.delete(gone)
+
+    def _sweep(self, prefix: str, save: str) -> None:
+        """After save ``save``'s publish under ``prefix``: abort the uploads still open there that no other save
+        in progress owns (its own orphans: a create whose reply was lost and was retried, a rank's upload that
+        came too late; and what earlier attempts at this prefix left open), and drop the journal entries of this
+        save and of those attempts. Another save owns the uploads its journal names if it is not older than this
+        one (an entry as recent as this save's first); a Checkpointer commit's prefix is its own alone."""
+        saves: dict[str, list[tuple[str, float | None]]] = {}  # save -> [(entry, server time)]
+        for n, ref in self.objects.list(journal_name(prefix, "")).items():
+            parts = n.split("/")  # .uploads/<prefix>/<save>/<file>/<upload id>
+            if len(parts) == 5:
+                saves.setdefault(parts[2], []).append((n, ref.modified))
+        mine = saves.pop(save, [])
+        times = [m for _, m in mine]
+        start = min((m for m in times if m is not None), default=None) if None not in times else None
+        owned: set[str] = set()  # upload ids of saves in progress
+        stale: list[str] = []  # journal entries of earlier attempts (their uploads aborted below)
+        for entries in saves.values():
+            newest = max(math.inf if m is None else m for _, m in entries)  # no time: taken as in progress
+            if start is None or newest >= start:  # same second as this save's first: maybe in progress, kept
+                owned.update(n.rsplit("/", 1)[1] for n, _ in entries)
+            else:
+                stale += [n for n, _ in entries]
+        ups = [up for up in self.multipart.open_uploads(f"{prefix}/") if up.upload_id not in owned]
+        for up in ups:
+            self.multipart.abort(up)
+        gone = [n for n, _ in mine] + stale
+        if gone:
+            self.objects.delete(gone)
+        if ups:
+            log.info("replication to a bucket: %d upload(s) left open under %s (not this save's completed ones) "
+                     "aborted", len(ups), self.url.child(prefix))
+
+    def _sweep_logged(self, prefix: str, save: str) -> None:
+        try:
+            self._sweep(prefix, save)
+        except BucketError as e:  # the replica is published: an upload left open is invisible (the next sweeps)
+            log.warning("replication to a bucket: cannot abort the uploads left open under %s: %s",
+                        self.url.child(prefix), e)
 
     # -- an aborted save -------------------------------------------------------------------------------------------
     def abort(self, step: int) -> None:
@@ -454,6 +542,7 @@ class BucketSite:
                 f.exception()
         _close_files(t)
         self._abort_open(t.prefix)
+        self._forget_logged(t.prefix, t.save)
 
     def _drop(self, t: _Transfer) -> None:
         """An earlier attempt at a step announced again (a save that failed where no hook here heard of it, e.g.
@@ -467,11 +556,20 @@ class BucketSite:
             if fs.upload is not None:
                 try:
                     self.multipart.abort(fs.upload)
+                    if t.save:  # its own entry only: the new attempt may be the same save
+                        self.objects.delete([self._journal(t, fs)])
                 except BucketError as e:  # nothing was completed: an upload left open stays invisible
                     log.warning("replication to a bucket: cannot abort the upload of %s from an earlier attempt: %s",
                                 self.url.child(fs.name), e)
         log.info("replication to a bucket: %s announced again; the earlier attempt's uploads aborted",
                  self.url.child(t.prefix))
+
+    def _forget_logged(self, prefix: str, save: str) -> None:
+        try:
+            self._forget(prefix, save)
+        except BucketError as e:  # an entry left names an upload aborted: the prefix's next publish drops it
+            log.warning("replication to a bucket: cannot delete the upload journal of %s: %s",
+                        self.url.child(prefix), e)
 
     def _abort_open(self, prefix: str) -> None:
         try:
