@@ -164,10 +164,11 @@ def test_block_fill_makes_a_sparse_random_plan_few_requests(s3_env, tmp_path):
         assert pf.stats["filled_samples"] > 0
 
 
-def _media(tmp_path, url):
+def _media(tmp_path, url, block: int = 512 << 10):
     """Media-like samples (a shard holds ~15 of them, a step reads 8 from as many shards) uploaded to ``url``: the
     local dataset, its plan (19 steps, 6 samples never read), the plan's accesses, the fill block (the bench's 16
-    MiB blocks and transfers, scaled with the samples) and how many blocks the dataset spans."""
+    MiB blocks and transfers, scaled with the samples; a shard whole by default, smaller: blocks whose last sample
+    runs past their end, as the bench's 16 MiB blocks of 64 MiB shards) and how many blocks the dataset spans."""
     rng = np.random.default_rng(11)
     with DatasetWriter(str(tmp_path / "media"), align=4096, shard_bytes=512 << 10) as w:
         for _ in range(158):
@@ -175,7 +176,6 @@ def _media(tmp_path, url):
                   modality="bytes")
     local = open_dataset(str(tmp_path / "media"))
     plan = build_plan([(local, 1.0)], seed=1, global_batch_size=8, epochs=1)
-    block = 512 << 10
     ext = local.lookup(np.arange(local.num_samples))
     blocks = np.unique((ext.shard.astype(np.int64) << 40) | (ext.offset // block)).size
     upload_dataset(local.path, url)
@@ -191,16 +191,19 @@ def _wait_for(done, what):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_media_fills_fetch_whole_blocks_not_a_get_per_sample(s3_env, tmp_path):
+@pytest.mark.parametrize("block", [512 << 10, 128 << 10])
+def test_media_fills_fetch_whole_blocks_not_a_get_per_sample(s3_env, tmp_path, block):
     """Past the first step, every sample the plan reads comes in a whole-block ranged GET, the step's own samples
     included (before, each own sample outside the one-block first fill was a GET of its own: 0.54 GETs per sample
     on the bench's media plan), the loader running beside the prefetcher (its lookups wait for the prefetcher's
     claimed fetches, never fetch a step themselves). At most one GET per block past step 0, bytes within 1.25x the
-    plan's, the same batches."""
-    local, plan, acc, block, blocks = _media(tmp_path, "s3://policy/media")
+    plan's, the same batches; also where a block's last sample runs past its end with the fetcher's cap on a GET
+    the block's size (the bench's full media preset: 151 GETs for ~104 blocks and step 0's, each spill a GET)."""
+    url = f"s3://policy/media-{block >> 10}"
+    local, plan, acc, block, blocks = _media(tmp_path, url, block)
     with Loader(local, plan) as loader:
         want = [batch_samples(b) for b in loader]
-    with open_dataset("s3://policy/media", cache_dir=tmp_path / "cache", max_transfer=block) as ds:
+    with open_dataset(url, cache_dir=tmp_path / "cache", max_transfer=block) as ds:
         base = ds.fetcher.stats.as_dict()
         with PlanPrefetcher(ds, plan, lookahead=len(acc), fill_block=block) as pf, \
                 Loader(ds, plan, prefetch=2, on_step=pf.on_step) as loader:

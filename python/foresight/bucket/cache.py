@@ -266,7 +266,7 @@ class SampleCache:
 
     def ensure(self, ids: np.ndarray, *, max_gap: int | None = None, span_present: bool = False,
                order: np.ndarray | None = None, max_inflight: int | None = None,
-               claim: FetchClaim | None = None) -> int:
+               claim: FetchClaim | None = None, max_transfer: int | None = None) -> int:
         """Make every sample of ``ids`` present (fetching the missing ones in coalesced GETs; ``max_gap`` overrides
         the cache's and the fetcher's for this call); returns how many were fetched. ``span_present``: a transfer
         may run across present samples (fetched, but neither re-hashed nor written again) instead of being cut
@@ -279,7 +279,8 @@ class SampleCache:
         fetched sample's xxh3 differs from the map's (the object changed under the same ETag, or the store
         returned wrong bytes): nothing of that GET is marked (the checked samples of the call's other GETs are).
         Without ``claim`` (a lookup), absent samples that a claim holds are waited for, not fetched
-        (:mod:`foresight.bucket.claims`; ``stats.claim_waits``); with it (a claim's owner fetching), none is."""
+        (:mod:`foresight.bucket.claims`; ``stats.claim_waits``); with it (a claim's owner fetching), none is.
+        ``max_transfer`` (with ``order``): the cap on one GET of that fetch (:meth:`RangedFetcher.fetch`)."""
         self._check_copy()
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         ids, first = np.unique(ids, return_index=True)
@@ -325,7 +326,8 @@ class SampleCache:
                 gap = self.max_gap if max_gap is None else max_gap
                 if order is not None:  # one fetch, its GETs in rank order, max_inflight bytes held at once
                     self._fetch(missing, gap, span_present, missing, priority=rank,
-                                max_inflight=FETCH_CHUNK if max_inflight is None else max_inflight)
+                                max_inflight=FETCH_CHUNK if max_inflight is None else max_inflight,
+                                max_transfer=max_transfer)
                     return int(missing.size)
                 ext = self.lookup(missing)
                 # chunks of at most FETCH_CHUNK bytes: one fetch's bytes are held in memory until written
@@ -420,7 +422,7 @@ class SampleCache:
 
     def _fetch(self, ids: np.ndarray, max_gap: int | None = None, span_present: bool = False,
                held: np.ndarray | None = None, priority: np.ndarray | None = None,
-               max_inflight: int | None = None) -> None:
+               max_inflight: int | None = None, max_transfer: int | None = None) -> None:
         """Fetch ``ids`` (sorted, missing, their index bytes locked by the caller, as are those of ``held``): each
         GET's samples, and the absent ones it holds whole as a gap, are checked, written and marked on the
         fetcher's thread as it lands, while the other GETs are in flight (so a waiter for them returns then)."""
@@ -494,7 +496,8 @@ class SampleCache:
                 self._cv.notify_all()  # waiters whose samples this GET held return now
 
         self.fetcher.fetch(self.refs, seg, ext.offset, ext.length, ref_of_file=seg_shard, max_gap=max_gap,
-                           on_transfer=landed, priority=priority, max_inflight=max_inflight)
+                           on_transfer=landed, priority=priority, max_inflight=max_inflight,
+                           max_transfer=max_transfer)
         left = self.present[ids] == 0
         if left.any():  # empty samples: no GET holds them (their xxh3 is still the map's)
             if self.checksums is not None:

@@ -380,7 +380,8 @@ class RangedFetcher:
     def fetch(self, refs: Sequence[ObjectRef], file: np.ndarray, offset: np.ndarray, length: np.ndarray, *,
               ref_of_file: np.ndarray | None = None, max_gap: int | None = None,
               on_transfer: Callable[[Transfers, np.ndarray, int], None] | None = None,
-              priority: np.ndarray | None = None, max_inflight: int | None = None) -> Fetched:
+              priority: np.ndarray | None = None, max_inflight: int | None = None,
+              max_transfer: int | None = None) -> Fetched:
         """The bytes of every extent, in coalesced ranged GETs run concurrently. ``file[i]`` indexes ``refs``, or
         with ``ref_of_file`` a group of extents (``ref_of_file[file[i]]`` indexes ``refs``) that is coalesced on
         its own: extents of different groups are never merged, even in one object. ``max_gap`` overrides the
@@ -391,11 +392,13 @@ class RangedFetcher:
         in the order of the lowest rank they hold; ``max_inflight``: at most this many bytes of GETs in flight (one
         at least), the next one sent as one lands. The two together make GETs land in rank order, each at the
         link's full rate, instead of all of them sharing the link and landing together at the end (a prefetcher's
-        fill, whose blocks the loader needs one step after another)."""
+        fill, whose blocks the loader needs one step after another). ``max_transfer`` overrides the fetcher's cap
+        on one GET for this call (a block fill's: a block and the sample that runs past its end, one GET)."""
         sizes = np.array([r.size for r in refs], dtype=np.int64)
         ref_of_file = np.arange(len(refs)) if ref_of_file is None else np.asarray(ref_of_file, dtype=np.int64)
         gap = self.max_gap if max_gap is None else int(max_gap)
-        tr = coalesce(file, offset, length, max_gap=gap, max_transfer=self.max_transfer, align=1,
+        cap = self.max_transfer if max_transfer is None else int(max_transfer)
+        tr = coalesce(file, offset, length, max_gap=gap, max_transfer=cap, align=1,
                       file_sizes=sizes[ref_of_file])
         region = np.empty(0 if on_transfer is not None else tr.total_bytes, dtype=np.uint8)
 

@@ -217,7 +217,7 @@ class PlanPrefetcher(Closing):
             ids = np.unique(uses)
             if self.budget_bytes is not None:
                 self._make_room(k, consumed, ids)
-            order = None
+            order, cap = None, None
             if self.fill_block and k == 0:  # the first batch waits on this fetch: its own bytes only
                 gap, span = FILL_GAP, False
             elif self.fill_block:
@@ -225,6 +225,7 @@ class PlanPrefetcher(Closing):
                 # sample inside a fill run is fetched but not written again: a run cut at every present sample
                 # would be one GET per sample again)
                 ids, order, gap = self._fill(k, uses)
+                cap = self._fill_cap
                 self._claim.set(np.concatenate((claimed, ids)))  # the fill's samples too
                 self.stats["filled_samples"] += int(np.count_nonzero(~np.isin(ids, uses)))
                 self.stats["fill_blocks"] += int(np.unique(order).size)
@@ -234,7 +235,7 @@ class PlanPrefetcher(Closing):
             if self.before_fetch is not None:
                 self.before_fetch(k)
             fetched = self.cache.ensure(ids, max_gap=gap, span_present=span, order=order,
-                                        max_inflight=self.fill_bytes, claim=self._claim)
+                                        max_inflight=self.fill_bytes, claim=self._claim, max_transfer=cap)
             self._last_use[uses] = np.repeat(np.arange(k, end), np.diff(acc.ptr[k:end + 1]))
             self.stats["prefetched_steps"] += end - k
             self.stats["fetched_samples"] += fetched
@@ -253,6 +254,10 @@ class PlanPrefetcher(Closing):
         self._by_block = np.argsort(self._block, kind="stable")
         self._sorted_blocks = self._block[self._by_block]
         self._last_pos = np.full(n, -1, dtype=np.int64)
+        # one GET per block: a block's samples start inside it and the last may run past its end by up to a
+        # sample (capped at the fetcher's own cap, a block fetched whole was two GETs, 16 MiB and the spill)
+        widest = int(self._sizes.max()) if n else 0
+        self._fill_cap = max(self.cache.fetcher.max_transfer, self.fill_block + widest)
         np.maximum.at(self._last_pos, self.acc.ids, np.repeat(np.arange(len(self.acc)), np.diff(self.acc.ptr)))
 
     def _fill(self, k: int, uses: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
