@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     s.add_argument("--client-ca", default=None, help="require client certificates signed by this CA (mutual TLS)")
     s.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN_ENV, ""),
-                   help=f"what `node status` (and replicas.stats) must present (default ${ADMIN_TOKEN_ENV}); none: "
+                   help=f"what node status (and replicas.stats) must present (default ${ADMIN_TOKEN_ENV}); none: "
                         "they are answered to callers on this host only")
     s.add_argument("--max-jobs", type=int, default=8, help="jobs registered at once (more are refused)")
     s.add_argument("--max-jobs-per-caller", type=int, default=None,
