@@ -147,6 +147,9 @@ def test_a_dcp_save_interrupted_mid_upload_leaves_no_upload_open(s3_env, proxy):
         proxy.wait_for(1, method="PUT", path=r"partNumber=1\b", timeout_s=60)
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
+    # Python's own Ctrl-C handler, whatever this process inherited: a suite started from a shell without job
+    # control (`cmd &` in a script) starts with SIGINT ignored, and the save then ran to its end uninterrupted
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     t = threading.Thread(target=interrupt)
     t.start()
     try:
@@ -156,6 +159,7 @@ def test_a_dcp_save_interrupted_mid_upload_leaves_no_upload_open(s3_env, proxy):
     finally:
         t.join()
         writer.close()
+        signal.signal(signal.SIGINT, previous)
 
 
 UNIT = 2 << 20  # replication units of 2 MiB: a file of a few units is several 5 MiB parts
